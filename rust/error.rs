@@ -1,0 +1,29 @@
+//! The one error type of the Rust core. `py/errors.rs` maps it onto the Python
+//! exception classes once; nothing else in the core knows about Python.
+
+use std::io;
+
+#[derive(Debug, thiserror::Error)]
+pub enum CoreError {
+    #[error("{0}")]
+    InvalidArgument(String),
+    #[error("{0}")]
+    InvalidUsage(String),
+    #[error("{0}")]
+    PeerConnection(String),
+    #[error("{0}")]
+    Authentication(String),
+    #[error("{0}")]
+    Protocol(String),
+    #[error("{0}")]
+    Aborted(String),
+}
+
+impl CoreError {
+    /// Wrap an I/O error with what we were doing and with whom.
+    pub fn io(context: impl std::fmt::Display, err: io::Error) -> Self {
+        CoreError::PeerConnection(format!("{context}: {err}"))
+    }
+}
+
+pub type CoreResult<T> = Result<T, CoreError>;

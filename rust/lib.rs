@@ -1,0 +1,17 @@
+//! pccl's Rust core. The `#[pymodule]` below only re-exports; the work lives in plain
+//! Rust modules with their own tests.
+
+pub mod error;
+pub mod net;
+pub mod py;
+pub mod runtime;
+
+use pyo3::prelude::*;
+
+#[pymodule]
+fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    py::errors::register(m)?;
+    m.add_class::<py::node::PyP2PNode>()?;
+    Ok(())
+}

@@ -1,0 +1,8 @@
+//! Peer-to-peer networking: framing, the authenticated handshake, the listener and the
+//! pools of TCP streams between ring neighbours. No pyo3 in here.
+
+pub mod frame;
+pub mod handshake;
+pub mod node;
+
+pub use node::{Node, NodeConfig};

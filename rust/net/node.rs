@@ -1,0 +1,373 @@
+//! A peer's p2p endpoint: one listener on an ephemeral port, the authenticated
+//! streams it accepted (filed by sender, epoch and purpose), and the pools it dialed.
+//!
+//! Every task the node spawns is tracked and cancelled by `close()`.
+
+use crate::error::{CoreError, CoreResult};
+use crate::net::handshake::{self, Purpose, StreamHello};
+use std::collections::{HashMap, VecDeque};
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::Notify;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+/// Most streams a single pool may have; more is a misuse (or an attack).
+pub const MAX_POOL: u16 = 64;
+const MAX_LOG: usize = 256;
+
+#[derive(Clone, Debug)]
+pub struct NodeConfig {
+    pub peer_id: u64,
+    pub secret: Option<Vec<u8>>,
+    /// Bound on a whole handshake, on both ends.
+    pub handshake_timeout: Duration,
+    /// Bound on establishing one TCP connection.
+    pub connect_timeout: Duration,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct PoolKey {
+    pub peer: u64,
+    pub epoch: u64,
+    pub purpose: Purpose,
+}
+
+/// Streams of one pool, indexed by stream number.
+struct Pool {
+    size: u16,
+    streams: Vec<Option<TcpStream>>,
+}
+
+impl Pool {
+    fn new(size: u16) -> Self {
+        Pool { size, streams: (0..size).map(|_| None).collect() }
+    }
+    fn complete(&self) -> bool {
+        self.streams.iter().all(Option::is_some)
+    }
+}
+
+pub struct Node {
+    cfg: NodeConfig,
+    local_addr: SocketAddr,
+    inbound: Mutex<HashMap<PoolKey, Pool>>,
+    outbound: Mutex<HashMap<PoolKey, Vec<TcpStream>>>,
+    /// Streams of epochs older than this are refused and dropped.
+    min_epoch: Mutex<u64>,
+    inbound_changed: Notify,
+    cancel: CancellationToken,
+    tracker: TaskTracker,
+    log: Mutex<VecDeque<String>>,
+}
+
+impl Node {
+    /// Binds the listener and starts accepting.
+    pub async fn bind(cfg: NodeConfig, addr: SocketAddr) -> CoreResult<Arc<Node>> {
+        let listener = TcpListener::bind(addr)
+            .await
+            .map_err(|e| CoreError::io(format!("binding the p2p listener on {addr}"), e))?;
+        let local_addr = listener
+            .local_addr()
+            .map_err(|e| CoreError::io("reading the p2p listener address", e))?;
+        let node = Arc::new(Node {
+            cfg,
+            local_addr,
+            inbound: Mutex::new(HashMap::new()),
+            outbound: Mutex::new(HashMap::new()),
+            min_epoch: Mutex::new(0),
+            inbound_changed: Notify::new(),
+            cancel: CancellationToken::new(),
+            tracker: TaskTracker::new(),
+            log: Mutex::new(VecDeque::new()),
+        });
+        let weak = Arc::downgrade(&node);
+        let cancel = node.cancel.clone();
+        node.tracker.spawn(async move {
+            loop {
+                let accepted = tokio::select! {
+                    _ = cancel.cancelled() => break,
+                    r = listener.accept() => r,
+                };
+                let Some(node) = weak.upgrade() else { break };
+                match accepted {
+                    Ok((stream, remote)) => {
+                        let n = node.clone();
+                        node.tracker.spawn(async move { n.handle_incoming(stream, remote).await });
+                    }
+                    Err(e) => {
+                        node.note(format!("p2p accept failed: {e}"));
+                        // Out of file descriptors and similar: back off instead of spinning.
+                        tokio::select! {
+                            _ = cancel.cancelled() => break,
+                            _ = tokio::time::sleep(Duration::from_millis(50)) => {}
+                        }
+                    }
+                }
+            }
+        });
+        Ok(node)
+    }
+
+    pub fn local_addr(&self) -> SocketAddr {
+        self.local_addr
+    }
+
+    pub fn peer_id(&self) -> u64 {
+        self.cfg.peer_id
+    }
+
+    pub fn config(&self) -> &NodeConfig {
+        &self.cfg
+    }
+
+    pub fn cancel_token(&self) -> &CancellationToken {
+        &self.cancel
+    }
+
+    pub fn tracker(&self) -> &TaskTracker {
+        &self.tracker
+    }
+
+    /// Remembers something worth logging; Python drains these into its logger.
+    pub fn note(&self, msg: String) {
+        let mut log = self.log.lock().unwrap();
+        if log.len() == MAX_LOG {
+            log.pop_front();
+        }
+        log.push_back(msg);
+    }
+
+    pub fn drain_log(&self) -> Vec<String> {
+        self.log.lock().unwrap().drain(..).collect()
+    }
+
+    async fn handle_incoming(self: Arc<Self>, mut stream: TcpStream, remote: SocketAddr) {
+        let _ = stream.set_nodelay(true);
+        let secret = self.cfg.secret.clone();
+        let result = tokio::select! {
+            _ = self.cancel.cancelled() => return,
+            r = tokio::time::timeout(
+                self.cfg.handshake_timeout,
+                handshake::accept(&mut stream, secret.as_deref(), self.cfg.peer_id),
+            ) => r,
+        };
+        let hello = match result {
+            Ok(Ok(h)) => h,
+            Ok(Err(e)) => {
+                self.note(format!("p2p connection from {remote} refused: {e}"));
+                return;
+            }
+            Err(_) => {
+                self.note(format!("p2p connection from {remote} refused: handshake timed out"));
+                return;
+            }
+        };
+        if let Err(msg) = self.file_inbound(hello, stream) {
+            self.note(format!("p2p stream from {remote} dropped: {msg}"));
+        }
+    }
+
+    fn file_inbound(&self, h: StreamHello, stream: TcpStream) -> Result<(), String> {
+        if h.pool == 0 || h.pool > MAX_POOL || h.stream >= h.pool {
+            return Err(format!("bad stream index {} of pool {}", h.stream, h.pool));
+        }
+        if h.epoch < *self.min_epoch.lock().unwrap() {
+            return Err(format!("stale epoch {}", h.epoch));
+        }
+        let key = PoolKey { peer: h.from, epoch: h.epoch, purpose: h.purpose };
+        let mut inbound = self.inbound.lock().unwrap();
+        let pool = inbound.entry(key).or_insert_with(|| Pool::new(h.pool));
+        if pool.size != h.pool {
+            return Err(format!("pool size {} disagrees with earlier {}", h.pool, pool.size));
+        }
+        // A re-dial of the same slot replaces the old stream (the dialer gave up on it).
+        pool.streams[h.stream as usize] = Some(stream);
+        drop(inbound);
+        self.inbound_changed.notify_waiters();
+        Ok(())
+    }
+
+    /// Dials `n` streams to peer `to` at `addr`, handshakes each, and keeps them as
+    /// the outbound pool for `(to, epoch, purpose)`.
+    pub async fn connect_pool(
+        &self,
+        addr: SocketAddr,
+        to: u64,
+        epoch: u64,
+        n: u16,
+        purpose: Purpose,
+    ) -> CoreResult<()> {
+        if n == 0 || n > MAX_POOL {
+            return Err(CoreError::InvalidArgument(format!(
+                "p2p pool size must be in 1..={MAX_POOL}, got {n}"
+            )));
+        }
+        let dials = (0..n).map(|i| {
+            let hello = StreamHello {
+                from: self.cfg.peer_id,
+                to,
+                epoch,
+                stream: i,
+                pool: n,
+                purpose,
+            };
+            self.dial_one(addr, hello)
+        });
+        let streams = tokio::select! {
+            _ = self.cancel.cancelled() => {
+                return Err(CoreError::Aborted("the p2p node is closing".into()))
+            }
+            r = futures::future::try_join_all(dials) => r?,
+        };
+        self.outbound
+            .lock()
+            .unwrap()
+            .insert(PoolKey { peer: to, epoch, purpose }, streams);
+        Ok(())
+    }
+
+    async fn dial_one(&self, addr: SocketAddr, hello: StreamHello) -> CoreResult<TcpStream> {
+        let what = format!("connecting to peer {} at {addr}", hello.to);
+        let mut stream = tokio::time::timeout(self.cfg.connect_timeout, TcpStream::connect(addr))
+            .await
+            .map_err(|_| CoreError::PeerConnection(format!("{what}: timed out")))?
+            .map_err(|e| CoreError::io(&what, e))?;
+        let _ = stream.set_nodelay(true);
+        tokio::time::timeout(
+            self.cfg.handshake_timeout,
+            handshake::dial(&mut stream, self.cfg.secret.as_deref(), hello),
+        )
+        .await
+        .map_err(|_| CoreError::PeerConnection(format!("{what}: handshake timed out")))??;
+        Ok(stream)
+    }
+
+    /// Number of complete inbound pools and outbound pools (for tests and status).
+    pub fn pool_counts(&self, epoch: u64) -> (usize, usize) {
+        let inbound = self.inbound.lock().unwrap();
+        let i = inbound.iter().filter(|(k, p)| k.epoch == epoch && p.complete()).count();
+        let o = self.outbound.lock().unwrap().keys().filter(|k| k.epoch == epoch).count();
+        (i, o)
+    }
+
+    /// Takes the outbound pool for `key`, if it was dialed.
+    pub fn take_outbound(&self, key: PoolKey) -> Option<Vec<TcpStream>> {
+        self.outbound.lock().unwrap().remove(&key)
+    }
+
+    /// Waits (bounded) until the inbound pool `key` is complete, then takes it.
+    pub async fn take_inbound(&self, key: PoolKey, timeout: Duration) -> CoreResult<Vec<TcpStream>> {
+        let deadline = tokio::time::Instant::now() + timeout;
+        loop {
+            let notified = self.inbound_changed.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            {
+                let mut inbound = self.inbound.lock().unwrap();
+                if inbound.get(&key).is_some_and(Pool::complete) {
+                    let pool = inbound.remove(&key).unwrap();
+                    return Ok(pool.streams.into_iter().map(Option::unwrap).collect());
+                }
+            }
+            tokio::select! {
+                _ = self.cancel.cancelled() => {
+                    return Err(CoreError::Aborted("the p2p node is closing".into()))
+                }
+                _ = tokio::time::sleep_until(deadline) => {
+                    return Err(CoreError::PeerConnection(format!(
+                        "peer {} did not open its p2p streams in time", key.peer
+                    )))
+                }
+                _ = notified => {}
+            }
+        }
+    }
+
+    /// Forgets every pool older than `epoch` and refuses streams for it from now on.
+    pub fn retain_from_epoch(&self, epoch: u64) {
+        *self.min_epoch.lock().unwrap() = epoch;
+        self.inbound.lock().unwrap().retain(|k, _| k.epoch >= epoch);
+        self.outbound.lock().unwrap().retain(|k, _| k.epoch >= epoch);
+    }
+
+    /// Stops the listener and every task; drops all streams. Idempotent.
+    pub async fn close(&self) {
+        self.cancel.cancel();
+        self.tracker.close();
+        self.tracker.wait().await;
+        self.inbound.lock().unwrap().clear();
+        self.outbound.lock().unwrap().clear();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cfg(id: u64, secret: Option<&[u8]>) -> NodeConfig {
+        NodeConfig {
+            peer_id: id,
+            secret: secret.map(|s| s.to_vec()),
+            handshake_timeout: Duration::from_secs(2),
+            connect_timeout: Duration::from_secs(2),
+        }
+    }
+
+    #[tokio::test]
+    async fn pools_connect_and_are_filed_on_both_ends() {
+        let any: SocketAddr = "127.0.0.1:0".parse().unwrap();
+        let a = Node::bind(cfg(1, Some(b"k")), any).await.unwrap();
+        let b = Node::bind(cfg(2, Some(b"k")), any).await.unwrap();
+        a.connect_pool(b.local_addr(), 2, 5, 4, Purpose::Ring).await.unwrap();
+        let key = PoolKey { peer: 1, epoch: 5, purpose: Purpose::Ring };
+        let streams = b.take_inbound(key, Duration::from_secs(2)).await.unwrap();
+        assert_eq!(streams.len(), 4);
+        let out = a.take_outbound(PoolKey { peer: 2, epoch: 5, purpose: Purpose::Ring }).unwrap();
+        assert_eq!(out.len(), 4);
+        a.close().await;
+        b.close().await;
+    }
+
+    #[tokio::test]
+    async fn wrong_secret_is_refused_and_logged() {
+        let any: SocketAddr = "127.0.0.1:0".parse().unwrap();
+        let a = Node::bind(cfg(1, Some(b"x")), any).await.unwrap();
+        let b = Node::bind(cfg(2, Some(b"y")), any).await.unwrap();
+        let err = a.connect_pool(b.local_addr(), 2, 1, 2, Purpose::Ring).await.unwrap_err();
+        assert!(matches!(err, CoreError::Authentication(_)));
+        b.close().await;
+        assert!(b.drain_log().iter().any(|l| l.contains("authentication")));
+        a.close().await;
+    }
+
+    #[tokio::test]
+    async fn garbage_and_huge_prefix_do_not_disturb_the_listener() {
+        use tokio::io::AsyncWriteExt;
+        let any: SocketAddr = "127.0.0.1:0".parse().unwrap();
+        let a = Node::bind(cfg(1, None), any).await.unwrap();
+        let b = Node::bind(cfg(2, None), any).await.unwrap();
+        let mut s = TcpStream::connect(b.local_addr()).await.unwrap();
+        s.write_all(&u32::MAX.to_be_bytes()).await.unwrap();
+        let mut s2 = TcpStream::connect(b.local_addr()).await.unwrap();
+        s2.write_all(b"GET / HTTP/1.1\r\n\r\n").await.unwrap();
+        a.connect_pool(b.local_addr(), 2, 1, 2, Purpose::Ring).await.unwrap();
+        b.take_inbound(PoolKey { peer: 1, epoch: 1, purpose: Purpose::Ring }, Duration::from_secs(2))
+            .await
+            .unwrap();
+        a.close().await;
+        b.close().await;
+    }
+
+    #[tokio::test]
+    async fn take_inbound_times_out() {
+        let any: SocketAddr = "127.0.0.1:0".parse().unwrap();
+        let b = Node::bind(cfg(2, None), any).await.unwrap();
+        let key = PoolKey { peer: 7, epoch: 1, purpose: Purpose::Ring };
+        let err = b.take_inbound(key, Duration::from_millis(50)).await.unwrap_err();
+        assert!(matches!(err, CoreError::PeerConnection(_)));
+        b.close().await;
+    }
+}

@@ -1,0 +1,4 @@
+//! The only pyo3-aware code: exceptions, and thin handles over the Rust core.
+
+pub mod errors;
+pub mod node;

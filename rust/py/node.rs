@@ -1,0 +1,118 @@
+//! `P2PNode`: the Python handle of a peer's p2p endpoint. Every network method returns
+//! an awaitable that runs on tokio with the GIL released.
+
+use crate::error::CoreError;
+use crate::net::handshake::Purpose;
+use crate::net::{Node, NodeConfig};
+use pyo3::prelude::*;
+use pyo3_async_runtimes::tokio::future_into_py;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+#[pyclass(name = "P2PNode", module = "pccl._core", frozen)]
+pub struct PyP2PNode {
+    pub(crate) node: Arc<Node>,
+}
+
+pub(crate) async fn resolve(addr: &str) -> Result<SocketAddr, CoreError> {
+    tokio::net::lookup_host(addr)
+        .await
+        .map_err(|e| CoreError::InvalidArgument(format!("cannot resolve {addr:?}: {e}")))?
+        .next()
+        .ok_or_else(|| CoreError::InvalidArgument(format!("{addr:?} resolves to no address")))
+}
+
+fn seconds(name: &str, v: f64) -> PyResult<Duration> {
+    Duration::try_from_secs_f64(v)
+        .map_err(|_| CoreError::InvalidArgument(format!("{name} must be a positive number of seconds")).into())
+}
+
+#[pymethods]
+impl PyP2PNode {
+    /// Binds a listener on `host:port` (port 0: ephemeral) and starts accepting.
+    #[staticmethod]
+    #[pyo3(signature = (peer_id, host="127.0.0.1", port=0, secret=None, handshake_timeout=5.0, connect_timeout=5.0))]
+    fn bind<'py>(
+        py: Python<'py>,
+        peer_id: u64,
+        host: &str,
+        port: u16,
+        secret: Option<Vec<u8>>,
+        handshake_timeout: f64,
+        connect_timeout: f64,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        crate::runtime::init();
+        let cfg = NodeConfig {
+            peer_id,
+            secret,
+            handshake_timeout: seconds("handshake_timeout", handshake_timeout)?,
+            connect_timeout: seconds("connect_timeout", connect_timeout)?,
+        };
+        let addr = format!("{host}:{port}");
+        future_into_py(py, async move {
+            let addr = resolve(&addr).await?;
+            let node = Node::bind(cfg, addr).await?;
+            Ok(PyP2PNode { node })
+        })
+    }
+
+    /// The port the listener is bound to.
+    #[getter]
+    fn port(&self) -> u16 {
+        self.node.local_addr().port()
+    }
+
+    #[getter]
+    fn peer_id(&self) -> u64 {
+        self.node.peer_id()
+    }
+
+    /// Dials `pool_size` authenticated streams to peer `to` at `addr` for `epoch`.
+    fn connect_pool<'py>(
+        &self,
+        py: Python<'py>,
+        addr: String,
+        to: u64,
+        epoch: u64,
+        pool_size: u16,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let node = self.node.clone();
+        future_into_py(py, async move {
+            let sock = resolve(&addr).await?;
+            node.connect_pool(sock, to, epoch, pool_size, Purpose::Ring).await?;
+            Ok(())
+        })
+    }
+
+    /// `(complete inbound pools, outbound pools)` held for `epoch`.
+    fn pool_counts(&self, epoch: u64) -> (usize, usize) {
+        self.node.pool_counts(epoch)
+    }
+
+    /// Drops pools of epochs before `epoch` and refuses them from now on.
+    fn retain_from_epoch(&self, epoch: u64) {
+        self.node.retain_from_epoch(epoch)
+    }
+
+    /// Takes the log lines the node collected (refused connections and the like).
+    fn drain_log(&self) -> Vec<String> {
+        self.node.drain_log()
+    }
+
+    /// Stops the listener and all tasks and drops every stream. Idempotent.
+    fn close<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        let node = self.node.clone();
+        future_into_py(py, async move {
+            node.close().await;
+            Ok(())
+        })
+    }
+}
+
+impl Drop for PyP2PNode {
+    fn drop(&mut self) {
+        // A node dropped without close() must not keep listening.
+        self.node.cancel_token().cancel();
+    }
+}
