@@ -7,6 +7,7 @@ use crate::error::{CoreError, CoreResult};
 use crate::net::handshake::{self, Purpose, StreamHello};
 use std::collections::{HashMap, VecDeque};
 use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::net::{TcpListener, TcpStream};
@@ -52,6 +53,8 @@ impl Pool {
 
 pub struct Node {
     cfg: NodeConfig,
+    /// Known only after the master welcomed us; the listener binds before that.
+    peer_id: AtomicU64,
     local_addr: SocketAddr,
     inbound: Mutex<HashMap<PoolKey, Pool>>,
     outbound: Mutex<HashMap<PoolKey, Vec<TcpStream>>>,
@@ -73,6 +76,7 @@ impl Node {
             .local_addr()
             .map_err(|e| CoreError::io("reading the p2p listener address", e))?;
         let node = Arc::new(Node {
+            peer_id: AtomicU64::new(cfg.peer_id),
             cfg,
             local_addr,
             inbound: Mutex::new(HashMap::new()),
@@ -116,7 +120,11 @@ impl Node {
     }
 
     pub fn peer_id(&self) -> u64 {
-        self.cfg.peer_id
+        self.peer_id.load(Ordering::Acquire)
+    }
+
+    pub fn set_peer_id(&self, id: u64) {
+        self.peer_id.store(id, Ordering::Release)
     }
 
     pub fn config(&self) -> &NodeConfig {
@@ -151,7 +159,7 @@ impl Node {
             _ = self.cancel.cancelled() => return,
             r = tokio::time::timeout(
                 self.cfg.handshake_timeout,
-                handshake::accept(&mut stream, secret.as_deref(), self.cfg.peer_id),
+                handshake::accept(&mut stream, secret.as_deref(), self.peer_id()),
             ) => r,
         };
         let hello = match result {
@@ -207,7 +215,7 @@ impl Node {
         }
         let dials = (0..n).map(|i| {
             let hello = StreamHello {
-                from: self.cfg.peer_id,
+                from: self.peer_id(),
                 to,
                 epoch,
                 stream: i,

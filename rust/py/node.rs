@@ -68,6 +68,11 @@ impl PyP2PNode {
         self.node.peer_id()
     }
 
+    /// Sets the id this node answers for (known once the master welcomed the peer).
+    fn set_peer_id(&self, peer_id: u64) {
+        self.node.set_peer_id(peer_id)
+    }
+
     /// Dials `pool_size` authenticated streams to peer `to` at `addr` for `epoch`.
     fn connect_pool<'py>(
         &self,

@@ -1,0 +1,67 @@
+"""pccl: fault-tolerant collective communication for training over the internet.
+
+A :class:`MasterNode` coordinates; each training process runs a :class:`Communicator`.
+Peers join and leave at any time; collectives are all-or-nothing across the peers of a
+group. See ``README.md`` and ``docs/`` for the full picture::
+
+    import asyncio, numpy as np, pccl
+
+    async def main():
+        async with pccl.MasterNode(listen="127.0.0.1:0") as master:
+            async with pccl.Communicator(master=master.address) as comm:
+                print(comm.get_attribute(pccl.Attribute.GLOBAL_WORLD_SIZE))  # 1
+
+    asyncio.run(main())
+"""
+
+from pccl._core import __version__ as _core_version
+from pccl.communicator import Communicator
+from pccl.enums import (
+    Attribute,
+    DataType,
+    QuantizationAlgorithm,
+    ReduceOp,
+    SharedStateSyncStrategy,
+)
+from pccl.errors import (
+    AuthenticationError,
+    InvalidArgumentError,
+    InvalidUsageError,
+    MasterConnectionError,
+    NoSharedStateAvailableError,
+    PCCLError,
+    PeerConnectionError,
+    PendingAsyncOpsError,
+    ProtocolError,
+    RevisionIncrementViolationError,
+    TooFewPeersError,
+    TopologyOptimizationFailedError,
+    UpdateTopologyFailedError,
+)
+from pccl.master import MasterNode
+
+__version__ = _core_version
+
+__all__ = [
+    "Attribute",
+    "AuthenticationError",
+    "Communicator",
+    "DataType",
+    "InvalidArgumentError",
+    "InvalidUsageError",
+    "MasterConnectionError",
+    "MasterNode",
+    "NoSharedStateAvailableError",
+    "PCCLError",
+    "PeerConnectionError",
+    "PendingAsyncOpsError",
+    "ProtocolError",
+    "QuantizationAlgorithm",
+    "ReduceOp",
+    "RevisionIncrementViolationError",
+    "SharedStateSyncStrategy",
+    "TooFewPeersError",
+    "TopologyOptimizationFailedError",
+    "UpdateTopologyFailedError",
+    "__version__",
+]

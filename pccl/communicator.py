@@ -1,0 +1,375 @@
+"""The peer side of a pccl run."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import hmac
+import logging
+import secrets as _secrets
+from types import TracebackType
+from typing import Any
+
+from pccl import _core
+from pccl.enums import Attribute
+from pccl.errors import (
+    ERROR_KINDS,
+    AuthenticationError,
+    InvalidUsageError,
+    MasterConnectionError,
+    PCCLError,
+    ProtocolError,
+    UpdateTopologyFailedError,
+)
+from pccl.master.server import DEFAULT_PORT, master_mac, peer_mac, split_host_port
+from pccl.protocol import MAX_FRAME, PROTOCOL_VERSION
+from pccl.protocol import messages as m
+from pccl.protocol.transport import ConnectionClosed, FramedConnection
+
+log = logging.getLogger(__name__)
+
+
+class PeerState(enum.IntEnum):
+    NEW = 0
+    REGISTERED = 1  # handshake done, waiting to be admitted
+    ACCEPTED = 2
+    CLOSED = 3
+
+
+class Communicator:
+    """One peer of a pccl run.
+
+    Example::
+
+        async with pccl.Communicator(master="127.0.0.1:48148") as comm:
+            if await comm.are_peers_pending():
+                await comm.update_topology()
+            await comm.all_reduce(x, op=pccl.ReduceOp.AVG)
+
+    ``timeout`` bounds every wait on the master that does not depend on other peers
+    (the handshake, queries); waits on other peers (votes) are bounded by the master
+    dropping dead peers, and are cancellable.
+    """
+
+    def __init__(
+        self,
+        master: str = f"127.0.0.1:{DEFAULT_PORT}",
+        peer_group: int = 0,
+        p2p_connection_pool_size: int = 4,
+        secret: bytes | str | None = None,
+        *,
+        p2p_listen_host: str | None = None,
+        p2p_advertise_host: str | None = None,
+        timeout: float = 10.0,
+        p2p_timeout: float = 10.0,
+        max_frame: int = MAX_FRAME,
+    ) -> None:
+        if not 1 <= p2p_connection_pool_size <= 64:
+            raise _core.InvalidArgumentError("p2p_connection_pool_size must be in 1..64")
+        self.master = master
+        self.peer_group = peer_group
+        self.p2p_connection_pool_size = p2p_connection_pool_size
+        self.secret = secret.encode() if isinstance(secret, str) else secret
+        self.p2p_listen_host = p2p_listen_host
+        self.p2p_advertise_host = p2p_advertise_host
+        self.timeout = timeout
+        self.p2p_timeout = p2p_timeout
+        self.max_frame = max_frame
+
+        self.state = PeerState.NEW
+        self.peer_id: int | None = None
+        self.epoch = 0
+        self.ring: list[int] = []
+        self._world: m.WorldInfo | None = None
+        self._conn: FramedConnection | None = None
+        self._node: Any = None  # _core.P2PNode
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._reader: asyncio.Task[None] | None = None
+        self._accepted: asyncio.Future[None] | None = None
+        self._update: asyncio.Future[None] | None = None
+        self._queries: dict[int, asyncio.Future[bool]] = {}
+        self._next_req = 0
+        self._lost: PCCLError | None = None
+        self._heartbeat_timeout = 5.0
+
+    # --- lifecycle ------------------------------------------------------------------
+
+    async def connect(self, n_attempts: int = 10) -> None:
+        """Registers with the master and returns once the run has accepted this peer.
+
+        Connection attempts back off exponentially; after ``n_attempts`` failures the
+        call raises :class:`MasterConnectionError`. A wrong secret raises
+        :class:`AuthenticationError` at once.
+        """
+        if self.state is not PeerState.NEW:
+            raise InvalidUsageError(f"connect() called on a communicator that is {self.state.name}")
+        if n_attempts < 1:
+            raise _core.InvalidArgumentError("n_attempts must be at least 1")
+        try:
+            await self._open(n_attempts)
+            assert self._accepted is not None
+            await self._accepted
+        except BaseException:
+            await self.close()
+            raise
+
+    async def _open(self, n_attempts: int) -> None:
+        host, port = split_host_port(self.master)
+        delay = 0.05
+        last: BaseException | None = None
+        for attempt in range(n_attempts):
+            try:
+                async with asyncio.timeout(self.timeout):
+                    reader, writer = await asyncio.open_connection(host, port)
+                break
+            except (OSError, TimeoutError) as e:
+                last = e
+                log.debug("connect attempt %d/%d to %s failed: %s", attempt + 1, n_attempts,
+                          self.master, e)
+                if attempt + 1 < n_attempts:
+                    await asyncio.sleep(delay)  # back-off between attempts, not a sync point
+                    delay = min(delay * 2, 2.0)
+        else:
+            raise MasterConnectionError(
+                f"could not reach the master at {self.master} after {n_attempts} attempts "
+                f"({last}); is it running and is the address right?")
+        conn = FramedConnection(reader, writer, max_frame=self.max_frame)
+        self._conn = conn
+        local_host = writer.get_extra_info("sockname")[0]
+        self._node = await _core.P2PNode.bind(
+            0, self.p2p_listen_host or local_host, 0, self.secret,
+            handshake_timeout=self.p2p_timeout, connect_timeout=self.p2p_timeout)
+        await self._handshake(conn)
+
+    async def _handshake(self, conn: FramedConnection) -> None:
+        nonce = _secrets.token_bytes(16)
+        try:
+            async with asyncio.timeout(self.timeout):
+                challenge = await conn.recv()
+                if not isinstance(challenge, m.Challenge):
+                    raise ProtocolError(f"expected a challenge, the master sent {challenge.TYPE}")
+                if challenge.version != PROTOCOL_VERSION:
+                    raise ProtocolError(f"master speaks protocol {challenge.version}, "
+                                        f"this peer {PROTOCOL_VERSION}")
+                if challenge.auth and self.secret is None:
+                    raise AuthenticationError("the master requires a shared secret; "
+                                              "pass secret= to the Communicator")
+                mac = peer_mac(self.secret, challenge.nonce, nonce) if self.secret else b""
+                await conn.send(m.Hello(
+                    version=PROTOCOL_VERSION, peer_group=self.peer_group,
+                    p2p_port=self._node.port, p2p_host=self.p2p_advertise_host or "",
+                    nonce=nonce, mac=mac))
+                reply = await conn.recv()
+        except TimeoutError:
+            raise MasterConnectionError(
+                f"the master at {self.master} did not complete the handshake in "
+                f"{self.timeout}s") from None
+        except ConnectionClosed as e:
+            raise MasterConnectionError(f"the master closed the connection during the "
+                                        f"handshake ({e})") from None
+        if isinstance(reply, m.Reject):
+            raise ERROR_KINDS.get(reply.kind, MasterConnectionError)(reply.message)
+        if not isinstance(reply, m.Welcome):
+            raise ProtocolError(f"expected welcome, the master sent {reply.TYPE}")
+        if self.secret is not None and not hmac.compare_digest(
+                reply.mac, master_mac(self.secret, challenge.nonce, nonce)):
+            raise AuthenticationError("the master could not prove it knows the shared secret")
+        self.peer_id = reply.peer_id
+        self._heartbeat_timeout = reply.heartbeat_timeout
+        # The p2p node learns its id now; streams are only dialed after this point.
+        self._node.set_peer_id(reply.peer_id)
+        self.state = PeerState.REGISTERED
+        loop = asyncio.get_running_loop()
+        self._accepted = loop.create_future()
+        self._reader = asyncio.create_task(self._read_loop(conn), name=f"pccl-peer-{self.peer_id}")
+
+    async def close(self) -> None:
+        """Leaves the run gracefully (the master drops this peer at once). Idempotent."""
+        if self.state is PeerState.CLOSED:
+            return
+        self.state = PeerState.CLOSED
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            with contextlib.suppress(ConnectionClosed, OSError):
+                conn.send_nowait(m.Leave())
+        tasks = [t for t in (self._reader, *self._tasks) if t is not None]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._tasks.clear()
+        if conn is not None:
+            await conn.close()
+        if self._node is not None:
+            node, self._node = self._node, None
+            await node.close()
+        self._fail_waiters(MasterConnectionError("the communicator was closed"))
+
+    async def __aenter__(self) -> Communicator:
+        await self.connect()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()
+
+    # --- membership -----------------------------------------------------------------
+
+    async def update_topology(self) -> None:
+        """Collective over all accepted peers: admits pending joiners, drops dead peers
+        and (re)builds the p2p rings. Returns when every peer's pools are up."""
+        self._require_accepted()
+        if self._update is not None:
+            raise InvalidUsageError("update_topology() is already running on this peer")
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._update = fut
+        try:
+            self._send(m.UpdateTopology())
+            await fut
+        finally:
+            self._update = None
+
+    async def are_peers_pending(self) -> bool:
+        """Whether peers are waiting to be admitted by :meth:`update_topology`."""
+        self._require_accepted()
+        self._next_req += 1
+        req = self._next_req
+        fut: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        self._queries[req] = fut
+        try:
+            self._send(m.PendingQuery(req=req))
+            async with asyncio.timeout(self.timeout):
+                return await fut
+        except TimeoutError:
+            raise MasterConnectionError(
+                f"the master did not answer within {self.timeout}s") from None
+        finally:
+            self._queries.pop(req, None)
+
+    def get_attribute(self, attribute: Attribute) -> int:
+        """Reports the run's shape as of the last message from the master."""
+        w = self._world
+        if w is None:
+            raise InvalidUsageError("attributes are known once the peer is accepted")
+        return {
+            Attribute.GLOBAL_WORLD_SIZE: w.global_world_size,
+            Attribute.PEER_GROUP_WORLD_SIZE: w.peer_group_world_size,
+            Attribute.NUM_DISTINCT_PEER_GROUPS: w.num_peer_groups,
+            Attribute.LARGEST_PEER_GROUP_WORLD_SIZE: w.largest_peer_group_world_size,
+        }[Attribute(attribute)]
+
+    @property
+    def p2p_port(self) -> int:
+        if self._node is None:
+            raise InvalidUsageError("the p2p listener is not running")
+        return int(self._node.port)
+
+    def p2p_pool_counts(self) -> tuple[int, int]:
+        """(complete inbound pools, outbound pools) for the current epoch."""
+        if self._node is None:
+            return (0, 0)
+        return tuple(self._node.pool_counts(self.epoch))  # type: ignore[return-value]
+
+    # --- internals ------------------------------------------------------------------
+
+    def _require_accepted(self) -> None:
+        if self._lost is not None:
+            raise type(self._lost)(str(self._lost))
+        if self.state is not PeerState.ACCEPTED:
+            raise InvalidUsageError(f"this peer is {self.state.name}, not ACCEPTED; "
+                                    "call connect() first")
+
+    def _send(self, msg: m.Message) -> None:
+        if self._conn is None or self._lost is not None:
+            raise self._lost or MasterConnectionError("not connected to the master")
+        self._conn.send_nowait(msg)
+
+    def _spawn(self, coro: Any, name: str) -> None:
+        task = asyncio.create_task(coro, name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _fail_waiters(self, err: PCCLError) -> None:
+        futs = [self._accepted, self._update, *self._queries.values()]
+        for fut in futs:
+            if fut is not None and not fut.done():
+                fut.set_exception(type(err)(str(err)))
+                # Nobody may be awaiting it (e.g. the accept future after connect()).
+                fut.exception()
+
+    async def _read_loop(self, conn: FramedConnection) -> None:
+        try:
+            while True:
+                try:
+                    async with asyncio.timeout(self._heartbeat_timeout):
+                        msg = await conn.recv()
+                except TimeoutError:
+                    raise MasterConnectionError(
+                        f"no word from the master for {self._heartbeat_timeout}s") from None
+                except ConnectionClosed as e:
+                    raise MasterConnectionError(f"lost the connection to the master ({e})") from None
+                self._dispatch(msg)
+                self._drain_p2p_log()
+        except PCCLError as e:
+            if self.state is not PeerState.CLOSED:
+                log.warning("peer %s: %s", self.peer_id, e)
+            self._lost = e if isinstance(e, MasterConnectionError) else MasterConnectionError(str(e))
+            self._fail_waiters(self._lost)
+
+    def _drain_p2p_log(self) -> None:
+        if self._node is not None:
+            for line in self._node.drain_log():
+                log.warning("peer %s p2p: %s", self.peer_id, line)
+
+    def _dispatch(self, msg: m.Message) -> None:
+        if isinstance(msg, m.Ping):
+            self._send(m.Pong(seq=msg.seq))
+        elif isinstance(msg, m.EstablishP2P):
+            self._spawn(self._establish(msg), f"pccl-establish-{self.peer_id}-{msg.epoch}")
+        elif isinstance(msg, m.WorldInfo):
+            self._world = msg
+        elif isinstance(msg, m.TopologyUpdated):
+            self.epoch = msg.epoch
+            if self._world is not None:
+                self.ring = list(self._world.ring)
+            if self.state is PeerState.REGISTERED:
+                self.state = PeerState.ACCEPTED
+                if self._accepted is not None and not self._accepted.done():
+                    self._accepted.set_result(None)
+            elif self._update is not None and not self._update.done():
+                self._update.set_result(None)
+        elif isinstance(msg, m.TopologyUpdateFailed):
+            if self._update is not None and not self._update.done():
+                self._update.set_exception(UpdateTopologyFailedError(msg.message))
+        elif isinstance(msg, m.PendingAnswer):
+            fut = self._queries.get(msg.req)
+            if fut is not None and not fut.done():
+                fut.set_result(msg.pending)
+        elif isinstance(msg, m.ErrorReply):
+            err = ERROR_KINDS.get(msg.kind, PCCLError)(msg.message)
+            if self._update is not None and not self._update.done():
+                self._update.set_exception(err)
+            else:
+                log.warning("peer %s: master reported %s: %s", self.peer_id, msg.kind, msg.message)
+        elif isinstance(msg, m.Reject):
+            raise MasterConnectionError(f"the master dropped this peer: {msg.message}")
+        else:
+            raise ProtocolError(f"unexpected message {msg.TYPE!r} from the master")
+
+    async def _establish(self, msg: m.EstablishP2P) -> None:
+        self._node.retain_from_epoch(msg.epoch)
+        failed: list[int] = []
+        if msg.next_id >= 0:
+            try:
+                await self._node.connect_pool(msg.next_addr, msg.next_id, msg.epoch,
+                                              self.p2p_connection_pool_size)
+            except PCCLError as e:
+                log.warning("peer %s: p2p pool to peer %d at %s failed: %s",
+                            self.peer_id, msg.next_id, msg.next_addr, e)
+                failed.append(msg.next_id)
+        if self._lost is None and self._conn is not None:
+            self._conn.send_nowait(m.P2PReport(epoch=msg.epoch, failed=failed))

@@ -1,0 +1,46 @@
+"""pccl's exception hierarchy.
+
+The classes are created once in the Rust extension (so Rust code raises them directly)
+and re-exported here; ``pccl.PCCLError`` is the base of all of them::
+
+    try:
+        await comm.all_reduce(x)
+    except pccl.PeerConnectionError:
+        await comm.update_topology()   # drop the dead peer, then retry
+"""
+
+from pccl._core import (
+    AuthenticationError,
+    InvalidArgumentError,
+    InvalidUsageError,
+    MasterConnectionError,
+    NoSharedStateAvailableError,
+    PCCLError,
+    PeerConnectionError,
+    PendingAsyncOpsError,
+    ProtocolError,
+    RevisionIncrementViolationError,
+    TooFewPeersError,
+    TopologyOptimizationFailedError,
+    UpdateTopologyFailedError,
+)
+
+__all__ = [
+    "AuthenticationError",
+    "InvalidArgumentError",
+    "InvalidUsageError",
+    "MasterConnectionError",
+    "NoSharedStateAvailableError",
+    "PCCLError",
+    "PeerConnectionError",
+    "PendingAsyncOpsError",
+    "ProtocolError",
+    "RevisionIncrementViolationError",
+    "TooFewPeersError",
+    "TopologyOptimizationFailedError",
+    "UpdateTopologyFailedError",
+]
+
+#: Error kinds as they travel in control-plane messages (``ErrorReply.kind``).
+ERROR_KINDS: dict[str, type[PCCLError]] = {cls.__name__: cls for cls in
+                                           (globals()[n] for n in __all__)}

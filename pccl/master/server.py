@@ -1,0 +1,280 @@
+"""The asyncio server around the master's state machine.
+
+It owns the sockets, the handshake (with the optional HMAC challenge), heartbeats and
+timeouts; everything else is decided by :class:`pccl.master.state.MasterState`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+import secrets as _secrets
+from collections.abc import Callable
+from types import TracebackType
+
+from pccl.errors import ProtocolError
+from pccl.master import state as st
+from pccl.protocol import MAX_FRAME, PROTOCOL_VERSION
+from pccl.protocol import messages as m
+from pccl.protocol.transport import ConnectionClosed, FramedConnection
+
+log = logging.getLogger(__name__)
+
+DEFAULT_PORT = 48148
+# A peer that does not read its control messages is dropped past this much backlog.
+MAX_WRITE_BACKLOG = 64 * 1024 * 1024
+
+
+def split_host_port(address: str, default_port: int = DEFAULT_PORT) -> tuple[str, int]:
+    """ "host:port", "[v6]:port", "host" -> (host, port)."""
+    if address.startswith("["):
+        host, _, rest = address[1:].partition("]")
+        return host, int(rest[1:]) if rest.startswith(":") else default_port
+    host, sep, port = address.rpartition(":")
+    if not sep:
+        return address, default_port
+    return host, int(port)
+
+
+def peer_mac(secret: bytes, master_nonce: bytes, peer_nonce: bytes) -> bytes:
+    return hmac.digest(secret, b"pccl-peer" + master_nonce + peer_nonce, "sha256")
+
+
+def master_mac(secret: bytes, master_nonce: bytes, peer_nonce: bytes) -> bytes:
+    return hmac.digest(secret, b"pccl-master" + peer_nonce + master_nonce, "sha256")
+
+
+class MasterNode:
+    """The run's coordinator. Holds no tensor data; peers only exchange votes with it.
+
+    Example::
+
+        async with pccl.MasterNode(listen="127.0.0.1:0") as master:
+            print(master.address)      # give this to the peers
+            await master.serve_forever()
+    """
+
+    def __init__(
+        self,
+        listen: str = f"0.0.0.0:{DEFAULT_PORT}",
+        secret: bytes | str | None = None,
+        *,
+        heartbeat_interval: float = 1.0,
+        heartbeat_timeout: float = 5.0,
+        handshake_timeout: float = 5.0,
+        max_frame: int = MAX_FRAME,
+        max_establish_attempts: int = 3,
+    ) -> None:
+        if heartbeat_timeout <= heartbeat_interval:
+            raise ValueError("heartbeat_timeout must exceed heartbeat_interval")
+        self.listen = listen
+        self.secret = secret.encode() if isinstance(secret, str) else secret
+        self.heartbeat_interval = heartbeat_interval
+        self.heartbeat_timeout = heartbeat_timeout
+        self.handshake_timeout = handshake_timeout
+        self.max_frame = max_frame
+        self.state = st.MasterState(max_establish_attempts=max_establish_attempts)
+        self._server: asyncio.Server | None = None
+        self._conns: dict[int, FramedConnection] = {}
+        self._handlers: set[asyncio.Task[None]] = set()
+        self._heartbeat: asyncio.Task[None] | None = None
+        self._next_peer_id = 1
+        self._changed = asyncio.Event()
+        self._address = ""
+        self._stopped = asyncio.Event()
+
+    # --- lifecycle ------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Starts listening; returns once the socket is bound."""
+        if self._server is not None:
+            return
+        host, port = split_host_port(self.listen)
+        self._server = await asyncio.start_server(self._handle, host, port)
+        sock = self._server.sockets[0].getsockname()
+        shown = sock[0] if host not in ("", "0.0.0.0", "::") else host or "0.0.0.0"
+        self._address = f"[{shown}]:{sock[1]}" if ":" in shown else f"{shown}:{sock[1]}"
+        self._heartbeat = asyncio.create_task(self._heartbeat_loop(), name="pccl-master-heartbeat")
+        log.info("master listening on %s", self._address)
+
+    @property
+    def address(self) -> str:
+        """The "host:port" actually bound (the real port when listening on port 0)."""
+        if not self._address:
+            raise RuntimeError("the master has not been started")
+        return self._address
+
+    async def stop(self) -> None:
+        """Closes every connection and stops listening. Idempotent."""
+        if self._server is None:
+            return
+        server, self._server = self._server, None
+        server.close()
+        if self._heartbeat is not None:
+            self._heartbeat.cancel()
+        for conn in list(self._conns.values()):
+            conn.abort()
+        for task in list(self._handlers):
+            task.cancel()
+        await asyncio.gather(*self._handlers, return_exceptions=True)
+        if self._heartbeat is not None:
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._heartbeat
+        await server.wait_closed()
+        self._conns.clear()
+        self._stopped.set()
+        log.info("master stopped")
+
+    async def serve_forever(self) -> None:
+        """Runs until :meth:`stop` is called (e.g. from a signal handler)."""
+        await self.start()
+        await self._stopped.wait()
+
+    async def __aenter__(self) -> MasterNode:
+        await self.start()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.stop()
+
+    async def wait_for(
+        self, predicate: Callable[[st.MasterState], bool], timeout: float = 30.0
+    ) -> None:
+        """Waits until ``predicate(self.state)`` holds, re-checked after every event.
+
+        For tests and orchestration, e.g. ``await master.wait_for(lambda s: len(s.pending()) == 3)``.
+        """
+        async with asyncio.timeout(timeout):
+            while not predicate(self.state):
+                self._changed.clear()
+                await self._changed.wait()
+
+    # --- connections ----------------------------------------------------------------
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._handlers.add(task)
+        conn = FramedConnection(reader, writer, max_frame=self.max_frame)
+        peer_id: int | None = None
+        try:
+            peer_id = await self._handshake(conn)
+            if peer_id is None:
+                return
+            await self._read_loop(peer_id, conn)
+        except asyncio.CancelledError:
+            pass
+        finally:
+            self._handlers.discard(task)
+            if peer_id is not None:
+                self._conns.pop(peer_id, None)
+            conn.abort()
+
+    async def _handshake(self, conn: FramedConnection) -> int | None:
+        remote = "%s:%d" % conn.peername
+        nonce = _secrets.token_bytes(16)
+        try:
+            await conn.send(m.Challenge(version=PROTOCOL_VERSION, nonce=nonce,
+                                        auth=self.secret is not None))
+            async with asyncio.timeout(self.handshake_timeout):
+                hello = await conn.recv()
+        except TimeoutError:
+            log.warning("connection from %s dropped: no handshake within %.1fs",
+                        remote, self.handshake_timeout)
+            return None
+        except ProtocolError as e:
+            log.warning("connection from %s dropped: %s", remote, e)
+            return None
+        except ConnectionClosed:
+            return None
+        if not isinstance(hello, m.Hello):
+            log.warning("connection from %s dropped: expected hello, got %s", remote, hello.TYPE)
+            return None
+        if hello.version != PROTOCOL_VERSION:
+            await self._reject(conn, "ProtocolError",
+                               f"protocol version {hello.version} is not supported "
+                               f"(master speaks {PROTOCOL_VERSION})")
+            log.warning("peer at %s rejected: protocol version %d", remote, hello.version)
+            return None
+        server_mac = b""
+        if self.secret is not None:
+            if not hmac.compare_digest(hello.mac, peer_mac(self.secret, nonce, hello.nonce)):
+                log.warning("peer at %s rejected: wrong or missing shared secret", remote)
+                await self._reject(conn, "AuthenticationError",
+                                   "the master rejected this peer's shared secret")
+                return None
+            server_mac = master_mac(self.secret, nonce, hello.nonce)
+        if not (0 < hello.p2p_port < 65536):
+            await self._reject(conn, "ProtocolError", f"invalid p2p port {hello.p2p_port}")
+            return None
+        peer_id = self._next_peer_id
+        self._next_peer_id += 1
+        host = hello.p2p_host or conn.peername[0]
+        p2p_addr = f"[{host}]:{hello.p2p_port}" if ":" in host else f"{host}:{hello.p2p_port}"
+        self._conns[peer_id] = conn
+        conn.send_nowait(m.Welcome(peer_id=peer_id, mac=server_mac,
+                                   heartbeat_interval=self.heartbeat_interval,
+                                   heartbeat_timeout=self.heartbeat_timeout))
+        log.info("peer %d registered from %s (group %d, p2p %s)",
+                 peer_id, remote, hello.peer_group, p2p_addr)
+        self._feed(st.PeerRegistered(peer_id, hello.peer_group, p2p_addr))
+        return peer_id
+
+    async def _reject(self, conn: FramedConnection, kind: str, message: str) -> None:
+        with contextlib.suppress(ConnectionClosed, OSError):
+            await conn.send(m.Reject(kind=kind, message=message))
+        await conn.close()
+
+    async def _read_loop(self, peer_id: int, conn: FramedConnection) -> None:
+        while peer_id in self._conns:
+            try:
+                async with asyncio.timeout(self.heartbeat_timeout):
+                    msg = await conn.recv()
+            except TimeoutError:
+                log.warning("peer %d dropped: silent for %.1fs (heartbeat timeout)",
+                            peer_id, self.heartbeat_timeout)
+                self._feed(st.PeerLost(peer_id, "heartbeat timeout"))
+                return
+            except ProtocolError as e:
+                log.warning("peer %d dropped: %s", peer_id, e)
+                self._feed(st.PeerLost(peer_id, f"protocol error: {e}"))
+                return
+            except ConnectionClosed:
+                if peer_id in self._conns:
+                    log.info("peer %d dropped: connection closed", peer_id)
+                self._feed(st.PeerLost(peer_id, "connection closed"))
+                return
+            self._feed(st.Received(peer_id, msg))
+
+    def _feed(self, event: st.Event) -> None:
+        for cmd in self.state.handle(event):
+            if isinstance(cmd, st.Send):
+                conn = self._conns.get(cmd.peer_id)
+                if conn is None:
+                    continue
+                conn.send_nowait(cmd.msg)
+                if conn.buffered_bytes() > MAX_WRITE_BACKLOG:
+                    log.warning("peer %d dropped: not reading its control messages", cmd.peer_id)
+                    conn.abort()
+            else:
+                conn = self._conns.pop(cmd.peer_id, None)
+                if conn is not None:
+                    log.info("peer %d disconnected: %s", cmd.peer_id, cmd.reason)
+                    # close() flushes what is queued (e.g. a final error) before closing.
+                    conn.writer.close()
+        self._changed.set()
+
+    async def _heartbeat_loop(self) -> None:
+        seq = 0
+        while True:
+            await asyncio.sleep(self.heartbeat_interval)
+            seq += 1
+            for conn in list(self._conns.values()):
+                conn.send_nowait(m.Ping(seq=seq))

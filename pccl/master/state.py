@@ -1,0 +1,313 @@
+"""The master's logic as a sans-IO state machine: events in, commands out.
+
+No sockets, no clocks, no randomness: the server turns network activity (and its own
+timers, such as heartbeat deadlines) into events and carries out the commands. The same
+event sequence always yields the same commands, which is what the unit tests rely on.
+
+Membership in one picture::
+
+    connect+auth      vote done + p2p up
+    ────────────▶ REGISTERED ───────────────▶ ACCEPTED ──▶ (gone: leave / lost)
+
+A round of ``update_topology`` runs in phases over the whole run (all peer groups)::
+
+    IDLE ──first vote──▶ VOTE_ACCEPT_NEW_PEERS ──all accepted voted──▶ ESTABLISH_P2P
+      ▲                                                                   │
+      └──────────── every member reported its pool up (or gave up) ◀─────┘
+
+While no peer is accepted at all (the first peers of a run, or everyone left), pending
+peers are admitted without a vote.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+from pccl.protocol import messages as m
+
+
+class PeerStatus(enum.IntEnum):
+    REGISTERED = 1
+    ACCEPTED = 2
+
+
+class Phase(enum.IntEnum):
+    IDLE = 0
+    VOTE_ACCEPT_NEW_PEERS = 1
+    ESTABLISH_P2P = 2
+
+
+# --- events -------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class PeerRegistered:
+    """A peer finished the handshake. ``p2p_addr`` is the "host:port" others dial."""
+
+    peer_id: int
+    peer_group: int
+    p2p_addr: str
+
+
+@dataclasses.dataclass(frozen=True)
+class PeerLost:
+    """The connection died, timed out on heartbeats, or sent garbage."""
+
+    peer_id: int
+    reason: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Received:
+    peer_id: int
+    msg: m.Message
+
+
+Event = PeerRegistered | PeerLost | Received
+
+
+# --- commands -----------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Send:
+    peer_id: int
+    msg: m.Message
+
+
+@dataclasses.dataclass(frozen=True)
+class Disconnect:
+    """Close this peer's connection (it is already forgotten by the state machine)."""
+
+    peer_id: int
+    reason: str
+
+
+Command = Send | Disconnect
+
+
+@dataclasses.dataclass
+class PeerRecord:
+    peer_id: int
+    peer_group: int
+    p2p_addr: str
+    status: PeerStatus = PeerStatus.REGISTERED
+
+
+@dataclasses.dataclass
+class Round:
+    """One attempt at establishing the rings of every peer group."""
+
+    epoch: int
+    members: list[int]
+    reported: set[int] = dataclasses.field(default_factory=set)
+    unreachable: set[int] = dataclasses.field(default_factory=set)
+
+
+class MasterState:
+    """The master's whole state. Feed it events with :meth:`handle`."""
+
+    def __init__(self, *, max_establish_attempts: int = 3) -> None:
+        self.max_establish_attempts = max_establish_attempts
+        self.peers: dict[int, PeerRecord] = {}  # insertion order is join order
+        self.phase = Phase.IDLE
+        self.votes: set[int] = set()
+        self.epoch = 0
+        self.round: Round | None = None
+        self.attempts = 0
+        # True when the accepted set changed (a peer left) since the rings were built.
+        self.rings_stale = False
+        self.rings: dict[int, list[int]] = {}
+
+    # --- queries (used by the server and by tests) --------------------------------
+
+    def accepted(self) -> list[int]:
+        return [p for p, r in self.peers.items() if r.status is PeerStatus.ACCEPTED]
+
+    def pending(self) -> list[int]:
+        return [p for p, r in self.peers.items() if r.status is PeerStatus.REGISTERED]
+
+    def group_sizes(self) -> dict[int, int]:
+        sizes: dict[int, int] = {}
+        for r in self.peers.values():
+            if r.status is PeerStatus.ACCEPTED:
+                sizes[r.peer_group] = sizes.get(r.peer_group, 0) + 1
+        return sizes
+
+    # --- the one entry point ------------------------------------------------------
+
+    def handle(self, event: Event) -> list[Command]:
+        out: list[Command] = []
+        if isinstance(event, PeerRegistered):
+            self._on_registered(event, out)
+        elif isinstance(event, PeerLost):
+            if event.peer_id in self.peers:
+                self._remove(event.peer_id, out)
+        elif isinstance(event, Received):
+            if event.peer_id in self.peers:
+                self._on_message(event.peer_id, event.msg, out)
+        else:  # pragma: no cover - the type union is closed
+            raise TypeError(event)
+        return out
+
+    # --- transitions ----------------------------------------------------------------
+
+    def _on_registered(self, ev: PeerRegistered, out: list[Command]) -> None:
+        if ev.peer_id in self.peers:
+            raise ValueError(f"peer id {ev.peer_id} registered twice")
+        self.peers[ev.peer_id] = PeerRecord(ev.peer_id, ev.peer_group, ev.p2p_addr)
+        self._admit_if_nobody_accepted(out)
+
+    def _on_message(self, peer: int, msg: m.Message, out: list[Command]) -> None:
+        rec = self.peers[peer]
+        if isinstance(msg, m.UpdateTopology):
+            if rec.status is not PeerStatus.ACCEPTED:
+                out.append(Send(peer, m.ErrorReply(
+                    kind="InvalidUsageError",
+                    message="update_topology() before this peer was accepted")))
+            elif self.phase is Phase.ESTABLISH_P2P or peer in self.votes:
+                out.append(Send(peer, m.ErrorReply(
+                    kind="InvalidUsageError",
+                    message="update_topology() is already in progress for this peer")))
+            else:
+                self.votes.add(peer)
+                self.phase = Phase.VOTE_ACCEPT_NEW_PEERS
+                self._maybe_finish_vote(out)
+        elif isinstance(msg, m.P2PReport):
+            rnd = self.round
+            if rnd is not None and msg.epoch == rnd.epoch and peer in rnd.members:
+                rnd.reported.add(peer)
+                rnd.unreachable.update(p for p in msg.failed if p in rnd.members)
+                self._maybe_finish_round(out)
+        elif isinstance(msg, m.PendingQuery):
+            out.append(Send(peer, m.PendingAnswer(req=msg.req, pending=bool(self.pending()))))
+        elif isinstance(msg, m.Leave):
+            self._remove(peer, out, reason="left gracefully")
+        elif isinstance(msg, m.Pong):
+            pass  # liveness is the server's business
+        else:
+            out.append(Send(peer, m.ErrorReply(
+                kind="ProtocolError", message=f"unexpected message {msg.TYPE!r} at the master")))
+
+    def _remove(self, peer: int, out: list[Command], reason: str = "connection lost") -> None:
+        rec = self.peers.pop(peer)
+        out.append(Disconnect(peer, reason))
+        self.votes.discard(peer)
+        if rec.status is PeerStatus.ACCEPTED:
+            self.rings_stale = True
+            for ring in self.rings.values():
+                if peer in ring:
+                    ring.remove(peer)
+        rnd = self.round
+        if rnd is not None and peer in rnd.members:
+            # The ring that was being built contains a dead peer: build it again.
+            remaining = [p for p in rnd.members if p != peer]
+            self._start_round(remaining, out)
+        elif self.phase is Phase.VOTE_ACCEPT_NEW_PEERS:
+            self._maybe_finish_vote(out)
+        if rec.status is PeerStatus.ACCEPTED and self.phase is not Phase.ESTABLISH_P2P:
+            self._broadcast_world(self.accepted(), out)
+        self._admit_if_nobody_accepted(out)
+
+    def _admit_if_nobody_accepted(self, out: list[Command]) -> None:
+        if self.phase is Phase.IDLE and not self.accepted() and self.pending():
+            self.attempts = 0
+            self._start_round(self.pending(), out)
+
+    def _maybe_finish_vote(self, out: list[Command]) -> None:
+        accepted = self.accepted()
+        if not accepted:
+            self.votes.clear()
+            self.phase = Phase.IDLE
+            return
+        if not set(accepted) <= self.votes:
+            return
+        pending = self.pending()
+        if not pending and not self.rings_stale:
+            # Nothing changed: the rings in place are still right.
+            voters = sorted(self.votes)
+            self.votes.clear()
+            self.phase = Phase.IDLE
+            for p in voters:
+                out.append(Send(p, m.TopologyUpdated(epoch=self.epoch)))
+            return
+        self.attempts = 0
+        self._start_round(accepted + pending, out)
+
+    def _start_round(self, members: list[int], out: list[Command]) -> None:
+        if not members:
+            self.round = None
+            self.phase = Phase.IDLE
+            self.votes.clear()
+            return
+        self.epoch += 1
+        self.phase = Phase.ESTABLISH_P2P
+        members = sorted(members)  # join order: peer ids are handed out increasingly
+        self.round = Round(self.epoch, members)
+        for ring in self._rings_of(members).values():
+            for i, p in enumerate(ring):
+                nxt = ring[(i + 1) % len(ring)] if len(ring) > 1 else -1
+                out.append(Send(p, m.EstablishP2P(
+                    epoch=self.epoch,
+                    ring=list(ring),
+                    next_id=nxt,
+                    next_addr=self.peers[nxt].p2p_addr if nxt >= 0 else "",
+                )))
+
+    def _rings_of(self, members: list[int]) -> dict[int, list[int]]:
+        rings: dict[int, list[int]] = {}
+        for p in members:
+            rings.setdefault(self.peers[p].peer_group, []).append(p)
+        return rings
+
+    def _maybe_finish_round(self, out: list[Command]) -> None:
+        rnd = self.round
+        assert rnd is not None
+        if not set(rnd.members) <= rnd.reported:
+            return
+        if rnd.unreachable:
+            self.attempts += 1
+            for p in sorted(rnd.unreachable):
+                self.peers.pop(p)
+                self.votes.discard(p)
+                out.append(Disconnect(p, "unreachable by its ring neighbour over p2p"))
+            remaining = [p for p in rnd.members if p not in rnd.unreachable]
+            if self.attempts < self.max_establish_attempts:
+                self._start_round(remaining, out)
+                return
+            self.round = None
+            self.phase = Phase.IDLE
+            voters = sorted(self.votes)
+            self.votes.clear()
+            self.rings_stale = True
+            for p in voters:
+                out.append(Send(p, m.TopologyUpdateFailed(
+                    message=f"p2p rings could not be formed after {self.attempts} attempts")))
+            self._admit_if_nobody_accepted(out)
+            return
+        for p in rnd.members:
+            self.peers[p].status = PeerStatus.ACCEPTED
+        self.rings = self._rings_of(rnd.members)
+        self.rings_stale = False
+        self.round = None
+        self.phase = Phase.IDLE
+        self.votes.clear()
+        self._broadcast_world(rnd.members, out)
+        for p in rnd.members:
+            out.append(Send(p, m.TopologyUpdated(epoch=rnd.epoch)))
+
+    def _broadcast_world(self, targets: list[int], out: list[Command]) -> None:
+        sizes = self.group_sizes()
+        total = sum(sizes.values())
+        largest = max(sizes.values(), default=0)
+        for p in targets:
+            group = self.peers[p].peer_group
+            out.append(Send(p, m.WorldInfo(
+                epoch=self.epoch,
+                ring=list(self.rings.get(group, [])),
+                global_world_size=total,
+                peer_group_world_size=sizes.get(group, 0),
+                num_peer_groups=len(sizes),
+                largest_peer_group_world_size=largest,
+            )))

@@ -1,0 +1,84 @@
+"""msgpack encoding of messages, with strict validation on decode, and framing."""
+
+from __future__ import annotations
+
+import dataclasses
+import struct
+import typing
+
+import msgpack
+
+from pccl.errors import ProtocolError
+from pccl.protocol.messages import REGISTRY, Message
+
+#: Default hard cap on one control-plane frame (bytes, excluding the 4-byte prefix).
+MAX_FRAME = 16 * 1024 * 1024
+
+_LEN = struct.Struct(">I")
+
+# Field validators, derived once per message class from its annotations.
+_Check = typing.Callable[[object], bool]
+
+
+def _checker(tp: object) -> _Check:
+    origin = typing.get_origin(tp)
+    if tp is int:
+        return lambda v: isinstance(v, int) and not isinstance(v, bool)
+    if tp is float:
+        return lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)
+    if tp in (str, bytes, bool):
+        return lambda v: isinstance(v, tp)  # type: ignore[arg-type]
+    if origin is list:
+        (inner,) = typing.get_args(tp)
+        check = _checker(inner)
+        return lambda v: isinstance(v, list) and all(check(x) for x in v)
+    raise TypeError(f"unsupported message field type {tp!r}")
+
+
+_FIELDS: dict[type[Message], dict[str, _Check]] = {}
+for _cls in REGISTRY.values():
+    _hints = typing.get_type_hints(_cls)
+    _FIELDS[_cls] = {f.name: _checker(_hints[f.name]) for f in dataclasses.fields(_cls)}
+
+
+def encode(msg: Message) -> bytes:
+    body = {"t": msg.TYPE}
+    for name in _FIELDS[type(msg)]:
+        body[name] = getattr(msg, name)
+    return msgpack.packb(body, use_bin_type=True)
+
+
+def frame(msg: Message) -> bytes:
+    """The wire form of ``msg``: length prefix and body."""
+    body = encode(msg)
+    return _LEN.pack(len(body)) + body
+
+
+def decode(data: bytes) -> Message:
+    """Decodes and validates one frame body; anything unexpected is ``ProtocolError``."""
+    try:
+        body = msgpack.unpackb(data, raw=False, strict_map_key=True, use_list=True)
+    except Exception as e:  # msgpack raises several unrelated types on garbage
+        raise ProtocolError(f"undecodable frame ({type(e).__name__}: {e})") from None
+    if not isinstance(body, dict):
+        raise ProtocolError("frame is not a msgpack map")
+    cls = REGISTRY.get(body.pop("t", None))  # type: ignore[arg-type]
+    if cls is None:
+        raise ProtocolError("frame has a missing or unknown message type")
+    fields = _FIELDS[cls]
+    if body.keys() != fields.keys():
+        raise ProtocolError(
+            f"{cls.TYPE} frame has fields {sorted(body)}, expected {sorted(fields)}"
+        )
+    for name, check in fields.items():
+        if not check(body[name]):
+            raise ProtocolError(f"{cls.TYPE}.{name} has the wrong type")
+    return cls(**body)
+
+
+def parse_length(prefix: bytes, max_frame: int) -> int:
+    """Reads a length prefix, refusing anything over ``max_frame`` before allocating."""
+    (n,) = _LEN.unpack(prefix)
+    if n > max_frame:
+        raise ProtocolError(f"frame of {n} bytes exceeds the limit of {max_frame} bytes")
+    return n

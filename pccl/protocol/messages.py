@@ -1,0 +1,195 @@
+"""Control-plane messages: frozen dataclasses, one per message type.
+
+A message's wire form is a msgpack map of its fields plus ``"t"`` (its ``TYPE``). Field
+types are checked on decode, so a peer can never hand the master a ``str`` where an
+``int`` belongs. Direction is noted as P->M (peer to master) or M->P.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar
+
+#: Bumped on every incompatible change; checked in the handshake.
+PROTOCOL_VERSION = 1
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Message:
+    TYPE: ClassVar[str] = ""
+
+
+REGISTRY: dict[str, type[Message]] = {}
+
+
+def message(cls: type[Message]) -> type[Message]:
+    """Registers a message class under its TYPE."""
+    assert cls.TYPE and cls.TYPE not in REGISTRY, cls
+    REGISTRY[cls.TYPE] = cls
+    return cls
+
+
+# --- handshake ----------------------------------------------------------------------
+
+
+@message
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Challenge(Message):
+    """M->P, first frame on every connection."""
+
+    TYPE: ClassVar[str] = "challenge"
+    version: int
+    nonce: bytes
+    auth: bool
+
+
+@message
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Hello(Message):
+    """P->M. ``mac`` is HMAC(secret, "pccl-peer" | master nonce | peer nonce) or empty."""
+
+    TYPE: ClassVar[str] = "hello"
+    version: int
+    peer_group: int
+    p2p_port: int
+    p2p_host: str  # "" = the address the master sees the connection from
+    nonce: bytes
+    mac: bytes
+
+
+@message
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Welcome(Message):
+    """M->P. ``mac`` is HMAC(secret, "pccl-master" | peer nonce | master nonce) or empty."""
+
+    TYPE: ClassVar[str] = "welcome"
+    peer_id: int
+    mac: bytes
+    heartbeat_interval: float
+    heartbeat_timeout: float
+
+
+@message
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Reject(Message):
+    """M->P, then the master closes the connection. ``kind`` names a pccl error class."""
+
+    TYPE: ClassVar[str] = "reject"
+    kind: str
+    message: str
+
+
+# --- liveness -----------------------------------------------------------------------
+
+
+@message
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Ping(Message):
+    TYPE: ClassVar[str] = "ping"
+    seq: int
+
+
+@message
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Pong(Message):
+    TYPE: ClassVar[str] = "pong"
+    seq: int
+
+
+# --- membership ---------------------------------------------------------------------
+
+
+@message
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class UpdateTopology(Message):
+    """P->M: this accepted peer votes to admit joiners and re-form the rings."""
+
+    TYPE: ClassVar[str] = "update_topology"
+
+
+@message
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class EstablishP2P(Message):
+    """M->P: connect your pool to ``next_id`` at ``next_addr`` for ``epoch``.
+
+    ``ring`` is the peer group's ring in order; a ring of one has ``next_id == -1``.
+    """
+
+    TYPE: ClassVar[str] = "establish_p2p"
+    epoch: int
+    ring: list[int]
+    next_id: int
+    next_addr: str
+
+
+@message
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class P2PReport(Message):
+    """P->M: outcome of EstablishP2P; ``failed`` lists peers that could not be reached."""
+
+    TYPE: ClassVar[str] = "p2p_report"
+    epoch: int
+    failed: list[int]
+
+
+@message
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class WorldInfo(Message):
+    """M->P: the peer's view of the run (sent on every membership change)."""
+
+    TYPE: ClassVar[str] = "world"
+    epoch: int
+    ring: list[int]
+    global_world_size: int
+    peer_group_world_size: int
+    num_peer_groups: int
+    largest_peer_group_world_size: int
+
+
+@message
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TopologyUpdated(Message):
+    """M->P: the vote is done; the peer is accepted and its pools are up."""
+
+    TYPE: ClassVar[str] = "topology_updated"
+    epoch: int
+
+
+@message
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TopologyUpdateFailed(Message):
+    TYPE: ClassVar[str] = "topology_update_failed"
+    message: str
+
+
+@message
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PendingQuery(Message):
+    TYPE: ClassVar[str] = "pending_query"
+    req: int
+
+
+@message
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PendingAnswer(Message):
+    TYPE: ClassVar[str] = "pending_answer"
+    req: int
+    pending: bool
+
+
+@message
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Leave(Message):
+    """P->M: graceful leave; the master drops the peer and closes the connection."""
+
+    TYPE: ClassVar[str] = "leave"
+
+
+@message
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ErrorReply(Message):
+    """M->P: a request was refused. ``kind`` names a pccl error class."""
+
+    TYPE: ClassVar[str] = "error"
+    kind: str
+    message: str
