@@ -4,6 +4,7 @@
 pub mod error;
 pub mod net;
 pub mod py;
+pub mod reduce;
 pub mod runtime;
 
 use pyo3::prelude::*;

@@ -55,6 +55,7 @@ pub struct Node {
     cfg: NodeConfig,
     /// Known only after the master welcomed us; the listener binds before that.
     peer_id: AtomicU64,
+    id_known: Notify,
     local_addr: SocketAddr,
     inbound: Mutex<HashMap<PoolKey, Pool>>,
     outbound: Mutex<HashMap<PoolKey, Vec<TcpStream>>>,
@@ -77,6 +78,7 @@ impl Node {
             .map_err(|e| CoreError::io("reading the p2p listener address", e))?;
         let node = Arc::new(Node {
             peer_id: AtomicU64::new(cfg.peer_id),
+            id_known: Notify::new(),
             cfg,
             local_addr,
             inbound: Mutex::new(HashMap::new()),
@@ -124,7 +126,23 @@ impl Node {
     }
 
     pub fn set_peer_id(&self, id: u64) {
-        self.peer_id.store(id, Ordering::Release)
+        self.peer_id.store(id, Ordering::Release);
+        self.id_known.notify_waiters();
+    }
+
+    /// Our id, waiting for it if the master has not told us yet (a neighbour may dial
+    /// us a moment before our own welcome message has been processed).
+    async fn known_peer_id(&self) -> u64 {
+        loop {
+            let notified = self.id_known.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            let id = self.peer_id();
+            if id != 0 {
+                return id;
+            }
+            notified.await;
+        }
     }
 
     pub fn config(&self) -> &NodeConfig {
@@ -157,10 +175,10 @@ impl Node {
         let secret = self.cfg.secret.clone();
         let result = tokio::select! {
             _ = self.cancel.cancelled() => return,
-            r = tokio::time::timeout(
-                self.cfg.handshake_timeout,
-                handshake::accept(&mut stream, secret.as_deref(), self.peer_id()),
-            ) => r,
+            r = tokio::time::timeout(self.cfg.handshake_timeout, async {
+                let own = self.known_peer_id().await;
+                handshake::accept(&mut stream, secret.as_deref(), own).await
+            }) => r,
         };
         let hello = match result {
             Ok(Ok(h)) => h,

@@ -1,0 +1,20 @@
+"""Test support for pccl and for code built on it.
+
+- :class:`Cluster`: an in-process master and N accepted communicators in one event loop.
+- :class:`PeerProcess`: a peer in a real subprocess, driven over stdin/stdout, that a test
+  can SIGKILL or SIGSTOP.
+- :class:`LinkEmulator`: a userspace TCP proxy adding latency, bandwidth caps and faults.
+- The pytest plugin (``pccl.testing.plugin``, auto-registered) provides fixtures.
+"""
+
+from pccl.testing.cluster import Cluster, connect_all
+from pccl.testing.processes import PeerProcess
+
+__all__ = ["Cluster", "PeerProcess", "connect_all"]
+
+try:  # the emulator is optional at import time while it is being developed
+    from pccl.testing.link_emulator import LinkEmulator  # noqa: F401
+
+    __all__.append("LinkEmulator")
+except ImportError:  # pragma: no cover
+    pass

@@ -1,0 +1,105 @@
+"""In-process clusters: a MasterNode and N Communicators sharing one event loop."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from types import TracebackType
+from typing import Any
+
+from pccl.communicator import Communicator
+from pccl.master.server import MasterNode
+
+
+async def connect_all(master: MasterNode, comms: Sequence[Communicator]) -> None:
+    """Connects ``comms`` to an in-process ``master`` and admits them all.
+
+    Peers that are already accepted vote in one ``update_topology()``; if none is, the
+    first connects alone (the master admits it without a vote) and then admits the rest.
+    """
+    accepted = [c for c in comms if c.state.name == "ACCEPTED"]
+    fresh = [c for c in comms if c.state.name == "NEW"]
+    if not accepted and fresh:
+        await fresh[0].connect()
+        accepted, fresh = [fresh[0]], fresh[1:]
+    if not fresh:
+        return
+    before = len(master.state.pending())
+    joins = [asyncio.create_task(c.connect()) for c in fresh]
+    try:
+        await master.wait_for(lambda s: len(s.pending()) >= before + len(fresh))
+        await asyncio.gather(*(c.update_topology() for c in accepted))
+        await asyncio.gather(*joins)
+    except BaseException:
+        for t in joins:
+            t.cancel()
+        await asyncio.gather(*joins, return_exceptions=True)
+        raise
+
+
+class Cluster:
+    """A master plus ``n`` accepted peers; everything is closed on exit.
+
+    Example::
+
+        async with Cluster(3, pool_size=2) as cluster:
+            await asyncio.gather(*(c.update_topology() for c in cluster.comms))
+    """
+
+    def __init__(
+        self,
+        n: int,
+        *,
+        groups: Sequence[int] | None = None,
+        pool_size: int = 2,
+        secret: bytes | None = None,
+        master_kwargs: dict[str, Any] | None = None,
+        comm_kwargs: dict[str, Any] | None = None,
+    ) -> None:
+        self.n = n
+        self.groups = list(groups) if groups is not None else [0] * n
+        if len(self.groups) != n:
+            raise ValueError("groups must have one entry per peer")
+        self.pool_size = pool_size
+        self.secret = secret
+        self.master_kwargs = {"heartbeat_interval": 0.25, "heartbeat_timeout": 3.0,
+                              **(master_kwargs or {})}
+        self.comm_kwargs = comm_kwargs or {}
+        self.master = MasterNode(listen="127.0.0.1:0", secret=secret, **self.master_kwargs)
+        self.comms: list[Communicator] = []
+
+    def new_comm(self, group: int = 0, **kwargs: Any) -> Communicator:
+        """A fresh (not yet connected) communicator for this cluster's master."""
+        comm = Communicator(master=self.master.address, peer_group=group,
+                            p2p_connection_pool_size=self.pool_size, secret=self.secret,
+                            **{**self.comm_kwargs, **kwargs})
+        self.comms.append(comm)
+        return comm
+
+    async def __aenter__(self) -> Cluster:
+        await self.master.start()
+        try:
+            for g in self.groups:
+                self.new_comm(g)
+            await connect_all(self.master, self.comms)
+        except BaseException:
+            await self.close()
+            raise
+        return self
+
+    async def admit(self, comms: Sequence[Communicator]) -> None:
+        """Connects new communicators while every accepted one votes them in."""
+        live = [c for c in self.comms if c.state.name == "ACCEPTED"]
+        await connect_all(self.master, [*live, *comms])
+
+    async def close(self) -> None:
+        await asyncio.gather(*(c.close() for c in self.comms), return_exceptions=True)
+        await self.master.stop()
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()

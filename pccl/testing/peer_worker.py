@@ -1,0 +1,113 @@
+"""A pccl peer in its own process, remote-controlled over stdin/stdout (JSON lines).
+
+Run by :class:`pccl.testing.PeerProcess`; not meant to be started by hand::
+
+    python -m pccl.testing.peer_worker --master 127.0.0.1:48148 --group 0 --pool 2
+
+Requests are ``{"id": n, "cmd": name, ...args}``; each gets one reply
+``{"id": n, "ok": true, "value": ...}`` or ``{"id": n, "ok": false, "kind": ErrorClass,
+"message": ...}``. Requests run concurrently. The worker first prints
+``{"event": "accepted", "peer_id": ...}`` (or ``{"event": "failed", ...}`` and exits 1).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import sys
+from typing import Any
+
+import pccl
+
+
+def _emit(obj: dict[str, Any]) -> None:
+    sys.stdout.write(json.dumps(obj) + "\n")
+    sys.stdout.flush()
+
+
+class Worker:
+    def __init__(self, comm: pccl.Communicator) -> None:
+        self.comm = comm
+        self.closed = asyncio.Event()
+
+    async def cmd_update_topology(self) -> None:
+        await self.comm.update_topology()
+
+    async def cmd_are_peers_pending(self) -> bool:
+        return await self.comm.are_peers_pending()
+
+    async def cmd_attributes(self) -> dict[str, int]:
+        return {a.name: self.comm.get_attribute(a) for a in pccl.Attribute}
+
+    async def cmd_info(self) -> dict[str, Any]:
+        return {"peer_id": self.comm.peer_id, "epoch": self.comm.epoch,
+                "ring": self.comm.ring, "pools": list(self.comm.p2p_pool_counts())}
+
+    async def cmd_close(self) -> None:
+        await self.comm.close()
+        self.closed.set()
+
+    async def run_request(self, req: dict[str, Any]) -> None:
+        rid = req.pop("id", None)
+        name = req.pop("cmd", "")
+        handler = getattr(self, f"cmd_{name}", None)
+        try:
+            if handler is None:
+                raise pccl.InvalidArgumentError(f"unknown command {name!r}")
+            value = await handler(**req)
+            _emit({"id": rid, "ok": True, "value": value})
+        except Exception as e:  # reported to the test, which asserts on the kind
+            _emit({"id": rid, "ok": False, "kind": type(e).__name__, "message": str(e)})
+
+
+async def _main(args: argparse.Namespace) -> int:
+    comm = pccl.Communicator(master=args.master, peer_group=args.group,
+                             p2p_connection_pool_size=args.pool,
+                             secret=bytes.fromhex(args.secret_hex) if args.secret_hex else None)
+    try:
+        await comm.connect(n_attempts=args.attempts)
+    except pccl.PCCLError as e:
+        _emit({"event": "failed", "kind": type(e).__name__, "message": str(e)})
+        return 1
+    _emit({"event": "accepted", "peer_id": comm.peer_id})
+    worker = Worker(comm)
+    loop = asyncio.get_running_loop()
+    reader = asyncio.StreamReader()
+    await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
+    tasks: set[asyncio.Task[None]] = set()
+    closed = asyncio.create_task(worker.closed.wait())
+    while not worker.closed.is_set():
+        read = asyncio.create_task(reader.readline())
+        await asyncio.wait({read, closed}, return_when=asyncio.FIRST_COMPLETED)
+        if not read.done():
+            read.cancel()
+            break
+        line = read.result()
+        if not line:
+            break  # the test went away: leave
+        task = asyncio.create_task(worker.run_request(json.loads(line)))
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
+    await asyncio.gather(*tasks, return_exceptions=True)
+    closed.cancel()
+    await comm.close()
+    return 0
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--master", required=True)
+    parser.add_argument("--group", type=int, default=0)
+    parser.add_argument("--pool", type=int, default=2)
+    parser.add_argument("--attempts", type=int, default=10)
+    parser.add_argument("--secret-hex", default="")
+    parser.add_argument("--log-level", default="WARNING")
+    args = parser.parse_args()
+    logging.basicConfig(level=args.log_level, stream=sys.stderr)
+    sys.exit(asyncio.run(_main(args)))
+
+
+if __name__ == "__main__":
+    main()

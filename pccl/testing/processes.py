@@ -1,0 +1,150 @@
+"""Peers in real subprocesses, for tests that kill, stop or starve a process."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import sys
+from types import TracebackType
+from typing import Any
+
+from pccl.errors import ERROR_KINDS, PCCLError
+
+
+class PeerProcess:
+    """A peer running ``pccl.testing.peer_worker`` in a child process.
+
+    Example::
+
+        async with PeerProcess(master.address) as p:
+            await p.wait_accepted()
+            await p.call("update_topology")
+            p.kill()                     # SIGKILL
+    """
+
+    def __init__(
+        self,
+        master: str,
+        *,
+        group: int = 0,
+        pool_size: int = 2,
+        secret: bytes | None = None,
+        extra_args: list[str] | None = None,
+        reply_timeout: float = 60.0,
+    ) -> None:
+        self.master = master
+        self.group = group
+        self.pool_size = pool_size
+        self.secret = secret
+        self.extra_args = extra_args or []
+        self.reply_timeout = reply_timeout
+        self.proc: asyncio.subprocess.Process | None = None
+        self.peer_id: int | None = None
+        self._replies: dict[int, asyncio.Future[Any]] = {}
+        self._events: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+        self._reader: asyncio.Task[None] | None = None
+        self._next_id = 0
+
+    async def start(self) -> None:
+        args = [sys.executable, "-m", "pccl.testing.peer_worker", "--master", self.master,
+                "--group", str(self.group), "--pool", str(self.pool_size), *self.extra_args]
+        if self.secret:
+            args += ["--secret-hex", self.secret.hex()]
+        self.proc = await asyncio.create_subprocess_exec(
+            *args, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        self._reader = asyncio.create_task(self._read_stdout())
+
+    async def _read_stdout(self) -> None:
+        assert self.proc is not None and self.proc.stdout is not None
+        while line := await self.proc.stdout.readline():
+            msg = json.loads(line)
+            rid = msg.get("id")
+            if rid is not None and rid in self._replies:
+                fut = self._replies.pop(rid)
+                if not fut.done():
+                    fut.set_result(msg)
+            else:
+                self._events.put_nowait(msg)
+        err = ConnectionError(f"peer process exited (code {self.proc.returncode})")
+        for fut in self._replies.values():
+            if not fut.done():
+                fut.set_exception(err)
+        self._replies.clear()
+        self._events.put_nowait({"event": "exited"})
+
+    async def wait_accepted(self, timeout: float = 60.0) -> int:
+        """Waits for the worker's first event; raises its error if it failed."""
+        async with asyncio.timeout(timeout):
+            ev = await self._events.get()
+        if ev.get("event") != "accepted":
+            raise ERROR_KINDS.get(ev.get("kind", ""), PCCLError)(
+                ev.get("message", f"peer process did not join: {ev}"))
+        self.peer_id = int(ev["peer_id"])
+        return self.peer_id
+
+    async def call(self, cmd: str, timeout: float | None = None, **kwargs: Any) -> Any:
+        """Runs ``cmd`` in the worker; returns its value or raises its pccl error."""
+        assert self.proc is not None and self.proc.stdin is not None
+        self._next_id += 1
+        rid = self._next_id
+        fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self._replies[rid] = fut
+        self.proc.stdin.write((json.dumps({"id": rid, "cmd": cmd, **kwargs}) + "\n").encode())
+        await self.proc.stdin.drain()
+        async with asyncio.timeout(timeout or self.reply_timeout):
+            reply = await fut
+        if not reply["ok"]:
+            raise ERROR_KINDS.get(reply["kind"], PCCLError)(reply["message"])
+        return reply["value"]
+
+    def kill(self) -> None:
+        """SIGKILL: the process dies at once, sockets are reset by the kernel."""
+        if self.proc is not None and self.proc.returncode is None:
+            self.proc.kill()
+
+    def stop(self) -> None:
+        """SIGSTOP: the process freezes with its sockets open (a hung peer)."""
+        if self.proc is not None and self.proc.returncode is None:
+            self.proc.send_signal(signal.SIGSTOP)
+
+    def cont(self) -> None:
+        if self.proc is not None and self.proc.returncode is None:
+            self.proc.send_signal(signal.SIGCONT)
+
+    async def close(self) -> None:
+        """Kills the process if it still runs and reaps it."""
+        if self.proc is None:
+            return
+        if self.proc.returncode is None:
+            self.proc.send_signal(signal.SIGCONT)
+            self.proc.kill()
+        await self.proc.wait()
+        if self._reader is not None:
+            with contextlib.suppress(Exception):
+                await self._reader
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()
+            with contextlib.suppress(Exception):
+                await self.proc.stdin.wait_closed()
+        self._transport_close()
+
+    def _transport_close(self) -> None:
+        transport = getattr(self.proc, "_transport", None)
+        if transport is not None:
+            transport.close()
+
+    async def __aenter__(self) -> PeerProcess:
+        await self.start()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()

@@ -1,0 +1,186 @@
+//! Single-threaded throughput of the reduction kernels in `_core::reduce`, next to a plain
+//! memcpy measured in the same run.
+//!
+//! Usage: `cargo run --release --bin reduce_bench -- [--mib N] [--reps N]`
+//! (defaults: 64 MiB per buffer, median of 7 timed runs after one warm-up run).
+//!
+//! Two rates are printed, in GB/s (10^9 bytes per second):
+//! * payload: bytes of one buffer / time, i.e. how fast a chunk of all-reduce data is
+//!   reduced;
+//! * traffic: bytes the operation reads plus writes / time (memcpy 2x the buffer,
+//!   `reduce` and `reduce_inplace` 3x), comparable with the memcpy figure as a
+//!   fraction of memory bandwidth.
+
+use std::hint::black_box;
+use std::time::{Duration, Instant};
+
+use _core::reduce::{finalize, reduce, reduce_inplace, DType, ReduceOp};
+use half::{bf16, f16};
+
+struct Args {
+    mib: usize,
+    reps: usize,
+}
+
+fn parse_args() -> Args {
+    let mut args = Args { mib: 64, reps: 7 };
+    let mut it = std::env::args().skip(1);
+    while let Some(flag) = it.next() {
+        let mut value = |name: &str| -> usize {
+            it.next()
+                .and_then(|v| v.parse().ok())
+                .filter(|&v: &usize| v > 0)
+                .unwrap_or_else(|| panic!("{name} needs a positive integer"))
+        };
+        match flag.as_str() {
+            "--mib" => args.mib = value("--mib"),
+            "--reps" => args.reps = value("--reps"),
+            "-h" | "--help" => {
+                println!("usage: reduce_bench [--mib N] [--reps N]");
+                std::process::exit(0);
+            }
+            other => panic!("unknown argument {other:?} (try --help)"),
+        }
+    }
+    args
+}
+
+/// Median wall time of `reps` runs of `f`, after one untimed warm-up run (which also
+/// faults in any untouched pages).
+fn time_median(reps: usize, mut f: impl FnMut()) -> Duration {
+    f();
+    let mut times: Vec<Duration> = (0..reps)
+        .map(|_| {
+            let t = Instant::now();
+            f();
+            t.elapsed()
+        })
+        .collect();
+    times.sort();
+    times[times.len() / 2]
+}
+
+fn gbps(bytes: usize, t: Duration) -> f64 {
+    bytes as f64 / t.as_secs_f64() / 1e9
+}
+
+/// Fill `buf` with values of `dtype` that keep every op in the normal range: floats in
+/// [0.75, 1.25) (products of a few of them stay far from subnormals), integers arbitrary.
+fn fill(dtype: DType, buf: &mut [u8], seed: u64) {
+    let mut state = seed;
+    let mut next = move || {
+        // xorshift64*
+        state ^= state >> 12;
+        state ^= state << 25;
+        state ^= state >> 27;
+        state.wrapping_mul(0x2545_F491_4F6C_DD1D)
+    };
+    for e in buf.chunks_exact_mut(dtype.size()) {
+        let r = next();
+        let x = 0.75 + (r >> 40) as f64 / (1u64 << 24) as f64 * 0.5;
+        match dtype {
+            DType::F16 => e.copy_from_slice(&f16::from_f64(x).to_le_bytes()),
+            DType::BF16 => e.copy_from_slice(&bf16::from_f64(x).to_le_bytes()),
+            DType::F32 => e.copy_from_slice(&(x as f32).to_le_bytes()),
+            DType::F64 => e.copy_from_slice(&x.to_le_bytes()),
+            _ => e.copy_from_slice(&r.to_le_bytes()[..e.len()]),
+        }
+    }
+}
+
+fn as_bytes(v: &mut [u64]) -> &mut [u8] {
+    // SAFETY: any u64 storage is valid as bytes; the borrow is carried over.
+    unsafe { std::slice::from_raw_parts_mut(v.as_mut_ptr().cast::<u8>(), v.len() * 8) }
+}
+
+fn memcpy_row(label: &str, dst: &mut [u8], src: &[u8], reps: usize) -> f64 {
+    let n = src.len();
+    let t = time_median(reps, || {
+        dst.copy_from_slice(black_box(src));
+        black_box(&mut *dst);
+    });
+    let payload = gbps(n, t);
+    println!(
+        "{label:<26} payload {payload:7.2}  traffic {:7.2}   ({:.2} ms)",
+        gbps(2 * n, t),
+        t.as_secs_f64() * 1e3
+    );
+    payload
+}
+
+fn main() {
+    let args = parse_args();
+    let n = args.mib << 20;
+    let reps = args.reps;
+
+    // u64 storage so every buffer is 8-byte aligned: the kernels' fast path, as for real
+    // tensors.
+    let (mut a64, mut b64, mut d64) = (vec![0u64; n / 8], vec![0u64; n / 8], vec![0u64; n / 8]);
+    let a = as_bytes(&mut a64);
+    let b = as_bytes(&mut b64);
+    let dst = as_bytes(&mut d64);
+
+    println!(
+        "reduce_bench: {} MiB per buffer, single thread, median of {reps} runs; GB/s = 1e9 B/s",
+        args.mib
+    );
+    println!("payload = buffer bytes / time; traffic = bytes read + written / time\n");
+
+    fill(DType::U8, a, 1);
+    let memcpy_start = memcpy_row("memcpy (start)", dst, a, reps);
+    println!();
+
+    println!(
+        "{:<9} {:<5} | {:>22} | {:>22}",
+        "dtype", "op", "reduce  payload/traffic", "inplace payload/traffic"
+    );
+    println!("{}", "-".repeat(67));
+    let mut finalize_rows = Vec::new();
+    for dtype in DType::ALL {
+        fill(dtype, a, 1);
+        fill(dtype, b, 2);
+        for op in ReduceOp::ALL {
+            let t3 = time_median(reps, || {
+                reduce(dtype, op, black_box(&mut *dst), black_box(&*a), black_box(&*b)).unwrap();
+            });
+            // The accumulator keeps accumulating across runs; the inputs are chosen so
+            // this stays in the normal range for the handful of runs done here.
+            dst.copy_from_slice(a);
+            let t2 = time_median(reps, || {
+                reduce_inplace(dtype, op, black_box(&mut *dst), black_box(&*b)).unwrap();
+            });
+            println!(
+                "{:<9} {:<5} | {:9.2} / {:9.2}  | {:9.2} / {:9.2}",
+                dtype.name(),
+                op.name(),
+                gbps(n, t3),
+                gbps(3 * n, t3),
+                gbps(n, t2),
+                gbps(3 * n, t2),
+            );
+        }
+        dst.copy_from_slice(a);
+        let tf = time_median(reps, || {
+            finalize(dtype, ReduceOp::Avg, black_box(&mut *dst), 3).unwrap();
+        });
+        finalize_rows.push((dtype, tf));
+        println!("{}", "-".repeat(67));
+    }
+
+    println!("\nfinalize(avg, world=3), in place: payload / traffic (read + write)");
+    for (dtype, t) in finalize_rows {
+        println!(
+            "{:<9} {:9.2} / {:9.2}",
+            dtype.name(),
+            gbps(n, t),
+            gbps(2 * n, t)
+        );
+    }
+
+    println!();
+    fill(DType::U8, a, 3);
+    let memcpy_end = memcpy_row("memcpy (end)", dst, a, reps);
+    println!(
+        "\nmemcpy payload GB/s: start {memcpy_start:.2}, end {memcpy_end:.2} (same process, same buffers)"
+    );
+}

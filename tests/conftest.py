@@ -1,0 +1,53 @@
+"""Leak checks around every test: no asyncio tasks, sockets, or child processes left."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import os
+from collections.abc import AsyncIterator, Iterator
+
+import pytest
+import pytest_asyncio
+
+
+def _sockets() -> set[str]:
+    out = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:"):
+            out.add(f"{fd}->{target}")
+    return out
+
+
+def _children() -> set[int]:
+    kids: set[int] = set()
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/children") as f:
+                kids.update(int(x) for x in f.read().split())
+        except OSError:
+            continue
+    return kids
+
+
+@pytest.fixture(autouse=True)
+def no_leaked_sockets_or_processes() -> Iterator[None]:
+    socks, kids = _sockets(), _children()
+    yield
+    gc.collect()
+    leaked_kids = _children() - kids
+    assert not leaked_kids, f"child processes left running: {leaked_kids}"
+    leaked = _sockets() - socks
+    assert not leaked, f"sockets left open: {sorted(leaked)}"
+
+
+@pytest_asyncio.fixture(autouse=True)
+async def no_leaked_tasks() -> AsyncIterator[None]:
+    yield
+    me = asyncio.current_task()
+    left = [t for t in asyncio.all_tasks() if t is not me and not t.done()]
+    assert not left, f"tasks left running: {left}"

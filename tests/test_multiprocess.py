@@ -1,0 +1,82 @@
+"""Membership with peers in real processes: join, SIGKILL, SIGSTOP, late join."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+import pccl
+from pccl.testing import Cluster
+
+pytestmark = pytest.mark.multiprocess
+
+
+async def _spawn_and_admit(cluster: Cluster, spawn, n: int, **kwargs) -> list:
+    procs = [await spawn(cluster.master.address, **kwargs) for _ in range(n)]
+    before = len(cluster.master.state.pending())
+    await cluster.master.wait_for(lambda s: len(s.pending()) == before + n, timeout=60)
+    live = [c for c in cluster.comms if c.state.name == "ACCEPTED"]
+    await asyncio.gather(*(c.update_topology() for c in live))
+    for p in procs:
+        await p.wait_accepted()
+    return procs
+
+
+async def test_processes_join_and_see_the_same_world(pccl_peer_process) -> None:
+    async with Cluster(1) as cluster:
+        procs = await _spawn_and_admit(cluster, pccl_peer_process, 3)
+        (local,) = cluster.comms
+        assert local.get_attribute(pccl.Attribute.GLOBAL_WORLD_SIZE) == 4
+        for p in procs:
+            a = await p.call("attributes")
+            assert a["GLOBAL_WORLD_SIZE"] == 4
+            info = await p.call("info")
+            assert info["ring"] == local.ring
+            assert info["pools"] == [1, 1]
+
+
+async def test_sigkilled_peer_is_dropped_and_the_rest_go_on(pccl_peer_process) -> None:
+    async with Cluster(1) as cluster:
+        victim, other = await _spawn_and_admit(cluster, pccl_peer_process, 2)
+        (local,) = cluster.comms
+        victim.kill()
+        await cluster.master.wait_for(lambda s: victim.peer_id not in s.peers, timeout=30)
+        await asyncio.gather(local.update_topology(), other.call("update_topology"))
+        assert local.get_attribute(pccl.Attribute.GLOBAL_WORLD_SIZE) == 2
+        assert (await other.call("attributes"))["GLOBAL_WORLD_SIZE"] == 2
+        assert (await other.call("info"))["pools"] == [1, 1]
+
+
+async def test_stopped_peer_is_dropped_by_heartbeat(pccl_peer_process) -> None:
+    async with Cluster(1, master_kwargs={"heartbeat_interval": 0.1,
+                                         "heartbeat_timeout": 1.0}) as cluster:
+        (stopped,) = await _spawn_and_admit(cluster, pccl_peer_process, 1)
+        (local,) = cluster.comms
+        stopped.stop()  # SIGSTOP: sockets stay open, nothing answers
+        vote = asyncio.create_task(local.update_topology())
+        await cluster.master.wait_for(lambda s: stopped.peer_id not in s.peers, timeout=30)
+        await vote
+        assert local.get_attribute(pccl.Attribute.GLOBAL_WORLD_SIZE) == 1
+
+
+async def test_process_with_wrong_secret_is_refused(pccl_peer_process) -> None:
+    async with Cluster(1, secret=b"good") as cluster:
+        bad = await pccl_peer_process(cluster.master.address, secret=b"evil",
+                                      extra_args=["--attempts", "1"])
+        with pytest.raises(pccl.AuthenticationError):
+            await bad.wait_accepted()
+        good = await pccl_peer_process(cluster.master.address, secret=b"good")
+        await cluster.master.wait_for(lambda s: len(s.pending()) == 1, timeout=60)
+        await cluster.comms[0].update_topology()
+        await good.wait_accepted()
+
+
+async def test_graceful_close_of_a_process(pccl_peer_process) -> None:
+    async with Cluster(1) as cluster:
+        (p,) = await _spawn_and_admit(cluster, pccl_peer_process, 1)
+        await p.call("close")
+        await cluster.master.wait_for(lambda s: len(s.peers) == 1, timeout=30)
+        assert p.proc is not None
+        async with asyncio.timeout(30):
+            assert await p.proc.wait() == 0

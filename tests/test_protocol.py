@@ -1,0 +1,83 @@
+"""Control-plane codec: round trips, validation, framing limits."""
+
+from __future__ import annotations
+
+import dataclasses
+import struct
+
+import msgpack
+import pytest
+from hypothesis import given
+from hypothesis import strategies as hs
+
+from pccl.errors import ProtocolError
+from pccl.protocol import codec
+from pccl.protocol import messages as m
+
+EXAMPLES: list[m.Message] = [
+    m.Challenge(version=1, nonce=b"\x00" * 16, auth=True),
+    m.Hello(version=1, peer_group=3, p2p_port=1234, p2p_host="", nonce=b"n", mac=b"m"),
+    m.Welcome(peer_id=7, mac=b"", heartbeat_interval=0.5, heartbeat_timeout=2),
+    m.Reject(kind="AuthenticationError", message="no"),
+    m.Ping(seq=1),
+    m.Pong(seq=1),
+    m.UpdateTopology(),
+    m.EstablishP2P(epoch=2, ring=[1, 2, 3], next_id=2, next_addr="127.0.0.1:9"),
+    m.P2PReport(epoch=2, failed=[3]),
+    m.WorldInfo(epoch=1, ring=[1], global_world_size=1, peer_group_world_size=1,
+                num_peer_groups=1, largest_peer_group_world_size=1),
+    m.TopologyUpdated(epoch=4),
+    m.TopologyUpdateFailed(message="x"),
+    m.PendingQuery(req=9),
+    m.PendingAnswer(req=9, pending=False),
+    m.Leave(),
+    m.ErrorReply(kind="InvalidUsageError", message="y"),
+]
+
+
+def test_every_registered_message_has_an_example() -> None:
+    assert {type(e) for e in EXAMPLES} == set(m.REGISTRY.values())
+
+
+@pytest.mark.parametrize("msg", EXAMPLES, ids=lambda x: x.TYPE)
+def test_round_trip(msg: m.Message) -> None:
+    assert codec.decode(codec.encode(msg)) == msg
+    wire = codec.frame(msg)
+    (n,) = struct.unpack(">I", wire[:4])
+    assert n == len(wire) - 4
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b"",
+        b"\xc1",  # never-used msgpack byte
+        msgpack.packb([1, 2, 3]),
+        msgpack.packb({"t": "no-such-type"}),
+        msgpack.packb({"seq": 1}),
+        msgpack.packb({"t": "ping"}),  # missing field
+        msgpack.packb({"t": "ping", "seq": 1, "extra": 2}),
+        msgpack.packb({"t": "ping", "seq": "1"}),
+        msgpack.packb({"t": "ping", "seq": True}),
+        msgpack.packb({"t": "p2p_report", "epoch": 1, "failed": ["x"]}),
+        msgpack.packb({1: 2}),
+    ],
+)
+def test_malformed_bodies_are_protocol_errors(body: bytes) -> None:
+    with pytest.raises(ProtocolError):
+        codec.decode(body)
+
+
+def test_length_prefix_over_cap_is_refused_before_reading() -> None:
+    with pytest.raises(ProtocolError, match="exceeds"):
+        codec.parse_length(struct.pack(">I", 0xFFFFFFFF), codec.MAX_FRAME)
+    assert codec.parse_length(struct.pack(">I", 10), 10) == 10
+
+
+@given(hs.binary(max_size=512))
+def test_random_bytes_never_crash_the_decoder(data: bytes) -> None:
+    try:
+        msg = codec.decode(data)
+    except ProtocolError:
+        return
+    assert dataclasses.is_dataclass(msg)
