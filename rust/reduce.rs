@@ -258,7 +258,7 @@ pub fn finalize(dtype: DType, op: ReduceOp, buf: &mut [u8], world: usize) -> Cor
 }
 
 fn check_len(func: &str, dtype: DType, what: &str, len: usize) -> CoreResult<()> {
-    if len % dtype.size() != 0 {
+    if !len.is_multiple_of(dtype.size()) {
         return Err(CoreError::InvalidArgument(format!(
             "{func}: {what} is {len} bytes, which is not a whole number of {} elements \
              ({} bytes each)",
@@ -350,7 +350,10 @@ pod_float!(f32, f64, f16, bf16);
 #[inline(always)]
 fn view<T: Pod>(bytes: &[u8]) -> Option<&[T]> {
     let p = bytes.as_ptr().cast::<T>();
-    if cfg!(target_endian = "little") && p.is_aligned() && bytes.len() % size_of::<T>() == 0 {
+    if cfg!(target_endian = "little")
+        && p.is_aligned()
+        && bytes.len().is_multiple_of(size_of::<T>())
+    {
         // SAFETY: aligned, in bounds, and every bit pattern is a valid `T` (`Pod`).
         Some(unsafe { std::slice::from_raw_parts(p, bytes.len() / size_of::<T>()) })
     } else {
@@ -362,7 +365,10 @@ fn view<T: Pod>(bytes: &[u8]) -> Option<&[T]> {
 #[inline(always)]
 fn view_mut<T: Pod>(bytes: &mut [u8]) -> Option<&mut [T]> {
     let p = bytes.as_mut_ptr().cast::<T>();
-    if cfg!(target_endian = "little") && p.is_aligned() && bytes.len() % size_of::<T>() == 0 {
+    if cfg!(target_endian = "little")
+        && p.is_aligned()
+        && bytes.len().is_multiple_of(size_of::<T>())
+    {
         // SAFETY: as in `view`, and the exclusive borrow is carried over.
         Some(unsafe { std::slice::from_raw_parts_mut(p, bytes.len() / size_of::<T>()) })
     } else {
@@ -806,7 +812,7 @@ mod tests {
         let specials: &[f64] = &[0.0, -0.0, f64::NAN, f64::INFINITY, f64::NEG_INFINITY, 1.0];
         if dtype.is_float() {
             for (i, &s) in specials.iter().enumerate() {
-                if i < n && rng.next() % 3 == 0 {
+                if i < n && rng.next().is_multiple_of(3) {
                     let at = (rng.next() as usize % n) * dtype.size();
                     let enc: Vec<u8> = match dtype {
                         DType::F16 => f16::from_f64(s).to_le_bytes().to_vec(),
@@ -832,24 +838,28 @@ mod tests {
         match op {
             ReduceOp::Sum | ReduceOp::Avg | ReduceOp::Prod => {
                 let r = if op == ReduceOp::Prod { a * b } else { a + b };
-                if r.is_nan_() {
+                if r.nan_() {
                     F::qnan()
                 } else {
                     r
                 }
             }
             ReduceOp::Max | ReduceOp::Min => {
-                if a.is_nan_() {
+                if a.nan_() {
                     return a;
                 }
-                if b.is_nan_() {
+                if b.nan_() {
                     return b;
                 }
-                if a.is_zero_() && b.is_zero_() {
+                if a.zero_() && b.zero_() {
                     // -0 < +0
-                    let a_neg = a.is_sign_negative_();
-                    let b_neg = b.is_sign_negative_();
-                    let pick_a = if op == ReduceOp::Max { !a_neg || b_neg } else { a_neg || !b_neg };
+                    let a_neg = a.neg_();
+                    let b_neg = b.neg_();
+                    let pick_a = if op == ReduceOp::Max {
+                        !a_neg || b_neg
+                    } else {
+                        a_neg || !b_neg
+                    };
                     return if pick_a { a } else { b };
                 }
                 let a_wins = if op == ReduceOp::Max { a >= b } else { a <= b };
@@ -864,21 +874,37 @@ mod tests {
 
     trait FloatBits {
         fn qnan() -> Self;
-        fn is_nan_(self) -> bool;
-        fn is_zero_(self) -> bool;
-        fn is_sign_negative_(self) -> bool;
+        fn nan_(self) -> bool;
+        fn zero_(self) -> bool;
+        fn neg_(self) -> bool;
     }
     impl FloatBits for f32 {
-        fn qnan() -> Self { f32::from_bits(0x7FC0_0000) }
-        fn is_nan_(self) -> bool { self.is_nan() }
-        fn is_zero_(self) -> bool { self == 0.0 }
-        fn is_sign_negative_(self) -> bool { self.is_sign_negative() }
+        fn qnan() -> Self {
+            f32::from_bits(0x7FC0_0000)
+        }
+        fn nan_(self) -> bool {
+            self.is_nan()
+        }
+        fn zero_(self) -> bool {
+            self == 0.0
+        }
+        fn neg_(self) -> bool {
+            self.is_sign_negative()
+        }
     }
     impl FloatBits for f64 {
-        fn qnan() -> Self { f64::from_bits(0x7FF8_0000_0000_0000) }
-        fn is_nan_(self) -> bool { self.is_nan() }
-        fn is_zero_(self) -> bool { self == 0.0 }
-        fn is_sign_negative_(self) -> bool { self.is_sign_negative() }
+        fn qnan() -> Self {
+            f64::from_bits(0x7FF8_0000_0000_0000)
+        }
+        fn nan_(self) -> bool {
+            self.is_nan()
+        }
+        fn zero_(self) -> bool {
+            self == 0.0
+        }
+        fn neg_(self) -> bool {
+            self.is_sign_negative()
+        }
     }
 
     macro_rules! ref_int {
@@ -958,7 +984,9 @@ mod tests {
 
     /// Lengths (in elements) that hit empty input, tails, and block boundaries of both the
     /// staged path (4096 bytes) and the 16-bit path (2048 elements).
-    const LENS: &[usize] = &[0, 1, 3, 7, 8, 33, 511, 512, 513, 1024, 2047, 2048, 2049, 4100, 9000];
+    const LENS: &[usize] = &[
+        0, 1, 3, 7, 8, 33, 511, 512, 513, 1024, 2047, 2048, 2049, 4100, 9000,
+    ];
 
     fn hex_diff(dtype: DType, got: &[u8], want: &[u8]) -> String {
         let sz = dtype.size();
@@ -1102,7 +1130,12 @@ mod tests {
                 for off in [1, 2, 3, 5] {
                     let mut shifted = Buf::new(&data, off);
                     finalize(dtype, ReduceOp::Avg, shifted.bytes_mut(), 3).unwrap();
-                    assert_eq!(shifted.bytes(), aligned.bytes(), "{} n={n} off={off}", dtype.name());
+                    assert_eq!(
+                        shifted.bytes(),
+                        aligned.bytes(),
+                        "{} n={n} off={off}",
+                        dtype.name()
+                    );
                 }
             }
         }
@@ -1141,19 +1174,37 @@ mod tests {
     #[test]
     fn integer_sum_and_prod_wrap() {
         use ReduceOp::*;
-        assert_eq!(vals!(i8, DType::I8, Sum, [127i8, -128, -1], [1i8, -1, 1]), [-128, 127, 0]);
+        assert_eq!(
+            vals!(i8, DType::I8, Sum, [127i8, -128, -1], [1i8, -1, 1]),
+            [-128, 127, 0]
+        );
         assert_eq!(vals!(u8, DType::U8, Sum, [255u8, 200], [1u8, 100]), [0, 44]);
-        assert_eq!(vals!(i8, DType::I8, Prod, [64i8, -128, 16], [2i8, -1, 16]), [-128, -128, 0]);
+        assert_eq!(
+            vals!(i8, DType::I8, Prod, [64i8, -128, 16], [2i8, -1, 16]),
+            [-128, -128, 0]
+        );
         assert_eq!(vals!(u8, DType::U8, Prod, [16u8, 255], [16u8, 255]), [0, 1]);
         assert_eq!(vals!(i16, DType::I16, Sum, [i16::MAX], [1i16]), [i16::MIN]);
         assert_eq!(vals!(u16, DType::U16, Prod, [256u16], [256u16]), [0]);
-        assert_eq!(vals!(i32, DType::I32, Sum, [i32::MAX, i32::MIN], [i32::MAX, -1]), [-2, i32::MAX]);
+        assert_eq!(
+            vals!(i32, DType::I32, Sum, [i32::MAX, i32::MIN], [i32::MAX, -1]),
+            [-2, i32::MAX]
+        );
         assert_eq!(vals!(i32, DType::I32, Prod, [65536i32], [65536i32]), [0]);
-        assert_eq!(vals!(u32, DType::U32, Sum, [u32::MAX], [u32::MAX]), [u32::MAX - 1]);
+        assert_eq!(
+            vals!(u32, DType::U32, Sum, [u32::MAX], [u32::MAX]),
+            [u32::MAX - 1]
+        );
         assert_eq!(vals!(i64, DType::I64, Sum, [i64::MIN], [-1i64]), [i64::MAX]);
-        assert_eq!(vals!(i64, DType::I64, Prod, [i64::MIN], [-1i64]), [i64::MIN]);
+        assert_eq!(
+            vals!(i64, DType::I64, Prod, [i64::MIN], [-1i64]),
+            [i64::MIN]
+        );
         assert_eq!(vals!(u64, DType::U64, Sum, [u64::MAX], [2u64]), [1]);
-        assert_eq!(vals!(u64, DType::U64, Prod, [1u64 << 32], [1u64 << 32]), [0]);
+        assert_eq!(
+            vals!(u64, DType::U64, Prod, [1u64 << 32], [1u64 << 32]),
+            [0]
+        );
         // Avg accumulates the wrapped sum.
         assert_eq!(vals!(i8, DType::I8, Avg, [100i8], [100i8]), [-56]);
     }
@@ -1161,12 +1212,30 @@ mod tests {
     #[test]
     fn integer_max_min_exact() {
         use ReduceOp::*;
-        assert_eq!(vals!(i8, DType::I8, Max, [-128i8, 127, -1], [127i8, -128, 0]), [127, 127, 0]);
-        assert_eq!(vals!(i8, DType::I8, Min, [-128i8, 127, -1], [127i8, -128, 0]), [-128, -128, -1]);
-        assert_eq!(vals!(u8, DType::U8, Max, [0u8, 255], [255u8, 0]), [255, 255]);
-        assert_eq!(vals!(i64, DType::I64, Min, [i64::MIN, 5], [i64::MAX, -5]), [i64::MIN, -5]);
         assert_eq!(
-            vals!(u64, DType::U64, Max, [u64::MAX, 1 << 63], [u64::MAX - 1, (1 << 63) - 1]),
+            vals!(i8, DType::I8, Max, [-128i8, 127, -1], [127i8, -128, 0]),
+            [127, 127, 0]
+        );
+        assert_eq!(
+            vals!(i8, DType::I8, Min, [-128i8, 127, -1], [127i8, -128, 0]),
+            [-128, -128, -1]
+        );
+        assert_eq!(
+            vals!(u8, DType::U8, Max, [0u8, 255], [255u8, 0]),
+            [255, 255]
+        );
+        assert_eq!(
+            vals!(i64, DType::I64, Min, [i64::MIN, 5], [i64::MAX, -5]),
+            [i64::MIN, -5]
+        );
+        assert_eq!(
+            vals!(
+                u64,
+                DType::U64,
+                Max,
+                [u64::MAX, 1 << 63],
+                [u64::MAX - 1, (1 << 63) - 1]
+            ),
             [u64::MAX, 1 << 63]
         );
         // Values that differ only beyond 2^53 (a float-based max would get this wrong).
@@ -1226,9 +1295,20 @@ mod tests {
         for dtype in FLOATS {
             for op in [ReduceOp::Max, ReduceOp::Min] {
                 // Long enough that the vector loop, not only a scalar tail, sees the NaNs.
-                let many: Vec<(f64, f64)> = pairs.iter().cycle().take(pairs.len() * 40).copied().collect();
+                let many: Vec<(f64, f64)> = pairs
+                    .iter()
+                    .cycle()
+                    .take(pairs.len() * 40)
+                    .copied()
+                    .collect();
                 for (i, r) in float_pairs(dtype, op, &many).into_iter().enumerate() {
-                    assert!(r.is_nan(), "{} {} pair {:?} gave {r}", dtype.name(), op.name(), many[i]);
+                    assert!(
+                        r.is_nan(),
+                        "{} {} pair {:?} gave {r}",
+                        dtype.name(),
+                        op.name(),
+                        many[i]
+                    );
                 }
             }
         }
@@ -1244,8 +1324,10 @@ mod tests {
             let b: Vec<u8> = [n2, n2, 3.0].iter().flat_map(|v| v.to_le_bytes()).collect();
             let mut out = vec![0u8; 12];
             reduce(DType::F32, op, &mut out, &a, &b).unwrap();
-            let bits: Vec<u32> =
-                out.chunks(4).map(|c| u32::from_le_bytes(c.try_into().unwrap())).collect();
+            let bits: Vec<u32> = out
+                .chunks(4)
+                .map(|c| u32::from_le_bytes(c.try_into().unwrap()))
+                .collect();
             assert_eq!(bits, [0x7FC0_0001, 0xFFC0_0002, 0xFFC0_0002]);
         }
     }
@@ -1253,7 +1335,14 @@ mod tests {
     #[test]
     fn max_min_ordinary_and_infinite_values() {
         let inf = f64::INFINITY;
-        let pairs = [(1.0, 2.0), (2.0, 1.0), (-3.5, -3.25), (inf, 5.0), (-inf, -5.0), (7.0, 7.0)];
+        let pairs = [
+            (1.0, 2.0),
+            (2.0, 1.0),
+            (-3.5, -3.25),
+            (inf, 5.0),
+            (-inf, -5.0),
+            (7.0, 7.0),
+        ];
         for dtype in FLOATS {
             assert_eq!(
                 float_pairs(dtype, ReduceOp::Max, &pairs),
@@ -1283,13 +1372,21 @@ mod tests {
     fn float_sum_prod_ieee() {
         let inf = f64::INFINITY;
         for dtype in FLOATS {
-            let s = float_pairs(dtype, ReduceOp::Sum, &[(1.5, 2.25), (inf, 1.0), (-0.0, -0.0), (-0.0, 0.0)]);
+            let s = float_pairs(
+                dtype,
+                ReduceOp::Sum,
+                &[(1.5, 2.25), (inf, 1.0), (-0.0, -0.0), (-0.0, 0.0)],
+            );
             assert_eq!(s[..2], [3.75, inf]);
             assert!(s[2] == 0.0 && s[2].is_sign_negative());
             assert!(s[3] == 0.0 && !s[3].is_sign_negative());
             let nan = float_pairs(dtype, ReduceOp::Sum, &[(inf, -inf)]);
             assert!(nan[0].is_nan());
-            let p = float_pairs(dtype, ReduceOp::Prod, &[(1.5, -2.0), (0.0, -1.0), (inf, 0.0)]);
+            let p = float_pairs(
+                dtype,
+                ReduceOp::Prod,
+                &[(1.5, -2.0), (0.0, -1.0), (inf, 0.0)],
+            );
             assert_eq!(p[0], -3.0);
             assert!(p[1] == 0.0 && p[1].is_sign_negative());
             assert!(p[2].is_nan());
@@ -1308,7 +1405,9 @@ mod tests {
     fn exhaustive_half(dtype: DType, to_f32: fn(u16) -> f32, from_f32: fn(f32) -> u16, bs: &[u16]) {
         let a: Vec<u8> = (0..=u16::MAX).flat_map(|x| x.to_le_bytes()).collect();
         for &bv in bs {
-            let b: Vec<u8> = std::iter::repeat_n(bv.to_le_bytes(), 65536).flatten().collect();
+            let b: Vec<u8> = std::iter::repeat_n(bv.to_le_bytes(), 65536)
+                .flatten()
+                .collect();
             for op in ReduceOp::ALL {
                 let mut out = vec![0u8; a.len()];
                 reduce(dtype, op, &mut out, &a, &b).unwrap();
@@ -1316,7 +1415,8 @@ mod tests {
                     let got = u16::from_le_bytes([c[0], c[1]]);
                     let want = from_f32(ref_float(op, to_f32(i as u16), to_f32(bv)));
                     assert_eq!(
-                        got, want,
+                        got,
+                        want,
                         "{} {} a={i:#06x} b={bv:#06x}",
                         dtype.name(),
                         op.name()
@@ -1327,7 +1427,8 @@ mod tests {
     }
 
     const HALF_BS: [u16; 12] = [
-        0x0000, 0x8000, 0x0001, 0x8001, 0x3C00, 0xBC00, 0x3C01, 0x7BFF, 0x7C00, 0xFE00, 0x1234, 0x5555,
+        0x0000, 0x8000, 0x0001, 0x8001, 0x3C00, 0xBC00, 0x3C01, 0x7BFF, 0x7C00, 0xFE00, 0x1234,
+        0x5555,
     ];
 
     #[test]
@@ -1355,13 +1456,28 @@ mod tests {
         // f16: 1.0 has ulp 2^-10. 1 + 2^-11 is a tie -> even (1.0); (1 + 2^-10) + 2^-11 is a
         // tie -> even (1 + 2^-9).
         let h = |v: f64| f16::from_f64(v).to_f64();
-        let r = float_pairs(DType::F16, ReduceOp::Sum, &[(1.0, 2f64.powi(-11)), (h(1.0 + 2f64.powi(-10)), 2f64.powi(-11))]);
+        let r = float_pairs(
+            DType::F16,
+            ReduceOp::Sum,
+            &[
+                (1.0, 2f64.powi(-11)),
+                (h(1.0 + 2f64.powi(-10)), 2f64.powi(-11)),
+            ],
+        );
         assert_eq!(r, [1.0, 1.0 + 2f64.powi(-9)]);
         // bf16: ulp of 1.0 is 2^-7.
-        let r = float_pairs(DType::BF16, ReduceOp::Sum, &[(1.0, 2f64.powi(-8)), (1.0 + 2f64.powi(-7), 2f64.powi(-8))]);
+        let r = float_pairs(
+            DType::BF16,
+            ReduceOp::Sum,
+            &[(1.0, 2f64.powi(-8)), (1.0 + 2f64.powi(-7), 2f64.powi(-8))],
+        );
         assert_eq!(r, [1.0, 1.0 + 2f64.powi(-6)]);
         // Overflow to infinity on rounding: f16 max is 65504.
-        let r = float_pairs(DType::F16, ReduceOp::Sum, &[(65504.0, 65504.0), (65504.0, 8.0)]);
+        let r = float_pairs(
+            DType::F16,
+            ReduceOp::Sum,
+            &[(65504.0, 65504.0), (65504.0, 8.0)],
+        );
         assert_eq!(r, [f64::INFINITY, 65504.0]);
         // Rounding happens per call: three additions of a half-ulp in f16 stay at 1.0.
         let mut acc = f16::from_f32(1.0).to_le_bytes().to_vec();
@@ -1387,14 +1503,54 @@ mod tests {
         let a6 = [0u8; 6];
         for op in ReduceOp::ALL {
             // Mismatched lengths.
-            assert!(is_invalid_argument(reduce(DType::F32, op, &mut d8, &a8, &a4)));
-            assert!(is_invalid_argument(reduce(DType::F32, op, &mut d8, &a4, &a8)));
-            assert!(is_invalid_argument(reduce(DType::U8, op, &mut d6, &a8, &a8)));
-            assert!(is_invalid_argument(reduce_inplace(DType::I16, op, &mut d8, &a4)));
+            assert!(is_invalid_argument(reduce(
+                DType::F32,
+                op,
+                &mut d8,
+                &a8,
+                &a4
+            )));
+            assert!(is_invalid_argument(reduce(
+                DType::F32,
+                op,
+                &mut d8,
+                &a4,
+                &a8
+            )));
+            assert!(is_invalid_argument(reduce(
+                DType::U8,
+                op,
+                &mut d6,
+                &a8,
+                &a8
+            )));
+            assert!(is_invalid_argument(reduce_inplace(
+                DType::I16,
+                op,
+                &mut d8,
+                &a4
+            )));
             // Not a whole number of elements.
-            assert!(is_invalid_argument(reduce(DType::F32, op, &mut d6, &a6, &a6)));
-            assert!(is_invalid_argument(reduce(DType::F64, op, &mut d6, &a6, &a6)));
-            assert!(is_invalid_argument(reduce_inplace(DType::I64, op, &mut d6, &a6)));
+            assert!(is_invalid_argument(reduce(
+                DType::F32,
+                op,
+                &mut d6,
+                &a6,
+                &a6
+            )));
+            assert!(is_invalid_argument(reduce(
+                DType::F64,
+                op,
+                &mut d6,
+                &a6,
+                &a6
+            )));
+            assert!(is_invalid_argument(reduce_inplace(
+                DType::I64,
+                op,
+                &mut d6,
+                &a6
+            )));
             assert!(is_invalid_argument(finalize(DType::F32, op, &mut d6, 2)));
             // World size zero.
             assert!(is_invalid_argument(finalize(DType::F32, op, &mut d8, 0)));
@@ -1412,7 +1568,10 @@ mod tests {
             Err(e) => e.to_string(),
             Ok(()) => unreachable!(),
         };
-        assert!(msg.contains("mismatch") && msg.contains('8') && msg.contains('4'), "{msg}");
+        assert!(
+            msg.contains("mismatch") && msg.contains('8') && msg.contains('4'),
+            "{msg}"
+        );
     }
 
     #[test]
@@ -1426,7 +1585,14 @@ mod tests {
 
     // ---- finalize ----------------------------------------------------------------------
 
-    fn finalize_vals<T: Copy>(dtype: DType, op: ReduceOp, v: &[T], world: usize, enc: fn(T) -> Vec<u8>, dec: fn(&[u8]) -> T) -> Vec<T> {
+    fn finalize_vals<T: Copy>(
+        dtype: DType,
+        op: ReduceOp,
+        v: &[T],
+        world: usize,
+        enc: fn(T) -> Vec<u8>,
+        dec: fn(&[u8]) -> T,
+    ) -> Vec<T> {
         let mut buf: Vec<u8> = v.iter().flat_map(|&x| enc(x)).collect();
         finalize(dtype, op, &mut buf, world).unwrap();
         buf.chunks(dtype.size()).map(dec).collect()
@@ -1448,12 +1614,21 @@ mod tests {
     #[test]
     fn finalize_avg_floats() {
         use ReduceOp::Avg;
-        assert_eq!(fin!(f32, DType::F32, Avg, [3.0f32, -1.0, 0.0, 1.0], 2), [1.5, -0.5, 0.0, 0.5]);
+        assert_eq!(
+            fin!(f32, DType::F32, Avg, [3.0f32, -1.0, 0.0, 1.0], 2),
+            [1.5, -0.5, 0.0, 0.5]
+        );
         // True division, not multiplication by the reciprocal.
         let xs: Vec<f32> = (1..2000).map(|i| i as f32 * 0.37).collect();
-        assert_eq!(fin!(f32, DType::F32, Avg, xs, 3), xs.iter().map(|x| x / 3.0).collect::<Vec<_>>());
+        assert_eq!(
+            fin!(f32, DType::F32, Avg, xs, 3),
+            xs.iter().map(|x| x / 3.0).collect::<Vec<_>>()
+        );
         let ys: Vec<f64> = (1..2000).map(|i| i as f64 * 0.37).collect();
-        assert_eq!(fin!(f64, DType::F64, Avg, ys, 7), ys.iter().map(|x| x / 7.0).collect::<Vec<_>>());
+        assert_eq!(
+            fin!(f64, DType::F64, Avg, ys, 7),
+            ys.iter().map(|x| x / 7.0).collect::<Vec<_>>()
+        );
         let r = fin!(f64, DType::F64, Avg, [f64::INFINITY, f64::NAN, -0.0], 5);
         assert!(r[0] == f64::INFINITY && r[1].is_nan() && r[2] == 0.0 && r[2].is_sign_negative());
         // f16/bf16: divide in f32, round once.
@@ -1461,13 +1636,21 @@ mod tests {
         for world in [2usize, 3, 7, 1000] {
             let got = fin!(f16, DType::F16, Avg, hs, world);
             for (h, g) in hs.iter().zip(&got) {
-                let want = if h.is_nan() { f16::from_bits(0x7E00) } else { f16::from_f32(h.to_f32() / world as f32) };
+                let want = if h.is_nan() {
+                    f16::from_bits(0x7E00)
+                } else {
+                    f16::from_f32(h.to_f32() / world as f32)
+                };
                 assert_eq!(g.to_bits(), want.to_bits(), "f16 {h} / {world}");
             }
             let bs: Vec<bf16> = (0..=u16::MAX).map(bf16::from_bits).collect();
             let got = fin!(bf16, DType::BF16, Avg, bs, world);
             for (h, g) in bs.iter().zip(&got) {
-                let want = if h.is_nan() { bf16::from_bits(0x7FC0) } else { bf16::from_f32(h.to_f32() / world as f32) };
+                let want = if h.is_nan() {
+                    bf16::from_bits(0x7FC0)
+                } else {
+                    bf16::from_f32(h.to_f32() / world as f32)
+                };
                 assert_eq!(g.to_bits(), want.to_bits(), "bf16 {h} / {world}");
             }
         }
@@ -1476,16 +1659,34 @@ mod tests {
     #[test]
     fn finalize_avg_integers_truncate_toward_zero() {
         use ReduceOp::Avg;
-        assert_eq!(fin!(i32, DType::I32, Avg, [7i32, -7, 6, -6, 1, -1, 0], 2), [3, -3, 3, -3, 0, 0, 0]);
-        assert_eq!(fin!(i64, DType::I64, Avg, [i64::MIN, i64::MAX, -10], 3), [i64::MIN / 3, i64::MAX / 3, -3]);
+        assert_eq!(
+            fin!(i32, DType::I32, Avg, [7i32, -7, 6, -6, 1, -1, 0], 2),
+            [3, -3, 3, -3, 0, 0, 0]
+        );
+        assert_eq!(
+            fin!(i64, DType::I64, Avg, [i64::MIN, i64::MAX, -10], 3),
+            [i64::MIN / 3, i64::MAX / 3, -3]
+        );
         assert_eq!(fin!(i64, DType::I64, Avg, [i64::MIN], 1), [i64::MIN]);
-        assert_eq!(fin!(i8, DType::I8, Avg, [-128i8, 127, -5], 2), [-64, 63, -2]);
+        assert_eq!(
+            fin!(i8, DType::I8, Avg, [-128i8, 127, -5], 2),
+            [-64, 63, -2]
+        );
         assert_eq!(fin!(u8, DType::U8, Avg, [255u8, 5], 2), [127, 2]);
         assert_eq!(fin!(u32, DType::U32, Avg, [u32::MAX], 4), [u32::MAX / 4]);
-        assert_eq!(fin!(u64, DType::U64, Avg, [u64::MAX, 10], 3), [u64::MAX / 3, 3]);
-        assert_eq!(fin!(i16, DType::I16, Avg, [-32768i16, 32767], 3), [-10922, 10922]);
+        assert_eq!(
+            fin!(u64, DType::U64, Avg, [u64::MAX, 10], 3),
+            [u64::MAX / 3, 3]
+        );
+        assert_eq!(
+            fin!(i16, DType::I16, Avg, [-32768i16, 32767], 3),
+            [-10922, 10922]
+        );
         // World larger than the element type's range.
-        assert_eq!(fin!(i8, DType::I8, Avg, [-128i8, 127, -127], 128), [-1, 0, 0]);
+        assert_eq!(
+            fin!(i8, DType::I8, Avg, [-128i8, 127, -127], 128),
+            [-1, 0, 0]
+        );
         assert_eq!(fin!(i8, DType::I8, Avg, [-128i8, 127], 200), [0, 0]);
         assert_eq!(fin!(u8, DType::U8, Avg, [255u8, 0], 256), [0, 0]);
         assert_eq!(fin!(u8, DType::U8, Avg, [255u8], 255), [1]);
@@ -1518,14 +1719,19 @@ mod tests {
     #[test]
     fn ring_style_sum_then_average() {
         // Four "ranks" reduced in ring order then averaged; f32 exact small integers.
-        let ranks: Vec<Vec<f32>> = (0..4).map(|r| (0..5000).map(|i| (i % 17 + r) as f32).collect()).collect();
+        let ranks: Vec<Vec<f32>> = (0..4)
+            .map(|r| (0..5000).map(|i| (i % 17 + r) as f32).collect())
+            .collect();
         let enc = |v: &[f32]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
         let mut acc = enc(&ranks[0]);
         for r in &ranks[1..] {
             reduce_inplace(DType::F32, ReduceOp::Avg, &mut acc, &enc(r)).unwrap();
         }
         finalize(DType::F32, ReduceOp::Avg, &mut acc, 4).unwrap();
-        let got: Vec<f32> = acc.chunks(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect();
+        let got: Vec<f32> = acc
+            .chunks(4)
+            .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+            .collect();
         let want: Vec<f32> = (0..5000).map(|i| (i % 17) as f32 + 1.5).collect();
         assert_eq!(got, want);
     }

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import socket
+import struct
 
 import pytest
 import pytest_asyncio
@@ -70,6 +72,15 @@ class EchoServer:
             task.cancel()
         await asyncio.gather(*self.handlers, return_exceptions=True)
         await self.server.wait_closed()
+
+
+@pytest.fixture(autouse=True)
+def no_error_logs(caplog: pytest.LogCaptureFixture):
+    """Network faults must stay at debug level; an error record means a bug in the emulator."""
+    caplog.set_level(logging.WARNING)
+    yield
+    bad = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert not bad, [r.getMessage() for r in bad]
 
 
 @pytest_asyncio.fixture
@@ -254,6 +265,29 @@ async def test_reset_all_resets_both_peers(echo: EchoServer) -> None:
         reader, writer = await connect(link)
         await round_trip(reader, writer)
         await close(writer)
+
+
+@pytest.mark.asyncio
+async def test_peer_reset_propagates(echo: EchoServer) -> None:
+    async with LinkEmulator(echo.address, latency=0.01) as link:
+        reader, writer = await connect(link)
+        await round_trip(reader, writer)
+        sock = writer.get_extra_info("socket")
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        writer.transport.abort()  # the client host "crashes"
+        await echo.wait_handlers()  # the server saw the reset arrive and closed
+        await asyncio.wait_for(link.wait_for_connections(0), GUARD)
+
+
+@pytest.mark.asyncio
+async def test_server_close_reaches_client(echo: EchoServer) -> None:
+    async with LinkEmulator(echo.address, latency=0.01) as link:
+        reader, writer = await connect(link)
+        await round_trip(reader, writer)
+        await echo.stop()  # cancels the handler, which closes its socket (FIN)
+        assert await read_is_dead(reader)
+        await close(writer)
+        await asyncio.wait_for(link.wait_for_connections(0), GUARD)
 
 
 @pytest.mark.asyncio

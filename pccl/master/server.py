@@ -92,7 +92,8 @@ class MasterNode:
         if self._server is not None:
             return
         host, port = split_host_port(self.listen)
-        self._server = await asyncio.start_server(self._handle, host, port)
+        # Hundreds of peers may connect at once; the default backlog of 100 drops SYNs.
+        self._server = await asyncio.start_server(self._handle, host, port, backlog=4096)
         sock = self._server.sockets[0].getsockname()
         shown = sock[0] if host not in ("", "0.0.0.0", "::") else host or "0.0.0.0"
         self._address = f"[{shown}]:{sock[1]}" if ":" in shown else f"{shown}:{sock[1]}"

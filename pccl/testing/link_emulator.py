@@ -244,7 +244,7 @@ class _Direction:
     def update_reading(self) -> None:
         """Read from the source only while every reason to hold back is absent."""
         emu = self.emu
-        want = (not self.conn.closing
+        want = (not self.conn.closing and not self.queue
                 and not emu._blackholed
                 and self.throttle is None
                 and self.dst.writable()

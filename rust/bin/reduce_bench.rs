@@ -141,7 +141,14 @@ fn main() {
         fill(dtype, b, 2);
         for op in ReduceOp::ALL {
             let t3 = time_median(reps, || {
-                reduce(dtype, op, black_box(&mut *dst), black_box(&*a), black_box(&*b)).unwrap();
+                reduce(
+                    dtype,
+                    op,
+                    black_box(&mut *dst),
+                    black_box(&*a),
+                    black_box(&*b),
+                )
+                .unwrap();
             });
             // The accumulator keeps accumulating across runs; the inputs are chosen so
             // this stays in the normal range for the handful of runs done here.
