@@ -15,7 +15,12 @@ group. See ``README.md`` and ``docs/`` for the full picture::
 """
 
 from pccl._core import __version__ as _core_version
-from pccl.communicator import Communicator
+from pccl.communicator import (
+    Communicator,
+    QuantizationOptions,
+    ReduceDescriptor,
+    ReduceInfo,
+)
 from pccl.enums import (
     Attribute,
     DataType,
@@ -25,6 +30,7 @@ from pccl.enums import (
 )
 from pccl.errors import (
     AuthenticationError,
+    CollectiveAbortedError,
     InvalidArgumentError,
     InvalidUsageError,
     MasterConnectionError,
@@ -45,6 +51,7 @@ __version__ = _core_version
 __all__ = [
     "Attribute",
     "AuthenticationError",
+    "CollectiveAbortedError",
     "Communicator",
     "DataType",
     "InvalidArgumentError",
@@ -57,6 +64,9 @@ __all__ = [
     "PendingAsyncOpsError",
     "ProtocolError",
     "QuantizationAlgorithm",
+    "QuantizationOptions",
+    "ReduceDescriptor",
+    "ReduceInfo",
     "ReduceOp",
     "RevisionIncrementViolationError",
     "SharedStateSyncStrategy",

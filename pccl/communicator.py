@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import enum
 import hmac
 import logging
@@ -11,8 +12,10 @@ import secrets as _secrets
 from types import TracebackType
 from typing import Any
 
+import numpy as np
+
 from pccl import _core
-from pccl.enums import Attribute
+from pccl.enums import Attribute, DataType, QuantizationAlgorithm, ReduceOp
 from pccl.errors import (
     ERROR_KINDS,
     AuthenticationError,
@@ -26,8 +29,48 @@ from pccl.master.server import DEFAULT_PORT, master_mac, peer_mac, split_host_po
 from pccl.protocol import MAX_FRAME, PROTOCOL_VERSION
 from pccl.protocol import messages as m
 from pccl.protocol.transport import ConnectionClosed, FramedConnection
+from pccl.tensors import RawTensor, as_raw
 
 log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class ReduceInfo:
+    """What one all-reduce cost this peer."""
+
+    tx_bytes: int  #: bytes this peer put on the wire (headers included)
+    rx_bytes: int  #: bytes this peer received
+    world_size: int  #: peers that took part
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantizationOptions:
+    """How values travel on the wire (``NONE``: as they are)."""
+
+    algorithm: QuantizationAlgorithm = QuantizationAlgorithm.NONE
+    dtype: DataType = DataType.UINT8
+
+
+@dataclasses.dataclass
+class ReduceDescriptor:
+    """One all-reduce for :meth:`Communicator.all_reduce_multiple_with_retry`."""
+
+    tensor: Any
+    out: Any = None
+    op: ReduceOp = ReduceOp.SUM
+    tag: int = 0
+    quantization: QuantizationOptions | None = None
+
+
+@dataclasses.dataclass
+class _Collective:
+    """The peer's side of one collective in flight."""
+
+    tag: int
+    perform: asyncio.Future[m.CollectivePerform]
+    outcome: asyncio.Future[m.CollectiveOutcome]
+    ring_op: Any = None
+    aborted: bool = False
 
 
 class PeerState(enum.IntEnum):
@@ -49,7 +92,9 @@ class Communicator:
 
     ``timeout`` bounds every wait on the master that does not depend on other peers
     (the handshake, queries); waits on other peers (votes) are bounded by the master
-    dropping dead peers, and are cancellable.
+    dropping dead peers, and are cancellable. ``peer_timeout`` bounds how long a ring
+    link may go without progress before the collective fails with
+    :class:`PeerConnectionError` (a stalled or dead neighbour).
     """
 
     def __init__(
@@ -63,6 +108,8 @@ class Communicator:
         p2p_advertise_host: str | None = None,
         timeout: float = 10.0,
         p2p_timeout: float = 10.0,
+        peer_timeout: float = 30.0,
+        piece_bytes: int = 1 << 20,
         max_frame: int = MAX_FRAME,
     ) -> None:
         if not 1 <= p2p_connection_pool_size <= 64:
@@ -75,6 +122,8 @@ class Communicator:
         self.p2p_advertise_host = p2p_advertise_host
         self.timeout = timeout
         self.p2p_timeout = p2p_timeout
+        self.peer_timeout = peer_timeout
+        self.piece_bytes = piece_bytes
         self.max_frame = max_frame
 
         self.state = PeerState.NEW
@@ -92,6 +141,8 @@ class Communicator:
         self._next_req = 0
         self._lost: PCCLError | None = None
         self._heartbeat_timeout = 5.0
+        self._collectives: dict[int, _Collective] = {}
+        self._ring_epoch = -1
 
     # --- lifecycle ------------------------------------------------------------------
 
@@ -225,6 +276,10 @@ class Communicator:
         self._require_accepted()
         if self._update is not None:
             raise InvalidUsageError("update_topology() is already running on this peer")
+        if self._collectives:
+            raise _core.PendingAsyncOpsError(
+                f"{len(self._collectives)} collective(s) still in flight (tags "
+                f"{sorted(self._collectives)}); await them before update_topology()")
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._update = fut
         try:
@@ -294,7 +349,12 @@ class Communicator:
         task.add_done_callback(self._tasks.discard)
 
     def _fail_waiters(self, err: PCCLError) -> None:
-        futs = [self._accepted, self._update, *self._queries.values()]
+        futs: list[asyncio.Future[Any] | None] = [self._accepted, self._update,
+                                                  *self._queries.values()]
+        for col in self._collectives.values():
+            futs += [col.perform, col.outcome]
+            if col.ring_op is not None:
+                col.ring_op.abort()
         for fut in futs:
             if fut is not None and not fut.done():
                 fut.set_exception(type(err)(str(err)))
@@ -333,15 +393,26 @@ class Communicator:
         elif isinstance(msg, m.WorldInfo):
             self._world = msg
         elif isinstance(msg, m.TopologyUpdated):
-            self.epoch = msg.epoch
-            if self._world is not None:
-                self.ring = list(self._world.ring)
-            if self.state is PeerState.REGISTERED:
-                self.state = PeerState.ACCEPTED
-                if self._accepted is not None and not self._accepted.done():
-                    self._accepted.set_result(None)
-            elif self._update is not None and not self._update.done():
-                self._update.set_result(None)
+            self._spawn(self._topology_updated(msg), f"pccl-topology-{self.peer_id}")
+        elif isinstance(msg, m.CollectivePerform):
+            col = self._collectives.get(msg.tag)
+            if col is not None and not col.perform.done():
+                col.perform.set_result(msg)
+        elif isinstance(msg, m.CollectiveAbort):
+            col = self._collectives.get(msg.tag)
+            if col is not None:
+                col.aborted = True
+                if col.ring_op is not None:
+                    col.ring_op.abort()
+        elif isinstance(msg, m.CollectiveOutcome):
+            col = self._collectives.get(msg.tag)
+            if col is None:
+                log.debug("peer %s: outcome for unknown tag %d", self.peer_id, msg.tag)
+            elif not col.perform.done():
+                # Refused or called off before it ran.
+                col.perform.set_exception(ERROR_KINDS.get(msg.kind, PCCLError)(msg.message))
+            elif not col.outcome.done():
+                col.outcome.set_result(msg)
         elif isinstance(msg, m.TopologyUpdateFailed):
             if self._update is not None and not self._update.done():
                 self._update.set_exception(UpdateTopologyFailedError(msg.message))
@@ -373,3 +444,210 @@ class Communicator:
                 failed.append(msg.next_id)
         if self._lost is None and self._conn is not None:
             self._conn.send_nowait(m.P2PReport(epoch=msg.epoch, failed=failed))
+
+    async def _topology_updated(self, msg: m.TopologyUpdated) -> None:
+        """Installs the ring links of the new epoch, then releases the waiting call."""
+        if self._world is not None:
+            self.ring = list(self._world.ring)
+        error: PCCLError | None = None
+        if msg.epoch != self._ring_epoch and self.peer_id in self.ring:
+            i = self.ring.index(self.peer_id)
+            n = len(self.ring)
+            nxt = self.ring[(i + 1) % n] if n > 1 else -1
+            prv = self.ring[(i - 1) % n] if n > 1 else -1
+            try:
+                await self._node.install_ring(msg.epoch, nxt, prv, pool_timeout=self.p2p_timeout,
+                                              io_timeout=self.peer_timeout,
+                                              max_piece=max(self.piece_bytes, 1 << 16))
+                self._ring_epoch = msg.epoch
+            except PCCLError as e:
+                error = UpdateTopologyFailedError(f"could not take over the ring links: {e}")
+        self.epoch = msg.epoch
+        if self.state is PeerState.REGISTERED:
+            fut = self._accepted
+            if error is None:
+                self.state = PeerState.ACCEPTED
+        else:
+            fut = self._update
+        if fut is not None and not fut.done():
+            if error is None:
+                fut.set_result(None)
+            else:
+                fut.set_exception(error)
+
+    # --- all-reduce -------------------------------------------------------------------
+
+    def all_reduce_async(
+        self,
+        tensor: Any,
+        out: Any = None,
+        *,
+        op: ReduceOp = ReduceOp.SUM,
+        tag: int = 0,
+        quantization: QuantizationOptions | None = None,
+    ) -> asyncio.Task[ReduceInfo]:
+        """Starts an all-reduce now and returns an awaitable for its :class:`ReduceInfo`.
+
+        Several may be in flight with distinct ``tag`` values. The tensors must not be
+        touched until the awaitable resolves. On failure nothing is written.
+
+        Example::
+
+            h1 = comm.all_reduce_async(grads, op=pccl.ReduceOp.AVG, tag=1)
+            h2 = comm.all_reduce_async(stats, op=pccl.ReduceOp.SUM, tag=2)
+            info1, info2 = await h1, await h2
+        """
+        self._require_accepted()
+        if self._update is not None:
+            raise InvalidUsageError("update_topology() is running on this peer")
+        try:
+            op = ReduceOp(op)
+        except ValueError:
+            raise _core.InvalidArgumentError(f"unknown reduce op {op!r}") from None
+        src = as_raw(tensor, writable=out is None, what="tensor")
+        dst = src if out is None else as_raw(out, writable=True, what="out")
+        if dst.dtype != src.dtype or dst.count != src.count:
+            raise _core.InvalidArgumentError(
+                f"out has {dst.count} x {dst.dtype.name}, tensor {src.count} x {src.dtype.name}")
+        q = quantization or QuantizationOptions()
+        if q.algorithm != QuantizationAlgorithm.NONE:
+            raise _core.InvalidArgumentError("quantized all-reduce is not available yet")
+        if not isinstance(tag, int) or tag < 0:
+            raise _core.InvalidArgumentError("tag must be a non-negative integer")
+        if tag in self._collectives:
+            raise InvalidUsageError(f"tag {tag} is already in flight on this peer")
+        loop = asyncio.get_running_loop()
+        col = _Collective(tag, loop.create_future(), loop.create_future())
+        self._collectives[tag] = col
+        try:
+            self._send(m.CollectiveInit(tag=tag, kind="all_reduce", dtype=int(src.dtype),
+                                        count=src.count, op=int(op),
+                                        quant_algorithm=int(q.algorithm),
+                                        quant_dtype=int(q.dtype)))
+        except BaseException:
+            del self._collectives[tag]
+            raise
+        return asyncio.create_task(self._run_all_reduce(col, src, dst, op),
+                                   name=f"pccl-all-reduce-{self.peer_id}-{tag}")
+
+    async def all_reduce(
+        self,
+        tensor: Any,
+        out: Any = None,
+        *,
+        op: ReduceOp = ReduceOp.SUM,
+        tag: int = 0,
+        quantization: QuantizationOptions | None = None,
+    ) -> ReduceInfo:
+        """All-reduces ``tensor`` across the peer group (in place, or into ``out``).
+
+        Example::
+
+            info = await comm.all_reduce(x, op=pccl.ReduceOp.AVG)
+        """
+        return await self.all_reduce_async(tensor, out, op=op, tag=tag,
+                                           quantization=quantization)
+
+    async def _run_all_reduce(self, col: _Collective, src: RawTensor, dst: RawTensor,
+                              op: ReduceOp) -> ReduceInfo:
+        try:
+            try:
+                perform = await col.perform
+            except asyncio.CancelledError:
+                # Others would wait for us in the ring: call the collective off.
+                with contextlib.suppress(PCCLError):
+                    self._send(m.CollectiveDone(tag=col.tag, op_id=-1, ok=False,
+                                                kind="CollectiveAbortedError",
+                                                message="cancelled by the caller"))
+                raise
+            tx = rx = 0
+            ok, kind, why = True, "", ""
+            if perform.world > 1:
+                try:
+                    if perform.epoch != self._ring_epoch:
+                        raise _core.PeerConnectionError(
+                            f"ring epoch {perform.epoch} is not installed here "
+                            f"({self._ring_epoch}); call update_topology()")
+                    col.ring_op = self._node.start_all_reduce(
+                        perform.op_id, perform.rank, perform.world, src.data, int(src.dtype),
+                        int(op), piece_bytes=self.piece_bytes)
+                    if col.aborted:
+                        col.ring_op.abort()
+                    run = col.ring_op.run()
+                    try:
+                        # Shielded: a cancelled caller aborts the ring through its token
+                        # instead of dropping it mid-frame.
+                        tx, rx = await asyncio.shield(run)
+                    except asyncio.CancelledError:
+                        col.ring_op.abort()
+                        with contextlib.suppress(Exception):
+                            await run
+                        with contextlib.suppress(PCCLError):
+                            self._send(m.CollectiveDone(tag=col.tag, op_id=perform.op_id,
+                                                        ok=False, kind="CollectiveAbortedError",
+                                                        message="cancelled by the caller"))
+                        raise
+                except PCCLError as e:
+                    ok, kind, why = False, type(e).__name__, str(e)
+            self._send(m.CollectiveDone(tag=col.tag, op_id=perform.op_id, ok=ok, kind=kind,
+                                        message=why))
+            outcome = await col.outcome
+            if not outcome.ok:
+                raise ERROR_KINDS.get(outcome.kind, PCCLError)(outcome.message)
+            if perform.world == 1:
+                if dst.data is not src.data:
+                    np.copyto(dst.data, src.data)
+            else:
+                col.ring_op.commit(dst.data)
+            return ReduceInfo(tx_bytes=int(tx), rx_bytes=int(rx), world_size=perform.world)
+        finally:
+            if self._collectives.get(col.tag) is col:
+                del self._collectives[col.tag]
+
+    async def all_reduce_multiple_with_retry(
+        self,
+        descriptors: list[ReduceDescriptor],
+        max_in_flight: int = 4,
+        *,
+        max_attempts: int = 8,
+    ) -> list[ReduceInfo]:
+        """Runs every descriptor's all-reduce, at most ``max_in_flight`` at a time; when
+        some fail for reasons a new topology can fix (a peer died, a link broke), runs
+        ``update_topology()`` and retries those, up to ``max_attempts`` rounds.
+
+        All peers see the same outcome per tag, so they retry the same set. Returns the
+        infos in the order of ``descriptors``.
+        """
+        if max_in_flight < 1:
+            raise _core.InvalidArgumentError("max_in_flight must be at least 1")
+        if len({d.tag for d in descriptors}) != len(descriptors):
+            raise InvalidUsageError("descriptors must have distinct tags")
+        results: dict[int, ReduceInfo] = {}
+        todo = list(range(len(descriptors)))
+        fatal = (_core.InvalidArgumentError, InvalidUsageError, MasterConnectionError)
+        for attempt in range(max_attempts):
+            failures: list[PCCLError] = []
+            for start in range(0, len(todo), max_in_flight):
+                batch = todo[start:start + max_in_flight]
+                handles = []
+                for i in batch:
+                    d = descriptors[i]
+                    handles.append(self.all_reduce_async(d.tensor, d.out, op=d.op, tag=d.tag,
+                                                         quantization=d.quantization))
+                outcomes = await asyncio.gather(*handles, return_exceptions=True)
+                for i, res in zip(batch, outcomes):
+                    if isinstance(res, ReduceInfo):
+                        results[i] = res
+                    elif isinstance(res, fatal) or not isinstance(res, PCCLError):
+                        raise res
+                    else:
+                        failures.append(res)
+            todo = [i for i in todo if i not in results]
+            if not todo:
+                return [results[i] for i in range(len(descriptors))]
+            log.info("peer %s: %d all-reduce(s) failed (%s); updating the topology "
+                     "(attempt %d/%d)", self.peer_id, len(todo), failures[0], attempt + 1,
+                     max_attempts)
+            await self.update_topology()
+        raise _core.PeerConnectionError(
+            f"{len(todo)} all-reduce(s) still failing after {max_attempts} attempts")

@@ -11,6 +11,7 @@ and re-exported here; ``pccl.PCCLError`` is the base of all of them::
 
 from pccl._core import (
     AuthenticationError,
+    CollectiveAbortedError,
     InvalidArgumentError,
     InvalidUsageError,
     MasterConnectionError,
@@ -27,6 +28,7 @@ from pccl._core import (
 
 __all__ = [
     "AuthenticationError",
+    "CollectiveAbortedError",
     "InvalidArgumentError",
     "InvalidUsageError",
     "MasterConnectionError",

@@ -4,6 +4,7 @@
 pub mod error;
 pub mod net;
 pub mod py;
+pub mod ring;
 pub mod reduce;
 pub mod runtime;
 
@@ -14,5 +15,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     py::errors::register(m)?;
     m.add_class::<py::node::PyP2PNode>()?;
+    m.add_class::<py::ring::RingOp>()?;
     Ok(())
 }

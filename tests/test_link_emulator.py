@@ -13,6 +13,8 @@ import logging
 import os
 import socket
 import struct
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
 
 import pytest
 import pytest_asyncio
@@ -75,7 +77,7 @@ class EchoServer:
 
 
 @pytest.fixture(autouse=True)
-def no_error_logs(caplog: pytest.LogCaptureFixture):
+def no_error_logs(caplog: pytest.LogCaptureFixture) -> Iterator[None]:
     """Network faults must stay at debug level; an error record means a bug in the emulator."""
     caplog.set_level(logging.WARNING)
     yield
@@ -84,7 +86,7 @@ def no_error_logs(caplog: pytest.LogCaptureFixture):
 
 
 @pytest_asyncio.fixture
-async def echo():
+async def echo() -> AsyncIterator[EchoServer]:
     server = EchoServer()
     await server.start()
     yield server
@@ -156,7 +158,9 @@ async def echo_transfer(reader: asyncio.StreamReader, writer: asyncio.StreamWrit
     ],
     ids=["plain", "large-chunks", "shaped"],
 )
-async def test_echo_round_trip_is_byte_exact(echo: EchoServer, settings: dict, size: int) -> None:
+async def test_echo_round_trip_is_byte_exact(
+    echo: EchoServer, settings: dict[str, Any], size: int
+) -> None:
     payload = os.urandom(size)
     async with LinkEmulator(echo.address, **settings) as link:
         reader, writer = await connect(link)
@@ -238,8 +242,16 @@ async def test_blackhole_stalls_then_heals(echo: EchoServer) -> None:
             await asyncio.wait_for(reader2.readexactly(5), 0.2)
         assert echo.accepted == 1
 
+        # Nothing is read off a blackholed link, so a big sender stays blocked in drain()
+        # (the kernel buffers are far smaller than this and do not grow without reads).
+        bulk = os.urandom(48 * 1024 * 1024)
+        writer.write(bulk)
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(writer.drain(), 0.5)
+
         link.blackhole(False)
         assert await asyncio.wait_for(reader.readexactly(5), GUARD) == b"lost?"
+        assert await asyncio.wait_for(reader.readexactly(len(bulk)), GUARD) == bulk
         assert await asyncio.wait_for(reader2.readexactly(5), GUARD) == b"hello"
         assert echo.accepted == 2
         await round_trip(reader, writer)
@@ -342,7 +354,7 @@ async def test_target_callable_resolved_per_connection() -> None:
 async def test_unreachable_target_resets_client() -> None:
     with socket.socket() as probe:  # a port that nothing listens on
         probe.bind(("127.0.0.1", 0))
-        dead = "127.0.0.1:%d" % probe.getsockname()[1]
+        dead = f"127.0.0.1:{probe.getsockname()[1]}"
     async with LinkEmulator(dead) as link:
         reader, writer = await connect(link)
         assert await read_is_dead(reader)
@@ -350,10 +362,17 @@ async def test_unreachable_target_resets_client() -> None:
         await asyncio.wait_for(link.wait_for_connections(0), GUARD)
 
 
+def open_fd_count() -> int | None:
+    """Open file descriptors of this process, where the OS exposes them (Linux)."""
+    try:
+        return len(os.listdir("/proc/self/fd"))
+    except OSError:
+        return None
+
+
 @pytest.mark.asyncio
 async def test_stop_leaves_no_tasks_or_sockets(echo: EchoServer) -> None:
-    fd_dir = "/proc/self/fd"
-    fds_before = len(os.listdir(fd_dir)) if os.path.isdir(fd_dir) else None
+    fds_before = open_fd_count()
     tasks_before = asyncio.all_tasks()
 
     link = LinkEmulator(echo.address, latency=0.05, bandwidth=20e6)
@@ -366,6 +385,8 @@ async def test_stop_leaves_no_tasks_or_sockets(echo: EchoServer) -> None:
     await asyncio.wait_for(link.wait_for_connections(2), GUARD)
 
     await link.stop()
+    # Checked straight away: stop() itself must have waited for everything it spawned.
+    assert asyncio.all_tasks() - tasks_before - echo.handlers == set()
     await link.stop()  # idempotent
     assert link.connection_count == 0
 
@@ -376,14 +397,14 @@ async def test_stop_leaves_no_tasks_or_sockets(echo: EchoServer) -> None:
     await echo.wait_handlers()
     assert asyncio.all_tasks() == tasks_before
     if fds_before is not None:
-        assert len(os.listdir(fd_dir)) == fds_before
+        assert open_fd_count() == fds_before
 
 
 @pytest.mark.asyncio
 async def test_stop_without_start_and_invalid_settings() -> None:
     link = LinkEmulator("127.0.0.1:1")
     with pytest.raises(RuntimeError):
-        link.address
+        _ = link.address
     await link.stop()
     with pytest.raises(ValueError):
         LinkEmulator(latency=-1)

@@ -32,6 +32,12 @@ EXAMPLES: list[m.Message] = [
     m.PendingAnswer(req=9, pending=False),
     m.Leave(),
     m.ErrorReply(kind="InvalidUsageError", message="y"),
+    m.CollectiveInit(tag=1, kind="all_reduce", dtype=2, count=10, op=0, quant_algorithm=0,
+                     quant_dtype=0),
+    m.CollectivePerform(tag=1, op_id=5, epoch=2, rank=0, world=3),
+    m.CollectiveDone(tag=1, op_id=5, ok=False, kind="PeerConnectionError", message="x"),
+    m.CollectiveAbort(tag=1, op_id=5, message="peer 3 died"),
+    m.CollectiveOutcome(tag=1, op_id=5, ok=True, kind="", message=""),
 ]
 
 

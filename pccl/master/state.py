@@ -105,6 +105,23 @@ class Round:
     unreachable: set[int] = dataclasses.field(default_factory=set)
 
 
+@dataclasses.dataclass
+class Collective:
+    """One collective (per peer group and tag) from the first init to the outcome."""
+
+    group: int
+    tag: int
+    inits: dict[int, m.CollectiveInit] = dataclasses.field(default_factory=dict)
+    op_id: int = -1  # assigned when every member agreed and the ring runs
+    participants: list[int] = dataclasses.field(default_factory=list)
+    reported: set[int] = dataclasses.field(default_factory=set)
+    error: tuple[str, str] | None = None  # (error class name, message)
+
+
+def _describe(init: m.CollectiveInit) -> tuple[object, ...]:
+    return (init.kind, init.dtype, init.count, init.op, init.quant_algorithm, init.quant_dtype)
+
+
 class MasterState:
     """The master's whole state. Feed it events with :meth:`handle`."""
 
@@ -119,6 +136,9 @@ class MasterState:
         # True when the accepted set changed (a peer left) since the rings were built.
         self.rings_stale = False
         self.rings: dict[int, list[int]] = {}
+        self.ring_epoch = 0
+        self.collectives: dict[tuple[int, int], Collective] = {}
+        self.next_op_id = 1
 
     # --- queries (used by the server and by tests) --------------------------------
 
@@ -173,6 +193,13 @@ class MasterState:
             else:
                 self.votes.add(peer)
                 self.phase = Phase.VOTE_ACCEPT_NEW_PEERS
+                # Peers of this group that wait in a collective would wait forever for
+                # this voter, and it for them: call their collectives off.
+                for col in list(self.collectives.values()):
+                    if col.group == rec.peer_group and col.op_id < 0:
+                        self._fail_unperformed(col, "CollectiveAbortedError", (
+                            f"peer {peer} called update_topology() while this peer called a "
+                            f"collective (tag {col.tag}); call update_topology() and retry"), out)
                 self._maybe_finish_vote(out)
         elif isinstance(msg, m.P2PReport):
             rnd = self.round
@@ -180,6 +207,10 @@ class MasterState:
                 rnd.reported.add(peer)
                 rnd.unreachable.update(p for p in msg.failed if p in rnd.members)
                 self._maybe_finish_round(out)
+        elif isinstance(msg, m.CollectiveInit):
+            self._on_collective_init(peer, msg, out)
+        elif isinstance(msg, m.CollectiveDone):
+            self._on_collective_done(peer, msg, out)
         elif isinstance(msg, m.PendingQuery):
             out.append(Send(peer, m.PendingAnswer(req=msg.req, pending=bool(self.pending()))))
         elif isinstance(msg, m.Leave):
@@ -199,6 +230,8 @@ class MasterState:
             for ring in self.rings.values():
                 if peer in ring:
                     ring.remove(peer)
+        if rec.status is PeerStatus.ACCEPTED:
+            self._collectives_lose(peer, rec.peer_group, out)
         rnd = self.round
         if rnd is not None and peer in rnd.members:
             # The ring that was being built contains a dead peer: build it again.
@@ -289,6 +322,7 @@ class MasterState:
         for p in rnd.members:
             self.peers[p].status = PeerStatus.ACCEPTED
         self.rings = self._rings_of(rnd.members)
+        self.ring_epoch = rnd.epoch
         self.rings_stale = False
         self.round = None
         self.phase = Phase.IDLE
@@ -311,3 +345,118 @@ class MasterState:
                 num_peer_groups=len(sizes),
                 largest_peer_group_world_size=largest,
             )))
+
+    # --- collectives ------------------------------------------------------------------
+
+    def _members(self, group: int) -> list[int]:
+        return [p for p, r in self.peers.items()
+                if r.status is PeerStatus.ACCEPTED and r.peer_group == group]
+
+    def _on_collective_init(self, peer: int, msg: m.CollectiveInit, out: list[Command]) -> None:
+        rec = self.peers[peer]
+
+        def refuse(kind: str, why: str) -> None:
+            out.append(Send(peer, m.CollectiveOutcome(tag=msg.tag, op_id=-1, ok=False,
+                                                      kind=kind, message=why)))
+
+        if rec.status is not PeerStatus.ACCEPTED:
+            refuse("InvalidUsageError", "collectives need an accepted peer; call connect() first")
+            return
+        key = (rec.peer_group, msg.tag)
+        col = self.collectives.get(key)
+        if col is not None and (peer in col.inits or col.op_id >= 0):
+            refuse("InvalidUsageError", f"tag {msg.tag} is already in flight on this peer group")
+            return
+        if col is None:
+            col = self.collectives[key] = Collective(rec.peer_group, msg.tag)
+        col.inits[peer] = msg
+        if any(p in self.votes for p in self._members(rec.peer_group)):
+            self._fail_unperformed(col, "CollectiveAbortedError", (
+                "other peers of the group are in update_topology(); call update_topology() "
+                "and retry"), out)
+            return
+        self._maybe_perform(col, out)
+
+    def _maybe_perform(self, col: Collective, out: list[Command]) -> None:
+        members = self._members(col.group)
+        if not set(members) <= set(col.inits):
+            return
+        first = col.inits[members[0]]
+        odd = [p for p in members if _describe(col.inits[p]) != _describe(first)]
+        if odd:
+            detail = "; ".join(
+                f"peer {p}: dtype {col.inits[p].dtype}, count {col.inits[p].count}, "
+                f"op {col.inits[p].op}, quantization {col.inits[p].quant_algorithm}/"
+                f"{col.inits[p].quant_dtype}" for p in [members[0], *odd])
+            self._fail_unperformed(col, "InvalidUsageError", (
+                f"peers disagree on collective tag {col.tag}: {detail}"), out)
+            return
+        ring = self.rings.get(col.group, [])
+        if sorted(ring) != sorted(members):
+            self._fail_unperformed(col, "PeerConnectionError", (
+                "the ring lost a peer since the last update_topology(); call "
+                "update_topology() and retry"), out)
+            return
+        col.op_id = self.next_op_id
+        self.next_op_id += 1
+        col.participants = list(ring)
+        for rank, p in enumerate(ring):
+            out.append(Send(p, m.CollectivePerform(tag=col.tag, op_id=col.op_id,
+                                                   epoch=self.ring_epoch, rank=rank,
+                                                   world=len(ring))))
+
+    def _fail_unperformed(self, col: Collective, kind: str, why: str, out: list[Command]) -> None:
+        del self.collectives[(col.group, col.tag)]
+        for p in col.inits:
+            out.append(Send(p, m.CollectiveOutcome(tag=col.tag, op_id=-1, ok=False,
+                                                   kind=kind, message=why)))
+
+    def _on_collective_done(self, peer: int, msg: m.CollectiveDone, out: list[Command]) -> None:
+        col = self.collectives.get((self.peers[peer].peer_group, msg.tag))
+        if col is not None and msg.op_id < 0 and col.op_id < 0 and peer in col.inits:
+            # The peer gave up before the collective ran: call it off for everyone.
+            self._fail_unperformed(col, "CollectiveAbortedError",
+                                   f"peer {peer} withdrew from collective tag {msg.tag}", out)
+            return
+        if col is None or col.op_id != msg.op_id or peer not in col.participants:
+            return  # stale: the collective already ended
+        col.reported.add(peer)
+        if not msg.ok:
+            self._collective_failed(col, msg.kind or "PeerConnectionError",
+                                    f"peer {peer}: {msg.message}", out)
+        self._maybe_finish_collective(col, out)
+
+    def _collective_failed(self, col: Collective, kind: str, why: str, out: list[Command]) -> None:
+        if col.error is not None:
+            return
+        col.error = (kind, why)
+        for p in col.participants:
+            if p not in col.reported:
+                out.append(Send(p, m.CollectiveAbort(tag=col.tag, op_id=col.op_id, message=why)))
+
+    def _maybe_finish_collective(self, col: Collective, out: list[Command]) -> None:
+        if not set(col.participants) <= col.reported:
+            return
+        del self.collectives[(col.group, col.tag)]
+        kind, why = col.error or ("", "")
+        if col.error is not None:
+            # Links may hold half-sent pieces: the rings must be rebuilt before reuse.
+            self.rings_stale = True
+        for p in col.participants:
+            out.append(Send(p, m.CollectiveOutcome(tag=col.tag, op_id=col.op_id,
+                                                   ok=col.error is None, kind=kind, message=why)))
+
+    def _collectives_lose(self, peer: int, group: int, out: list[Command]) -> None:
+        for col in list(self.collectives.values()):
+            if col.group != group:
+                continue
+            if col.op_id < 0:
+                col.inits.pop(peer, None)
+                self._fail_unperformed(col, "PeerConnectionError", (
+                    f"peer {peer} left the group; call update_topology() and retry"), out)
+            elif peer in col.participants:
+                col.participants.remove(peer)
+                col.reported.discard(peer)
+                self._collective_failed(col, "PeerConnectionError",
+                                        f"peer {peer} was lost during the collective", out)
+                self._maybe_finish_collective(col, out)

@@ -193,3 +193,71 @@ class ErrorReply(Message):
     TYPE: ClassVar[str] = "error"
     kind: str
     message: str
+
+
+# --- collectives --------------------------------------------------------------------
+
+
+@message
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CollectiveInit(Message):
+    """P->M: this peer wants to run collective ``tag`` with this description."""
+
+    TYPE: ClassVar[str] = "coll_init"
+    tag: int
+    kind: str  # "all_reduce"
+    dtype: int
+    count: int
+    op: int
+    quant_algorithm: int
+    quant_dtype: int
+
+
+@message
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CollectivePerform(Message):
+    """M->P: every peer agreed; run the ring as ``rank`` of ``world`` with id ``op_id``."""
+
+    TYPE: ClassVar[str] = "coll_perform"
+    tag: int
+    op_id: int
+    epoch: int
+    rank: int
+    world: int
+
+
+@message
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CollectiveDone(Message):
+    """P->M: the local part ended (``ok``) or failed (``kind``/``message``)."""
+
+    TYPE: ClassVar[str] = "coll_done"
+    tag: int
+    op_id: int
+    ok: bool
+    kind: str
+    message: str
+
+
+@message
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CollectiveAbort(Message):
+    """M->P: another peer failed; stop now and report."""
+
+    TYPE: ClassVar[str] = "coll_abort"
+    tag: int
+    op_id: int
+    message: str
+
+
+@message
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CollectiveOutcome(Message):
+    """M->P: the one outcome every peer applies (write back on ``ok`` only)."""
+
+    TYPE: ClassVar[str] = "coll_outcome"
+    tag: int
+    op_id: int
+    ok: bool
+    kind: str
+    message: str

@@ -21,12 +21,14 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import logging
 import math
 import socket
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from types import TracebackType
+from typing import Any
 
 __all__ = ["LinkEmulator"]
 
@@ -57,7 +59,7 @@ def _split_hostport(address: str) -> tuple[str, int]:
     return host, int(port)
 
 
-def _abort_with_rst(transport: asyncio.BaseTransport) -> None:
+def _abort_with_rst(transport: asyncio.Transport) -> None:
     """Close ``transport`` so that the peer receives a TCP RST rather than a FIN.
 
     A plain ``abort()`` only resets when unread data is pending; a zero linger
@@ -65,10 +67,8 @@ def _abort_with_rst(transport: asyncio.BaseTransport) -> None:
     """
     sock = transport.get_extra_info("socket")
     if sock is not None:
-        try:
+        with contextlib.suppress(OSError):  # already dead: abort() below still releases it
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-        except OSError:  # already dead: abort() below still releases it
-            pass
     transport.abort()
 
 
@@ -85,7 +85,7 @@ class _TokenBucket:
     2.0
     """
 
-    __slots__ = ("burst", "tokens", "stamp")
+    __slots__ = ("burst", "stamp", "tokens")
 
     def __init__(self, burst: int) -> None:
         self.burst = float(burst)
@@ -142,6 +142,8 @@ class _Side(asyncio.BufferedProtocol):
         # Nothing may be read before both ends exist and the directions are wired up;
         # until then the peer's bytes wait in its kernel buffers, like on a slow link.
         transport.pause_reading()
+        # The default 64 KiB high-water mark would pause the source after every large
+        # chunk; a few chunks of slack keep the pipe full at loopback speeds.
         high = max(4 * self._emu.chunk_size, 256 * 1024)
         transport.set_write_buffer_limits(high=high)
         self._emu._sides.add(self)
@@ -244,7 +246,7 @@ class _Direction:
     def update_reading(self) -> None:
         """Read from the source only while every reason to hold back is absent."""
         emu = self.emu
-        want = (not self.conn.closing and not self.queue
+        want = (not self.conn.closing
                 and not emu._blackholed
                 and self.throttle is None
                 and self.dst.writable()
@@ -275,7 +277,8 @@ class _Direction:
         at = self._schedule(now, busy)
         if (not self.queue and at <= now and not emu._blackholed and self.dst.writable()
                 and self.reset_at is None):
-            # Unshaped fast path: nothing queued ahead of us, so write straight through.
+            # Nothing queued ahead and nothing to wait for (no latency, within the burst):
+            # write straight through, which is what keeps unshaped links fast.
             self.dst.transport.write(data)  # type: ignore[union-attr]
             emu._bytes_forwarded += n
         else:
@@ -422,15 +425,21 @@ class _Connection:
         # Across a dead link the SYN would not arrive either, so the target only sees the
         # connection once the blackhole is lifted.
         await emu._link_up.wait()
+        try:
+            host, port = _split_hostport(emu._resolve_target())
+        except Exception as exc:
+            # A test set-up mistake rather than a network fault, so say it louder.
+            logger.warning("%r: no usable target (%r); resetting the client", self, exc)
+            self.abort(rst=True)
+            return
         server = _Side(emu, accepted=False)
         server.conn = self
         self.server = server
         try:
-            host, port = _split_hostport(emu._resolve_target())
             await emu._loop.create_connection(lambda: server, host, port)
         except asyncio.CancelledError:
             raise
-        except Exception as exc:  # refused, unresolvable, bad target string...
+        except Exception as exc:  # refused, unreachable, unresolvable...
             logger.debug("%r: cannot reach target: %r", self, exc)
             self.abort(rst=True)
             return
@@ -441,7 +450,8 @@ class _Connection:
         self.up = _Direction(self, self.client, server, "client->server")
         self.down = _Direction(self, server, self.client, "server->client")
         for direction in (self.up, self.down):
-            self.pumps.append(emu._spawn(direction.pump(), f"link-emulator-{self.id}-{direction.name}"))
+            name = f"link-emulator-{self.id}-{direction.name}"
+            self.pumps.append(emu._spawn(direction.pump(), name))
         self.up.update_reading()
         self.down.update_reading()
 
@@ -459,7 +469,8 @@ class _Connection:
                 # Lost before the link was wired up: nothing to relay, just clean up.
                 self.abort(rst=True)
             else:
-                logger.debug("%r: %s side lost (%r)", self, "client" if side.accepted else "server", exc)
+                which = "client" if side.accepted else "server"
+                logger.debug("%r: %s side lost (%r)", self, which, exc)
                 side.incoming.drop()
                 side.outgoing.schedule_reset()
                 side.incoming.update_reading()
@@ -467,7 +478,8 @@ class _Connection:
 
     def maybe_close_gracefully(self) -> None:
         """Both peers have half-closed and each FIN was relayed: close both sockets."""
-        if self.up is not None and self.down is not None and self.up.eof_sent and self.down.eof_sent:
+        up, down = self.up, self.down
+        if up is not None and down is not None and up.eof_sent and down.eof_sent:
             self._begin_close()
             for side in (self.client, self.server):
                 if side is not None and side.transport is not None and not side.lost:
@@ -537,7 +549,9 @@ class LinkEmulator:
         chunk_size: largest single read; use ~256 KiB for throughput benchmarks.
 
     ``latency``, ``bandwidth`` and ``window`` may be reassigned at any time and affect
-    existing connections (a new latency applies to bytes read from then on). Faults:
+    existing connections (a new latency applies to bytes read from then on). Connection
+    set-up is not delayed: the dialler's connect() completes at once, and its first bytes
+    pay the latency. If the target cannot be reached the dialler gets a reset. Faults:
     ``blackhole()``, ``reset_all()``, ``refuse_new()``. Connection errors are logged at
     debug level and never raised to the caller.
     """
@@ -766,8 +780,8 @@ class LinkEmulator:
 
     # -- internals -----------------------------------------------------------------------
 
-    def _spawn(self, coro: object, name: str) -> asyncio.Task[None]:
-        task: asyncio.Task[None] = self._loop.create_task(coro, name=name)  # type: ignore[arg-type]
+    def _spawn(self, coro: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]:
+        task = self._loop.create_task(coro, name=name)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return task

@@ -19,6 +19,7 @@ create_exception!(pccl, TopologyOptimizationFailedError, PCCLError, "optimize_to
 create_exception!(pccl, RevisionIncrementViolationError, PCCLError, "A shared-state revision did not advance by exactly one.");
 create_exception!(pccl, AuthenticationError, PCCLError, "The shared secrets differ (or one side has none).");
 create_exception!(pccl, ProtocolError, PCCLError, "The remote end sent something that is not valid pccl protocol.");
+create_exception!(pccl, CollectiveAbortedError, PCCLError, "The collective was called off before it ran because other peers of the group called update_topology(); call update_topology() and retry.");
 
 impl From<CoreError> for PyErr {
     fn from(e: CoreError) -> PyErr {
@@ -48,5 +49,6 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("RevisionIncrementViolationError", py.get_type::<RevisionIncrementViolationError>())?;
     m.add("AuthenticationError", py.get_type::<AuthenticationError>())?;
     m.add("ProtocolError", py.get_type::<ProtocolError>())?;
+    m.add("CollectiveAbortedError", py.get_type::<CollectiveAbortedError>())?;
     Ok(())
 }

@@ -2,3 +2,4 @@
 
 pub mod errors;
 pub mod node;
+pub mod ring;

@@ -13,6 +13,8 @@ use std::time::Duration;
 #[pyclass(name = "P2PNode", module = "pccl._core", frozen)]
 pub struct PyP2PNode {
     pub(crate) node: Arc<Node>,
+    /// The ring links of the current epoch, if this peer is in a ring of two or more.
+    pub(crate) ring: Arc<std::sync::Mutex<Option<Arc<crate::ring::RingLinks>>>>,
 }
 
 pub(crate) async fn resolve(addr: &str) -> Result<SocketAddr, CoreError> {
@@ -53,7 +55,7 @@ impl PyP2PNode {
         future_into_py(py, async move {
             let addr = resolve(&addr).await?;
             let node = Node::bind(cfg, addr).await?;
-            Ok(PyP2PNode { node })
+            Ok(PyP2PNode { node, ring: Default::default() })
         })
     }
 
@@ -108,7 +110,11 @@ impl PyP2PNode {
     /// Stops the listener and all tasks and drops every stream. Idempotent.
     fn close<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
         let node = self.node.clone();
+        let ring = self.ring.lock().unwrap().take();
         future_into_py(py, async move {
+            if let Some(ring) = ring {
+                ring.close().await;
+            }
             node.close().await;
             Ok(())
         })

@@ -1,0 +1,363 @@
+//! Ring all-reduce = reduce-scatter + all-gather, pipelined piece by piece and striped
+//! over the lanes of the ring links.
+//!
+//! The buffer is cut into `world` chunks; chunk `c` is accumulated along the ring
+//! starting at rank `c` (((x_c op x_c+1) op x_c+2) ...), so its reduction order is fixed
+//! whatever the timing, and rank `c - 1` owns its final bytes, which it then forwards to
+//! everyone. Every peer therefore ends with the same bytes.
+//!
+//! Each chunk is cut into pieces of at most `piece_bytes`; piece `p` of every chunk
+//! travels on lane `p % lanes`. For every lane a sender walks the steps in order and
+//! a receiver does the same on the incoming side; the sender of step `s` for piece `p`
+//! waits until the receiver has processed piece `p` of step `s - 1`. Nothing is
+//! written to the caller's memory: results accumulate in a scratch buffer that the
+//! caller commits only once every peer succeeded.
+
+use crate::error::{CoreError, CoreResult};
+use crate::reduce::{self, DType, ReduceOp};
+use crate::ring::links::{PieceHeader, RingLinks, HEADER_LEN};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::Arc;
+use tokio::sync::Notify;
+use tokio_util::sync::CancellationToken;
+
+#[derive(Clone, Debug)]
+pub struct ReduceSpec {
+    pub op_id: u64,
+    pub rank: usize,
+    pub world: usize,
+    pub dtype: DType,
+    pub op: ReduceOp,
+    /// Upper bound on one piece, in bytes (rounded down to whole elements).
+    pub piece_bytes: usize,
+}
+
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ReduceStats {
+    pub tx_bytes: u64,
+    pub rx_bytes: u64,
+}
+
+/// Memory the op reads (`input`) and writes (`scratch`). The keep-alive owns whatever
+/// backs `input` (the caller's array) so it outlives every task touching it.
+pub struct OpMemory {
+    input: *const u8,
+    len: usize,
+    scratch: *mut u8,
+    _scratch_owner: Vec<u8>,
+    _keepalive: Box<dyn Send + Sync>,
+}
+
+// SAFETY: `input` is only read; `scratch` is written at disjoint piece ranges whose
+// hand-over between tasks is ordered by the Release/Acquire progress counters.
+unsafe impl Send for OpMemory {}
+unsafe impl Sync for OpMemory {}
+
+impl OpMemory {
+    /// # Safety
+    /// `input..input+len` must stay valid and unmodified while `keepalive` lives.
+    pub unsafe fn new(input: *const u8, len: usize, keepalive: Box<dyn Send + Sync>) -> Self {
+        let mut owner = vec![0u8; len];
+        let scratch = owner.as_mut_ptr();
+        OpMemory { input, len, scratch, _scratch_owner: owner, _keepalive: keepalive }
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    fn input(&self, r: std::ops::Range<usize>) -> &[u8] {
+        debug_assert!(r.end <= self.len);
+        // SAFETY: within bounds; the input is valid for the lifetime of self.
+        unsafe { std::slice::from_raw_parts(self.input.add(r.start), r.len()) }
+    }
+
+    fn scratch(&self, r: std::ops::Range<usize>) -> &[u8] {
+        debug_assert!(r.end <= self.len);
+        // SAFETY: within bounds; see the Sync impl for the aliasing discipline.
+        unsafe { std::slice::from_raw_parts(self.scratch.add(r.start), r.len()) }
+    }
+
+    #[allow(clippy::mut_from_ref)]
+    fn scratch_mut(&self, r: std::ops::Range<usize>) -> &mut [u8] {
+        debug_assert!(r.end <= self.len);
+        // SAFETY: each piece range is written by exactly one task at a time.
+        unsafe { std::slice::from_raw_parts_mut(self.scratch.add(r.start), r.len()) }
+    }
+
+    /// The reduced result (valid once `ring_all_reduce` returned Ok).
+    pub fn result(&self) -> &[u8] {
+        self.scratch(0..self.len)
+    }
+}
+
+/// Geometry of the split: chunk boundaries in elements, pieces per chunk.
+struct Plan {
+    world: usize,
+    rank: usize,
+    elem: usize,
+    count: usize,
+    piece_elems: usize,
+    pieces: usize,
+    steps: usize,
+}
+
+impl Plan {
+    fn new(spec: &ReduceSpec, len: usize) -> CoreResult<Plan> {
+        let elem = spec.dtype.size();
+        if len % elem != 0 {
+            return Err(CoreError::InvalidArgument(format!(
+                "buffer of {len} bytes is not a whole number of {} elements",
+                spec.dtype.name()
+            )));
+        }
+        let count = len / elem;
+        let piece_elems = (spec.piece_bytes / elem).max(1);
+        let max_chunk = count.div_ceil(spec.world);
+        let pieces = max_chunk.div_ceil(piece_elems).max(1);
+        Ok(Plan {
+            world: spec.world,
+            rank: spec.rank,
+            elem,
+            count,
+            piece_elems,
+            pieces,
+            steps: 2 * (spec.world - 1),
+        })
+    }
+
+    fn chunk(&self, c: usize) -> (usize, usize) {
+        (self.count * c / self.world, self.count * (c + 1) / self.world)
+    }
+
+    /// Byte range of piece `p` of chunk `c` (possibly empty).
+    fn piece(&self, c: usize, p: usize) -> std::ops::Range<usize> {
+        let (lo, hi) = self.chunk(c);
+        let a = (lo + p * self.piece_elems).min(hi);
+        let b = (lo + (p + 1) * self.piece_elems).min(hi);
+        a * self.elem..b * self.elem
+    }
+
+    fn wrap(&self, x: isize) -> usize {
+        x.rem_euclid(self.world as isize) as usize
+    }
+
+    fn send_chunk(&self, step: usize) -> usize {
+        let r = self.rank as isize;
+        if step < self.world - 1 {
+            self.wrap(r - step as isize)
+        } else {
+            self.wrap(r + 1 - (step - (self.world - 1)) as isize)
+        }
+    }
+
+    fn recv_chunk(&self, step: usize) -> usize {
+        let r = self.rank as isize;
+        if step < self.world - 1 {
+            self.wrap(r - step as isize - 1)
+        } else {
+            self.wrap(r - (step - (self.world - 1)) as isize)
+        }
+    }
+}
+
+struct Shared {
+    mem: Arc<OpMemory>,
+    plan: Plan,
+    spec: ReduceSpec,
+    /// progress[p] = steps whose piece p has been received and processed.
+    progress: Vec<AtomicU32>,
+    advanced: Notify,
+    tx: AtomicU64,
+    rx: AtomicU64,
+}
+
+/// Runs the all-reduce of `mem` over `links`. On success the result is in
+/// `mem.result()`; on failure nothing outside `mem`'s scratch was touched.
+pub async fn ring_all_reduce(
+    links: Arc<RingLinks>,
+    spec: ReduceSpec,
+    mem: Arc<OpMemory>,
+    cancel: CancellationToken,
+) -> CoreResult<ReduceStats> {
+    if spec.world < 2 {
+        return Err(CoreError::InvalidArgument("a ring needs at least two peers".into()));
+    }
+    if spec.rank >= spec.world {
+        return Err(CoreError::InvalidArgument("rank outside the world".into()));
+    }
+    let plan = Plan::new(&spec, mem.len())?;
+    if plan.piece_elems * plan.elem > links.max_piece() {
+        return Err(CoreError::InvalidArgument("piece larger than the link's limit".into()));
+    }
+    let op_id = spec.op_id;
+    let shared = Arc::new(Shared {
+        progress: (0..plan.pieces).map(|_| AtomicU32::new(0)).collect(),
+        mem,
+        plan,
+        spec,
+        advanced: Notify::new(),
+        tx: AtomicU64::new(0),
+        rx: AtomicU64::new(0),
+    });
+    // If this future is dropped half-way (the caller went away), a lane may have left
+    // half a frame on the wire: the guard poisons the links and stops the tasks.
+    let guard = AbortGuard { links: links.clone(), cancel: cancel.clone(), op_id, armed: true };
+    let mut receivers = Vec::with_capacity(links.recv_lanes());
+    for lane in 0..links.recv_lanes() {
+        receivers.push(links.claim(op_id, lane as u16)?);
+    }
+    let mut tasks = tokio::task::JoinSet::new();
+    for lane in 0..links.send_lanes() {
+        let (l, s, c) = (links.clone(), shared.clone(), cancel.clone());
+        tasks.spawn(async move { send_lane(&l, &s, lane, &c).await });
+    }
+    for (lane, rx) in receivers.into_iter().enumerate() {
+        let (l, s, c) = (links.clone(), shared.clone(), cancel.clone());
+        tasks.spawn(async move { recv_lane(&l, &s, lane, rx, &c).await });
+    }
+    let mut outcome = Ok(());
+    while let Some(joined) = tasks.join_next().await {
+        let r = joined.unwrap_or_else(|e| Err(CoreError::Aborted(format!("ring task failed: {e}"))));
+        if let Err(e) = r {
+            if outcome.is_ok() {
+                outcome = Err(e);
+            }
+            // One lane failing dooms the op; stop the others now.
+            cancel.cancel();
+        }
+    }
+    let mut guard = guard;
+    guard.armed = false;
+    links.finish(op_id);
+    outcome?;
+    Ok(ReduceStats { tx_bytes: shared.tx.load(Ordering::Relaxed), rx_bytes: shared.rx.load(Ordering::Relaxed) })
+}
+
+struct AbortGuard {
+    links: Arc<RingLinks>,
+    cancel: CancellationToken,
+    op_id: u64,
+    armed: bool,
+}
+
+impl Drop for AbortGuard {
+    fn drop(&mut self) {
+        if self.armed {
+            self.cancel.cancel();
+            self.links.poison(format!("collective {} was abandoned mid-flight", self.op_id));
+            self.links.finish(self.op_id);
+        }
+    }
+}
+
+fn aborted(links: &RingLinks) -> CoreError {
+    if links.is_poisoned() {
+        links.poison_error()
+    } else {
+        CoreError::Aborted("the collective was aborted".into())
+    }
+}
+
+async fn send_lane(links: &RingLinks, sh: &Shared, lane: usize, cancel: &CancellationToken) -> CoreResult<()> {
+    let plan = &sh.plan;
+    let lanes = links.send_lanes();
+    for step in 0..plan.steps {
+        let chunk = plan.send_chunk(step);
+        for p in (lane..plan.pieces).step_by(lanes) {
+            if step > 0 {
+                // Wait until piece p of the previous step has been received and processed.
+                loop {
+                    let notified = sh.advanced.notified();
+                    tokio::pin!(notified);
+                    notified.as_mut().enable();
+                    if sh.progress[p].load(Ordering::Acquire) >= step as u32 {
+                        break;
+                    }
+                    tokio::select! {
+                        _ = notified => {}
+                        _ = cancel.cancelled() => return Err(aborted(links)),
+                        _ = links.poisoned().cancelled() => return Err(links.poison_error()),
+                    }
+                }
+            }
+            let range = plan.piece(chunk, p);
+            let data = if step == 0 { sh.mem.input(range) } else { sh.mem.scratch(range) };
+            let header = PieceHeader {
+                op: sh.spec.op_id,
+                step: step as u32,
+                piece: p as u32,
+                len: data.len() as u32,
+            };
+            tokio::select! {
+                r = links.send_piece(lane, header, data) => r?,
+                _ = cancel.cancelled() => {
+                    // Half a frame may be on the wire: nobody can use these links now.
+                    links.poison("a collective was aborted while sending".into());
+                    return Err(aborted(links));
+                }
+            }
+            sh.tx.fetch_add((HEADER_LEN + data.len()) as u64, Ordering::Relaxed);
+        }
+    }
+    Ok(())
+}
+
+async fn recv_lane(
+    links: &RingLinks,
+    sh: &Shared,
+    lane: usize,
+    mut rx: tokio::sync::mpsc::Receiver<crate::ring::links::Piece>,
+    cancel: &CancellationToken,
+) -> CoreResult<()> {
+    let plan = &sh.plan;
+    let lanes = links.recv_lanes();
+    let last_rs = plan.world - 2;
+    for step in 0..plan.steps {
+        let chunk = plan.recv_chunk(step);
+        for p in (lane..plan.pieces).step_by(lanes) {
+            let piece = tokio::select! {
+                r = tokio::time::timeout(links.io_timeout(), rx.recv()) => match r {
+                    Ok(Some(piece)) => piece,
+                    Ok(None) => return Err(links.poison_error()),
+                    Err(_) => {
+                        links.poison(format!(
+                            "no data from peer {} for {:.1}s (stalled or dead)",
+                            links.prev, links.io_timeout().as_secs_f64()));
+                        return Err(links.poison_error());
+                    }
+                },
+                _ = cancel.cancelled() => return Err(aborted(links)),
+                _ = links.poisoned().cancelled() => return Err(links.poison_error()),
+            };
+            let range = plan.piece(chunk, p);
+            let h = piece.header;
+            if h.step != step as u32 || h.piece != p as u32 || h.len as usize != range.len() {
+                let msg = format!(
+                    "peer {} sent piece {}/{} of {} bytes, expected {}/{} of {} bytes \
+                     (do all peers reduce the same tensor?)",
+                    links.prev, h.step, h.piece, h.len, step, p, range.len()
+                );
+                links.poison(msg);
+                return Err(links.poison_error());
+            }
+            sh.rx.fetch_add((HEADER_LEN + range.len()) as u64, Ordering::Relaxed);
+            let dst = sh.mem.scratch_mut(range.clone());
+            if step <= last_rs {
+                reduce::reduce(sh.spec.dtype, sh.spec.op, dst, &piece.payload, sh.mem.input(range))?;
+                if step == last_rs {
+                    reduce::finalize(sh.spec.dtype, sh.spec.op, dst, plan.world)?;
+                }
+            } else {
+                dst.copy_from_slice(&piece.payload);
+            }
+            sh.progress[p].store(step as u32 + 1, Ordering::Release);
+            sh.advanced.notify_waiters();
+        }
+    }
+    Ok(())
+}
