@@ -29,7 +29,7 @@ async def run(n: int, pool: int) -> dict[str, float]:
         await connect_all(master, comms)
         t1 = time.perf_counter()
         assert all(c.get_attribute(pccl.Attribute.GLOBAL_WORLD_SIZE) == n for c in comms)
-        assert all(c.p2p_pool_counts() == (1, 1) for c in comms) or n == 1
+        assert all(c.ring_lanes() == (pool, pool) for c in comms) or n == 1
         # A second update with nothing to do: the cost of the vote alone.
         t2 = time.perf_counter()
         await asyncio.gather(*(c.update_topology() for c in comms))

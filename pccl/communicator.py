@@ -106,6 +106,7 @@ class Communicator:
         *,
         p2p_listen_host: str | None = None,
         p2p_advertise_host: str | None = None,
+        p2p_advertise_address: str | None = None,
         timeout: float = 10.0,
         p2p_timeout: float = 10.0,
         peer_timeout: float = 30.0,
@@ -120,6 +121,8 @@ class Communicator:
         self.secret = secret.encode() if isinstance(secret, str) else secret
         self.p2p_listen_host = p2p_listen_host
         self.p2p_advertise_host = p2p_advertise_host
+        # "host:port" others should dial instead of our listener (NAT, or a test proxy).
+        self.p2p_advertise_address = p2p_advertise_address
         self.timeout = timeout
         self.p2p_timeout = p2p_timeout
         self.peer_timeout = peer_timeout
@@ -207,10 +210,12 @@ class Communicator:
                     raise AuthenticationError("the master requires a shared secret; "
                                               "pass secret= to the Communicator")
                 mac = peer_mac(self.secret, challenge.nonce, nonce) if self.secret else b""
+                adv_host, adv_port = self.p2p_advertise_host or "", int(self._node.port)
+                if self.p2p_advertise_address:
+                    adv_host, adv_port = split_host_port(self.p2p_advertise_address)
                 await conn.send(m.Hello(
                     version=PROTOCOL_VERSION, peer_group=self.peer_group,
-                    p2p_port=self._node.port, p2p_host=self.p2p_advertise_host or "",
-                    nonce=nonce, mac=mac))
+                    p2p_port=adv_port, p2p_host=adv_host, nonce=nonce, mac=mac))
                 reply = await conn.recv()
         except TimeoutError:
             raise MasterConnectionError(
@@ -323,11 +328,13 @@ class Communicator:
             raise InvalidUsageError("the p2p listener is not running")
         return int(self._node.port)
 
-    def p2p_pool_counts(self) -> tuple[int, int]:
-        """(complete inbound pools, outbound pools) for the current epoch."""
+    def ring_lanes(self) -> tuple[int, int]:
+        """(TCP streams from the previous peer, streams to the next peer) of the ring
+        links in use; (0, 0) in a ring of one."""
         if self._node is None:
             return (0, 0)
-        return tuple(self._node.pool_counts(self.epoch))  # type: ignore[return-value]
+        recv, send = self._node.ring_lanes()
+        return (int(recv), int(send))
 
     # --- internals ------------------------------------------------------------------
 

@@ -201,7 +201,7 @@ async def test_latency_does_not_serialise_chunks(echo: EchoServer) -> None:
 async def test_bandwidth_cap_is_a_lower_bound(echo: EchoServer) -> None:
     async with LinkEmulator(echo.address, bandwidth=10e6) as link:
         reader, writer = await connect(link)
-        # 1 MB at 10 MB/s is 0.1 s, less the one-chunk (64 KiB) burst the bucket allows.
+        # 1 MB at 10 MB/s is 0.1 s, less the burst the bucket allows (10 ms, i.e. 100 kB).
         assert await round_trip(reader, writer, os.urandom(1_000_000)) >= 0.08
         link.bandwidth = 5e6  # live change on the open connection
         assert await round_trip(reader, writer, os.urandom(500_000)) >= 0.08

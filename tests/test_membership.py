@@ -28,7 +28,7 @@ async def test_single_peer_is_accepted_alone(pccl_cluster) -> None:
     assert attrs(c) == (1, 1, 1, 1)
     assert not await c.are_peers_pending()
     await c.update_topology()  # nothing to do, but valid
-    assert c.p2p_pool_counts() == (0, 0)  # a ring of one needs no link
+    assert c.ring_lanes() == (0, 0)  # a ring of one needs no link
 
 
 async def test_join_builds_rings_with_pools(pccl_cluster) -> None:
@@ -38,7 +38,7 @@ async def test_join_builds_rings_with_pools(pccl_cluster) -> None:
     for c in cluster.comms:
         assert attrs(c) == (4, 4, 1, 4)
         assert c.ring == ring
-        assert c.p2p_pool_counts() == (1, 1)  # inbound from prev, outbound to next
+        assert c.ring_lanes() == (3, 3)  # streams from prev, to next
     assert cluster.master.state.pending() == []
 
 
@@ -57,7 +57,7 @@ async def test_late_joiner_waits_while_others_keep_working(pccl_cluster) -> None
     await join
     for c in (a, b, late):
         assert attrs(c) == (3, 3, 1, 3)
-        assert c.p2p_pool_counts() == (1, 1)
+        assert c.ring_lanes() == (2, 2)
     assert not await a.are_peers_pending()
 
 
@@ -72,7 +72,7 @@ async def test_graceful_leave_shrinks_the_world_and_rings_reform(pccl_cluster) -
     assert a.epoch == b.epoch > old_epoch
     for x in (a, b):
         assert attrs(x) == (2, 2, 1, 2)
-        assert x.p2p_pool_counts() == (1, 1)
+        assert x.ring_lanes() == (2, 2)
     with pytest.raises(pccl.PCCLError):
         await c.update_topology()
 
@@ -220,7 +220,7 @@ async def test_garbage_to_a_p2p_port_is_refused_and_logged(pccl_cluster, payload
     # The peer still forms rings: admit a third peer, which rebuilds every pool.
     late = cluster.new_comm()
     await cluster.admit([late])
-    assert b.p2p_pool_counts() == (1, 1)
+    assert b.ring_lanes() == (2, 2)
     assert any("p2p" in r.getMessage() and "refused" in r.getMessage()
                for r in caplog.records)
 

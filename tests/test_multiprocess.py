@@ -33,7 +33,7 @@ async def test_processes_join_and_see_the_same_world(pccl_peer_process) -> None:
             assert a["GLOBAL_WORLD_SIZE"] == 4
             info = await p.call("info")
             assert info["ring"] == local.ring
-            assert info["pools"] == [1, 1]
+            assert info["lanes"] == [2, 2]
 
 
 async def test_sigkilled_peer_is_dropped_and_the_rest_go_on(pccl_peer_process) -> None:
@@ -45,7 +45,7 @@ async def test_sigkilled_peer_is_dropped_and_the_rest_go_on(pccl_peer_process) -
         await asyncio.gather(local.update_topology(), other.call("update_topology"))
         assert local.get_attribute(pccl.Attribute.GLOBAL_WORLD_SIZE) == 2
         assert (await other.call("attributes"))["GLOBAL_WORLD_SIZE"] == 2
-        assert (await other.call("info"))["pools"] == [1, 1]
+        assert (await other.call("info"))["lanes"] == [2, 2]
 
 
 async def test_stopped_peer_is_dropped_by_heartbeat(pccl_peer_process) -> None:

@@ -405,9 +405,12 @@ class MasterState:
                                                    epoch=self.ring_epoch, rank=rank,
                                                    world=len(ring))))
 
-    def _fail_unperformed(self, col: Collective, kind: str, why: str, out: list[Command]) -> None:
+    def _fail_unperformed(self, col: Collective, kind: str, why: str, out: list[Command],
+                          skip: int | None = None) -> None:
         del self.collectives[(col.group, col.tag)]
         for p in col.inits:
+            if p == skip:
+                continue
             out.append(Send(p, m.CollectiveOutcome(tag=col.tag, op_id=-1, ok=False,
                                                    kind=kind, message=why)))
 
@@ -415,8 +418,10 @@ class MasterState:
         col = self.collectives.get((self.peers[peer].peer_group, msg.tag))
         if col is not None and msg.op_id < 0 and col.op_id < 0 and peer in col.inits:
             # The peer gave up before the collective ran: call it off for everyone.
+            # The withdrawing peer hears nothing: it may already reuse the tag.
             self._fail_unperformed(col, "CollectiveAbortedError",
-                                   f"peer {peer} withdrew from collective tag {msg.tag}", out)
+                                   f"peer {peer} withdrew from collective tag {msg.tag}", out,
+                                   skip=peer)
             return
         if col is None or col.op_id != msg.op_id or peer not in col.participants:
             return  # stale: the collective already ended

@@ -39,6 +39,11 @@ logger = logging.getLogger(__name__)
 # latency this still allows ~1.3 GB/s, far above what loopback benchmarks need.
 _MAX_BUFFERED = 64 * 1024 * 1024
 
+# The token bucket may bank this much link time (and at least one chunk). Without some
+# slack, every late wake-up of the throttle timer under CPU load is bandwidth lost for
+# good; 10 ms absorbs scheduler jitter while keeping bursts short.
+_BURST_SECONDS = 0.01
+
 # Marks a half-close travelling through a delivery queue behind the data sent before it.
 _EOF = object()
 # Returned by a pump step when the connection is being torn down.
@@ -78,23 +83,25 @@ class _TokenBucket:
     A read of ``n`` bytes is always accepted (the bytes are already in hand); the
     debt it leaves is the time the emulated link spends serialising them, during
     which the source is not read again. This turns the bucket into a virtual link
-    that is busy until ``stamp + debt / rate``.
+    that is busy until ``stamp + debt / rate``. The capacity is ``min_burst`` bytes or
+    ``_BURST_SECONDS`` of traffic at the current rate, whichever is larger.
 
-    >>> b = _TokenBucket(burst=100)
+    >>> b = _TokenBucket(min_burst=100)
     >>> b.take(300, rate=100.0, now=0.0)   # 200 bytes over the burst -> 2 s busy
     2.0
     """
 
-    __slots__ = ("burst", "stamp", "tokens")
+    __slots__ = ("min_burst", "stamp", "tokens")
 
-    def __init__(self, burst: int) -> None:
-        self.burst = float(burst)
-        self.tokens = self.burst
+    def __init__(self, min_burst: int) -> None:
+        self.min_burst = float(min_burst)
+        self.tokens = self.min_burst
         self.stamp: float | None = None
 
     def _refill(self, rate: float, now: float) -> None:
         if self.stamp is not None:
-            self.tokens = min(self.burst, self.tokens + (now - self.stamp) * rate)
+            cap = max(self.min_burst, rate * _BURST_SECONDS)
+            self.tokens = min(cap, self.tokens + (now - self.stamp) * rate)
         self.stamp = now
 
     def take(self, n: int, rate: float, now: float) -> float:
@@ -109,7 +116,7 @@ class _TokenBucket:
         return max(0.0, -self.tokens / rate)
 
     def reset(self) -> None:
-        self.tokens = self.burst
+        self.tokens = self.min_burst
         self.stamp = None
 
 
@@ -541,8 +548,9 @@ class LinkEmulator:
             written out at ``t + latency`` while later chunks keep being read, so latency
             does not cost throughput (up to ``window``).
         bandwidth: bytes/s per connection per direction, or None for unlimited. A token
-            bucket (burst of one ``chunk_size``) that, once in debt, stops reading the
-            source until the emulated link has "sent" the bytes already read.
+            bucket (burst: one ``chunk_size`` or 10 ms of traffic, whichever is larger)
+            that, once in debt, stops reading the source until the emulated link has
+            "sent" the bytes already read.
         window: most bytes read but not yet delivered, per connection per direction, or
             None. Once reached the source is not read, so throughput <= window / latency,
             like a window-limited TCP flow on a long fat pipe.

@@ -43,7 +43,7 @@ class Worker:
 
     async def cmd_info(self) -> dict[str, Any]:
         return {"peer_id": self.comm.peer_id, "epoch": self.comm.epoch,
-                "ring": self.comm.ring, "pools": list(self.comm.p2p_pool_counts())}
+                "ring": self.comm.ring, "lanes": list(self.comm.ring_lanes())}
 
     async def cmd_close(self) -> None:
         await self.comm.close()

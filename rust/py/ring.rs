@@ -119,6 +119,16 @@ impl PyP2PNode {
         })
     }
 
+    /// `(receiving lanes from prev, sending lanes to next)` of the installed ring links,
+    /// `(0, 0)` when there are none.
+    fn ring_lanes(&self) -> (usize, usize) {
+        self.ring
+            .lock()
+            .unwrap()
+            .as_ref()
+            .map_or((0, 0), |l| (l.recv_lanes(), l.send_lanes()))
+    }
+
     /// Whether the current ring links are usable (false after any link failure).
     fn ring_ok(&self) -> bool {
         self.ring.lock().unwrap().as_ref().is_some_and(|l| !l.is_poisoned())
