@@ -509,7 +509,7 @@ macro_rules! float_ops {
             #[inline(always)]
             fn apply(a: $t, b: $t) -> $t {
                 // `a` wins when it is greater or NaN; a NaN `b` then wins via `else`.
-                let m = if a > b || a.is_nan() { a } else { b };
+                let m = if (a > b) | a.is_nan() { a } else { b };
                 // Equal values have equal bits except for +0/-0; AND keeps +0. (This select
                 // comes last on purpose: ending on "keep `a`" lets LLVM turn the in-place
                 // loop into masked stores, which are very slow on AMD CPUs.)
@@ -520,7 +520,7 @@ macro_rules! float_ops {
             /// NaN-propagating minimum with `-0.0 < +0.0`.
             #[inline(always)]
             fn apply(a: $t, b: $t) -> $t {
-                let m = if a < b || a.is_nan() { a } else { b };
+                let m = if (a < b) | a.is_nan() { a } else { b };
                 // Equal values have equal bits except for +0/-0; OR keeps -0.
                 if a == b { <$t>::from_bits(a.to_bits() | b.to_bits()) } else { m }
             }
@@ -709,7 +709,7 @@ fn half_kernel_portable<H: Half, O: Op<f32>>(out: &mut [u8], a: Option<&[u8]>, b
 mod x86 {
     use std::arch::x86_64::*;
 
-    use super::{blocks, Half, Op, WideBlocks, HALF_BLOCK};
+    use super::{Half, Op};
 
     pub(super) fn available() -> bool {
         is_x86_feature_detected!("avx2") && is_x86_feature_detected!("f16c")
@@ -761,72 +761,54 @@ mod x86 {
         unsafe { _mm_storeu_si128(dst.cast(), h) }
     }
 
-    /// Widen little-endian 16-bit elements in `src` into `dst`.
+    /// One step of eight elements: `o[..16] = x[..16] (op) y[..16]` as 16-bit floats.
+    /// `x` may equal `o` (in-place); it is read completely before `o` is written.
+    ///
+    /// # Safety
+    /// 16 bytes must be readable at `x` and `y` and writable at `o`.
     #[inline]
     #[target_feature(enable = "avx2,f16c")]
-    fn widen<H: Half>(src: &[u8], dst: &mut [f32]) {
-        assert_eq!(src.len(), dst.len() * 2);
-        let whole = dst.len() / 8 * 8;
-        for i in (0..whole).step_by(8) {
-            // SAFETY: `i + 8 <= dst.len()`, and `src` holds two bytes per element.
-            unsafe {
-                _mm256_storeu_ps(
-                    dst.as_mut_ptr().add(i),
-                    widen8::<H>(src.as_ptr().add(2 * i)),
-                )
-            };
+    unsafe fn step8<H: Half, O: Op<f32>>(x: *const u8, y: *const u8, o: *mut u8) {
+        let mut va = [0f32; 8];
+        let mut vb = [0f32; 8];
+        unsafe {
+            _mm256_storeu_ps(va.as_mut_ptr(), widen8::<H>(x));
+            _mm256_storeu_ps(vb.as_mut_ptr(), widen8::<H>(y));
         }
-        let rest = dst.len() - whole;
-        if rest > 0 {
-            let mut pad = [0u8; 16];
-            pad[..2 * rest].copy_from_slice(&src[2 * whole..]);
-            let mut wide = [0f32; 8];
-            // SAFETY: both buffers hold eight elements.
-            unsafe { _mm256_storeu_ps(wide.as_mut_ptr(), widen8::<H>(pad.as_ptr())) };
-            dst[whole..].copy_from_slice(&wide[..rest]);
-        }
+        // A fixed eight-lane loop: LLVM keeps it in one ymm register.
+        O::apply_inplace(&mut va, &vb);
+        unsafe { narrow8::<H>(_mm256_loadu_ps(va.as_ptr()), o) }
     }
 
-    /// Round `src` to 16 bits and write it as little-endian bytes to `dst`.
-    #[inline]
-    #[target_feature(enable = "avx2,f16c")]
-    fn narrow<H: Half>(src: &[f32], dst: &mut [u8]) {
-        assert_eq!(dst.len(), src.len() * 2);
-        let whole = src.len() / 8 * 8;
-        for i in (0..whole).step_by(8) {
-            // SAFETY: `i + 8 <= src.len()`, and `dst` holds two bytes per element.
-            unsafe {
-                narrow8::<H>(
-                    _mm256_loadu_ps(src.as_ptr().add(i)),
-                    dst.as_mut_ptr().add(2 * i),
-                )
-            };
-        }
-        let rest = src.len() - whole;
-        if rest > 0 {
-            let mut wide = [0f32; 8];
-            wide[..rest].copy_from_slice(&src[whole..]);
-            let mut pad = [0u8; 16];
-            // SAFETY: both buffers hold eight elements.
-            unsafe { narrow8::<H>(_mm256_loadu_ps(wide.as_ptr()), pad.as_mut_ptr()) };
-            dst[2 * whole..].copy_from_slice(&pad[..2 * rest]);
-        }
-    }
-
-    /// See the module docs. Callers must check [`available`] first.
+    /// See the module docs. Callers must check [`available`] first, and pass buffers of
+    /// equal, even length.
     #[target_feature(enable = "avx2,f16c")]
     pub(super) fn half_kernel<H: Half, O: Op<f32>>(out: &mut [u8], a: Option<&[u8]>, b: &[u8]) {
-        let mut wide = WideBlocks::new();
-        for r in blocks(out.len(), HALF_BLOCK * 2) {
-            let (fa, fb) = wide.get(r.len() / 2);
-            let src_a = match a {
-                Some(a) => &a[r.clone()],
-                None => &out[r.clone()],
-            };
-            widen::<H>(src_a, fa);
-            widen::<H>(&b[r.clone()], fb);
-            O::apply_inplace(fa, fb);
-            narrow::<H>(fa, &mut out[r]);
+        let len = out.len();
+        assert!(b.len() == len && a.is_none_or(|a| a.len() == len) && len % 2 == 0);
+        // One pass, eight elements at a time, streaming all three buffers together.
+        let whole = len / 16 * 16;
+        let o = out.as_mut_ptr();
+        let x = match a {
+            Some(a) => a.as_ptr(),
+            None => o.cast_const(),
+        };
+        let y = b.as_ptr();
+        for i in (0..whole).step_by(16) {
+            // SAFETY: `i + 16 <= len` for all three buffers.
+            unsafe { step8::<H, O>(x.add(i), y.add(i), o.add(i)) };
+        }
+        if whole < len {
+            let rest = len - whole;
+            let (mut pa, mut pb, mut po) = ([0u8; 16], [0u8; 16], [0u8; 16]);
+            pa[..rest].copy_from_slice(match a {
+                Some(a) => &a[whole..],
+                None => &out[whole..],
+            });
+            pb[..rest].copy_from_slice(&b[whole..]);
+            // SAFETY: 16-byte local buffers.
+            unsafe { step8::<H, O>(pa.as_ptr(), pb.as_ptr(), po.as_mut_ptr()) };
+            out[whole..].copy_from_slice(&po[..rest]);
         }
     }
 }

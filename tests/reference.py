@@ -42,6 +42,7 @@ def _apply(op: pccl.ReduceOp, a: np.ndarray, b: np.ndarray) -> np.ndarray:
         return np.minimum(a, b)
 
 
+@np.errstate(over="ignore", invalid="ignore")
 def _combine(dtype: str, op: pccl.ReduceOp, acc: np.ndarray, x: np.ndarray) -> np.ndarray:
     if dtype == "bfloat16":
         return bf16_round(_apply(op, bf16_to_f32(acc), bf16_to_f32(x)))
@@ -50,6 +51,7 @@ def _combine(dtype: str, op: pccl.ReduceOp, acc: np.ndarray, x: np.ndarray) -> n
     return _apply(op, acc, x).astype(acc.dtype)
 
 
+@np.errstate(over="ignore", invalid="ignore")
 def _divide(dtype: str, s: np.ndarray, world: int) -> np.ndarray:
     if dtype == "bfloat16":
         return bf16_round(bf16_to_f32(s) / np.float32(world))

@@ -423,6 +423,9 @@ class MasterState:
                                    f"peer {peer} withdrew from collective tag {msg.tag}", out,
                                    skip=peer)
             return
+        if col is not None and msg.op_id < 0 and peer in col.participants:
+            # It gave up while our perform was on its way: it will not run the ring.
+            msg = dataclasses.replace(msg, op_id=col.op_id, ok=False)
         if col is None or col.op_id != msg.op_id or peer not in col.participants:
             return  # stale: the collective already ended
         col.reported.add(peer)

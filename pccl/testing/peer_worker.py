@@ -19,7 +19,10 @@ import logging
 import sys
 from typing import Any
 
+import numpy as np
+
 import pccl
+from pccl.testing.data import deterministic_tensor, digest
 
 
 def _emit(obj: dict[str, Any]) -> None:
@@ -31,6 +34,19 @@ class Worker:
     def __init__(self, comm: pccl.Communicator) -> None:
         self.comm = comm
         self.closed = asyncio.Event()
+        self.tensors: dict[str, np.ndarray] = {}
+
+    async def cmd_make_tensor(self, name: str, dtype: str, count: int, seed: int) -> str:
+        self.tensors[name] = deterministic_tensor(dtype, count, seed)
+        return digest(self.tensors[name])
+
+    async def cmd_digest(self, name: str) -> str:
+        return digest(self.tensors[name])
+
+    async def cmd_all_reduce(self, name: str, op: str = "SUM", tag: int = 0) -> dict[str, Any]:
+        info = await self.comm.all_reduce(self.tensors[name], op=pccl.ReduceOp[op], tag=tag)
+        return {"digest": digest(self.tensors[name]), "world_size": info.world_size,
+                "tx_bytes": info.tx_bytes, "rx_bytes": info.rx_bytes}
 
     async def cmd_update_topology(self) -> None:
         await self.comm.update_topology()
@@ -65,7 +81,8 @@ class Worker:
 async def _main(args: argparse.Namespace) -> int:
     comm = pccl.Communicator(master=args.master, peer_group=args.group,
                              p2p_connection_pool_size=args.pool,
-                             secret=bytes.fromhex(args.secret_hex) if args.secret_hex else None)
+                             secret=bytes.fromhex(args.secret_hex) if args.secret_hex else None,
+                             peer_timeout=args.peer_timeout)
     try:
         await comm.connect(n_attempts=args.attempts)
     except pccl.PCCLError as e:
@@ -103,6 +120,7 @@ def main() -> None:
     parser.add_argument("--pool", type=int, default=2)
     parser.add_argument("--attempts", type=int, default=10)
     parser.add_argument("--secret-hex", default="")
+    parser.add_argument("--peer-timeout", type=float, default=30.0)
     parser.add_argument("--log-level", default="WARNING")
     args = parser.parse_args()
     logging.basicConfig(level=args.log_level, stream=sys.stderr)

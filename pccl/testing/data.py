@@ -1,0 +1,24 @@
+"""Deterministic tensors for tests and soak runs: the same (dtype, count, seed) gives the
+same bytes in every process."""
+
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+
+INT_DTYPES = ("int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64")
+
+
+def deterministic_tensor(dtype: str, count: int, seed: int) -> np.ndarray:
+    """Integers span their whole range (sums wrap); floats are normal(0, 100)."""
+    rng = np.random.default_rng(seed)
+    if dtype in INT_DTYPES:
+        info = np.iinfo(dtype)
+        return rng.integers(info.min, info.max, size=count, endpoint=True, dtype=dtype)
+    return (rng.standard_normal(count) * 100.0).astype(np.float32).astype(dtype)
+
+
+def digest(data: object) -> str:
+    """Hex SHA-256 of a tensor's bytes (numpy array or anything with the buffer protocol)."""
+    return hashlib.sha256(memoryview(np.ascontiguousarray(data)).cast("B")).hexdigest()

@@ -1,0 +1,165 @@
+"""Failures mid-collective: stalled and reset links (through the link emulator), peers
+SIGKILLed in the middle of a 64 MiB reduce, and results across real processes."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import numpy as np
+import pytest
+
+import pccl
+from pccl.testing import Cluster, LinkEmulator
+from pccl.testing.data import deterministic_tensor, digest
+from reference import ring_reference
+
+MiB = 1 << 20
+
+
+async def admit_behind_emulator(cluster: Cluster, emu: LinkEmulator, **kwargs) -> pccl.Communicator:
+    """A new in-process peer whose incoming ring link passes through ``emu``."""
+    comm = cluster.new_comm(p2p_advertise_address=emu.address, **kwargs)
+    emu.target = lambda: f"127.0.0.1:{comm.p2p_port}"
+    await cluster.admit([comm])
+    return comm
+
+
+def ordered(comms, per_comm):
+    ranks = [c.ring.index(c.peer_id) for c in comms]
+    return [x for _, x in sorted(zip(ranks, per_comm), key=lambda t: t[0])]
+
+
+@pytest.mark.parametrize("fault", ["blackhole", "reset"])
+async def test_stalled_or_reset_link_fails_everyone_in_bounded_time(fault) -> None:
+    async with LinkEmulator(bandwidth=20e6, chunk_size=256 * 1024) as emu:
+        async with Cluster(2, comm_kwargs={"peer_timeout": 1.0}) as cluster:
+            slow = await admit_behind_emulator(cluster, emu, peer_timeout=1.0)
+            comms = cluster.comms
+            xs = [deterministic_tensor("float32", 4 * MiB, seed=i) for i in range(3)]
+            before = [x.copy() for x in xs]
+            handles = [c.all_reduce_async(x) for c, x in zip(comms, xs)]
+            await cluster.master.wait_for(
+                lambda s: any(c.op_id >= 0 for c in s.collectives.values()))
+            t0 = time.monotonic()
+            if fault == "blackhole":
+                emu.blackhole()
+            else:
+                await emu.reset_all()
+            results = await asyncio.gather(*handles, return_exceptions=True)
+            elapsed = time.monotonic() - t0
+            assert all(isinstance(r, pccl.PeerConnectionError) for r in results), results
+            # Bounded: the 1 s link timeout plus a control-plane round trip (generous).
+            assert elapsed < 30
+            for x, b in zip(xs, before):
+                assert x.tobytes() == b.tobytes()  # nothing written on failure
+            # Heal the link, rebuild the rings, retry: it works.
+            emu.blackhole(False)
+            emu.bandwidth = None
+            await asyncio.gather(*(c.update_topology() for c in comms))
+            await asyncio.gather(*(c.all_reduce(x) for c, x in zip(comms, xs)))
+            expected = ring_reference(ordered(comms, before), pccl.ReduceOp.SUM, "float32")
+            assert all(x.tobytes() == expected.tobytes() for x in xs)
+            assert slow.get_attribute(pccl.Attribute.GLOBAL_WORLD_SIZE) == 3
+
+
+async def test_cancel_mid_ring_aborts_every_peer_and_loses_nothing() -> None:
+    async with LinkEmulator(bandwidth=10e6, chunk_size=256 * 1024) as emu:
+        async with Cluster(1) as cluster:
+            await admit_behind_emulator(cluster, emu)
+            a, b = cluster.comms
+            xa = deterministic_tensor("float32", 2 * MiB, seed=1)
+            xb = deterministic_tensor("float32", 2 * MiB, seed=2)
+            ca, cb = xa.copy(), xb.copy()
+            ha, hb = a.all_reduce_async(xa, tag=9), b.all_reduce_async(xb, tag=9)
+            await cluster.master.wait_for(
+                lambda s: any(c.op_id >= 0 for c in s.collectives.values()))
+            ha.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await ha
+            with pytest.raises(pccl.PCCLError):
+                await hb
+            assert xa.tobytes() == ca.tobytes() and xb.tobytes() == cb.tobytes()
+            emu.bandwidth = None
+            await asyncio.gather(a.update_topology(), b.update_topology())
+            await asyncio.gather(a.all_reduce(xa, tag=9), b.all_reduce(xb, tag=9))
+            assert xa.tobytes() == xb.tobytes()
+
+
+@pytest.mark.multiprocess
+async def test_sigkill_mid_reduce_of_64_mib(pccl_peer_process) -> None:
+    """A (in-process) -> V (process) -> B (in-process, behind a slow link) -> A.
+    V is SIGKILLed while the reduce runs: A and B fail with PeerConnectionError, their
+    buffers are untouched, and after update_topology() the retry gives A+B."""
+    n = 64 * MiB // 4
+    async with LinkEmulator(bandwidth=40e6, chunk_size=256 * 1024) as emu:
+        async with Cluster(1) as cluster:
+            (a,) = cluster.comms
+            victim = await pccl_peer_process(cluster.master.address)
+            await cluster.master.wait_for(lambda s: len(s.pending()) == 1, timeout=60)
+            await a.update_topology()
+            await victim.wait_accepted()
+            b = cluster.new_comm(p2p_advertise_address=emu.address)
+            emu.target = lambda: f"127.0.0.1:{b.p2p_port}"
+            join = asyncio.create_task(b.connect())
+            await cluster.master.wait_for(lambda s: len(s.pending()) == 1, timeout=60)
+            await asyncio.gather(a.update_topology(), victim.call("update_topology"))
+            await join
+            assert a.ring == [a.peer_id, victim.peer_id, b.peer_id]
+
+            xa = deterministic_tensor("float32", n, seed=11)
+            xb = deterministic_tensor("float32", n, seed=12)
+            da, db = digest(xa), digest(xb)
+            await victim.call("make_tensor", name="x", dtype="float32", count=n, seed=13)
+            ha, hb = a.all_reduce_async(xa), b.all_reduce_async(xb)
+            hv = asyncio.create_task(victim.call("all_reduce", name="x"))
+            await cluster.master.wait_for(
+                lambda s: any(c.op_id >= 0 for c in s.collectives.values()), timeout=60)
+            victim.kill()
+            for h in (ha, hb):
+                with pytest.raises(pccl.PeerConnectionError):
+                    await h
+            with pytest.raises(ConnectionError):
+                await hv
+            assert digest(xa) == da and digest(xb) == db  # nothing lost
+
+            emu.bandwidth = None
+            await asyncio.gather(a.update_topology(), b.update_topology())
+            assert a.get_attribute(pccl.Attribute.GLOBAL_WORLD_SIZE) == 2
+            infos = await asyncio.gather(a.all_reduce(xa), b.all_reduce(xb))
+            assert infos[0].world_size == 2
+            expected = ring_reference(
+                [deterministic_tensor("float32", n, seed=11),
+                 deterministic_tensor("float32", n, seed=12)], pccl.ReduceOp.SUM, "float32")
+            assert xa.tobytes() == expected.tobytes() and xb.tobytes() == expected.tobytes()
+
+
+@pytest.mark.multiprocess
+async def test_results_are_bit_identical_across_processes(pccl_peer_process) -> None:
+    async with Cluster(1) as cluster:
+        (local,) = cluster.comms
+        procs = [await pccl_peer_process(cluster.master.address) for _ in range(2)]
+        await cluster.master.wait_for(lambda s: len(s.pending()) == 2, timeout=60)
+        await local.update_topology()
+        for p in procs:
+            await p.wait_accepted()
+        ids = [local.peer_id] + [p.peer_id for p in procs]
+        rank = {pid: local.ring.index(pid) for pid in ids}
+        count = 1001
+        for dtype in ["float16", "float32", "float64", "int8", "int32", "int64", "uint16",
+                      "uint64"]:
+            for op in ["SUM", "AVG", "PROD", "MAX", "MIN"]:
+                seeds = {pid: hash((dtype, op, pid)) % 10_000 for pid in ids}
+                x = deterministic_tensor(dtype, count, seeds[local.peer_id])
+                for p in procs:
+                    await p.call("make_tensor", name="t", dtype=dtype, count=count,
+                                 seed=seeds[p.peer_id])
+                results = await asyncio.gather(
+                    local.all_reduce(x, op=pccl.ReduceOp[op]),
+                    *(p.call("all_reduce", name="t", op=op) for p in procs))
+                inputs = sorted(ids, key=lambda pid: rank[pid])
+                expected = ring_reference(
+                    [deterministic_tensor(dtype, count, seeds[pid]) for pid in inputs],
+                    pccl.ReduceOp[op], dtype)
+                assert digest(x) == digest(expected), (dtype, op)
+                assert all(r["digest"] == digest(expected) for r in results[1:]), (dtype, op)
