@@ -8,7 +8,7 @@ use _core::net::handshake::Purpose;
 use _core::net::node::PoolKey;
 use _core::net::{Node, NodeConfig};
 use _core::reduce::{DType, ReduceOp};
-use _core::ring::allreduce::OpMemory;
+use _core::ring::allreduce::{OpMemory, ScratchPool};
 use _core::ring::{ring_all_reduce, ReduceSpec, RingLinks};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -75,13 +75,16 @@ async fn main() {
     }
     let bytes = mib << 20;
     let inputs: Vec<Arc<Vec<u8>>> = (0..k).map(|_| Arc::new(vec![0u8; bytes])).collect();
+    let pools: Vec<_> = (0..k).map(|_| ScratchPool::new(1 << 30)).collect();
     println!("loopback 1 stream: {:.2} GB/s", loopback_gbps(1 << 30).await);
     for op_id in 0..5u64 {
         let t = Instant::now();
         let mut tasks = Vec::new();
         for i in 0..k {
             let input = inputs[i].clone();
-            let mem = Arc::new(unsafe { OpMemory::new(input.as_ptr(), input.len(), Box::new(input.clone())) });
+            let mem = Arc::new(unsafe {
+                OpMemory::new(input.as_ptr(), input.len(), Box::new(input.clone()), Some(pools[i].clone()))
+            });
             let spec = ReduceSpec { op_id, rank: i, world: k, dtype: DType::F32, op: ReduceOp::Sum, piece_bytes: piece };
             tasks.push(tokio::spawn(ring_all_reduce(links[i].clone(), spec, mem, Default::default())));
         }

@@ -10,11 +10,16 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
+/// Scratch memory kept for reuse per peer (freed buffers beyond this are released).
+const SCRATCH_CACHE_BYTES: usize = 1 << 30;
+
 #[pyclass(name = "P2PNode", module = "pccl._core", frozen)]
 pub struct PyP2PNode {
     pub(crate) node: Arc<Node>,
     /// The ring links of the current epoch, if this peer is in a ring of two or more.
     pub(crate) ring: Arc<std::sync::Mutex<Option<Arc<crate::ring::RingLinks>>>>,
+    /// Scratch buffers recycled between collectives (bounded, see `ScratchPool`).
+    pub(crate) scratch: Arc<crate::ring::allreduce::ScratchPool>,
 }
 
 pub(crate) async fn resolve(addr: &str) -> Result<SocketAddr, CoreError> {
@@ -55,7 +60,11 @@ impl PyP2PNode {
         future_into_py(py, async move {
             let addr = resolve(&addr).await?;
             let node = Node::bind(cfg, addr).await?;
-            Ok(PyP2PNode { node, ring: Default::default() })
+            Ok(PyP2PNode {
+                node,
+                ring: Default::default(),
+                scratch: crate::ring::allreduce::ScratchPool::new(SCRATCH_CACHE_BYTES),
+            })
         })
     }
 

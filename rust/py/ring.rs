@@ -108,7 +108,8 @@ impl PyP2PNode {
         let keep = KeepAlive(buffer.clone().unbind());
         // SAFETY: `keep` holds the exporting object for as long as the op's memory lives;
         // callers must not resize or write the tensor while the op runs (documented).
-        let mem = Arc::new(unsafe { OpMemory::new(raw.ptr as *const u8, raw.len, Box::new(keep)) });
+        let pool = Some(self.scratch.clone());
+        let mem = Arc::new(unsafe { OpMemory::new(raw.ptr as *const u8, raw.len, Box::new(keep), pool) });
         let spec = ReduceSpec { op_id, rank, world, dtype, op, piece_bytes };
         Ok(RingOp {
             links,

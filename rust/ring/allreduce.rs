@@ -7,17 +7,18 @@
 //! everyone. Every peer therefore ends with the same bytes.
 //!
 //! Each chunk is cut into pieces of at most `piece_bytes`; piece `p` of every chunk
-//! travels on lane `p % lanes`. For every lane a sender walks the steps in order and
-//! a receiver does the same on the incoming side; the sender of step `s` for piece `p`
-//! waits until the receiver has processed piece `p` of step `s - 1`. Nothing is
+//! travels on lane `p % lanes`. For every sending lane a task walks the steps in order;
+//! on the receiving side the links' reader tasks land each piece straight in the
+//! scratch buffer and reduce it there (`Landing`). The sender of step `s` for piece
+//! `p` waits until piece `p` of step `s - 1` has landed and been reduced. Nothing is
 //! written to the caller's memory: results accumulate in a scratch buffer that the
 //! caller commits only once every peer succeeded.
 
 use crate::error::{CoreError, CoreResult};
 use crate::reduce::{self, DType, ReduceOp};
-use crate::ring::links::{PieceHeader, RingLinks, HEADER_LEN};
+use crate::ring::links::{Landing, PieceHeader, RingLinks, HEADER_LEN};
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
@@ -44,8 +45,65 @@ pub struct OpMemory {
     input: *const u8,
     len: usize,
     scratch: *mut u8,
-    _scratch_owner: Vec<u8>,
+    scratch_owner: Vec<u8>,
+    pool: Option<Arc<ScratchPool>>,
     _keepalive: Box<dyn Send + Sync>,
+}
+
+/// Recycles scratch buffers between collectives: a fresh multi-MiB allocation costs a
+/// page fault per 4 KiB on first touch, which is a large share of a loopback reduce.
+pub struct ScratchPool {
+    free: Mutex<Vec<Vec<u8>>>,
+    max_bytes: usize,
+}
+
+impl ScratchPool {
+    pub fn new(max_bytes: usize) -> Arc<ScratchPool> {
+        Arc::new(ScratchPool { free: Mutex::new(Vec::new()), max_bytes })
+    }
+
+    /// A buffer of exactly `len` bytes (contents unspecified but initialised).
+    fn take(&self, len: usize) -> Vec<u8> {
+        let mut free = self.free.lock().unwrap();
+        let best = free
+            .iter()
+            .enumerate()
+            .filter(|(_, b)| b.capacity() >= len)
+            .min_by_key(|(_, b)| b.capacity())
+            .map(|(i, _)| i);
+        let mut buf = match best {
+            Some(i) => free.swap_remove(i),
+            None => Vec::new(),
+        };
+        drop(free);
+        buf.resize(len, 0);
+        buf
+    }
+
+    fn give(&self, buf: Vec<u8>) {
+        let mut free = self.free.lock().unwrap();
+        let held: usize = free.iter().map(Vec::capacity).sum();
+        if held + buf.capacity() <= self.max_bytes {
+            free.push(buf);
+        } else if let Some(smallest) = free.iter().map(Vec::capacity).min() {
+            // Prefer keeping large buffers: they are the expensive ones to fault in.
+            if smallest < buf.capacity() {
+                let i = free.iter().position(|b| b.capacity() == smallest).unwrap();
+                free.swap_remove(i);
+                if held - smallest + buf.capacity() <= self.max_bytes {
+                    free.push(buf);
+                }
+            }
+        }
+    }
+}
+
+impl Drop for OpMemory {
+    fn drop(&mut self) {
+        if let Some(pool) = &self.pool {
+            pool.give(std::mem::take(&mut self.scratch_owner));
+        }
+    }
 }
 
 // SAFETY: `input` is only read; `scratch` is written at disjoint piece ranges whose
@@ -56,10 +114,18 @@ unsafe impl Sync for OpMemory {}
 impl OpMemory {
     /// # Safety
     /// `input..input+len` must stay valid and unmodified while `keepalive` lives.
-    pub unsafe fn new(input: *const u8, len: usize, keepalive: Box<dyn Send + Sync>) -> Self {
-        let mut owner = vec![0u8; len];
+    pub unsafe fn new(
+        input: *const u8,
+        len: usize,
+        keepalive: Box<dyn Send + Sync>,
+        pool: Option<Arc<ScratchPool>>,
+    ) -> Self {
+        let mut owner = match &pool {
+            Some(p) => p.take(len),
+            None => vec![0u8; len],
+        };
         let scratch = owner.as_mut_ptr();
-        OpMemory { input, len, scratch, _scratch_owner: owner, _keepalive: keepalive }
+        OpMemory { input, len, scratch, scratch_owner: owner, pool, _keepalive: keepalive }
     }
 
     pub fn len(&self) -> usize {
@@ -169,11 +235,64 @@ struct Shared {
     mem: Arc<OpMemory>,
     plan: Plan,
     spec: ReduceSpec,
-    /// progress[p] = steps whose piece p has been received and processed.
+    /// progress[p] = steps whose piece p has landed and been reduced.
     progress: Vec<AtomicU32>,
+    /// Pieces landed so far, out of `plan.pieces * plan.steps`.
+    landed: AtomicU64,
     advanced: Notify,
     tx: AtomicU64,
     rx: AtomicU64,
+}
+
+impl Landing for Shared {
+    fn landing(&self, step: u32, piece: u32, len: u32) -> CoreResult<(*mut u8, usize)> {
+        let (step, p) = (step as usize, piece as usize);
+        let plan = &self.plan;
+        if step >= plan.steps || p >= plan.pieces {
+            return Err(CoreError::Protocol(format!(
+                "piece {step}/{p} is outside collective {} ({} steps x {} pieces); \
+                 do all peers reduce the same tensor?",
+                self.spec.op_id, plan.steps, plan.pieces
+            )));
+        }
+        if self.progress[p].load(Ordering::Acquire) != step as u32 {
+            return Err(CoreError::Protocol(format!(
+                "piece {step}/{p} of collective {} arrived out of order",
+                self.spec.op_id
+            )));
+        }
+        let range = plan.piece(plan.recv_chunk(step), p);
+        if range.len() != len as usize {
+            return Err(CoreError::Protocol(format!(
+                "piece {step}/{p} of collective {} has {len} bytes, expected {} \
+                 (do all peers reduce the same tensor?)",
+                self.spec.op_id,
+                range.len()
+            )));
+        }
+        let dst = self.mem.scratch_mut(range);
+        Ok((dst.as_mut_ptr(), dst.len()))
+    }
+
+    fn landed(&self, step: u32, piece: u32) -> CoreResult<()> {
+        let (step, p) = (step as usize, piece as usize);
+        let plan = &self.plan;
+        let range = plan.piece(plan.recv_chunk(step), p);
+        self.rx.fetch_add((HEADER_LEN + range.len()) as u64, Ordering::Relaxed);
+        let last_rs = plan.world - 2;
+        if step <= last_rs {
+            // scratch holds what the previous peer accumulated; add ours after it.
+            let acc = self.mem.scratch_mut(range.clone());
+            reduce::reduce_inplace(self.spec.dtype, self.spec.op, acc, self.mem.input(range))?;
+            if step == last_rs {
+                reduce::finalize(self.spec.dtype, self.spec.op, acc, plan.world)?;
+            }
+        }
+        self.progress[p].store(step as u32 + 1, Ordering::Release);
+        self.landed.fetch_add(1, Ordering::AcqRel);
+        self.advanced.notify_waiters();
+        Ok(())
+    }
 }
 
 /// Runs the all-reduce of `mem` over `links`. On success the result is in
@@ -195,47 +314,85 @@ pub async fn ring_all_reduce(
         return Err(CoreError::InvalidArgument("piece larger than the link's limit".into()));
     }
     let op_id = spec.op_id;
+    let total = (plan.pieces * plan.steps) as u64;
     let shared = Arc::new(Shared {
         progress: (0..plan.pieces).map(|_| AtomicU32::new(0)).collect(),
         mem,
         plan,
         spec,
+        landed: AtomicU64::new(0),
         advanced: Notify::new(),
         tx: AtomicU64::new(0),
         rx: AtomicU64::new(0),
     });
     // If this future is dropped half-way (the caller went away), a lane may have left
     // half a frame on the wire: the guard poisons the links and stops the tasks.
-    let guard = AbortGuard { links: links.clone(), cancel: cancel.clone(), op_id, armed: true };
-    let mut receivers = Vec::with_capacity(links.recv_lanes());
-    for lane in 0..links.recv_lanes() {
-        receivers.push(links.claim(op_id, lane as u16)?);
-    }
-    let mut tasks = tokio::task::JoinSet::new();
+    let mut guard = AbortGuard { links: links.clone(), cancel: cancel.clone(), op_id, armed: true };
+    links.register(op_id, shared.clone())?;
+    let mut senders = tokio::task::JoinSet::new();
     for lane in 0..links.send_lanes() {
         let (l, s, c) = (links.clone(), shared.clone(), cancel.clone());
-        tasks.spawn(async move { send_lane(&l, &s, lane, &c).await });
+        senders.spawn(async move { send_lane(&l, &s, lane, &c).await });
     }
-    for (lane, rx) in receivers.into_iter().enumerate() {
-        let (l, s, c) = (links.clone(), shared.clone(), cancel.clone());
-        tasks.spawn(async move { recv_lane(&l, &s, lane, rx, &c).await });
+    let outcome = wait_until_done(&links, &shared, &mut senders, total, &cancel).await;
+    if outcome.is_err() {
+        cancel.cancel();
+        while senders.join_next().await.is_some() {}
     }
-    let mut outcome = Ok(());
-    while let Some(joined) = tasks.join_next().await {
-        let r = joined.unwrap_or_else(|e| Err(CoreError::Aborted(format!("ring task failed: {e}"))));
-        if let Err(e) = r {
-            if outcome.is_ok() {
-                outcome = Err(e);
-            }
-            // One lane failing dooms the op; stop the others now.
-            cancel.cancel();
-        }
-    }
-    let mut guard = guard;
     guard.armed = false;
     links.finish(op_id);
     outcome?;
-    Ok(ReduceStats { tx_bytes: shared.tx.load(Ordering::Relaxed), rx_bytes: shared.rx.load(Ordering::Relaxed) })
+    Ok(ReduceStats {
+        tx_bytes: shared.tx.load(Ordering::Relaxed),
+        rx_bytes: shared.rx.load(Ordering::Relaxed),
+    })
+}
+
+/// Waits until every sender finished and every expected piece landed. Fails when the
+/// previous peer sends nothing for the link's I/O timeout.
+async fn wait_until_done(
+    links: &RingLinks,
+    sh: &Shared,
+    senders: &mut tokio::task::JoinSet<CoreResult<()>>,
+    total: u64,
+    cancel: &CancellationToken,
+) -> CoreResult<()> {
+    let mut senders_left = senders.len();
+    let mut seen = sh.landed.load(Ordering::Acquire);
+    let mut idle_since = tokio::time::Instant::now();
+    loop {
+        let notified = sh.advanced.notified();
+        tokio::pin!(notified);
+        notified.as_mut().enable();
+        let landed = sh.landed.load(Ordering::Acquire);
+        if landed != seen {
+            seen = landed;
+            idle_since = tokio::time::Instant::now();
+        }
+        if senders_left == 0 && landed == total {
+            return Ok(());
+        }
+        let stall_at = idle_since + links.io_timeout();
+        tokio::select! {
+            joined = senders.join_next(), if senders_left > 0 => {
+                senders_left -= 1;
+                joined
+                    .expect("counted")
+                    .unwrap_or_else(|e| Err(CoreError::Aborted(format!("ring task failed: {e}"))))?;
+            }
+            _ = &mut notified => {}
+            _ = cancel.cancelled() => return Err(aborted(links)),
+            _ = links.poisoned().cancelled() => return Err(links.poison_error()),
+            _ = tokio::time::sleep_until(stall_at), if landed < total => {
+                links.poison(format!(
+                    "no data from peer {} for {:.1}s (stalled or dead)",
+                    links.prev,
+                    links.io_timeout().as_secs_f64()
+                ));
+                return Err(links.poison_error());
+            }
+        }
+    }
 }
 
 struct AbortGuard {
@@ -270,7 +427,7 @@ async fn send_lane(links: &RingLinks, sh: &Shared, lane: usize, cancel: &Cancell
         let chunk = plan.send_chunk(step);
         for p in (lane..plan.pieces).step_by(lanes) {
             if step > 0 {
-                // Wait until piece p of the previous step has been received and processed.
+                // Wait until piece p of the previous step has landed and been reduced.
                 loop {
                     let notified = sh.advanced.notified();
                     tokio::pin!(notified);
@@ -302,61 +459,6 @@ async fn send_lane(links: &RingLinks, sh: &Shared, lane: usize, cancel: &Cancell
                 }
             }
             sh.tx.fetch_add((HEADER_LEN + data.len()) as u64, Ordering::Relaxed);
-        }
-    }
-    Ok(())
-}
-
-async fn recv_lane(
-    links: &RingLinks,
-    sh: &Shared,
-    lane: usize,
-    mut rx: tokio::sync::mpsc::Receiver<crate::ring::links::Piece>,
-    cancel: &CancellationToken,
-) -> CoreResult<()> {
-    let plan = &sh.plan;
-    let lanes = links.recv_lanes();
-    let last_rs = plan.world - 2;
-    for step in 0..plan.steps {
-        let chunk = plan.recv_chunk(step);
-        for p in (lane..plan.pieces).step_by(lanes) {
-            let piece = tokio::select! {
-                r = tokio::time::timeout(links.io_timeout(), rx.recv()) => match r {
-                    Ok(Some(piece)) => piece,
-                    Ok(None) => return Err(links.poison_error()),
-                    Err(_) => {
-                        links.poison(format!(
-                            "no data from peer {} for {:.1}s (stalled or dead)",
-                            links.prev, links.io_timeout().as_secs_f64()));
-                        return Err(links.poison_error());
-                    }
-                },
-                _ = cancel.cancelled() => return Err(aborted(links)),
-                _ = links.poisoned().cancelled() => return Err(links.poison_error()),
-            };
-            let range = plan.piece(chunk, p);
-            let h = piece.header;
-            if h.step != step as u32 || h.piece != p as u32 || h.len as usize != range.len() {
-                let msg = format!(
-                    "peer {} sent piece {}/{} of {} bytes, expected {}/{} of {} bytes \
-                     (do all peers reduce the same tensor?)",
-                    links.prev, h.step, h.piece, h.len, step, p, range.len()
-                );
-                links.poison(msg);
-                return Err(links.poison_error());
-            }
-            sh.rx.fetch_add((HEADER_LEN + range.len()) as u64, Ordering::Relaxed);
-            let dst = sh.mem.scratch_mut(range.clone());
-            if step <= last_rs {
-                reduce::reduce(sh.spec.dtype, sh.spec.op, dst, &piece.payload, sh.mem.input(range))?;
-                if step == last_rs {
-                    reduce::finalize(sh.spec.dtype, sh.spec.op, dst, plan.world)?;
-                }
-            } else {
-                dst.copy_from_slice(&piece.payload);
-            }
-            sh.progress[p].store(step as u32 + 1, Ordering::Release);
-            sh.advanced.notify_waiters();
         }
     }
     Ok(())

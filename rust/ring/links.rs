@@ -2,30 +2,25 @@
 //! from the previous peer (receiving lanes).
 //!
 //! Many collectives share the lanes. Every piece travels as one frame with a fixed
-//! header; a reader task per receiving lane files incoming pieces into per-(op, lane)
-//! mailboxes, so collectives never see each other's bytes. Any I/O error, timeout in
+//! header; a reader task per receiving lane looks up the op the piece belongs to and
+//! reads the payload straight into that op's memory, so collectives never see each
+//! other's bytes and no piece is copied twice. Any I/O error, timeout in
 //! the middle of a frame, or malformed header *poisons* the links: the byte stream can
 //! no longer be trusted, so every current and later collective on them fails until
 //! `update_topology()` builds new ones.
 
 use crate::error::{CoreError, CoreResult};
-use bytes::BytesMut;
 use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::TcpStream;
-use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 pub const HEADER_LEN: usize = 24;
 const FRAME_MAGIC: u32 = 0x5043_434C; // "PCCL"
-/// Pieces queued per (op, lane) before the reader waits for the op to consume them.
-const MAILBOX_DEPTH: usize = 8;
-/// Mailboxes that exist before their op claimed them; more means a confused peer.
-const MAX_UNCLAIMED: usize = 4096;
 /// Remember this many finished ops so that their stragglers are dropped, not queued.
 const MAX_FINISHED: usize = 65536;
 
@@ -62,19 +57,20 @@ impl PieceHeader {
     }
 }
 
-pub struct Piece {
-    pub header: PieceHeader,
-    pub payload: BytesMut,
-}
-
-struct Mailbox {
-    tx: mpsc::Sender<Piece>,
-    rx: Option<mpsc::Receiver<Piece>>,
+/// Where an op wants the pieces addressed to it. The reader task of each receiving
+/// lane writes a piece's payload straight into the slice `landing` returns (no
+/// intermediate copy) and then calls `landed`, which does the op's per-piece work.
+pub trait Landing: Send + Sync {
+    /// Destination of piece `(step, piece)` of `len` bytes; an error if the op did not
+    /// expect exactly that piece now. The pointer stays valid while `self` lives.
+    fn landing(&self, step: u32, piece: u32, len: u32) -> CoreResult<(*mut u8, usize)>;
+    /// The payload of `(step, piece)` has been written.
+    fn landed(&self, step: u32, piece: u32) -> CoreResult<()>;
 }
 
 #[derive(Default)]
-struct Mailboxes {
-    open: HashMap<(u64, u16), Mailbox>,
+struct Registry {
+    open: HashMap<u64, Arc<dyn Landing>>,
     finished: HashSet<u64>,
     finished_order: std::collections::VecDeque<u64>,
 }
@@ -87,7 +83,8 @@ pub struct RingLinks {
     recv_lanes: usize,
     max_piece: usize,
     io_timeout: Duration,
-    mailboxes: Mutex<Mailboxes>,
+    registry: Mutex<Registry>,
+    registered: tokio::sync::Notify,
     poisoned: CancellationToken,
     poison_reason: Mutex<Option<String>>,
     cancel: CancellationToken,
@@ -122,7 +119,8 @@ impl RingLinks {
             recv_lanes: from_prev.len(),
             max_piece,
             io_timeout,
-            mailboxes: Mutex::new(Mailboxes::default()),
+            registry: Mutex::new(Registry::default()),
+            registered: tokio::sync::Notify::new(),
             poisoned: CancellationToken::new(),
             poison_reason: Mutex::new(None),
             cancel: CancellationToken::new(),
@@ -186,48 +184,58 @@ impl RingLinks {
         &self.poisoned
     }
 
-    /// The receiving end of `(op, lane)`, created if pieces have not arrived yet.
-    pub fn claim(&self, op: u64, lane: u16) -> CoreResult<mpsc::Receiver<Piece>> {
-        let mut mb = self.mailboxes.lock().unwrap();
-        if mb.finished.contains(&op) {
-            return Err(CoreError::InvalidUsage(format!("collective {op} already ran")));
+    /// Makes `op` receivable: pieces for it land in `target` from now on.
+    pub fn register(&self, op: u64, target: Arc<dyn Landing>) -> CoreResult<()> {
+        let mut reg = self.registry.lock().unwrap();
+        if reg.finished.contains(&op) || reg.open.contains_key(&op) {
+            return Err(CoreError::InvalidUsage(format!("collective {op} already ran here")));
         }
-        let entry = mb.open.entry((op, lane)).or_insert_with(|| {
-            let (tx, rx) = mpsc::channel(MAILBOX_DEPTH);
-            Mailbox { tx, rx: Some(rx) }
-        });
-        entry
-            .rx
-            .take()
-            .ok_or_else(|| CoreError::InvalidUsage(format!("collective {op} claimed twice")))
+        reg.open.insert(op, target);
+        drop(reg);
+        self.registered.notify_waiters();
+        Ok(())
     }
 
-    /// Forgets the op's mailboxes; later pieces of it are discarded.
+    /// Forgets the op; later pieces of it are read and discarded.
     pub fn finish(&self, op: u64) {
-        let mut mb = self.mailboxes.lock().unwrap();
-        mb.open.retain(|(o, _), _| *o != op);
-        if mb.finished.insert(op) {
-            mb.finished_order.push_back(op);
-            if mb.finished_order.len() > MAX_FINISHED {
-                let old = mb.finished_order.pop_front().unwrap();
-                mb.finished.remove(&old);
+        let mut reg = self.registry.lock().unwrap();
+        reg.open.remove(&op);
+        if reg.finished.insert(op) {
+            reg.finished_order.push_back(op);
+            if reg.finished_order.len() > MAX_FINISHED {
+                let old = reg.finished_order.pop_front().unwrap();
+                reg.finished.remove(&old);
             }
         }
     }
 
-    fn mailbox_for(&self, op: u64, lane: u16) -> CoreResult<Option<mpsc::Sender<Piece>>> {
-        let mut mb = self.mailboxes.lock().unwrap();
-        if mb.finished.contains(&op) {
-            return Ok(None);
+    /// The op's target; waits (bounded) for an op the peer announced before we did.
+    /// `None`: the op already ended here.
+    async fn target_for(&self, op: u64) -> CoreResult<Option<Arc<dyn Landing>>> {
+        let deadline = tokio::time::Instant::now() + self.io_timeout;
+        loop {
+            let notified = self.registered.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            {
+                let reg = self.registry.lock().unwrap();
+                if let Some(t) = reg.open.get(&op) {
+                    return Ok(Some(t.clone()));
+                }
+                if reg.finished.contains(&op) {
+                    return Ok(None);
+                }
+            }
+            tokio::select! {
+                _ = notified => {}
+                _ = tokio::time::sleep_until(deadline) => {
+                    return Err(CoreError::Protocol(format!(
+                        "peer {} sent pieces of collective {op}, which never started here",
+                        self.prev
+                    )))
+                }
+            }
         }
-        if !mb.open.contains_key(&(op, lane)) && mb.open.len() >= MAX_UNCLAIMED {
-            return Err(CoreError::Protocol("too many unclaimed collectives".into()));
-        }
-        let entry = mb.open.entry((op, lane)).or_insert_with(|| {
-            let (tx, rx) = mpsc::channel(MAILBOX_DEPTH);
-            Mailbox { tx, rx: Some(rx) }
-        });
-        Ok(Some(entry.tx.clone()))
     }
 
     /// Sends one piece on `lane`. A timeout or error poisons the links (the stream may
@@ -282,12 +290,13 @@ impl Drop for RingLinks {
 async fn read_lane(
     links: &std::sync::Weak<RingLinks>,
     read: &mut OwnedReadHalf,
-    lane: u16,
+    _lane: u16,
 ) -> CoreResult<()> {
     let max_piece = match links.upgrade() {
         Some(l) => l.max_piece,
         None => return Ok(()),
     };
+    let mut sink = Vec::new();
     loop {
         let mut h = [0u8; HEADER_LEN];
         match read.read_exact(&mut h).await {
@@ -305,16 +314,23 @@ async fn read_lane(
                 header.len
             )));
         }
-        let mut payload = BytesMut::zeroed(header.len as usize);
-        read.read_exact(&mut payload)
-            .await
-            .map_err(|e| CoreError::io("reading a piece", e))?;
         let Some(l) = links.upgrade() else { return Ok(()) };
-        let tx = l.mailbox_for(header.op, lane)?;
+        let target = l.target_for(header.op).await?;
         drop(l);
-        if let Some(tx) = tx {
-            // A closed receiver means the op ended; its stragglers are dropped.
-            let _ = tx.send(Piece { header, payload }).await;
+        match target {
+            Some(target) => {
+                let (ptr, len) = target.landing(header.step, header.piece, header.len)?;
+                // SAFETY: the target keeps this range alive and hands it to this lane
+                // alone until `landed` is called.
+                let dst = unsafe { std::slice::from_raw_parts_mut(ptr, len) };
+                read.read_exact(dst).await.map_err(|e| CoreError::io("reading a piece", e))?;
+                target.landed(header.step, header.piece)?;
+            }
+            None => {
+                // A straggler of an op that ended here: read and drop it.
+                sink.resize(header.len as usize, 0);
+                read.read_exact(&mut sink).await.map_err(|e| CoreError::io("reading a piece", e))?;
+            }
         }
     }
 }
