@@ -188,8 +188,8 @@ def _master_proc(addr_q: Any, stop: Any, life_s: float) -> None:
         sys.exit(1)
 
 
-async def _until(pred: Any, what: str, poll: float = 0.005) -> None:
-    """Polls ``pred()`` (callers wrap this in asyncio.timeout)."""
+async def _until(pred: Any, poll: float = 0.005) -> None:
+    """Polls ``pred()`` until it holds (callers bound this with asyncio.timeout)."""
     while not pred():
         await asyncio.sleep(poll)
 
@@ -212,7 +212,7 @@ async def _pccl_peer(rank: int, k: int, master: str, pool: int, advertise: str |
     try:
         async with asyncio.timeout(SETUP_TIMEOUT):
             # Peers join one at a time, in rank order, so the ring order is the rank order.
-            await _until(lambda: admitted.value >= rank, "my turn to join")
+            await _until(lambda: admitted.value >= rank)
             join = asyncio.create_task(comm.connect())
             while True:  # publish our listening port as soon as it is bound
                 with contextlib.suppress(pccl.InvalidUsageError):
@@ -226,11 +226,11 @@ async def _pccl_peer(rank: int, k: int, master: str, pool: int, advertise: str |
             # Every accepted peer votes the next joiner in, once it is registered and its
             # port is known (whoever dials it through an emulator needs that port).
             for j in range(rank + 1, k):
-                await _until(lambda j=j: ports[j] != 0, "joiner's port")
+                await _until(lambda j=j: ports[j] != 0)
                 while not await comm.are_peers_pending():
                     await asyncio.sleep(0.01)
                 await comm.update_topology()
-                await _until(lambda j=j: admitted.value > j, "joiner's admission")
+                await _until(lambda j=j: admitted.value > j)
         world = comm.get_attribute(pccl.Attribute.GLOBAL_WORLD_SIZE)
         if world != k:
             raise RuntimeError(f"world size is {world}, expected {k}")
@@ -582,6 +582,8 @@ def main() -> None:
     args = ap.parse_args()
     if min(args.peers) < 2:
         ap.error("--peers must be >= 2")
+    if not 1 <= args.pool <= 64 or not all(1 <= p <= 64 for p in args.emu_pools):
+        ap.error("pool sizes must be in 1..64")
     if args.iters < 1 or args.emu_iters < 1 or args.warmup < 0:
         ap.error("--iters/--emu-iters must be >= 1 and --warmup >= 0")
 

@@ -81,7 +81,9 @@ class Children:
     def __enter__(self) -> Children:
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, exc_type: object, *rest: object) -> None:
+        if exc_type is not None:
+            self.grace = min(self.grace, 0.5)  # the phase failed: no point in waiting
         self.reap()
 
 

@@ -138,6 +138,8 @@ class MasterState:
         self.rings: dict[int, list[int]] = {}
         self.ring_epoch = 0
         self.collectives: dict[tuple[int, int], Collective] = {}
+        # Groups whose ring links failed in a collective: unusable until the next round.
+        self.broken_groups: set[int] = set()
         self.next_op_id = 1
 
     # --- queries (used by the server and by tests) --------------------------------
@@ -324,6 +326,7 @@ class MasterState:
         self.rings = self._rings_of(rnd.members)
         self.ring_epoch = rnd.epoch
         self.rings_stale = False
+        self.broken_groups.clear()
         self.round = None
         self.phase = Phase.IDLE
         self.votes.clear()
@@ -370,6 +373,13 @@ class MasterState:
         if col is None:
             col = self.collectives[key] = Collective(rec.peer_group, msg.tag)
         col.inits[peer] = msg
+        if self._ring_broken(rec.peer_group):
+            # Fail fast: waiting for every member to arrive could wait forever.
+            self._fail_unperformed(col, "PeerConnectionError", (
+                f"the ring of peer group {col.group} is broken (a peer left or a link "
+                "failed since the last update_topology()); call update_topology() and retry"),
+                out)
+            return
         if any(p in self.votes for p in self._members(rec.peer_group)):
             self._fail_unperformed(col, "CollectiveAbortedError", (
                 "other peers of the group are in update_topology(); call update_topology() "
@@ -392,11 +402,6 @@ class MasterState:
                 f"peers disagree on collective tag {col.tag}: {detail}"), out)
             return
         ring = self.rings.get(col.group, [])
-        if sorted(ring) != sorted(members):
-            self._fail_unperformed(col, "PeerConnectionError", (
-                "the ring lost a peer since the last update_topology(); call "
-                "update_topology() and retry"), out)
-            return
         col.op_id = self.next_op_id
         self.next_op_id += 1
         col.participants = list(ring)
@@ -404,6 +409,11 @@ class MasterState:
             out.append(Send(p, m.CollectivePerform(tag=col.tag, op_id=col.op_id,
                                                    epoch=self.ring_epoch, rank=rank,
                                                    world=len(ring))))
+
+    def _ring_broken(self, group: int) -> bool:
+        """Whether collectives in ``group`` cannot succeed before update_topology()."""
+        ring = self.rings.get(group, [])
+        return group in self.broken_groups or sorted(ring) != sorted(self._members(group))
 
     def _fail_unperformed(self, col: Collective, kind: str, why: str, out: list[Command],
                           skip: int | None = None) -> None:
@@ -450,6 +460,7 @@ class MasterState:
         if col.error is not None:
             # Links may hold half-sent pieces: the rings must be rebuilt before reuse.
             self.rings_stale = True
+            self.broken_groups.add(col.group)
         for p in col.participants:
             out.append(Send(p, m.CollectiveOutcome(tag=col.tag, op_id=col.op_id,
                                                    ok=col.error is None, kind=kind, message=why)))
