@@ -1075,12 +1075,11 @@ class MasterPopulation(RuleBasedStateMachine):
     events checks determinism along the way."""
 
     MAX_PEERS = 7
-    MAX_ATTEMPTS = 2
 
     def __init__(self) -> None:
         super().__init__()
-        self.st = MasterState(max_establish_attempts=self.MAX_ATTEMPTS)
-        self.twin = MasterState(max_establish_attempts=self.MAX_ATTEMPTS)
+        self.st = MasterState()
+        self.twin = MasterState()
         self.model: dict[int, _Peer] = {}
         self.next_pid = 1
         self.next_req = 1
@@ -1206,7 +1205,7 @@ class MasterPopulation(RuleBasedStateMachine):
         if rnd is None or rnd.epoch != epoch or pid not in rnd.members:
             return False
         dead = rnd.unreachable | ({failed} & set(rnd.members))
-        return set(rnd.members) <= dead and self.st.attempts + 1 < self.MAX_ATTEMPTS
+        return set(rnd.members) <= dead and self.st.attempts + 1 < self.st.max_establish_attempts
 
     # --- rules ---------------------------------------------------------------------------
 
@@ -1218,10 +1217,14 @@ class MasterPopulation(RuleBasedStateMachine):
         self.model[pid] = _Peer(pid, group)
         self.feed(PeerRegistered(pid, group, addr(pid)))
 
-    @initialize(groups=hs.lists(hs.integers(min_value=0, max_value=2), max_size=5))
-    def bootstrap(self, groups: list[int]) -> None:
+    @initialize(groups=hs.lists(hs.integers(min_value=0, max_value=2), max_size=5),
+                attempts=hs.integers(min_value=1, max_value=3))
+    def bootstrap(self, groups: list[int], attempts: int) -> None:
         """Most runs start from an established population, so the rules below spend
         their steps on the interesting parts rather than on getting there."""
+        assert not self.st.peers
+        self.st = MasterState(max_establish_attempts=attempts)
+        self.twin = MasterState(max_establish_attempts=attempts)
         for g in groups:
             self.register(g)
         self.settle()
