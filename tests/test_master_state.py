@@ -1140,6 +1140,7 @@ class MasterPopulation(RuleBasedStateMachine):
         elif isinstance(msg, m.TopologyUpdated):
             assert st.peers[peer.pid].status is PeerStatus.ACCEPTED
             assert msg.epoch == st.ring_epoch == st.epoch
+            assert msg.epoch not in peer.unanswered, "round ended before this peer reported"
             if peer.accepted:
                 assert peer.voting, "TopologyUpdated for a vote never cast"
                 peer.voting = False
@@ -1197,6 +1198,10 @@ class MasterPopulation(RuleBasedStateMachine):
     def unanswered(self) -> list[tuple[int, int]]:
         return sorted((p.pid, ep) for p in self.model.values() for ep in p.unanswered)
 
+    def current_unanswered(self) -> list[tuple[int, int]]:
+        rnd = self.st.round
+        return [(p, ep) for p, ep in self.unanswered() if rnd is not None and ep == rnd.epoch]
+
     def strands_joiners(self, pid: int, epoch: int, failed: int) -> bool:
         """Whether this failure report would make every member of the round unreachable
         while a retry is allowed: the known bug pinned by
@@ -1234,8 +1239,15 @@ class MasterPopulation(RuleBasedStateMachine):
     def depart(self, pick: int, graceful: bool) -> None:
         """A peer leaves (Leave message) or dies (the server reports it lost)."""
         pid = _pick(sorted(self.model), pick)
+        was_accepted = self.model[pid].accepted
         event = Received(pid, m.Leave()) if graceful else PeerLost(pid, "heartbeat timeout")
-        assert self.feed(event)[0] == Disconnect(pid, TEXT)
+        cmds = self.feed(event)
+        assert cmds[0] == Disconnect(pid, TEXT)
+        if was_accepted and self.st.phase is not Phase.ESTABLISH_P2P:
+            # The others learn the new world at once (a round would tell them later).
+            told = [c.peer_id for c in cmds if isinstance(c, Send)
+                    and isinstance(c.msg, m.WorldInfo)]
+            assert told == self.st.accepted()
 
     @precondition(lambda self: self.voters())
     @rule(pick=PICK)
@@ -1259,7 +1271,11 @@ class MasterPopulation(RuleBasedStateMachine):
     def init_collective(self, pick: int, tag: int, count: int) -> None:
         # Mostly tag 0, so that group mates often meet on the same collective.
         pairs = [pt for pt in self.callers() if pt[1] == tag] or self.callers()
-        pid, tag = _pick(pairs, pick)
+        self._init(*_pick(pairs, pick), count)
+
+    def _init(self, pid: int, tag: int, count: int) -> None:
+        if pid not in self.model or tag in self.model[pid].calls:
+            return  # gone or busy since the caller looked
         group = self.model[pid].group
         counts = {count} | {q.calls[tag].count for q in self.model.values()
                             if q.group == group and tag in q.calls
@@ -1267,6 +1283,36 @@ class MasterPopulation(RuleBasedStateMachine):
         self.mismatch_possible = len(counts) > 1
         self.model[pid].calls[tag] = _Call(count, "waiting")
         self.feed(Received(pid, coll_init(tag, count=count)))
+
+    # The three rules below move many peers at once, the way a training loop does (every
+    # peer calls update_topology() or all_reduce() in the same iteration); the single-peer
+    # rules around them provide the races.
+
+    @precondition(lambda self: self.voters())
+    @rule()
+    def everyone_votes(self) -> None:
+        for pid in self.voters():
+            if pid in self.voters():  # an earlier vote may have settled things already
+                self.vote(self.voters().index(pid))
+
+    @precondition(lambda self: self.current_unanswered())
+    @rule(failing=hs.sampled_from([None, None, 0, 1, 2]))
+    def everyone_reports(self, failing: int | None) -> None:
+        """Every member of the running round reports; member ``failing`` (if any) could
+        not reach its successor."""
+        for i, (pid, epoch) in enumerate(self.current_unanswered()):
+            if (pid, epoch) in self.unanswered():
+                self.report_p2p(self.unanswered().index((pid, epoch)), i == failing)
+
+    @precondition(lambda self: self.callers())
+    @rule(pick=PICK, tag=hs.sampled_from([0, 0, 1, 2]), odd=hs.sampled_from([False, False, True]))
+    def group_reduces(self, pick: int, tag: int, odd: bool) -> None:
+        """Every free peer of one group asks for collective ``tag``; with ``odd`` the last
+        one disagrees on the size."""
+        group = self.model[_pick(self.callers(), pick)[0]].group
+        pids = [pid for pid, t in self.callers() if t == tag and self.model[pid].group == group]
+        for i, pid in enumerate(pids):
+            self._init(pid, tag, 9 if odd and i == len(pids) - 1 else 8)
 
     @precondition(lambda self: self.calls_in("running"))
     @rule(pick=PICK, ok=hs.sampled_from([True, True, True, False]))
@@ -1369,8 +1415,11 @@ class MasterPopulation(RuleBasedStateMachine):
             else:
                 assert set(col.participants) <= members
                 assert col.reported <= set(col.participants)
+        voting_groups = {st.peers[v].peer_group for v in st.votes}
         for p in self.model.values():
             for tag, call in p.calls.items():
+                # Nobody waits for a group mate that is busy voting: that would never end.
+                assert call.stage != "waiting" or p.group not in voting_groups, (p.pid, tag)
                 col = st.collectives.get((p.group, tag))
                 assert col is not None, (p.pid, tag, call)
                 if call.stage == "waiting":
