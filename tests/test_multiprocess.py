@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import struct
 
+import numpy as np
 import pytest
 
 import pccl
@@ -12,12 +14,15 @@ from pccl.testing import Cluster
 pytestmark = pytest.mark.multiprocess
 
 
-async def _spawn_and_admit(cluster: Cluster, spawn, n: int, **kwargs) -> list:
-    procs = [await spawn(cluster.master.address, **kwargs) for _ in range(n)]
+async def _spawn_and_admit(cluster: Cluster, spawn, n: int, voters=(), **kwargs) -> list:
+    """Spawns ``n`` peer processes and admits them; ``voters`` are peer processes that
+    are already accepted (they vote along with the in-process peers)."""
     before = len(cluster.master.state.pending())
+    procs = [await spawn(cluster.master.address, **kwargs) for _ in range(n)]
     await cluster.master.wait_for(lambda s: len(s.pending()) == before + n, timeout=60)
     live = [c for c in cluster.comms if c.state.name == "ACCEPTED"]
-    await asyncio.gather(*(c.update_topology() for c in live))
+    await asyncio.gather(*(c.update_topology() for c in live),
+                         *(v.call("update_topology") for v in voters))
     for p in procs:
         await p.wait_accepted()
     return procs
@@ -80,3 +85,55 @@ async def test_graceful_close_of_a_process(pccl_peer_process) -> None:
         assert p.proc is not None
         async with asyncio.timeout(30):
             assert await p.proc.wait() == 0
+
+
+@pytest.mark.parametrize("payload", [struct.pack(">I", 0xFFFFFFFF) + b"x" * 64,
+                                     b"\x00" * 300], ids=["4GiB-prefix", "zeros"])
+async def test_garbage_to_a_process_p2p_port_and_to_the_master(pccl_peer_process,
+                                                                 payload) -> None:
+    async with Cluster(1) as cluster:
+        (p,) = await _spawn_and_admit(cluster, pccl_peer_process, 1)
+        port = (await p.call("info"))["p2p_port"]
+        for host, prt in [("127.0.0.1", port),
+                          tuple(cluster.master.address.rsplit(":", 1))]:
+            reader, writer = await asyncio.open_connection(host, int(prt))
+            writer.write(payload)
+            async with asyncio.timeout(10):
+                try:
+                    while await reader.read(65536):
+                        pass
+                except ConnectionResetError:
+                    pass
+            writer.close()
+            try:
+                await writer.wait_closed()
+            except ConnectionResetError:
+                pass
+        # Both keep working: a new process joins, every ring is rebuilt, and a reduce runs.
+        (q,) = await _spawn_and_admit(cluster, pccl_peer_process, 1, voters=[p])
+        (local,) = cluster.comms
+        x = np.ones(1000, dtype=np.float32)
+        for proc in (p, q):
+            await proc.call("make_tensor", name="t", dtype="float32", count=1000, seed=1)
+        results = await asyncio.gather(local.all_reduce(x),
+                                       *(proc.call("all_reduce", name="t") for proc in (p, q)))
+        assert results[0].world_size == 3
+        assert results[1]["digest"] == results[2]["digest"]
+
+
+async def test_two_peer_groups_across_processes(pccl_peer_process) -> None:
+    async with Cluster(1) as cluster:
+        procs = [await pccl_peer_process(cluster.master.address, group=g) for g in (0, 1, 1)]
+        await cluster.master.wait_for(lambda s: len(s.pending()) == 3, timeout=60)
+        await cluster.comms[0].update_topology()
+        for p in procs:
+            await p.wait_accepted()
+        sizes = [await p.call("attributes") for p in procs]
+        assert [s["PEER_GROUP_WORLD_SIZE"] for s in sizes] == [2, 2, 2]
+        assert all(s["GLOBAL_WORLD_SIZE"] == 4 and s["NUM_DISTINCT_PEER_GROUPS"] == 2
+                   for s in sizes)
+        g1 = [p for p in procs[1:]]
+        for p in g1:
+            await p.call("make_tensor", name="t", dtype="int64", count=10, seed=p.peer_id)
+        r = await asyncio.gather(*(p.call("all_reduce", name="t") for p in g1))
+        assert r[0]["digest"] == r[1]["digest"] and r[0]["world_size"] == 2

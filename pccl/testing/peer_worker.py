@@ -59,6 +59,7 @@ class Worker:
 
     async def cmd_info(self) -> dict[str, Any]:
         return {"peer_id": self.comm.peer_id, "epoch": self.comm.epoch,
+                "p2p_port": self.comm.p2p_port,
                 "ring": self.comm.ring, "lanes": list(self.comm.ring_lanes())}
 
     async def cmd_close(self) -> None:
