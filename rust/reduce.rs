@@ -232,7 +232,7 @@ pub fn reduce_inplace(dtype: DType, op: ReduceOp, acc: &mut [u8], x: &[u8]) -> C
 
 /// Finish a reduction on a fully reduced buffer. For [`ReduceOp::Avg`] every element is
 /// divided by `world` (see the module docs for the exact rounding); for the other
-/// operators the data is left untouched. The length and `world` are validated for every
+/// operators, and for `world == 1`, the data is left untouched. The length and `world` are validated for every
 /// operator: `world == 0` or a length that is not a whole number of elements is
 /// [`CoreError::InvalidArgument`].
 pub fn finalize(dtype: DType, op: ReduceOp, buf: &mut [u8], world: usize) -> CoreResult<()> {
@@ -664,9 +664,9 @@ fn narrow_bytes<H: Half>(src: &[f32], dst: &mut [u8], stage: &mut Stage) {
     }
 }
 
-/// Kernel for f16 / bf16. On x86-64 CPUs with AVX2 and F16C (checked at run time, the
-/// answer is cached by `std`) a compiled-for-AVX2 copy of the same algorithm runs; it gives
-/// the same bits as the portable one, which the tests check exhaustively.
+/// Kernel for f16 / bf16. On x86-64 CPUs with AVX2 and F16C (checked at run time; `std`
+/// caches the answer) the [`x86`] kernel runs instead of the portable one; it gives the
+/// same bits, which the tests check for every 16-bit pattern.
 fn half_kernel<H: Half, O: Op<f32>>(out: &mut [u8], a: Option<&[u8]>, b: &[u8]) {
     #[cfg(target_arch = "x86_64")]
     if x86::available() {
@@ -697,11 +697,12 @@ fn half_kernel_portable<H: Half, O: Op<f32>>(out: &mut [u8], a: Option<&[u8]>, b
     }
 }
 
-/// The f16 / bf16 kernel compiled for AVX2 + F16C. Same block structure as
-/// [`half_kernel_portable`]; the conversions are written with intrinsics so they inline
-/// into the block loop instead of going through `half`'s per-call feature dispatch, and
-/// the f32 reduction loop is auto-vectorised 8 lanes wide. Loads and stores are unaligned,
-/// so no staging is needed for unaligned input (x86 is little-endian).
+/// The f16 / bf16 kernel for x86-64 CPUs with AVX2 + F16C: one pass over all three buffers,
+/// eight elements per step, widening (F16C `vcvtph2ps`, or a shift for bfloat16), applying
+/// the operator in f32 and rounding back (F16C `vcvtps2ph`, or integer round-to-nearest-
+/// even for bfloat16) without leaving registers. Loads and stores are unaligned, so
+/// unaligned input needs no staging (x86 is little-endian). The results are bit-identical
+/// to `half`'s conversions and to the scalar operators.
 #[cfg(target_arch = "x86_64")]
 mod x86 {
     use std::arch::x86_64::*;

@@ -223,17 +223,21 @@ class MasterState:
             out.append(Send(peer, m.ErrorReply(
                 kind="ProtocolError", message=f"unexpected message {msg.TYPE!r} at the master")))
 
-    def _remove(self, peer: int, out: list[Command], reason: str = "connection lost") -> None:
+    def _forget(self, peer: int, reason: str, out: list[Command]) -> PeerRecord:
+        """Drops ``peer`` everywhere except the round/vote bookkeeping of the caller."""
         rec = self.peers.pop(peer)
         out.append(Disconnect(peer, reason))
         self.votes.discard(peer)
         if rec.status is PeerStatus.ACCEPTED:
+            # The links of its group's ring are broken until the next round. The ring
+            # itself is kept as built: it describes the links peers actually hold.
             self.rings_stale = True
-            for ring in self.rings.values():
-                if peer in ring:
-                    ring.remove(peer)
-        if rec.status is PeerStatus.ACCEPTED:
+            self.broken_groups.add(rec.peer_group)
             self._collectives_lose(peer, rec.peer_group, out)
+        return rec
+
+    def _remove(self, peer: int, out: list[Command], reason: str = "connection lost") -> None:
+        rec = self._forget(peer, reason, out)
         rnd = self.round
         if rnd is not None and peer in rnd.members:
             # The ring that was being built contains a dead peer: build it again.
@@ -275,6 +279,8 @@ class MasterState:
             self.round = None
             self.phase = Phase.IDLE
             self.votes.clear()
+            # Peers that registered meanwhile have nobody left to vote them in.
+            self._admit_if_nobody_accepted(out)
             return
         self.epoch += 1
         self.phase = Phase.ESTABLISH_P2P
@@ -304,9 +310,7 @@ class MasterState:
         if rnd.unreachable:
             self.attempts += 1
             for p in sorted(rnd.unreachable):
-                self.peers.pop(p)
-                self.votes.discard(p)
-                out.append(Disconnect(p, "unreachable by its ring neighbour over p2p"))
+                self._forget(p, "unreachable by its ring neighbour over p2p", out)
             remaining = [p for p in rnd.members if p not in rnd.unreachable]
             if self.attempts < self.max_establish_attempts:
                 self._start_round(remaining, out)
@@ -342,7 +346,7 @@ class MasterState:
             group = self.peers[p].peer_group
             out.append(Send(p, m.WorldInfo(
                 epoch=self.epoch,
-                ring=list(self.rings.get(group, [])),
+                ring=[q for q in self.rings.get(group, []) if q in self.peers],
                 global_world_size=total,
                 peer_group_world_size=sizes.get(group, 0),
                 num_peer_groups=len(sizes),
