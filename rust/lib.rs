@@ -4,8 +4,8 @@
 pub mod error;
 pub mod net;
 pub mod py;
-pub mod ring;
 pub mod reduce;
+pub mod ring;
 pub mod runtime;
 
 use pyo3::prelude::*;

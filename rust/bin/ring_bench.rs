@@ -15,7 +15,10 @@ use std::time::{Duration, Instant};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 fn arg(i: usize, default: usize) -> usize {
-    std::env::args().nth(i).and_then(|s| s.parse().ok()).unwrap_or(default)
+    std::env::args()
+        .nth(i)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(default)
 }
 
 async fn loopback_gbps(bytes: usize) -> f64 {
@@ -60,39 +63,87 @@ async fn main() {
     }
     for i in 0..k {
         let next = &nodes[(i + 1) % k];
-        nodes[i].connect_pool(next.local_addr(), next.peer_id(), 1, lanes, Purpose::Ring).await.unwrap();
+        nodes[i]
+            .connect_pool(next.local_addr(), next.peer_id(), 1, lanes, Purpose::Ring)
+            .await
+            .unwrap();
     }
     let mut links = Vec::new();
     for i in 0..k {
         let next = nodes[(i + 1) % k].peer_id();
         let prev = nodes[(i + k - 1) % k].peer_id();
-        let out = nodes[i].take_outbound(PoolKey { peer: next, epoch: 1, purpose: Purpose::Ring }).unwrap();
+        let out = nodes[i]
+            .take_outbound(PoolKey {
+                peer: next,
+                epoch: 1,
+                purpose: Purpose::Ring,
+            })
+            .unwrap();
         let inp = nodes[i]
-            .take_inbound(PoolKey { peer: prev, epoch: 1, purpose: Purpose::Ring }, Duration::from_secs(5))
+            .take_inbound(
+                PoolKey {
+                    peer: prev,
+                    epoch: 1,
+                    purpose: Purpose::Ring,
+                },
+                Duration::from_secs(5),
+            )
             .await
             .unwrap();
-        links.push(RingLinks::new(1, next, prev, out, inp, 16 << 20, Duration::from_secs(30)));
+        links.push(RingLinks::new(
+            1,
+            next,
+            prev,
+            out,
+            inp,
+            16 << 20,
+            Duration::from_secs(30),
+        ));
     }
     let bytes = mib << 20;
     let inputs: Vec<Arc<Vec<u8>>> = (0..k).map(|_| Arc::new(vec![0u8; bytes])).collect();
     let pools: Vec<_> = (0..k).map(|_| ScratchPool::new(1 << 30)).collect();
-    println!("loopback 1 stream: {:.2} GB/s", loopback_gbps(1 << 30).await);
+    println!(
+        "loopback 1 stream: {:.2} GB/s",
+        loopback_gbps(1 << 30).await
+    );
     for op_id in 0..5u64 {
         let t = Instant::now();
         let mut tasks = Vec::new();
         for i in 0..k {
             let input = inputs[i].clone();
             let mem = Arc::new(unsafe {
-                OpMemory::new(input.as_ptr(), input.len(), Box::new(input.clone()), Some(pools[i].clone()))
+                OpMemory::new(
+                    input.as_ptr(),
+                    input.len(),
+                    Box::new(input.clone()),
+                    Some(pools[i].clone()),
+                )
             });
-            let spec = ReduceSpec { op_id, rank: i, world: k, dtype: DType::F32, op: ReduceOp::Sum, piece_bytes: piece };
-            tasks.push(tokio::spawn(ring_all_reduce(links[i].clone(), spec, mem, Default::default())));
+            let spec = ReduceSpec {
+                op_id,
+                rank: i,
+                world: k,
+                dtype: DType::F32,
+                op: ReduceOp::Sum,
+                piece_bytes: piece,
+            };
+            tasks.push(tokio::spawn(ring_all_reduce(
+                links[i].clone(),
+                spec,
+                mem,
+                Default::default(),
+            )));
         }
         for t in tasks {
             t.await.unwrap().unwrap();
         }
         let dt = t.elapsed().as_secs_f64();
         let busbw = bytes as f64 / dt / 1e9 * 2.0 * (k as f64 - 1.0) / k as f64;
-        println!("k={k} {mib} MiB lanes={lanes} piece={}KiB: {:.1} ms, busbw {busbw:.2} GB/s", piece >> 10, dt * 1e3);
+        println!(
+            "k={k} {mib} MiB lanes={lanes} piece={}KiB: {:.1} ms, busbw {busbw:.2} GB/s",
+            piece >> 10,
+            dt * 1e3
+        );
     }
 }

@@ -148,7 +148,12 @@ pub async fn dial<S: AsyncRead + AsyncWrite + Unpin>(
         s => return Err(CoreError::Protocol(format!("unknown handshake status {s}"))),
     }
     if let Some(secret) = secret {
-        if !verify(secret, b"pccl-p2p-listener", &[&nonce_d, &nonce_l], &buf[1..]) {
+        if !verify(
+            secret,
+            b"pccl-p2p-listener",
+            &[&nonce_d, &nonce_l],
+            &buf[1..],
+        ) {
             return Err(CoreError::Authentication(
                 "peer could not prove it knows the shared secret".into(),
             ));
@@ -172,7 +177,9 @@ pub async fn accept<S: AsyncRead + AsyncWrite + Unpin>(
 
     let mut buf = Vec::with_capacity(MAX_HANDSHAKE_FRAME);
     if !read_frame(stream, &mut buf, MAX_HANDSHAKE_FRAME).await? {
-        return Err(CoreError::Protocol("connection closed during the handshake".into()));
+        return Err(CoreError::Protocol(
+            "connection closed during the handshake".into(),
+        ));
     }
     if buf.len() != DIALER_FIELDS + MAC || &buf[..8] != MAGIC {
         return Err(CoreError::Protocol("malformed p2p handshake".into()));
@@ -228,13 +235,26 @@ mod tests {
     use super::*;
 
     fn hello() -> StreamHello {
-        StreamHello { from: 1, to: 2, epoch: 3, stream: 0, pool: 4, purpose: Purpose::Ring }
+        StreamHello {
+            from: 1,
+            to: 2,
+            epoch: 3,
+            stream: 0,
+            pool: 4,
+            purpose: Purpose::Ring,
+        }
     }
 
-    async fn run(dial_secret: Option<&[u8]>, accept_secret: Option<&[u8]>, own: u64)
-        -> (CoreResult<()>, CoreResult<StreamHello>) {
+    async fn run(
+        dial_secret: Option<&[u8]>,
+        accept_secret: Option<&[u8]>,
+        own: u64,
+    ) -> (CoreResult<()>, CoreResult<StreamHello>) {
         let (mut a, mut b) = tokio::io::duplex(4096);
-        tokio::join!(dial(&mut a, dial_secret, hello()), accept(&mut b, accept_secret, own))
+        tokio::join!(
+            dial(&mut a, dial_secret, hello()),
+            accept(&mut b, accept_secret, own)
+        )
     }
 
     #[tokio::test]

@@ -44,7 +44,10 @@ struct Pool {
 
 impl Pool {
     fn new(size: u16) -> Self {
-        Pool { size, streams: (0..size).map(|_| None).collect() }
+        Pool {
+            size,
+            streams: (0..size).map(|_| None).collect(),
+        }
     }
     fn complete(&self) -> bool {
         self.streams.iter().all(Option::is_some)
@@ -101,7 +104,8 @@ impl Node {
                 match accepted {
                     Ok((stream, remote)) => {
                         let n = node.clone();
-                        node.tracker.spawn(async move { n.handle_incoming(stream, remote).await });
+                        node.tracker
+                            .spawn(async move { n.handle_incoming(stream, remote).await });
                     }
                     Err(e) => {
                         node.note(format!("p2p accept failed: {e}"));
@@ -187,7 +191,9 @@ impl Node {
                 return;
             }
             Err(_) => {
-                self.note(format!("p2p connection from {remote} refused: handshake timed out"));
+                self.note(format!(
+                    "p2p connection from {remote} refused: handshake timed out"
+                ));
                 return;
             }
         };
@@ -203,11 +209,18 @@ impl Node {
         if h.epoch < *self.min_epoch.lock().unwrap() {
             return Err(format!("stale epoch {}", h.epoch));
         }
-        let key = PoolKey { peer: h.from, epoch: h.epoch, purpose: h.purpose };
+        let key = PoolKey {
+            peer: h.from,
+            epoch: h.epoch,
+            purpose: h.purpose,
+        };
         let mut inbound = self.inbound.lock().unwrap();
         let pool = inbound.entry(key).or_insert_with(|| Pool::new(h.pool));
         if pool.size != h.pool {
-            return Err(format!("pool size {} disagrees with earlier {}", h.pool, pool.size));
+            return Err(format!(
+                "pool size {} disagrees with earlier {}",
+                h.pool, pool.size
+            ));
         }
         // A re-dial of the same slot replaces the old stream (the dialer gave up on it).
         pool.streams[h.stream as usize] = Some(stream);
@@ -248,10 +261,14 @@ impl Node {
             }
             r = futures::future::try_join_all(dials) => r?,
         };
-        self.outbound
-            .lock()
-            .unwrap()
-            .insert(PoolKey { peer: to, epoch, purpose }, streams);
+        self.outbound.lock().unwrap().insert(
+            PoolKey {
+                peer: to,
+                epoch,
+                purpose,
+            },
+            streams,
+        );
         Ok(())
     }
 
@@ -274,8 +291,17 @@ impl Node {
     /// Number of complete inbound pools and outbound pools (for tests and status).
     pub fn pool_counts(&self, epoch: u64) -> (usize, usize) {
         let inbound = self.inbound.lock().unwrap();
-        let i = inbound.iter().filter(|(k, p)| k.epoch == epoch && p.complete()).count();
-        let o = self.outbound.lock().unwrap().keys().filter(|k| k.epoch == epoch).count();
+        let i = inbound
+            .iter()
+            .filter(|(k, p)| k.epoch == epoch && p.complete())
+            .count();
+        let o = self
+            .outbound
+            .lock()
+            .unwrap()
+            .keys()
+            .filter(|k| k.epoch == epoch)
+            .count();
         (i, o)
     }
 
@@ -285,7 +311,11 @@ impl Node {
     }
 
     /// Waits (bounded) until the inbound pool `key` is complete, then takes it.
-    pub async fn take_inbound(&self, key: PoolKey, timeout: Duration) -> CoreResult<Vec<TcpStream>> {
+    pub async fn take_inbound(
+        &self,
+        key: PoolKey,
+        timeout: Duration,
+    ) -> CoreResult<Vec<TcpStream>> {
         let deadline = tokio::time::Instant::now() + timeout;
         loop {
             let notified = self.inbound_changed.notified();
@@ -316,7 +346,10 @@ impl Node {
     pub fn retain_from_epoch(&self, epoch: u64) {
         *self.min_epoch.lock().unwrap() = epoch;
         self.inbound.lock().unwrap().retain(|k, _| k.epoch >= epoch);
-        self.outbound.lock().unwrap().retain(|k, _| k.epoch >= epoch);
+        self.outbound
+            .lock()
+            .unwrap()
+            .retain(|k, _| k.epoch >= epoch);
     }
 
     /// Stops the listener and every task; drops all streams. Idempotent.
@@ -347,11 +380,23 @@ mod tests {
         let any: SocketAddr = "127.0.0.1:0".parse().unwrap();
         let a = Node::bind(cfg(1, Some(b"k")), any).await.unwrap();
         let b = Node::bind(cfg(2, Some(b"k")), any).await.unwrap();
-        a.connect_pool(b.local_addr(), 2, 5, 4, Purpose::Ring).await.unwrap();
-        let key = PoolKey { peer: 1, epoch: 5, purpose: Purpose::Ring };
+        a.connect_pool(b.local_addr(), 2, 5, 4, Purpose::Ring)
+            .await
+            .unwrap();
+        let key = PoolKey {
+            peer: 1,
+            epoch: 5,
+            purpose: Purpose::Ring,
+        };
         let streams = b.take_inbound(key, Duration::from_secs(2)).await.unwrap();
         assert_eq!(streams.len(), 4);
-        let out = a.take_outbound(PoolKey { peer: 2, epoch: 5, purpose: Purpose::Ring }).unwrap();
+        let out = a
+            .take_outbound(PoolKey {
+                peer: 2,
+                epoch: 5,
+                purpose: Purpose::Ring,
+            })
+            .unwrap();
         assert_eq!(out.len(), 4);
         a.close().await;
         b.close().await;
@@ -362,7 +407,10 @@ mod tests {
         let any: SocketAddr = "127.0.0.1:0".parse().unwrap();
         let a = Node::bind(cfg(1, Some(b"x")), any).await.unwrap();
         let b = Node::bind(cfg(2, Some(b"y")), any).await.unwrap();
-        let err = a.connect_pool(b.local_addr(), 2, 1, 2, Purpose::Ring).await.unwrap_err();
+        let err = a
+            .connect_pool(b.local_addr(), 2, 1, 2, Purpose::Ring)
+            .await
+            .unwrap_err();
         assert!(matches!(err, CoreError::Authentication(_)));
         b.close().await;
         assert!(b.drain_log().iter().any(|l| l.contains("authentication")));
@@ -379,10 +427,19 @@ mod tests {
         s.write_all(&u32::MAX.to_be_bytes()).await.unwrap();
         let mut s2 = TcpStream::connect(b.local_addr()).await.unwrap();
         s2.write_all(b"GET / HTTP/1.1\r\n\r\n").await.unwrap();
-        a.connect_pool(b.local_addr(), 2, 1, 2, Purpose::Ring).await.unwrap();
-        b.take_inbound(PoolKey { peer: 1, epoch: 1, purpose: Purpose::Ring }, Duration::from_secs(2))
+        a.connect_pool(b.local_addr(), 2, 1, 2, Purpose::Ring)
             .await
             .unwrap();
+        b.take_inbound(
+            PoolKey {
+                peer: 1,
+                epoch: 1,
+                purpose: Purpose::Ring,
+            },
+            Duration::from_secs(2),
+        )
+        .await
+        .unwrap();
         a.close().await;
         b.close().await;
     }
@@ -391,8 +448,15 @@ mod tests {
     async fn take_inbound_times_out() {
         let any: SocketAddr = "127.0.0.1:0".parse().unwrap();
         let b = Node::bind(cfg(2, None), any).await.unwrap();
-        let key = PoolKey { peer: 7, epoch: 1, purpose: Purpose::Ring };
-        let err = b.take_inbound(key, Duration::from_millis(50)).await.unwrap_err();
+        let key = PoolKey {
+            peer: 7,
+            epoch: 1,
+            purpose: Purpose::Ring,
+        };
+        let err = b
+            .take_inbound(key, Duration::from_millis(50))
+            .await
+            .unwrap_err();
         assert!(matches!(err, CoreError::PeerConnection(_)));
         b.close().await;
     }

@@ -31,8 +31,9 @@ pub(crate) async fn resolve(addr: &str) -> Result<SocketAddr, CoreError> {
 }
 
 fn seconds(name: &str, v: f64) -> PyResult<Duration> {
-    Duration::try_from_secs_f64(v)
-        .map_err(|_| CoreError::InvalidArgument(format!("{name} must be a positive number of seconds")).into())
+    Duration::try_from_secs_f64(v).map_err(|_| {
+        CoreError::InvalidArgument(format!("{name} must be a positive number of seconds")).into()
+    })
 }
 
 #[pymethods]
@@ -96,7 +97,8 @@ impl PyP2PNode {
         let node = self.node.clone();
         future_into_py(py, async move {
             let sock = resolve(&addr).await?;
-            node.connect_pool(sock, to, epoch, pool_size, Purpose::Ring).await?;
+            node.connect_pool(sock, to, epoch, pool_size, Purpose::Ring)
+                .await?;
             Ok(())
         })
     }

@@ -21,7 +21,11 @@ pub(crate) struct RawBuffer {
     pub len: usize,
 }
 
-pub(crate) fn raw_buffer(obj: &Bound<'_, PyAny>, writable: bool, what: &str) -> PyResult<RawBuffer> {
+pub(crate) fn raw_buffer(
+    obj: &Bound<'_, PyAny>,
+    writable: bool,
+    what: &str,
+) -> PyResult<RawBuffer> {
     let buf = PyBuffer::<u8>::get(obj).map_err(|e| {
         CoreError::InvalidArgument(format!("{what} must expose a byte buffer: {e}"))
     })?;
@@ -31,7 +35,10 @@ pub(crate) fn raw_buffer(obj: &Bound<'_, PyAny>, writable: bool, what: &str) -> 
     if writable && buf.readonly() {
         return Err(CoreError::InvalidArgument(format!("{what} is read-only")).into());
     }
-    Ok(RawBuffer { ptr: buf.buf_ptr() as usize, len: buf.len_bytes() })
+    Ok(RawBuffer {
+        ptr: buf.buf_ptr() as usize,
+        len: buf.len_bytes(),
+    })
 }
 
 /// Keeps a Python object alive from tokio threads; the decref is deferred by pyo3
@@ -43,6 +50,7 @@ impl PyP2PNode {
     /// Turns the pools of `epoch` into the ring links (to `next_id`, from `prev_id`).
     /// A ring of one (`next_id < 0`) just drops the old links.
     #[pyo3(signature = (epoch, next_id, prev_id, pool_timeout=10.0, io_timeout=30.0, max_piece=16 << 20))]
+    #[allow(clippy::too_many_arguments)]
     fn install_ring<'py>(
         &self,
         py: Python<'py>,
@@ -67,12 +75,26 @@ impl PyP2PNode {
             }
             let (next, prev) = (next_id as u64, prev_id as u64);
             let to_next = node
-                .take_outbound(PoolKey { peer: next, epoch, purpose: Purpose::Ring })
-                .ok_or_else(|| CoreError::PeerConnection(format!("no pool to peer {next} for epoch {epoch}")))?;
+                .take_outbound(PoolKey {
+                    peer: next,
+                    epoch,
+                    purpose: Purpose::Ring,
+                })
+                .ok_or_else(|| {
+                    CoreError::PeerConnection(format!("no pool to peer {next} for epoch {epoch}"))
+                })?;
             let from_prev = node
-                .take_inbound(PoolKey { peer: prev, epoch, purpose: Purpose::Ring }, pool_timeout)
+                .take_inbound(
+                    PoolKey {
+                        peer: prev,
+                        epoch,
+                        purpose: Purpose::Ring,
+                    },
+                    pool_timeout,
+                )
                 .await?;
-            let links = RingLinks::new(epoch, next, prev, to_next, from_prev, max_piece, io_timeout);
+            let links =
+                RingLinks::new(epoch, next, prev, to_next, from_prev, max_piece, io_timeout);
             *slot.lock().unwrap() = Some(links);
             Ok(())
         })
@@ -95,12 +117,9 @@ impl PyP2PNode {
             .ok_or_else(|| CoreError::InvalidArgument(format!("unknown dtype code {dtype}")))?;
         let op = ReduceOp::from_u8(op)
             .ok_or_else(|| CoreError::InvalidArgument(format!("unknown reduce op code {op}")))?;
-        let links = self
-            .ring
-            .lock()
-            .unwrap()
-            .clone()
-            .ok_or_else(|| CoreError::PeerConnection("no ring links: call update_topology()".into()))?;
+        let links = self.ring.lock().unwrap().clone().ok_or_else(|| {
+            CoreError::PeerConnection("no ring links: call update_topology()".into())
+        })?;
         if links.is_poisoned() {
             return Err(links.poison_error().into());
         }
@@ -109,8 +128,16 @@ impl PyP2PNode {
         // SAFETY: `keep` holds the exporting object for as long as the op's memory lives;
         // callers must not resize or write the tensor while the op runs (documented).
         let pool = Some(self.scratch.clone());
-        let mem = Arc::new(unsafe { OpMemory::new(raw.ptr as *const u8, raw.len, Box::new(keep), pool) });
-        let spec = ReduceSpec { op_id, rank, world, dtype, op, piece_bytes };
+        let mem =
+            Arc::new(unsafe { OpMemory::new(raw.ptr as *const u8, raw.len, Box::new(keep), pool) });
+        let spec = ReduceSpec {
+            op_id,
+            rank,
+            world,
+            dtype,
+            op,
+            piece_bytes,
+        };
         Ok(RingOp {
             links,
             spec,
@@ -132,7 +159,11 @@ impl PyP2PNode {
 
     /// Whether the current ring links are usable (false after any link failure).
     fn ring_ok(&self) -> bool {
-        self.ring.lock().unwrap().as_ref().is_some_and(|l| !l.is_poisoned())
+        self.ring
+            .lock()
+            .unwrap()
+            .as_ref()
+            .is_some_and(|l| !l.is_poisoned())
     }
 }
 
@@ -158,8 +189,12 @@ impl RingOp {
             }
             *started = true;
         }
-        let (links, spec, mem, cancel) =
-            (self.links.clone(), self.spec.clone(), self.mem.clone(), self.cancel.clone());
+        let (links, spec, mem, cancel) = (
+            self.links.clone(),
+            self.spec.clone(),
+            self.mem.clone(),
+            self.cancel.clone(),
+        );
         future_into_py(py, async move {
             let stats = ring_all_reduce(links, spec, mem, cancel).await?;
             Ok((stats.tx_bytes, stats.rx_bytes))
@@ -176,7 +211,9 @@ impl RingOp {
         let raw = raw_buffer(out, true, "the output tensor")?;
         if raw.len != self.mem.len() {
             return Err(CoreError::InvalidArgument(format!(
-                "output has {} bytes, the result {}", raw.len, self.mem.len()
+                "output has {} bytes, the result {}",
+                raw.len,
+                self.mem.len()
             ))
             .into());
         }

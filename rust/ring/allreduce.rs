@@ -59,7 +59,10 @@ pub struct ScratchPool {
 
 impl ScratchPool {
     pub fn new(max_bytes: usize) -> Arc<ScratchPool> {
-        Arc::new(ScratchPool { free: Mutex::new(Vec::new()), max_bytes })
+        Arc::new(ScratchPool {
+            free: Mutex::new(Vec::new()),
+            max_bytes,
+        })
     }
 
     /// A buffer of exactly `len` bytes (contents unspecified but initialised).
@@ -125,7 +128,14 @@ impl OpMemory {
             None => vec![0u8; len],
         };
         let scratch = owner.as_mut_ptr();
-        OpMemory { input, len, scratch, scratch_owner: owner, pool, _keepalive: keepalive }
+        OpMemory {
+            input,
+            len,
+            scratch,
+            scratch_owner: owner,
+            pool,
+            _keepalive: keepalive,
+        }
     }
 
     pub fn len(&self) -> usize {
@@ -175,7 +185,7 @@ struct Plan {
 impl Plan {
     fn new(spec: &ReduceSpec, len: usize) -> CoreResult<Plan> {
         let elem = spec.dtype.size();
-        if len % elem != 0 {
+        if !len.is_multiple_of(elem) {
             return Err(CoreError::InvalidArgument(format!(
                 "buffer of {len} bytes is not a whole number of {} elements",
                 spec.dtype.name()
@@ -197,7 +207,10 @@ impl Plan {
     }
 
     fn chunk(&self, c: usize) -> (usize, usize) {
-        (self.count * c / self.world, self.count * (c + 1) / self.world)
+        (
+            self.count * c / self.world,
+            self.count * (c + 1) / self.world,
+        )
     }
 
     /// Byte range of piece `p` of chunk `c` (possibly empty).
@@ -278,7 +291,8 @@ impl Landing for Shared {
         let (step, p) = (step as usize, piece as usize);
         let plan = &self.plan;
         let range = plan.piece(plan.recv_chunk(step), p);
-        self.rx.fetch_add((HEADER_LEN + range.len()) as u64, Ordering::Relaxed);
+        self.rx
+            .fetch_add((HEADER_LEN + range.len()) as u64, Ordering::Relaxed);
         let last_rs = plan.world - 2;
         if step <= last_rs {
             // scratch holds what the previous peer accumulated; add ours after it.
@@ -304,14 +318,18 @@ pub async fn ring_all_reduce(
     cancel: CancellationToken,
 ) -> CoreResult<ReduceStats> {
     if spec.world < 2 {
-        return Err(CoreError::InvalidArgument("a ring needs at least two peers".into()));
+        return Err(CoreError::InvalidArgument(
+            "a ring needs at least two peers".into(),
+        ));
     }
     if spec.rank >= spec.world {
         return Err(CoreError::InvalidArgument("rank outside the world".into()));
     }
     let plan = Plan::new(&spec, mem.len())?;
     if plan.piece_elems * plan.elem > links.max_piece() {
-        return Err(CoreError::InvalidArgument("piece larger than the link's limit".into()));
+        return Err(CoreError::InvalidArgument(
+            "piece larger than the link's limit".into(),
+        ));
     }
     let op_id = spec.op_id;
     let total = (plan.pieces * plan.steps) as u64;
@@ -327,7 +345,12 @@ pub async fn ring_all_reduce(
     });
     // If this future is dropped half-way (the caller went away), a lane may have left
     // half a frame on the wire: the guard poisons the links and stops the tasks.
-    let mut guard = AbortGuard { links: links.clone(), cancel: cancel.clone(), op_id, armed: true };
+    let mut guard = AbortGuard {
+        links: links.clone(),
+        cancel: cancel.clone(),
+        op_id,
+        armed: true,
+    };
     links.register(op_id, shared.clone())?;
     let mut senders = tokio::task::JoinSet::new();
     for lane in 0..links.send_lanes() {
@@ -406,7 +429,10 @@ impl Drop for AbortGuard {
     fn drop(&mut self) {
         if self.armed {
             self.cancel.cancel();
-            self.links.poison(format!("collective {} was abandoned mid-flight", self.op_id));
+            self.links.poison(format!(
+                "collective {} was abandoned mid-flight",
+                self.op_id
+            ));
             self.links.finish(self.op_id);
         }
     }
@@ -420,7 +446,12 @@ fn aborted(links: &RingLinks) -> CoreError {
     }
 }
 
-async fn send_lane(links: &RingLinks, sh: &Shared, lane: usize, cancel: &CancellationToken) -> CoreResult<()> {
+async fn send_lane(
+    links: &RingLinks,
+    sh: &Shared,
+    lane: usize,
+    cancel: &CancellationToken,
+) -> CoreResult<()> {
     let plan = &sh.plan;
     let lanes = links.send_lanes();
     for step in 0..plan.steps {
@@ -443,7 +474,11 @@ async fn send_lane(links: &RingLinks, sh: &Shared, lane: usize, cancel: &Cancell
                 }
             }
             let range = plan.piece(chunk, p);
-            let data = if step == 0 { sh.mem.input(range) } else { sh.mem.scratch(range) };
+            let data = if step == 0 {
+                sh.mem.input(range)
+            } else {
+                sh.mem.scratch(range)
+            };
             let header = PieceHeader {
                 op: sh.spec.op_id,
                 step: step as u32,
@@ -458,7 +493,8 @@ async fn send_lane(links: &RingLinks, sh: &Shared, lane: usize, cancel: &Cancell
                     return Err(aborted(links));
                 }
             }
-            sh.tx.fetch_add((HEADER_LEN + data.len()) as u64, Ordering::Relaxed);
+            sh.tx
+                .fetch_add((HEADER_LEN + data.len()) as u64, Ordering::Relaxed);
         }
     }
     Ok(())

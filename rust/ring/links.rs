@@ -188,7 +188,9 @@ impl RingLinks {
     pub fn register(&self, op: u64, target: Arc<dyn Landing>) -> CoreResult<()> {
         let mut reg = self.registry.lock().unwrap();
         if reg.finished.contains(&op) || reg.open.contains_key(&op) {
-            return Err(CoreError::InvalidUsage(format!("collective {op} already ran here")));
+            return Err(CoreError::InvalidUsage(format!(
+                "collective {op} already ran here"
+            )));
         }
         reg.open.insert(op, target);
         drop(reg);
@@ -240,7 +242,12 @@ impl RingLinks {
 
     /// Sends one piece on `lane`. A timeout or error poisons the links (the stream may
     /// hold half a frame now).
-    pub async fn send_piece(&self, lane: usize, header: PieceHeader, payload: &[u8]) -> CoreResult<()> {
+    pub async fn send_piece(
+        &self,
+        lane: usize,
+        header: PieceHeader,
+        payload: &[u8],
+    ) -> CoreResult<()> {
         if self.is_poisoned() {
             return Err(self.poison_error());
         }
@@ -306,15 +313,18 @@ async fn read_lane(
             }
             Err(e) => return Err(CoreError::io("reading a piece header", e)),
         }
-        let header = PieceHeader::decode(&h)
-            .ok_or_else(|| CoreError::Protocol("garbage on a ring link (bad frame magic)".into()))?;
+        let header = PieceHeader::decode(&h).ok_or_else(|| {
+            CoreError::Protocol("garbage on a ring link (bad frame magic)".into())
+        })?;
         if header.len as usize > max_piece {
             return Err(CoreError::Protocol(format!(
                 "piece of {} bytes exceeds the limit of {max_piece}",
                 header.len
             )));
         }
-        let Some(l) = links.upgrade() else { return Ok(()) };
+        let Some(l) = links.upgrade() else {
+            return Ok(());
+        };
         let target = l.target_for(header.op).await?;
         drop(l);
         match target {
@@ -323,13 +333,17 @@ async fn read_lane(
                 // SAFETY: the target keeps this range alive and hands it to this lane
                 // alone until `landed` is called.
                 let dst = unsafe { std::slice::from_raw_parts_mut(ptr, len) };
-                read.read_exact(dst).await.map_err(|e| CoreError::io("reading a piece", e))?;
+                read.read_exact(dst)
+                    .await
+                    .map_err(|e| CoreError::io("reading a piece", e))?;
                 target.landed(header.step, header.piece)?;
             }
             None => {
                 // A straggler of an op that ended here: read and drop it.
                 sink.resize(header.len as usize, 0);
-                read.read_exact(&mut sink).await.map_err(|e| CoreError::io("reading a piece", e))?;
+                read.read_exact(&mut sink)
+                    .await
+                    .map_err(|e| CoreError::io("reading a piece", e))?;
             }
         }
     }
