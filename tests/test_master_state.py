@@ -631,6 +631,34 @@ def test_failed_collective_aborts_the_rest_and_marks_the_rings_stale() -> None:
     assert vote(st, 3) == establish(3, [1, 2, 3])
 
 
+def test_failed_collective_breaks_only_its_group_until_the_next_round() -> None:
+    st = run_with([0, 1, 0, 1])
+    tell(st, 1, coll_init(0))
+    tell(st, 3, coll_init(0))  # op 1 on group 0
+    tell(st, 1, done(0, 1, ok=False, kind="PeerConnectionError", message="reset"))
+    assert tell(st, 3, done(0, 1, ok=False, kind="CollectiveAbortedError", message="x")) == [
+        Send(p, outcome(0, 1, ok=False, kind="PeerConnectionError", message=TEXT)) for p in (1, 3)]
+    # Group 0's links may hold half-sent pieces: any tag is refused at once, per caller.
+    assert tell(st, 1, coll_init(1)) == [Send(1, refused(1, "PeerConnectionError"))]
+    assert tell(st, 3, coll_init(1)) == [Send(3, refused(1, "PeerConnectionError"))]
+    assert st.collectives == {}
+    # Group 1 is not affected.
+    assert tell(st, 2, coll_init(1)) == []
+    assert [c.msg.op_id for c in tell(st, 4, coll_init(1))] == [2, 2]  # type: ignore[union-attr]
+    for p in (2, 4):
+        tell(st, p, done(1, 2))
+    # After a round everything works again.
+    for p in (1, 2, 3):
+        assert vote(st, p) == []
+    assert vote(st, 4) == establish(3, [1, 3]) + establish(3, [2, 4])
+    report_all(st)
+    tell(st, 1, coll_init(0))
+    assert tell(st, 3, coll_init(0)) == [
+        Send(1, m.CollectivePerform(tag=0, op_id=3, epoch=3, rank=0, world=2)),
+        Send(3, m.CollectivePerform(tag=0, op_id=3, epoch=3, rank=1, world=2)),
+    ]
+
+
 def test_failure_without_a_kind_counts_as_a_connection_error() -> None:
     st = performed3()
     tell(st, 1, done(0, 1, ok=False))
@@ -982,6 +1010,8 @@ def test_ring_forgets_an_accepted_peer_dropped_as_unreachable() -> None:
         assert report(st, p, 3) == []
     assert report(st, 1, 3, failed=[2]) == [
         Disconnect(2, TEXT),
+        Send(1, world(3, [1, 3], 2, 2, 1, 2)),
+        Send(3, world(3, [1, 3], 2, 2, 1, 2)),
         Send(1, m.TopologyUpdateFailed(message=TEXT)),  # type: ignore[arg-type]
         Send(3, m.TopologyUpdateFailed(message=TEXT)),  # type: ignore[arg-type]
     ]
@@ -1014,6 +1044,21 @@ def test_collective_on_a_ring_that_lost_a_peer_is_refused_until_the_next_vote() 
     # Refused at once, each caller on its own: waiting for the rest could wait forever.
     assert tell(st, 1, coll_init(0)) == [Send(1, refused(0, "PeerConnectionError"))]
     assert tell(st, 2, coll_init(0)) == [Send(2, refused(0, "PeerConnectionError"))]
+
+
+def test_round_that_gives_up_after_dropping_accepted_peers_updates_the_world() -> None:
+    st = run_with([0, 0, 0], max_establish_attempts=1)
+    join(st, 4)
+    for p in (1, 2, 3):
+        vote(st, p)
+    for p in (2, 3, 4):
+        report(st, p, 3)
+    cmds = report(st, 1, 3, failed=[2])
+    assert Disconnect(2, TEXT) in cmds
+    assert [c for c in cmds if isinstance(c, Send) and isinstance(c.msg, m.WorldInfo)] == [
+        Send(1, world(3, [1, 3], 2, 2, 1, 2)),
+        Send(3, world(3, [1, 3], 2, 2, 1, 2)),
+    ]
 
 
 # --- a population of peers against the master (hypothesis) ---------------------------------
@@ -1112,7 +1157,10 @@ class MasterPopulation(RuleBasedStateMachine):
             assert st.peers[peer.pid].status is PeerStatus.ACCEPTED
             sizes = st.group_sizes()
             assert msg.epoch == st.epoch
-            # The ring as built, minus peers that are gone since.
+            # Exactly the group's accepted peers, in join order (the ring as built, minus
+            # those gone since: nobody joins a ring without a round).
+            group_now = [q for q in st.accepted() if st.peers[q].peer_group == peer.group]
+            assert msg.ring == group_now
             assert msg.ring == [q for q in st.rings.get(peer.group, []) if q in st.peers]
             assert msg.global_world_size == len(st.accepted()) == sum(sizes.values())
             assert msg.peer_group_world_size == sizes[peer.group]
@@ -1184,16 +1232,6 @@ class MasterPopulation(RuleBasedStateMachine):
         rnd = self.st.round
         return [(p, ep) for p, ep in self.unanswered() if rnd is not None and ep == rnd.epoch]
 
-    def strands_joiners(self, pid: int, epoch: int, failed: int) -> bool:
-        """Whether this failure report would make every member of the round unreachable
-        while a retry is allowed: the known bug pinned by
-        test_joiner_is_admitted_after_every_member_of_the_round_was_unreachable."""
-        rnd = self.st.round
-        if rnd is None or rnd.epoch != epoch or pid not in rnd.members:
-            return False
-        dead = rnd.unreachable | ({failed} & set(rnd.members))
-        return set(rnd.members) <= dead and self.st.attempts + 1 < self.st.max_establish_attempts
-
     # --- rules ---------------------------------------------------------------------------
 
     @precondition(lambda self: len(self.model) < self.MAX_PEERS)
@@ -1244,7 +1282,7 @@ class MasterPopulation(RuleBasedStateMachine):
         pid, epoch = _pick(self.unanswered(), pick)
         nxt = self.model[pid].unanswered.pop(epoch)
         failed = []
-        if fail and nxt >= 0 and not self.strands_joiners(pid, epoch, nxt):
+        if fail and nxt >= 0:
             failed = [nxt]
         self.feed(Received(pid, m.P2PReport(epoch=epoch, failed=failed)))
 

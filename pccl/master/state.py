@@ -309,8 +309,10 @@ class MasterState:
             return
         if rnd.unreachable:
             self.attempts += 1
+            dropped_accepted = False
             for p in sorted(rnd.unreachable):
-                self._forget(p, "unreachable by its ring neighbour over p2p", out)
+                rec = self._forget(p, "unreachable by its ring neighbour over p2p", out)
+                dropped_accepted |= rec.status is PeerStatus.ACCEPTED
             remaining = [p for p in rnd.members if p not in rnd.unreachable]
             if self.attempts < self.max_establish_attempts:
                 self._start_round(remaining, out)
@@ -320,6 +322,9 @@ class MasterState:
             voters = sorted(self.votes)
             self.votes.clear()
             self.rings_stale = True
+            if dropped_accepted:
+                # The accepted set shrank: tell the rest, as any other loss does.
+                self._broadcast_world(self.accepted(), out)
             for p in voters:
                 out.append(Send(p, m.TopologyUpdateFailed(
                     message=f"p2p rings could not be formed after {self.attempts} attempts")))
