@@ -39,12 +39,11 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from common import (  # noqa: E402  (after the path tweak above)
+from common import (
     CTX,
     GB,
     MB,
     MIB,
-    BenchError,
     Children,
     busbw_factor,
     collect,
@@ -165,7 +164,7 @@ def bench_loopback(k: int, nbytes: int, rounds: int) -> dict[str, Any]:
 
 
 def _master_proc(addr_q: Any, stop: Any, life_s: float) -> None:
-    import pccl  # noqa: PLC0415
+    import pccl
 
     async def main() -> None:
         # A long heartbeat timeout: on a small, busy machine a peer's event loop can be
@@ -197,9 +196,9 @@ async def _until(pred: Any, poll: float = 0.005) -> None:
 async def _pccl_peer(rank: int, k: int, master: str, pool: int, advertise: str | None,
                      ports: Any, admitted: Any, sizes: list[int], iters: int, warmup: int,
                      barrier: Any, q: Any, floor_rate: float) -> None:
-    import numpy as np  # noqa: PLC0415
+    import numpy as np
 
-    import pccl  # noqa: PLC0415
+    import pccl
 
     comm = pccl.Communicator(master=master, p2p_connection_pool_size=pool,
                              p2p_advertise_address=advertise, peer_timeout=30.0,
@@ -338,10 +337,10 @@ def _gloo_peer_proc(rank: int, k: int, port: int, sizes: list[int], iters: int, 
         # Keep gloo on the loopback device, as the pccl peers are.
         if os.path.exists("/sys/class/net/lo"):
             os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-        import datetime  # noqa: PLC0415
+        import datetime
 
-        import torch  # noqa: PLC0415
-        import torch.distributed as dist  # noqa: PLC0415
+        import torch
+        import torch.distributed as dist
 
         # gloo reduces on its own threads; avoid intra-op threads fighting over few cores.
         torch.set_num_threads(1)
@@ -409,7 +408,7 @@ def run_gloo(k: int, sizes: list[int], iters: int, warmup: int,
 
 def _emulator_proc(ports: Any, n: int, latency: float, bandwidth: float | None,
                    chunk: int, addr_q: Any, stop: Any, life_s: float) -> None:
-    from pccl.testing.link_emulator import LinkEmulator  # noqa: PLC0415
+    from pccl.testing.link_emulator import LinkEmulator
 
     async def main() -> dict[str, Any]:
         # Emulator i fronts peer i's listener: it carries the ring link INTO peer i.

@@ -192,20 +192,18 @@ def _version(dist: str) -> str | None:
 
 
 def _cpu_model() -> str | None:
-    with contextlib.suppress(OSError):
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
     return platform.processor() or None
 
 
 def _mem_total_bytes() -> int | None:
-    with contextlib.suppress(OSError, ValueError):
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemTotal:"):
-                    return int(line.split()[1]) * 1024
+    with contextlib.suppress(OSError, ValueError), open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) * 1024
     return None
 
 
@@ -220,8 +218,8 @@ def _git(repo: str, *args: str) -> str | None:
 
 def machine_info() -> dict[str, Any]:
     """Where and with what the numbers were taken (no torch import: metadata only)."""
-    import pccl  # noqa: PLC0415  (kept local: the parent decides when pccl loads)
-    import pccl._core as core  # noqa: PLC0415
+    import pccl
+    import pccl._core as core
 
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     status = _git(repo, "status", "--porcelain", "--untracked-files=no")
@@ -231,7 +229,7 @@ def machine_info() -> dict[str, Any]:
         affinity = None
     core_file = getattr(core, "__file__", None)
     return {
-        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "date": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
         "hostname": platform.node(),
         "platform": platform.platform(),
         "cpu_model": _cpu_model(),
@@ -244,7 +242,7 @@ def machine_info() -> dict[str, Any]:
         "pccl": getattr(pccl, "__version__", None),
         "pccl_core_file": core_file,
         "pccl_core_mtime": (_dt.datetime.fromtimestamp(os.path.getmtime(core_file),
-                                                       _dt.timezone.utc).isoformat(
+                                                       _dt.UTC).isoformat(
                                 timespec="seconds") if core_file else None),
         "git_commit": _git(repo, "rev-parse", "HEAD"),
         "git_dirty_files": status.splitlines() if status else [],

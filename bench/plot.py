@@ -20,7 +20,7 @@ from typing import Any
 import matplotlib
 
 matplotlib.use("Agg")  # files only, no display needed
-import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.pyplot as plt
 
 
 def _by_k(rows: list[dict[str, Any]]) -> dict[int, list[dict[str, Any]]]:

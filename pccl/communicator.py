@@ -378,13 +378,15 @@ class Communicator:
                     raise MasterConnectionError(
                         f"no word from the master for {self._heartbeat_timeout}s") from None
                 except ConnectionClosed as e:
-                    raise MasterConnectionError(f"lost the connection to the master ({e})") from None
+                    raise MasterConnectionError(
+                        f"lost the connection to the master ({e})") from None
                 self._dispatch(msg)
                 self._drain_p2p_log()
         except PCCLError as e:
             if self.state is not PeerState.CLOSED:
                 log.warning("peer %s: %s", self.peer_id, e)
-            self._lost = e if isinstance(e, MasterConnectionError) else MasterConnectionError(str(e))
+            lost = e if isinstance(e, MasterConnectionError) else MasterConnectionError(str(e))
+            self._lost = lost
             self._fail_waiters(self._lost)
 
     def _drain_p2p_log(self) -> None:

@@ -8,9 +8,9 @@ import asyncio
 
 import numpy as np
 import pytest
+from reference import FLOAT_DTYPES, INT_DTYPES, OPS, random_input, ring_reference
 
 import pccl
-from reference import FLOAT_DTYPES, INT_DTYPES, OPS, random_input, ring_reference
 
 try:  # imported up front: a first import inside a test would stall the event loop
     import torch

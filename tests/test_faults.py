@@ -6,13 +6,12 @@ from __future__ import annotations
 import asyncio
 import time
 
-import numpy as np
 import pytest
+from reference import ring_reference
 
 import pccl
 from pccl.testing import Cluster, LinkEmulator
 from pccl.testing.data import deterministic_tensor, digest
-from reference import ring_reference
 
 MiB = 1 << 20
 

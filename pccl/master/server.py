@@ -150,7 +150,8 @@ class MasterNode:
     ) -> None:
         """Waits until ``predicate(self.state)`` holds, re-checked after every event.
 
-        For tests and orchestration, e.g. ``await master.wait_for(lambda s: len(s.pending()) == 3)``.
+        For tests and orchestration, e.g.
+        ``await master.wait_for(lambda s: len(s.pending()) == 3)``.
         """
         async with asyncio.timeout(timeout):
             while not predicate(self.state):
@@ -179,7 +180,7 @@ class MasterNode:
             conn.abort()
 
     async def _handshake(self, conn: FramedConnection) -> int | None:
-        remote = "%s:%d" % conn.peername
+        remote = "{}:{}".format(*conn.peername)
         nonce = _secrets.token_bytes(16)
         try:
             await conn.send(m.Challenge(version=PROTOCOL_VERSION, nonce=nonce,

@@ -263,8 +263,7 @@ class _Direction:
     def _schedule(self, now: float, extra: float = 0.0) -> float:
         at = now + extra + self.emu.latency
         # A latency decrease must not let later bytes overtake earlier ones.
-        if at < self.last_at:
-            at = self.last_at
+        at = max(at, self.last_at)
         self.last_at = at
         return at
 
