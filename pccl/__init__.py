@@ -45,6 +45,7 @@ from pccl.errors import (
     UpdateTopologyFailedError,
 )
 from pccl.master import MasterNode
+from pccl.shared_state import SharedState, SyncInfo, TensorInfo
 
 __version__ = _core_version
 
@@ -69,7 +70,10 @@ __all__ = [
     "ReduceInfo",
     "ReduceOp",
     "RevisionIncrementViolationError",
+    "SharedState",
     "SharedStateSyncStrategy",
+    "SyncInfo",
+    "TensorInfo",
     "TooFewPeersError",
     "TopologyOptimizationFailedError",
     "UpdateTopologyFailedError",

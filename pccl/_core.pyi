@@ -70,3 +70,9 @@ class RingOp:
     def run(self) -> Awaitable[tuple[int, int]]: ...
     def abort(self) -> None: ...
     def commit(self, out: Any) -> None: ...
+
+def content_hash(buffer: Any, threads: int | None = None) -> bytes:
+    """128-bit content hash of a C-contiguous buffer's bytes, 16 big-endian bytes (GIL released)."""
+
+def content_hash_hex(buffer: Any, threads: int | None = None) -> str:
+    """``content_hash(buffer, threads).hex()``."""

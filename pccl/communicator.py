@@ -15,7 +15,13 @@ from typing import Any
 import numpy as np
 
 from pccl import _core
-from pccl.enums import Attribute, DataType, QuantizationAlgorithm, ReduceOp
+from pccl.enums import (
+    Attribute,
+    DataType,
+    QuantizationAlgorithm,
+    ReduceOp,
+    SharedStateSyncStrategy,
+)
 from pccl.errors import (
     ERROR_KINDS,
     AuthenticationError,
@@ -29,6 +35,7 @@ from pccl.master.server import DEFAULT_PORT, master_mac, peer_mac, split_host_po
 from pccl.protocol import MAX_FRAME, PROTOCOL_VERSION
 from pccl.protocol import messages as m
 from pccl.protocol.transport import ConnectionClosed, FramedConnection
+from pccl.shared_state import SharedState, SyncInfo
 from pccl.tensors import RawTensor, as_raw
 
 log = logging.getLogger(__name__)
@@ -146,6 +153,8 @@ class Communicator:
         self._heartbeat_timeout = 5.0
         self._collectives: dict[int, _Collective] = {}
         self._ring_epoch = -1
+        self._sync_plan: asyncio.Future[m.SyncPlan] | None = None
+        self._sync_outcome: asyncio.Future[m.SyncOutcome] | None = None
 
     # --- lifecycle ------------------------------------------------------------------
 
@@ -358,6 +367,7 @@ class Communicator:
     def _fail_waiters(self, err: PCCLError) -> None:
         futs: list[asyncio.Future[Any] | None] = [self._accepted, self._update,
                                                   *self._queries.values()]
+        futs += [self._sync_plan, self._sync_outcome]
         for col in self._collectives.values():
             futs += [col.perform, col.outcome]
             if col.ring_op is not None:
@@ -429,6 +439,14 @@ class Communicator:
             fut = self._queries.get(msg.req)
             if fut is not None and not fut.done():
                 fut.set_result(msg.pending)
+        elif isinstance(msg, m.SyncPlan):
+            if self._sync_plan is not None and not self._sync_plan.done():
+                self._sync_plan.set_result(msg)
+        elif isinstance(msg, m.SyncOutcome):
+            if self._sync_plan is not None and not self._sync_plan.done():
+                self._sync_plan.set_exception(ERROR_KINDS.get(msg.kind, PCCLError)(msg.message))
+            elif self._sync_outcome is not None and not self._sync_outcome.done():
+                self._sync_outcome.set_result(msg)
         elif isinstance(msg, m.ErrorReply):
             err = ERROR_KINDS.get(msg.kind, PCCLError)(msg.message)
             if self._update is not None and not self._update.done():
@@ -660,3 +678,90 @@ class Communicator:
             await self.update_topology()
         raise _core.PeerConnectionError(
             f"{len(todo)} all-reduce(s) still failing after {max_attempts} attempts")
+
+    # --- shared state -------------------------------------------------------------------
+
+    async def sync_shared_state(
+        self,
+        state: SharedState,
+        strategy: SharedStateSyncStrategy = SharedStateSyncStrategy.ENFORCE_POPULAR,
+    ) -> SyncInfo:
+        """Brings ``state`` to the content most peers of the group hold (collective).
+
+        The master elects the most popular revision and, per tensor, the most popular
+        content hash (ties: the content of the earliest-joined holder). Outdated peers
+        fetch tensors peer to peer into scratch buffers, re-hash them, and write them into
+        their tensors only after every peer of the group succeeded; on failure every
+        tensor is left exactly as it was. ``RECEIVE_ONLY`` (a fresh joiner) adopts the
+        popular revision and content; ``SEND_ONLY`` never changes local tensors. Do not
+        modify the tensors while the call runs.
+
+        Example::
+
+            state.revision += 1
+            info = await comm.sync_shared_state(state)
+        """
+        self._require_accepted()
+        if self._sync_plan is not None:
+            raise InvalidUsageError("sync_shared_state() is already running on this peer")
+        strategy = SharedStateSyncStrategy(strategy)
+        raws = [as_raw(i.tensor, writable=strategy != SharedStateSyncStrategy.SEND_ONLY,
+                       what=f"shared state {i.name!r}") for i in state.infos]
+        hashes = await asyncio.gather(*(asyncio.to_thread(_core.content_hash, r.data)
+                                        for r in raws))
+        by_key = {i.name: r for i, r in zip(state.infos, raws)}
+        loop = asyncio.get_running_loop()
+        self._sync_plan, self._sync_outcome = loop.create_future(), loop.create_future()
+        served_before = self._node.bytes_served()
+        try:
+            for info, raw in zip(state.infos, raws):
+                self._node.serve(info.name, raw.data)
+            self._send(m.SyncInit(
+                revision=int(state.revision), strategy=int(strategy),
+                keys=[i.name for i in state.infos], dtypes=[int(r.dtype) for r in raws],
+                counts=[r.count for r in raws], hashes=list(hashes),
+                unequal=[bool(i.allow_content_inequality) for i in state.infos]))
+            plan = await self._sync_plan
+            fetched: dict[str, np.ndarray] = {}
+            ok, kind, why = True, "", ""
+            try:
+                addrs = dict(zip(plan.source_ids, plan.source_addrs))
+                for key, want, sources in zip(plan.fetch_keys, plan.fetch_hashes,
+                                              plan.fetch_sources):
+                    fetched[key] = await self._fetch_verified(key, want, sources, addrs,
+                                                              by_key[key].nbytes)
+            except PCCLError as e:
+                ok, kind, why = False, type(e).__name__, str(e)
+            self._send(m.SyncDone(ok=ok, kind=kind, message=why))
+            outcome = await self._sync_outcome
+            if not outcome.ok:
+                raise ERROR_KINDS.get(outcome.kind, PCCLError)(outcome.message)
+            for key, scratch in fetched.items():
+                np.copyto(by_key[key].data, scratch)
+            state.revision = outcome.revision
+            rx = sum(int(a.nbytes) for a in fetched.values())
+            return SyncInfo(tx_bytes=int(self._node.bytes_served() - served_before), rx_bytes=rx)
+        finally:
+            self._sync_plan = self._sync_outcome = None
+            if self._node is not None:
+                self._node.unserve_all()
+
+    async def _fetch_verified(self, key: str, want: bytes, sources: list[int],
+                              addrs: dict[int, str], nbytes: int) -> np.ndarray:
+        """Fetches ``key`` from the first source that delivers the expected content."""
+        scratch = np.empty(nbytes, dtype=np.uint8)
+        errors = []
+        for src in sources:
+            try:
+                await self._node.fetch_into(addrs[src], src, key, scratch,
+                                            io_timeout=self.peer_timeout)
+            except PCCLError as e:
+                errors.append(f"peer {src}: {e}")
+                continue
+            got = await asyncio.to_thread(_core.content_hash, scratch)
+            if got == want:
+                return scratch
+            errors.append(f"peer {src}: content hash mismatch (sent {got.hex()[:16]}..., "
+                          f"expected {want.hex()[:16]}...)")
+        raise _core.PeerConnectionError(
+            f"could not fetch shared state {key!r} from any source: {'; '.join(errors)}")

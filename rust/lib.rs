@@ -2,6 +2,7 @@
 //! Rust modules with their own tests.
 
 pub mod error;
+pub mod hash;
 pub mod net;
 pub mod py;
 pub mod reduce;
@@ -14,6 +15,7 @@ use pyo3::prelude::*;
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     py::errors::register(m)?;
+    py::hash::register(m)?;
     m.add_class::<py::node::PyP2PNode>()?;
     m.add_class::<py::ring::RingOp>()?;
     Ok(())

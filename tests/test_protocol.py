@@ -38,6 +38,12 @@ EXAMPLES: list[m.Message] = [
     m.CollectiveDone(tag=1, op_id=5, ok=False, kind="PeerConnectionError", message="x"),
     m.CollectiveAbort(tag=1, op_id=5, message="peer 3 died"),
     m.CollectiveOutcome(tag=1, op_id=5, ok=True, kind="", message=""),
+    m.SyncInit(revision=1, strategy=0, keys=["w"], dtypes=[2], counts=[3], hashes=[b"h"],
+               unequal=[False]),
+    m.SyncPlan(revision=2, fetch_keys=["w"], fetch_hashes=[b"h"], fetch_sources=[[1, 2]],
+               source_ids=[1, 2], source_addrs=["a:1", "b:2"]),
+    m.SyncDone(ok=True, kind="", message=""),
+    m.SyncOutcome(ok=False, kind="InvalidUsageError", message="x", revision=0),
 ]
 
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+from collections import Counter
 
 from pccl.protocol import messages as m
 
@@ -122,6 +123,23 @@ def _describe(init: m.CollectiveInit) -> tuple[object, ...]:
     return (init.kind, init.dtype, init.count, init.op, init.quant_algorithm, init.quant_dtype)
 
 
+# Values of pccl.SharedStateSyncStrategy (kept numeric on the wire).
+ENFORCE_POPULAR, RECEIVE_ONLY, SEND_ONLY = 0, 1, 2
+
+
+@dataclasses.dataclass
+class Sync:
+    """One shared-state sync of a peer group, from the first init to the outcome."""
+
+    group: int
+    inits: dict[int, m.SyncInit] = dataclasses.field(default_factory=dict)
+    planned: bool = False
+    revision: int = 0
+    participants: list[int] = dataclasses.field(default_factory=list)
+    reported: set[int] = dataclasses.field(default_factory=set)
+    error: tuple[str, str] | None = None
+
+
 class MasterState:
     """The master's whole state. Feed it events with :meth:`handle`."""
 
@@ -140,6 +158,9 @@ class MasterState:
         self.collectives: dict[tuple[int, int], Collective] = {}
         # Groups whose ring links failed in a collective: unusable until the next round.
         self.broken_groups: set[int] = set()
+        self.syncs: dict[int, Sync] = {}
+        # Revision each peer reached in its last successful sync.
+        self.last_revision: dict[int, int] = {}
         self.next_op_id = 1
 
     # --- queries (used by the server and by tests) --------------------------------
@@ -197,6 +218,11 @@ class MasterState:
                 self.phase = Phase.VOTE_ACCEPT_NEW_PEERS
                 # Peers of this group that wait in a collective would wait forever for
                 # this voter, and it for them: call their collectives off.
+                sync = self.syncs.get(rec.peer_group)
+                if sync is not None and not sync.planned:
+                    self._fail_sync(sync, "CollectiveAbortedError", (
+                        f"peer {peer} called update_topology() while this peer called "
+                        "sync_shared_state(); call update_topology() and retry"), out)
                 for col in list(self.collectives.values()):
                     if col.group == rec.peer_group and col.op_id < 0:
                         self._fail_unperformed(col, "CollectiveAbortedError", (
@@ -213,6 +239,10 @@ class MasterState:
             self._on_collective_init(peer, msg, out)
         elif isinstance(msg, m.CollectiveDone):
             self._on_collective_done(peer, msg, out)
+        elif isinstance(msg, m.SyncInit):
+            self._on_sync_init(peer, msg, out)
+        elif isinstance(msg, m.SyncDone):
+            self._on_sync_done(peer, msg, out)
         elif isinstance(msg, m.PendingQuery):
             out.append(Send(peer, m.PendingAnswer(req=msg.req, pending=bool(self.pending()))))
         elif isinstance(msg, m.Leave):
@@ -234,6 +264,8 @@ class MasterState:
             self.rings_stale = True
             self.broken_groups.add(rec.peer_group)
             self._collectives_lose(peer, rec.peer_group, out)
+            self._sync_lose(peer, rec.peer_group, out)
+        self.last_revision.pop(peer, None)
         return rec
 
     def _remove(self, peer: int, out: list[Command], reason: str = "connection lost") -> None:
@@ -488,3 +520,170 @@ class MasterState:
                 self._collective_failed(col, "PeerConnectionError",
                                         f"peer {peer} was lost during the collective", out)
                 self._maybe_finish_collective(col, out)
+
+    # --- shared state -------------------------------------------------------------------
+
+    def _on_sync_init(self, peer: int, msg: m.SyncInit, out: list[Command]) -> None:
+        rec = self.peers[peer]
+
+        def refuse(kind: str, why: str) -> None:
+            out.append(Send(peer, m.SyncOutcome(ok=False, kind=kind, message=why, revision=0)))
+
+        if rec.status is not PeerStatus.ACCEPTED:
+            refuse("InvalidUsageError", "sync_shared_state() needs an accepted peer")
+            return
+        n = len(msg.keys)
+        if not (len(msg.dtypes) == len(msg.counts) == len(msg.hashes) == len(msg.unequal) == n
+                and len(set(msg.keys)) == n and msg.strategy in (0, 1, 2)):
+            refuse("ProtocolError", "malformed shared-state description")
+            return
+        sync = self.syncs.setdefault(rec.peer_group, Sync(rec.peer_group))
+        if sync.planned or peer in sync.inits:
+            refuse("InvalidUsageError", "a shared-state sync is already running in this group")
+            return
+        sync.inits[peer] = msg
+        if any(p in self.votes for p in self._members(rec.peer_group)):
+            self._fail_sync(sync, "CollectiveAbortedError", (
+                "other peers of the group are in update_topology(); call update_topology() "
+                "and retry"), out)
+            return
+        self._maybe_plan_sync(sync, out)
+
+    def _fail_sync(self, sync: Sync, kind: str, why: str, out: list[Command]) -> None:
+        del self.syncs[sync.group]
+        for p in sorted(set(sync.inits) | set(sync.participants)):
+            if p in self.peers:
+                out.append(Send(p, m.SyncOutcome(ok=False, kind=kind, message=why, revision=0)))
+
+    def _maybe_plan_sync(self, sync: Sync, out: list[Command]) -> None:
+        members = self._members(sync.group)
+        if not set(members) <= set(sync.inits):
+            return
+        inits = {p: sync.inits[p] for p in members}
+        excluded: dict[int, tuple[str, str]] = {}
+        # 1. Revisions must advance by exactly one (fresh peers and receivers excepted).
+        for p, i in inits.items():
+            last = self.last_revision.get(p)
+            if i.strategy != RECEIVE_ONLY and last is not None and i.revision != last + 1:
+                excluded[p] = ("RevisionIncrementViolationError", (
+                    f"revision {i.revision} does not follow this peer's last synced revision "
+                    f"{last}; increment state.revision by exactly one per sync"))
+        voters = [p for p in members if p not in excluded and inits[p].strategy != RECEIVE_ONLY]
+        if not voters:
+            for p in members:
+                excluded.setdefault(p, ("NoSharedStateAvailableError", (
+                    "no peer of the group offers shared state (all are RECEIVE_ONLY or "
+                    "were refused)")))
+            self._finish_plan(sync, members, excluded, {}, 0, out)
+            return
+        # 2. Popular revision (ties: the higher one).
+        revs = Counter(inits[p].revision for p in voters)
+        revision = max(revs, key=lambda r: (revs[r], r))
+        # 3. Popular schema: the key set with dtypes and counts most voters share
+        #    (ties: the schema of the earliest-joined voter).
+        def schema(p: int) -> tuple[tuple[str, int, int], ...]:
+            i = inits[p]
+            return tuple(sorted(zip(i.keys, i.dtypes, i.counts)))
+
+        schemas = Counter(schema(p) for p in voters)
+        best = max(schemas.values())
+        popular_schema = next(schema(p) for p in voters if schemas[schema(p)] == best)
+        shape = {k: (d, c) for k, d, c in popular_schema}
+        for p in members:
+            if p in excluded:
+                continue
+            mine = {k: (d, c) for k, d, c in schema(p)}
+            if mine != shape:
+                missing = sorted(set(shape) - set(mine))
+                extra = sorted(set(mine) - set(shape))
+                differ = sorted(k for k in set(mine) & set(shape) if mine[k] != shape[k])
+                key = (missing or extra or differ)[0]
+                excluded[p] = ("InvalidUsageError", (
+                    f"shared state key {key!r} does not match the group's: missing {missing}, "
+                    f"unexpected {extra}, different dtype/size {differ}"))
+        voters = [p for p in voters if p not in excluded]
+        # 4. Popular content per key (ties: the content of the earliest-joined holder).
+        holders: dict[str, dict[bytes, list[int]]] = {}
+        for p in voters:
+            i = inits[p]
+            for k, h in zip(i.keys, i.hashes):
+                holders.setdefault(k, {}).setdefault(h, []).append(p)
+        popular: dict[str, bytes] = {}
+        for k, by_hash in holders.items():
+            popular[k] = max(by_hash, key=lambda h: (len(by_hash[h]), -min(by_hash[h])))
+        self._finish_plan(sync, members, excluded, popular, revision, out,
+                          holders=holders, inits=inits)
+
+    def _finish_plan(self, sync: Sync, members: list[int], excluded: dict[int, tuple[str, str]],
+                     popular: dict[str, bytes], revision: int, out: list[Command], *,
+                     holders: dict[str, dict[bytes, list[int]]] | None = None,
+                     inits: dict[int, m.SyncInit] | None = None) -> None:
+        for p, (kind, why) in excluded.items():
+            out.append(Send(p, m.SyncOutcome(ok=False, kind=kind, message=why, revision=0)))
+        participants = [p for p in members if p not in excluded]
+        if not participants:
+            del self.syncs[sync.group]
+            return
+        assert holders is not None and inits is not None
+        sync.planned = True
+        sync.revision = revision
+        sync.participants = participants
+        for n, p in enumerate(participants):
+            i = inits[p]
+            mine = dict(zip(i.keys, i.hashes))
+            unequal = dict(zip(i.keys, i.unequal))
+            keys, hashes, sources = [], [], []
+            if i.strategy != SEND_ONLY:
+                for k in sorted(popular):
+                    if mine[k] == popular[k]:
+                        continue
+                    if unequal[k] and i.strategy != RECEIVE_ONLY:
+                        continue  # allowed to differ; only fresh receivers take it
+                    srcs = holders[k][popular[k]]
+                    # Start each fetcher at a different source to spread the load.
+                    srcs = srcs[n % len(srcs):] + srcs[:n % len(srcs)]
+                    keys.append(k)
+                    hashes.append(popular[k])
+                    sources.append(srcs)
+            ids = sorted({s for srcs in sources for s in srcs})
+            out.append(Send(p, m.SyncPlan(
+                revision=revision, fetch_keys=keys, fetch_hashes=hashes, fetch_sources=sources,
+                source_ids=ids, source_addrs=[self.peers[s].p2p_addr for s in ids])))
+
+    def _on_sync_done(self, peer: int, msg: m.SyncDone, out: list[Command]) -> None:
+        sync = self.syncs.get(self.peers[peer].peer_group)
+        if sync is None or not sync.planned or peer not in sync.participants:
+            return
+        sync.reported.add(peer)
+        if not msg.ok and sync.error is None:
+            sync.error = (msg.kind or "PeerConnectionError", f"peer {peer}: {msg.message}")
+        self._maybe_finish_sync(sync, out)
+
+    def _maybe_finish_sync(self, sync: Sync, out: list[Command]) -> None:
+        if not set(sync.participants) <= sync.reported:
+            return
+        del self.syncs[sync.group]
+        kind, why = sync.error or ("", "")
+        for p in sync.participants:
+            if sync.error is None:
+                self.last_revision[p] = sync.revision
+            out.append(Send(p, m.SyncOutcome(ok=sync.error is None, kind=kind, message=why,
+                                             revision=sync.revision)))
+
+    def _sync_lose(self, peer: int, group: int, out: list[Command]) -> None:
+        sync = self.syncs.get(group)
+        if sync is None:
+            return
+        sync.inits.pop(peer, None)
+        if not sync.planned:
+            if not sync.inits:
+                del self.syncs[group]
+            else:
+                self._maybe_plan_sync(sync, out)
+        elif peer in sync.participants:
+            sync.participants.remove(peer)
+            sync.reported.discard(peer)
+            if sync.error is None:
+                sync.error = ("PeerConnectionError", f"peer {peer} was lost during the sync")
+            self._maybe_finish_sync(sync, out)
+

@@ -261,3 +261,57 @@ class CollectiveOutcome(Message):
     ok: bool
     kind: str
     message: str
+
+
+# --- shared state -------------------------------------------------------------------
+
+
+@message
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SyncInit(Message):
+    """P->M: this peer's shared state; one entry per tensor, in parallel lists."""
+
+    TYPE: ClassVar[str] = "sync_init"
+    revision: int
+    strategy: int
+    keys: list[str]
+    dtypes: list[int]
+    counts: list[int]
+    hashes: list[bytes]
+    unequal: list[bool]
+
+
+@message
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SyncPlan(Message):
+    """M->P: what to fetch (``fetch_keys[i]`` from any of ``fetch_sources[i]``, to hash
+    ``fetch_hashes[i]``), where the sources listen, and the revision everyone ends at."""
+
+    TYPE: ClassVar[str] = "sync_plan"
+    revision: int
+    fetch_keys: list[str]
+    fetch_hashes: list[bytes]
+    fetch_sources: list[list[int]]
+    source_ids: list[int]
+    source_addrs: list[str]
+
+
+@message
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SyncDone(Message):
+    TYPE: ClassVar[str] = "sync_done"
+    ok: bool
+    kind: str
+    message: str
+
+
+@message
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SyncOutcome(Message):
+    """M->P: commit the fetched tensors (``ok``) or discard them; also refusals."""
+
+    TYPE: ClassVar[str] = "sync_outcome"
+    ok: bool
+    kind: str
+    message: str
+    revision: int

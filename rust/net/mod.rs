@@ -4,5 +4,6 @@
 pub mod frame;
 pub mod handshake;
 pub mod node;
+pub mod transfer;
 
 pub use node::{Node, NodeConfig};

@@ -68,6 +68,8 @@ pub struct Node {
     cancel: CancellationToken,
     tracker: TaskTracker,
     log: Mutex<VecDeque<String>>,
+    /// Tensors this peer serves to others during a shared-state sync.
+    pub transfers: crate::net::transfer::TransferRegistry,
 }
 
 impl Node {
@@ -91,6 +93,7 @@ impl Node {
             cancel: CancellationToken::new(),
             tracker: TaskTracker::new(),
             log: Mutex::new(VecDeque::new()),
+            transfers: Default::default(),
         });
         let weak = Arc::downgrade(&node);
         let cancel = node.cancel.clone();
@@ -197,6 +200,17 @@ impl Node {
                 return;
             }
         };
+        if hello.purpose == Purpose::Transfer {
+            let timeout = self.cfg.connect_timeout.max(Duration::from_secs(30));
+            let served = tokio::select! {
+                _ = self.cancel.cancelled() => return,
+                r = crate::net::transfer::serve(&self.transfers, stream, timeout) => r,
+            };
+            if let Err(e) = served {
+                self.note(format!("serving a transfer to peer {} failed: {e}", hello.from));
+            }
+            return;
+        }
         if let Err(msg) = self.file_inbound(hello, stream) {
             self.note(format!("p2p stream from {remote} dropped: {msg}"));
         }
@@ -270,6 +284,19 @@ impl Node {
             streams,
         );
         Ok(())
+    }
+
+    /// One authenticated transfer stream to peer `to` (see `transfer.rs`).
+    pub async fn dial_transfer(&self, addr: SocketAddr, to: u64) -> CoreResult<TcpStream> {
+        let hello = StreamHello {
+            from: self.peer_id(),
+            to,
+            epoch: 0,
+            stream: 0,
+            pool: 1,
+            purpose: Purpose::Transfer,
+        };
+        self.dial_one(addr, hello).await
     }
 
     async fn dial_one(&self, addr: SocketAddr, hello: StreamHello) -> CoreResult<TcpStream> {

@@ -1,5 +1,7 @@
 //! The only pyo3-aware code: exceptions, and thin handles over the Rust core.
 
 pub mod errors;
+pub mod hash;
 pub mod node;
 pub mod ring;
+pub mod transfer;

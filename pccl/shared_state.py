@@ -1,0 +1,63 @@
+"""Shared state: named tensors that every peer of a group must hold bit for bit.
+
+Example::
+
+    state = pccl.SharedState([
+        pccl.TensorInfo.from_numpy(weights, "weights"),
+        pccl.TensorInfo.from_numpy(momentum, "momentum"),
+    ], revision=0)
+    ...
+    state.revision += 1
+    info = await comm.sync_shared_state(state)   # ENFORCE_POPULAR by default
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from pccl.errors import InvalidArgumentError
+
+
+@dataclasses.dataclass
+class TensorInfo:
+    """One named tensor of a :class:`SharedState`.
+
+    ``allow_content_inequality=True`` exempts it from the parity check (peers may hold
+    different values, e.g. a local RNG state); a fresh RECEIVE_ONLY peer still fetches it.
+    """
+
+    name: str
+    tensor: Any
+    allow_content_inequality: bool = False
+
+    @classmethod
+    def from_numpy(cls, array: Any, name: str, allow_content_inequality: bool = False
+                   ) -> TensorInfo:
+        return cls(name, array, allow_content_inequality)
+
+    @classmethod
+    def from_torch(cls, tensor: Any, name: str, allow_content_inequality: bool = False
+                   ) -> TensorInfo:
+        return cls(name, tensor, allow_content_inequality)
+
+
+class SharedState:
+    """Tensors plus a revision that advances by exactly one between syncs."""
+
+    def __init__(self, infos: list[TensorInfo], revision: int = 0) -> None:
+        names = [i.name for i in infos]
+        if len(set(names)) != len(names):
+            raise InvalidArgumentError(f"shared state names must be unique: {names}")
+        if not isinstance(revision, int) or revision < 0:
+            raise InvalidArgumentError("revision must be a non-negative integer")
+        self.infos = list(infos)
+        self.revision = revision
+
+
+@dataclasses.dataclass(frozen=True)
+class SyncInfo:
+    """What one sync cost this peer."""
+
+    tx_bytes: int  #: tensor bytes this peer served to others
+    rx_bytes: int  #: tensor bytes this peer fetched

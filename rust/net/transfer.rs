@@ -1,0 +1,125 @@
+//! Tensor transfer between peers for shared-state sync: a peer *serves* named byte
+//! ranges (its tensors, read in place); another peer *fetches* one into a buffer of its
+//! own over an authenticated p2p stream (`Purpose::Transfer`).
+//!
+//! Request (one frame, <= 4 KiB): the key, UTF-8. Reply: a status byte (0 = found,
+//! 1 = not served), then for status 0 the length as u64 big-endian and that many bytes.
+//! A connection serves requests until the fetcher closes it. The fetcher verifies the
+//! content hash itself, so a wrong or stale tensor is caught there, not trusted.
+
+use crate::error::{CoreError, CoreResult};
+use crate::net::frame::{read_frame, write_frame};
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+
+const MAX_REQUEST: usize = 4096;
+/// Bytes moved per read/write call, so stalls are noticed within one timeout.
+const SLICE: usize = 4 << 20;
+
+/// A byte range served in place. `keepalive` owns whatever backs the memory.
+pub struct Served {
+    ptr: usize,
+    len: usize,
+    _keepalive: Box<dyn Send + Sync>,
+}
+
+impl Served {
+    /// # Safety
+    /// `ptr..ptr+len` must stay valid and unmodified while `keepalive` lives.
+    pub unsafe fn new(ptr: *const u8, len: usize, keepalive: Box<dyn Send + Sync>) -> Self {
+        Served { ptr: ptr as usize, len, _keepalive: keepalive }
+    }
+
+    fn bytes(&self) -> &[u8] {
+        // SAFETY: see `new`.
+        unsafe { std::slice::from_raw_parts(self.ptr as *const u8, self.len) }
+    }
+}
+
+#[derive(Default)]
+pub struct TransferRegistry {
+    served: Mutex<HashMap<String, Arc<Served>>>,
+    sent: AtomicU64,
+}
+
+impl TransferRegistry {
+    pub fn serve(&self, key: String, item: Served) {
+        self.served.lock().unwrap().insert(key, Arc::new(item));
+    }
+
+    pub fn unserve_all(&self) {
+        self.served.lock().unwrap().clear();
+    }
+
+    /// Payload bytes served so far (for `SyncInfo.tx_bytes`).
+    pub fn bytes_sent(&self) -> u64 {
+        self.sent.load(Ordering::Relaxed)
+    }
+
+    fn get(&self, key: &str) -> Option<Arc<Served>> {
+        self.served.lock().unwrap().get(key).cloned()
+    }
+}
+
+/// Serves requests on an accepted transfer stream until the fetcher hangs up.
+pub async fn serve(registry: &TransferRegistry, mut stream: TcpStream, io_timeout: Duration) -> CoreResult<()> {
+    let mut buf = Vec::new();
+    loop {
+        let got = read_frame(&mut stream, &mut buf, MAX_REQUEST).await?;
+        if !got {
+            return Ok(());
+        }
+        let key = std::str::from_utf8(&buf)
+            .map_err(|_| CoreError::Protocol("transfer request key is not UTF-8".into()))?;
+        let Some(item) = registry.get(key) else {
+            timed(io_timeout, stream.write_all(&[1u8])).await?;
+            continue;
+        };
+        let mut head = [0u8; 9];
+        head[1..].copy_from_slice(&(item.len as u64).to_be_bytes());
+        timed(io_timeout, stream.write_all(&head)).await?;
+        for part in item.bytes().chunks(SLICE) {
+            timed(io_timeout, stream.write_all(part)).await?;
+            registry.sent.fetch_add(part.len() as u64, Ordering::Relaxed);
+        }
+        timed(io_timeout, stream.flush()).await?;
+    }
+}
+
+async fn timed<T>(t: Duration, f: impl std::future::Future<Output = std::io::Result<T>>) -> CoreResult<T> {
+    match tokio::time::timeout(t, f).await {
+        Ok(r) => r.map_err(|e| CoreError::io("transfer", e)),
+        Err(_) => Err(CoreError::PeerConnection(format!(
+            "transfer stalled for {:.1}s",
+            t.as_secs_f64()
+        ))),
+    }
+}
+
+/// Fetches `key` over an already authenticated transfer stream into `dst`, whose
+/// length must be exactly the served length.
+pub async fn fetch(stream: &mut TcpStream, key: &str, dst: &mut [u8], io_timeout: Duration) -> CoreResult<()> {
+    write_frame(stream, key.as_bytes()).await?;
+    let mut status = [0u8; 1];
+    timed(io_timeout, stream.read_exact(&mut status)).await?;
+    if status[0] != 0 {
+        return Err(CoreError::PeerConnection(format!("the source does not serve {key:?}")));
+    }
+    let mut len = [0u8; 8];
+    timed(io_timeout, stream.read_exact(&mut len)).await?;
+    let len = u64::from_be_bytes(len) as usize;
+    if len != dst.len() {
+        return Err(CoreError::InvalidUsage(format!(
+            "the source serves {key:?} with {len} bytes, expected {}",
+            dst.len()
+        )));
+    }
+    for part in dst.chunks_mut(SLICE) {
+        timed(io_timeout, stream.read_exact(part)).await?;
+    }
+    Ok(())
+}
