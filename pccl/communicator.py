@@ -112,6 +112,7 @@ class Communicator:
         secret: bytes | str | None = None,
         *,
         p2p_listen_host: str | None = None,
+        p2p_listen_port: int = 0,
         p2p_advertise_host: str | None = None,
         p2p_advertise_address: str | None = None,
         timeout: float = 10.0,
@@ -127,6 +128,7 @@ class Communicator:
         self.p2p_connection_pool_size = p2p_connection_pool_size
         self.secret = secret.encode() if isinstance(secret, str) else secret
         self.p2p_listen_host = p2p_listen_host
+        self.p2p_listen_port = p2p_listen_port  # 0: ephemeral
         self.p2p_advertise_host = p2p_advertise_host
         # "host:port" others should dial instead of our listener (NAT, or a test proxy).
         self.p2p_advertise_address = p2p_advertise_address
@@ -201,7 +203,7 @@ class Communicator:
         self._conn = conn
         local_host = writer.get_extra_info("sockname")[0]
         self._node = await _core.P2PNode.bind(
-            0, self.p2p_listen_host or local_host, 0, self.secret,
+            0, self.p2p_listen_host or local_host, self.p2p_listen_port, self.secret,
             handshake_timeout=self.p2p_timeout, connect_timeout=self.p2p_timeout)
         await self._handshake(conn)
 

@@ -43,6 +43,15 @@ class Worker:
     async def cmd_digest(self, name: str) -> str:
         return digest(self.tensors[name])
 
+    async def cmd_sync(self, names: list[str], revision: int,
+                       strategy: str = "ENFORCE_POPULAR") -> dict[str, Any]:
+        state = pccl.SharedState([pccl.TensorInfo.from_numpy(self.tensors[n], n) for n in names],
+                                 revision=revision)
+        info = await self.comm.sync_shared_state(
+            state, strategy=pccl.SharedStateSyncStrategy[strategy])
+        return {"revision": state.revision, "tx_bytes": info.tx_bytes, "rx_bytes": info.rx_bytes,
+                "digests": {n: digest(self.tensors[n]) for n in names}}
+
     async def cmd_all_reduce(self, name: str, op: str = "SUM", tag: int = 0) -> dict[str, Any]:
         info = await self.comm.all_reduce(self.tensors[name], op=pccl.ReduceOp[op], tag=tag)
         return {"digest": digest(self.tensors[name]), "world_size": info.world_size,
@@ -83,7 +92,9 @@ async def _main(args: argparse.Namespace) -> int:
     comm = pccl.Communicator(master=args.master, peer_group=args.group,
                              p2p_connection_pool_size=args.pool,
                              secret=bytes.fromhex(args.secret_hex) if args.secret_hex else None,
-                             peer_timeout=args.peer_timeout)
+                             peer_timeout=args.peer_timeout,
+                             p2p_advertise_address=args.p2p_advertise_address or None,
+                             p2p_listen_port=args.p2p_port)
     try:
         await comm.connect(n_attempts=args.attempts)
     except pccl.PCCLError as e:
@@ -122,6 +133,8 @@ def main() -> None:
     parser.add_argument("--attempts", type=int, default=10)
     parser.add_argument("--secret-hex", default="")
     parser.add_argument("--peer-timeout", type=float, default=30.0)
+    parser.add_argument("--p2p-advertise-address", default="")
+    parser.add_argument("--p2p-port", type=int, default=0)
     parser.add_argument("--log-level", default="WARNING")
     args = parser.parse_args()
     logging.basicConfig(level=args.log_level, stream=sys.stderr)

@@ -1,0 +1,224 @@
+"""Shared-state sync: joiners catch up bit for bit, divergence is corrected, the
+tie-break is deterministic, misuse gets typed errors, failures lose nothing."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+import pccl
+from pccl import _core
+from pccl.testing import Cluster, LinkEmulator
+from pccl.testing.data import deterministic_tensor, digest
+
+try:
+    import torch
+except ImportError:  # optional
+    torch = None
+
+S = pccl.SharedStateSyncStrategy
+
+
+def make_state(seed: int, revision: int = 0, n: int = 1000) -> tuple[pccl.SharedState, dict]:
+    tensors = {"weights": deterministic_tensor("float32", n, seed),
+               "step": np.array([seed], dtype=np.int64),
+               "moments": deterministic_tensor("float16", 3 * n, seed + 1)}
+    return pccl.SharedState([pccl.TensorInfo.from_numpy(t, k) for k, t in tensors.items()],
+                            revision=revision), tensors
+
+
+def hashes(tensors: dict) -> dict:
+    return {k: _core.content_hash(t.reshape(-1).view(np.uint8)) for k, t in tensors.items()}
+
+
+async def sync_all(comms, states, strategies=None):
+    strategies = strategies or [S.ENFORCE_POPULAR] * len(comms)
+    return await asyncio.gather(*(c.sync_shared_state(s, strategy=st)
+                                  for c, s, st in zip(comms, states, strategies)),
+                                return_exceptions=True)
+
+
+async def test_identical_state_moves_nothing(pccl_cluster) -> None:
+    cluster = await pccl_cluster(3)
+    pairs = [make_state(1) for _ in range(3)]
+    infos = await sync_all(cluster.comms, [p[0] for p in pairs])
+    assert all(i == pccl.SyncInfo(tx_bytes=0, rx_bytes=0) for i in infos)
+
+
+async def test_corrupted_tensor_is_corrected_by_enforce_popular(pccl_cluster) -> None:
+    cluster = await pccl_cluster(4)
+    pairs = [make_state(1) for _ in range(4)]
+    bad = pairs[2][1]["weights"]
+    bad[17] = np.float32(-1e9)
+    infos = await sync_all(cluster.comms, [p[0] for p in pairs])
+    want = hashes(pairs[0][1])
+    assert all(hashes(t) == want for _, t in pairs)
+    assert infos[2].rx_bytes == 4000 and sum(i.tx_bytes for i in infos) == 4000
+    assert all(s.revision == 0 for s, _ in pairs)
+
+
+async def test_late_joiner_receive_only_adopts_revision_and_content(pccl_cluster) -> None:
+    cluster = await pccl_cluster(2)
+    pairs = [make_state(5, revision=0) for _ in range(2)]
+    await sync_all(cluster.comms, [p[0] for p in pairs])
+    for s, _ in pairs:
+        s.revision += 1
+    await sync_all(cluster.comms, [p[0] for p in pairs])
+    joiner = cluster.new_comm()
+    await cluster.admit([joiner])
+    fresh_state, fresh = make_state(99, revision=0)  # different content, revision 0
+    for s, _ in pairs:
+        s.revision += 1
+    infos = await sync_all([*cluster.comms[:2], joiner], [pairs[0][0], pairs[1][0], fresh_state],
+                           [S.ENFORCE_POPULAR, S.ENFORCE_POPULAR, S.RECEIVE_ONLY])
+    assert fresh_state.revision == 2 == pairs[0][0].revision
+    assert hashes(fresh) == hashes(pairs[0][1])
+    total = sum(t.nbytes for t in fresh.values())
+    assert infos[2].rx_bytes == total
+    # The load is spread: both up-to-date peers served part of it.
+    assert infos[0].tx_bytes + infos[1].tx_bytes == total
+
+
+async def test_two_way_tie_is_broken_by_the_earliest_joined_peer(pccl_cluster) -> None:
+    cluster = await pccl_cluster(2)
+    a, b = sorted(cluster.comms, key=lambda c: c.peer_id)
+    (sa, ta), (sb, tb) = make_state(1), make_state(2)
+    want = hashes(ta)
+    # The same outcome whatever order the peers call in.
+    for first in (a, b):
+        other = b if first is a else a
+        s_first, s_other = (sa, sb) if first is a else (sb, sa)
+        await sync_all([first, other], [s_first, s_other])
+        assert hashes(ta) == hashes(tb) == want
+        sa.revision += 1
+        sb.revision += 1
+
+
+async def test_revision_must_advance_by_exactly_one(pccl_cluster) -> None:
+    cluster = await pccl_cluster(3)
+    pairs = [make_state(1) for _ in range(3)]
+    await sync_all(cluster.comms, [p[0] for p in pairs])
+    pairs[0][0].revision += 1
+    pairs[1][0].revision += 1
+    pairs[2][0].revision += 2  # skips one
+    pairs[1][1]["weights"][0] = 5.0  # diverged meanwhile
+    before = hashes(pairs[2][1])
+    res = await sync_all(cluster.comms, [p[0] for p in pairs])
+    assert isinstance(res[2], pccl.RevisionIncrementViolationError)
+    assert hashes(pairs[2][1]) == before
+    # The others still synced among themselves (tie: the earliest joiner's content).
+    assert not isinstance(res[0], Exception) and not isinstance(res[1], Exception)
+
+
+async def test_mismatched_keys_name_the_key(pccl_cluster) -> None:
+    cluster = await pccl_cluster(3)
+    pairs = [make_state(1) for _ in range(3)]
+    odd = pccl.SharedState([pccl.TensorInfo.from_numpy(t, k) for k, t in pairs[2][1].items()
+                            if k != "step"] + [pccl.TensorInfo.from_numpy(np.zeros(3), "stepp")])
+    res = await sync_all(cluster.comms, [pairs[0][0], pairs[1][0], odd])
+    assert isinstance(res[2], pccl.InvalidUsageError)
+    assert "'step'" in str(res[2]) or "stepp" in str(res[2])
+    # A different dtype under the same key is refused the same way.
+    cluster2 = cluster.comms[:2]
+    s0, _ = make_state(1, revision=1)
+    s1 = pccl.SharedState([pccl.TensorInfo.from_numpy(np.zeros(1000, np.float64), "weights"),
+                           pccl.TensorInfo.from_numpy(np.zeros(1, np.int64), "step"),
+                           pccl.TensorInfo.from_numpy(np.zeros(3000, np.float16), "moments")],
+                          revision=1)
+    s2, _ = make_state(1, revision=1)
+    res = await sync_all(cluster.comms, [s0, s1, s2])
+    assert isinstance(res[1], pccl.InvalidUsageError) and "weights" in str(res[1])
+    assert len(cluster2) == 2
+
+
+async def test_send_only_never_changes_local_tensors(pccl_cluster) -> None:
+    cluster = await pccl_cluster(3)
+    pairs = [make_state(1) for _ in range(3)]
+    pairs[0][1]["weights"][3] = 3.0  # the SEND_ONLY peer is the odd one out
+    before = hashes(pairs[0][1])
+    res = await sync_all(cluster.comms, [p[0] for p in pairs],
+                         [S.SEND_ONLY, S.ENFORCE_POPULAR, S.ENFORCE_POPULAR])
+    assert not any(isinstance(r, Exception) for r in res)
+    assert hashes(pairs[0][1]) == before
+    assert hashes(pairs[1][1]) == hashes(pairs[2][1]) != before
+
+
+async def test_allow_content_inequality_is_skipped(pccl_cluster) -> None:
+    cluster = await pccl_cluster(2)
+    rngs = [np.arange(4, dtype=np.uint32) + i for i in range(2)]
+    ws = [np.ones(10, np.float32) for _ in range(2)]
+    states = [pccl.SharedState([pccl.TensorInfo.from_numpy(w, "w"),
+                                pccl.TensorInfo.from_numpy(r, "rng",
+                                                           allow_content_inequality=True)])
+              for w, r in zip(ws, rngs)]
+    infos = await sync_all(cluster.comms, states)
+    assert all(i.rx_bytes == 0 for i in infos)
+    assert not np.array_equal(rngs[0], rngs[1])
+
+
+async def test_nobody_offering_state_is_no_shared_state(pccl_cluster) -> None:
+    cluster = await pccl_cluster(2)
+    pairs = [make_state(1) for _ in range(2)]
+    res = await sync_all(cluster.comms, [p[0] for p in pairs], [S.RECEIVE_ONLY] * 2)
+    assert all(isinstance(r, pccl.NoSharedStateAvailableError) for r in res)
+
+
+@pytest.mark.skipif(torch is None, reason="torch is not installed")
+async def test_torch_tensors(pccl_cluster) -> None:
+    cluster = await pccl_cluster(2)
+    ts = [torch.full((4, 5), float(i), dtype=torch.bfloat16) for i in range(2)]
+    states = [pccl.SharedState([pccl.TensorInfo.from_torch(t, "t")]) for t in ts]
+    await sync_all(cluster.comms, states)
+    assert torch.equal(ts[0], ts[1])
+
+
+async def test_source_lost_mid_transfer_loses_nothing(pccl_peer_process) -> None:
+    """The only up-to-date source (a process) is SIGKILLed while a large tensor flows
+    to the stale peer through a slow link: the stale peer gets PeerConnectionError and
+    its tensors are untouched; after update_topology() the sync works."""
+    n = 16 << 20  # 64 MiB of float32
+    import socket
+
+    with socket.socket() as s:  # a free port for the source's listener
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    async with LinkEmulator(f"127.0.0.1:{port}", bandwidth=20e6, chunk_size=256 * 1024) as emu:
+        async with Cluster(1) as cluster:
+            (stale,) = cluster.comms
+            src = await pccl_peer_process(cluster.master.address, extra_args=[
+                "--p2p-advertise-address", emu.address, "--p2p-port", str(port)])
+            await cluster.master.wait_for(lambda s: len(s.pending()) == 1, timeout=60)
+            src2 = await pccl_peer_process(cluster.master.address)
+            await cluster.master.wait_for(lambda s: len(s.pending()) == 2, timeout=60)
+            await stale.update_topology()
+            await src.wait_accepted()
+            await src2.wait_accepted()
+            for p in (src, src2):
+                await p.call("make_tensor", name="w", dtype="float32", count=n, seed=7)
+            mine = deterministic_tensor("float32", n, seed=8)
+            before = digest(mine)
+            state = pccl.SharedState([pccl.TensorInfo.from_numpy(mine, "w")])
+            # src and src2 agree (popular); src is the earlier joiner, so it is the
+            # stale peer's first source, behind the slow emulator.
+            assert src.peer_id < src2.peer_id
+            calls = [asyncio.create_task(p.call("sync", names=["w"], revision=0))
+                     for p in (src, src2)]
+            mine_sync = asyncio.create_task(stale.sync_shared_state(state))
+            await cluster.master.wait_for(lambda s: any(x.planned for x in s.syncs.values()))
+            async with asyncio.timeout(30):
+                while emu.bytes_forwarded < 4 << 20:  # bounded by the timeout
+                    await asyncio.sleep(0.01)
+            src.kill()
+            with pytest.raises(pccl.PeerConnectionError):
+                await mine_sync
+            assert digest(mine) == before
+            with pytest.raises(pccl.PeerConnectionError):
+                await calls[1]
+            with pytest.raises(ConnectionError):
+                await calls[0]
+            await asyncio.gather(stale.update_topology(), src2.call("update_topology"))
+            r = await asyncio.gather(stale.sync_shared_state(state),
+                                     src2.call("sync", names=["w"], revision=0))
+            assert digest(mine) == r[1]["digests"]["w"]
