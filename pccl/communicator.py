@@ -726,14 +726,24 @@ class Communicator:
             plan = await self._sync_plan
             fetched: dict[str, np.ndarray] = {}
             ok, kind, why = True, "", ""
-            try:
-                addrs = dict(zip(plan.source_ids, plan.source_addrs))
-                for key, want, sources in zip(plan.fetch_keys, plan.fetch_hashes,
-                                              plan.fetch_sources):
+            addrs = dict(zip(plan.source_ids, plan.source_addrs))
+            limit = asyncio.Semaphore(4)  # tensors in flight at once (one stream each)
+
+            async def fetch(key: str, want: bytes, sources: list[int]) -> None:
+                async with limit:
                     fetched[key] = await self._fetch_verified(key, want, sources, addrs,
                                                               by_key[key].nbytes)
-            except PCCLError as e:
-                ok, kind, why = False, type(e).__name__, str(e)
+
+            results = await asyncio.gather(
+                *(fetch(k, h, s) for k, h, s in zip(plan.fetch_keys, plan.fetch_hashes,
+                                                    plan.fetch_sources)),
+                return_exceptions=True)
+            errors = [r for r in results if isinstance(r, BaseException)]
+            for r in errors:
+                if not isinstance(r, PCCLError):
+                    raise r
+            if errors:
+                ok, kind, why = False, type(errors[0]).__name__, str(errors[0])
             self._send(m.SyncDone(ok=ok, kind=kind, message=why))
             outcome = await self._sync_outcome
             if not outcome.ok:

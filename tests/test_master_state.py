@@ -861,10 +861,13 @@ STRAY: dict[str, m.Message] = {
     "coll_perform": m.CollectivePerform(tag=0, op_id=1, epoch=1, rank=0, world=1),
     "coll_abort": m.CollectiveAbort(tag=0, op_id=1, message="x"),
     "coll_outcome": m.CollectiveOutcome(tag=0, op_id=1, ok=True, kind="", message=""),
+    "sync_plan": m.SyncPlan(revision=0, fetch_keys=[], fetch_hashes=[], fetch_sources=[],
+                            source_ids=[], source_addrs=[]),
+    "sync_outcome": m.SyncOutcome(ok=True, kind="", message="", revision=0),
 }
 # What the master does act on (or, for pong, deliberately ignores).
 HANDLED = {"update_topology", "p2p_report", "coll_init", "coll_done", "pending_query", "leave",
-           "pong"}
+           "pong", "sync_init", "sync_done"}
 
 
 def test_every_message_type_is_either_handled_or_refused() -> None:

@@ -640,8 +640,9 @@ class MasterState:
                     if unequal[k] and i.strategy != RECEIVE_ONLY:
                         continue  # allowed to differ; only fresh receivers take it
                     srcs = holders[k][popular[k]]
-                    # Start each fetcher at a different source to spread the load.
-                    srcs = srcs[n % len(srcs):] + srcs[:n % len(srcs)]
+                    # Rotate per fetcher and per key so the load spreads over sources.
+                    r = (n + len(keys)) % len(srcs)
+                    srcs = srcs[r:] + srcs[:r]
                     keys.append(k)
                     hashes.append(popular[k])
                     sources.append(srcs)

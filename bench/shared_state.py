@@ -1,0 +1,114 @@
+"""Shared-state sync: time for a fresh RECEIVE_ONLY joiner to fetch S bytes of state from
+1 and from 3 up-to-date peers, next to raw loopback TCP measured in the same run; and
+content-hash throughput next to memcpy.
+
+    python bench/shared_state.py --gib 1
+
+Peers run in one process (the bytes move in Rust on tokio threads, peer to peer).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import socket
+import threading
+import time
+
+import numpy as np
+
+import pccl
+from pccl import _core
+from pccl.testing import Cluster
+
+MiB = 1 << 20
+
+
+def loopback_gbps(nbytes: int) -> float:
+    """One plain TCP stream on 127.0.0.1, sender and receiver threads (GIL released)."""
+    srv = socket.create_server(("127.0.0.1", 0))
+    port = srv.getsockname()[1]
+    buf = bytearray(4 * MiB)
+
+    def receive() -> None:
+        conn, _ = srv.accept()
+        view, left = memoryview(bytearray(4 * MiB)), nbytes
+        with conn:
+            while left:
+                left -= conn.recv_into(view[:min(left, len(view))])
+
+    t = threading.Thread(target=receive)
+    t.start()
+    with socket.create_connection(("127.0.0.1", port)) as s:
+        t0 = time.perf_counter()
+        left = nbytes
+        while left:
+            n = min(left, len(buf))
+            s.sendall(memoryview(buf)[:n])
+            left -= n
+        t.join()
+        dt = time.perf_counter() - t0
+    srv.close()
+    return nbytes / dt / 1e9
+
+
+def hash_vs_memcpy(nbytes: int) -> dict[str, float]:
+    a = np.ones(nbytes, dtype=np.uint8)
+    b = np.empty_like(a)
+    np.copyto(b, a)
+    out = {}
+    for name, fn in [("memcpy", lambda: np.copyto(b, a)),
+                     ("hash_all_threads", lambda: _core.content_hash(a)),
+                     ("hash_1_thread", lambda: _core.content_hash(a, threads=1))]:
+        best = min(_timed(fn) for _ in range(3))
+        out[f"{name}_GBps"] = nbytes / best / 1e9
+    return out
+
+
+def _timed(fn) -> float:  # type: ignore[no-untyped-def]
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+async def joiner_sync(total: int, sources: int, tensors: int = 4) -> dict[str, float]:
+    per = total // tensors // 4
+    async with Cluster(sources, pool_size=1, master_kwargs={"heartbeat_timeout": 60.0}) as cl:
+        states = []
+        for _ in range(sources):
+            ts = [np.full(per, 1.5, dtype=np.float32) for _ in range(tensors)]
+            states.append(pccl.SharedState(
+                [pccl.TensorInfo.from_numpy(t, f"t{i}") for i, t in enumerate(ts)]))
+        await asyncio.gather(*(c.sync_shared_state(s) for c, s in zip(cl.comms, states)))
+        joiner = cl.new_comm()
+        await cl.admit([joiner])
+        mine = [np.zeros(per, dtype=np.float32) for _ in range(tensors)]
+        fresh = pccl.SharedState([pccl.TensorInfo.from_numpy(t, f"t{i}")
+                                  for i, t in enumerate(mine)])
+        for s in states:
+            s.revision += 1
+        t0 = time.perf_counter()
+        infos = await asyncio.gather(
+            *(c.sync_shared_state(s) for c, s in zip(cl.comms, states)),
+            joiner.sync_shared_state(fresh, strategy=pccl.SharedStateSyncStrategy.RECEIVE_ONLY))
+        dt = time.perf_counter() - t0
+        assert all((t == 1.5).all() for t in mine)
+        return {"sources": sources, "bytes": infos[-1].rx_bytes, "seconds": dt,
+                "GBps": infos[-1].rx_bytes / dt / 1e9,
+                "served_by": [i.tx_bytes for i in infos[:-1]]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--gib", type=float, default=1.0)
+    args = ap.parse_args()
+    total = int(args.gib * (1 << 30))
+    result = {"loopback_1_stream_GBps": max(loopback_gbps(total // 2) for _ in range(2)),
+              "hash": hash_vs_memcpy(total // 2)}
+    result["joiner"] = [asyncio.run(joiner_sync(total, k)) for k in (1, 3)]
+    print(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()

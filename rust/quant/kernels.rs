@@ -1,0 +1,510 @@
+//! The loops of the quantizer: a statistics pass (finite min / max, any NaN or infinity),
+//! an encoding pass (one code byte per element) and a table-driven decoding pass.
+//!
+//! Inputs are raw little-endian bytes. When they are aligned for the element type (and
+//! the host is little-endian) the loops run directly on typed slices; otherwise blocks are
+//! copied into an aligned stack buffer first. Half-precision inputs are always widened to
+//! `f32` a block at a time with `half`'s slice conversions (exact). Every element is
+//! encoded by the same scalar function whatever the path, and the statistics are order
+//! independent, so alignment never changes a bit of the output.
+//!
+//! The encoder and statistics loops are compiled twice: portable (the crate's baseline
+//! target, SSE2 on x86-64) and, on x86-64, with AVX2 enabled, picked at run time. Both
+//! use only IEEE add / subtract / multiply / compare-select and integer operations (never
+//! fused multiply-add: Rust does not contract), so they produce identical bits; the tests
+//! run both.
+
+use std::mem::size_of;
+use std::ops::{Add, Sub};
+
+use half::slice::HalfFloatSliceExt;
+use half::{bf16, f16};
+
+use super::minifloat::{Fp8, ROUND_MAGIC};
+
+/// Elements per staged block.
+const BLOCK: usize = 256;
+
+// ---------------------------------------------------------------------------------------
+// Typed views of byte slices
+// ---------------------------------------------------------------------------------------
+
+/// Element types that may be viewed in place of bytes.
+///
+/// # Safety
+///
+/// Implementors must have no padding, no invalid bit patterns and no drop glue.
+pub(super) unsafe trait Pod: Copy + 'static {
+    /// Little-endian wire order to host order (a no-op on little-endian hosts).
+    fn from_le(self) -> Self;
+}
+
+macro_rules! pod {
+    ($($t:ty: $bits:ty),*) => {$(
+        // SAFETY: f32/f64 are plain old data; `half`'s types are `repr(transparent)` over
+        // `u16`.
+        unsafe impl Pod for $t {
+            #[inline(always)]
+            fn from_le(self) -> Self {
+                <$t>::from_bits(<$bits>::from_le(self.to_bits()))
+            }
+        }
+    )*};
+}
+pod!(f32: u32, f64: u64, f16: u16, bf16: u16);
+
+/// The bytes as `[T]`, when aligned for `T`, a whole number of elements, and the host is
+/// little-endian.
+#[inline(always)]
+fn view<T: Pod>(bytes: &[u8]) -> Option<&[T]> {
+    let p = bytes.as_ptr().cast::<T>();
+    if cfg!(target_endian = "little")
+        && p.is_aligned()
+        && bytes.len().is_multiple_of(size_of::<T>())
+    {
+        // SAFETY: aligned, in bounds, and every bit pattern is a valid `T` (`Pod`).
+        Some(unsafe { std::slice::from_raw_parts(p, bytes.len() / size_of::<T>()) })
+    } else {
+        None
+    }
+}
+
+/// An aligned stack buffer for one block of the widest element type.
+#[repr(C, align(64))]
+struct Stage([u8; BLOCK * 8]);
+
+impl Stage {
+    fn new() -> Self {
+        Stage([0; BLOCK * 8])
+    }
+
+    /// Copy `src` (at most one block of `T`) in and return it as host-order elements.
+    fn load<T: Pod>(&mut self, src: &[u8]) -> &[T] {
+        let n = src.len() / size_of::<T>();
+        assert!(n * size_of::<T>() == src.len() && src.len() <= self.0.len());
+        self.0[..src.len()].copy_from_slice(src);
+        // SAFETY: the buffer is 64-byte aligned, holds `n` elements, any bits are valid.
+        let s = unsafe { std::slice::from_raw_parts_mut(self.0.as_mut_ptr().cast::<T>(), n) };
+        if cfg!(target_endian = "big") {
+            s.iter_mut().for_each(|x| *x = x.from_le());
+        }
+        s
+    }
+}
+
+/// Hand the `T` elements in `src` to `f` in order, as one typed slice when possible or
+/// else as staged blocks; `f` also gets the index of the block's first element.
+fn typed_blocks<T: Pod>(src: &[u8], mut f: impl FnMut(usize, &[T])) {
+    if let Some(all) = view::<T>(src) {
+        f(0, all);
+        return;
+    }
+    let mut stage = Stage::new();
+    for (i, chunk) in src.chunks(BLOCK * size_of::<T>()).enumerate() {
+        f(i * BLOCK, stage.load::<T>(chunk));
+    }
+}
+
+/// The 16-bit float types, widened to `f32` a block at a time (exact).
+trait Half: Pod {
+    fn widen(src: &[Self], dst: &mut [f32]);
+}
+
+impl Half for f16 {
+    fn widen(src: &[Self], dst: &mut [f32]) {
+        src.convert_to_f32_slice(dst)
+    }
+}
+
+impl Half for bf16 {
+    fn widen(src: &[Self], dst: &mut [f32]) {
+        src.convert_to_f32_slice(dst)
+    }
+}
+
+/// Hand the 16-bit elements in `src` to `f` widened to `f32`, in blocks.
+fn widened_blocks<H: Half>(src: &[u8], mut f: impl FnMut(usize, &[f32])) {
+    let mut stage = Stage::new();
+    let mut wide = [0f32; BLOCK];
+    for (i, chunk) in src.chunks(BLOCK * 2).enumerate() {
+        let h: &[H] = match view::<H>(chunk) {
+            Some(h) => h,
+            None => stage.load::<H>(chunk),
+        };
+        let w = &mut wide[..h.len()];
+        H::widen(h, w);
+        f(i * BLOCK, w);
+    }
+}
+
+/// Element type of the statistics and encoding loops.
+pub(super) trait Elem: Pod + PartialOrd + Add<Output = Self> + Sub<Output = Self> {
+    const ZERO: Self;
+    const INFINITY: Self;
+    const NEG_INFINITY: Self;
+    fn to_f64(self) -> f64;
+}
+
+impl Elem for f32 {
+    const ZERO: Self = 0.0;
+    const INFINITY: Self = f32::INFINITY;
+    const NEG_INFINITY: Self = f32::NEG_INFINITY;
+    #[inline(always)]
+    fn to_f64(self) -> f64 {
+        f64::from(self)
+    }
+}
+
+impl Elem for f64 {
+    const ZERO: Self = 0.0;
+    const INFINITY: Self = f64::INFINITY;
+    const NEG_INFINITY: Self = f64::NEG_INFINITY;
+    #[inline(always)]
+    fn to_f64(self) -> f64 {
+        self
+    }
+}
+
+/// Whether the AVX2 versions of the loops may run on this CPU (`std` caches the answer).
+pub(super) fn simd_available() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        is_x86_feature_detected!("avx2")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Statistics
+// ---------------------------------------------------------------------------------------
+
+/// What the encoder needs to know about a chunk.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(super) struct Stats {
+    /// Smallest and largest finite value; both `0.0` when there is none. A zero is always
+    /// reported as `+0.0` (which zero the lanes happened to keep is not deterministic
+    /// otherwise).
+    pub min: f64,
+    pub max: f64,
+    /// Whether any element is NaN or infinite.
+    pub nonfinite: bool,
+}
+
+/// Independent accumulators, so the loop vectorises without reassociating anything.
+const LANES: usize = 32;
+
+struct Lanes<F: Elem> {
+    lo: [F; LANES],
+    hi: [F; LANES],
+    /// Sum of `x - x`: stays zero unless some `x` is NaN or infinite, then becomes NaN.
+    bad: [F; LANES],
+}
+
+impl<F: Elem> Lanes<F> {
+    fn new() -> Self {
+        Lanes {
+            lo: [F::INFINITY; LANES],
+            hi: [F::NEG_INFINITY; LANES],
+            bad: [F::ZERO; LANES],
+        }
+    }
+
+    /// Fold one element into lane `j`. With `FINITE_ONLY`, NaN and infinities are skipped.
+    #[inline(always)]
+    fn step<const FINITE_ONLY: bool>(&mut self, j: usize, x: F) {
+        let z = x - x;
+        let (l, h) = if FINITE_ONLY {
+            let finite = z == F::ZERO;
+            (
+                if finite { x } else { F::INFINITY },
+                if finite { x } else { F::NEG_INFINITY },
+            )
+        } else {
+            (x, x)
+        };
+        // A NaN never wins these comparisons.
+        self.lo[j] = if l < self.lo[j] { l } else { self.lo[j] };
+        self.hi[j] = if h > self.hi[j] { h } else { self.hi[j] };
+        self.bad[j] = self.bad[j] + z;
+    }
+
+    #[inline(always)]
+    fn feed<const FINITE_ONLY: bool>(&mut self, xs: &[F]) {
+        let mut chunks = xs.chunks_exact(LANES);
+        for c in &mut chunks {
+            for (j, &x) in c.iter().enumerate() {
+                self.step::<FINITE_ONLY>(j, x);
+            }
+        }
+        for (j, &x) in chunks.remainder().iter().enumerate() {
+            self.step::<FINITE_ONLY>(j, x);
+        }
+    }
+
+    fn finish(&self) -> Stats {
+        let mut lo = f64::INFINITY;
+        let mut hi = f64::NEG_INFINITY;
+        let mut nonfinite = false;
+        for j in 0..LANES {
+            let (l, h, b) = (
+                self.lo[j].to_f64(),
+                self.hi[j].to_f64(),
+                self.bad[j].to_f64(),
+            );
+            lo = if l < lo { l } else { lo };
+            hi = if h > hi { h } else { hi };
+            nonfinite |= b.is_nan();
+        }
+        if lo > hi {
+            // No finite element (or none at all).
+            return Stats {
+                min: 0.0,
+                max: 0.0,
+                nonfinite,
+            };
+        }
+        // `-0.0 + 0.0 == +0.0`: report zeros unsigned.
+        Stats {
+            min: lo + 0.0,
+            max: hi + 0.0,
+            nonfinite,
+        }
+    }
+}
+
+/// `Lanes::feed` compiled with AVX2.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+fn feed_avx2<F: Elem, const FINITE_ONLY: bool>(lanes: &mut Lanes<F>, xs: &[F]) {
+    lanes.feed::<FINITE_ONLY>(xs)
+}
+
+#[inline(always)]
+fn feed<F: Elem, const FINITE_ONLY: bool>(simd: bool, lanes: &mut Lanes<F>, xs: &[F]) {
+    #[cfg(target_arch = "x86_64")]
+    if simd {
+        // SAFETY: `simd` is only true when the CPU supports AVX2.
+        unsafe { feed_avx2::<F, FINITE_ONLY>(lanes, xs) };
+        return;
+    }
+    let _ = simd;
+    lanes.feed::<FINITE_ONLY>(xs)
+}
+
+/// One pass over `src`; `min` / `max` are only meaningful when `nonfinite` is false.
+fn stats_pass<const FINITE_ONLY: bool>(dtype: FloatType, src: &[u8], simd: bool) -> Stats {
+    match dtype {
+        FloatType::F64 => {
+            let mut l = Lanes::<f64>::new();
+            typed_blocks::<f64>(src, |_, b| feed::<f64, FINITE_ONLY>(simd, &mut l, b));
+            l.finish()
+        }
+        FloatType::F32 => {
+            let mut l = Lanes::<f32>::new();
+            typed_blocks::<f32>(src, |_, b| feed::<f32, FINITE_ONLY>(simd, &mut l, b));
+            l.finish()
+        }
+        FloatType::F16 => {
+            let mut l = Lanes::<f32>::new();
+            widened_blocks::<f16>(src, |_, b| feed::<f32, FINITE_ONLY>(simd, &mut l, b));
+            l.finish()
+        }
+        FloatType::BF16 => {
+            let mut l = Lanes::<f32>::new();
+            widened_blocks::<bf16>(src, |_, b| feed::<f32, FINITE_ONLY>(simd, &mut l, b));
+            l.finish()
+        }
+    }
+}
+
+/// Finite min / max and the non-finite flag of `src` (little-endian `dtype` elements).
+/// One pass; a second one only when the chunk holds NaN or infinities.
+pub(super) fn stats(dtype: FloatType, src: &[u8], simd: bool) -> Stats {
+    let s = stats_pass::<false>(dtype, src, simd);
+    if !s.nonfinite {
+        return s;
+    }
+    let f = stats_pass::<true>(dtype, src, simd);
+    Stats {
+        nonfinite: true,
+        ..f
+    }
+}
+
+/// The floating-point dtypes the quantizer accepts.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum FloatType {
+    F16,
+    BF16,
+    F32,
+    F64,
+}
+
+// ---------------------------------------------------------------------------------------
+// Encoding
+// ---------------------------------------------------------------------------------------
+
+/// Per-element encoder. `code` must be branch-free for finite input so the loops
+/// vectorise; it is only called with finite `x` unless the chunk is flagged non-finite,
+/// in which case `code_nonfinite` overrides its result for NaN and infinities.
+pub(super) trait Encoder: Copy {
+    fn code(&self, x: f64) -> u8;
+    /// Codes for NaN, +Inf and -Inf.
+    fn specials(&self) -> [u8; 3];
+
+    #[inline(always)]
+    fn code_nonfinite(&self, x: f64) -> u8 {
+        let [nan, pinf, ninf] = self.specials();
+        let c = self.code(x);
+        let c = if x.is_nan() { nan } else { c };
+        let c = if x == f64::INFINITY { pinf } else { c };
+        if x == f64::NEG_INFINITY {
+            ninf
+        } else {
+            c
+        }
+    }
+}
+
+/// The integer wire types: `code = round_half_even(clamp((x * pre - sub) * mul + add,
+/// qlo, qhi))`, stored as the low byte of the integer (two's complement for `I8`).
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Affine {
+    pub pre: f64,
+    pub sub: f64,
+    pub mul: f64,
+    pub add: f64,
+    pub qlo: f64,
+    pub qhi: f64,
+    pub specials: [u8; 3],
+}
+
+impl Encoder for Affine {
+    #[inline(always)]
+    fn code(&self, x: f64) -> u8 {
+        let t = (x * self.pre - self.sub) * self.mul + self.add;
+        let t = if t < self.qlo { self.qlo } else { t };
+        let t = if t > self.qhi { self.qhi } else { t };
+        // `t` is within [-128, 255]: the magic addition rounds it to an integer whose two's
+        // complement sits in the low bits of the sum.
+        (t + ROUND_MAGIC).to_bits() as u8
+    }
+
+    #[inline(always)]
+    fn specials(&self) -> [u8; 3] {
+        self.specials
+    }
+}
+
+/// The 8-bit float wire types: `code = fp8_saturating((x * pre) * mul)`. The format is a
+/// type parameter so its constants fold into the loop.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Float8<const E5M2: bool> {
+    pub pre: f64,
+    pub mul: f64,
+    pub max_mag: u8,
+    pub specials: [u8; 3],
+}
+
+impl<const E5M2: bool> Encoder for Float8<E5M2> {
+    #[inline(always)]
+    fn code(&self, x: f64) -> u8 {
+        let fmt = if E5M2 { Fp8::E5M2 } else { Fp8::E4M3 };
+        fmt.encode(x * self.pre * self.mul, self.max_mag)
+    }
+
+    #[inline(always)]
+    fn specials(&self) -> [u8; 3] {
+        self.specials
+    }
+}
+
+#[inline(always)]
+fn encode_loop<F: Elem, E: Encoder, const NONFINITE: bool>(xs: &[F], out: &mut [u8], e: &E) {
+    let out = &mut out[..xs.len()];
+    for (o, &x) in out.iter_mut().zip(xs) {
+        let x = x.to_f64();
+        *o = if NONFINITE {
+            e.code_nonfinite(x)
+        } else {
+            e.code(x)
+        };
+    }
+}
+
+/// `encode_loop` compiled with AVX2.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+fn encode_avx2<F: Elem, E: Encoder, const NONFINITE: bool>(xs: &[F], out: &mut [u8], e: &E) {
+    encode_loop::<F, E, NONFINITE>(xs, out, e)
+}
+
+#[inline(always)]
+fn encode_block<F: Elem, E: Encoder, const NONFINITE: bool>(
+    simd: bool,
+    xs: &[F],
+    out: &mut [u8],
+    e: &E,
+) {
+    #[cfg(target_arch = "x86_64")]
+    if simd {
+        // SAFETY: `simd` is only true when the CPU supports AVX2.
+        unsafe { encode_avx2::<F, E, NONFINITE>(xs, out, e) };
+        return;
+    }
+    let _ = simd;
+    encode_loop::<F, E, NONFINITE>(xs, out, e)
+}
+
+fn encode_typed<E: Encoder, const NONFINITE: bool>(
+    dtype: FloatType,
+    src: &[u8],
+    codes: &mut [u8],
+    e: &E,
+    simd: bool,
+) {
+    match dtype {
+        FloatType::F64 => typed_blocks::<f64>(src, |i, b| {
+            encode_block::<f64, E, NONFINITE>(simd, b, &mut codes[i..], e)
+        }),
+        FloatType::F32 => typed_blocks::<f32>(src, |i, b| {
+            encode_block::<f32, E, NONFINITE>(simd, b, &mut codes[i..], e)
+        }),
+        FloatType::F16 => widened_blocks::<f16>(src, |i, b| {
+            encode_block::<f32, E, NONFINITE>(simd, b, &mut codes[i..], e)
+        }),
+        FloatType::BF16 => widened_blocks::<bf16>(src, |i, b| {
+            encode_block::<f32, E, NONFINITE>(simd, b, &mut codes[i..], e)
+        }),
+    }
+}
+
+/// Encode every element of `src` into `codes` (one byte each, same count).
+pub(super) fn encode<E: Encoder>(
+    dtype: FloatType,
+    src: &[u8],
+    codes: &mut [u8],
+    e: &E,
+    nonfinite: bool,
+    simd: bool,
+) {
+    if nonfinite {
+        encode_typed::<E, true>(dtype, src, codes, e, simd)
+    } else {
+        encode_typed::<E, false>(dtype, src, codes, e, simd)
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Decoding
+// ---------------------------------------------------------------------------------------
+
+/// `dst[i] = table[codes[i]]`, each entry `N` little-endian bytes. Any alignment.
+pub(super) fn decode<const N: usize>(codes: &[u8], table: &[[u8; N]; 256], dst: &mut [u8]) {
+    for (o, &c) in dst.chunks_exact_mut(N).zip(codes) {
+        o.copy_from_slice(&table[usize::from(c)]);
+    }
+}
