@@ -208,7 +208,7 @@ async def test_source_lost_mid_transfer_loses_nothing(pccl_peer_process) -> None
             mine_sync = asyncio.create_task(stale.sync_shared_state(state))
             await cluster.master.wait_for(lambda s: any(x.planned for x in s.syncs.values()))
             async with asyncio.timeout(30):
-                while emu.bytes_forwarded < 4 << 20:  # bounded by the timeout
+                while emu.bytes_forwarded < 4 << 20:  # noqa: ASYNC110 (no event to wait on)
                     await asyncio.sleep(0.01)
             src.kill()
             with pytest.raises(pccl.PeerConnectionError):

@@ -207,7 +207,10 @@ impl Node {
                 r = crate::net::transfer::serve(&self.transfers, stream, timeout) => r,
             };
             if let Err(e) = served {
-                self.note(format!("serving a transfer to peer {} failed: {e}", hello.from));
+                self.note(format!(
+                    "serving a transfer to peer {} failed: {e}",
+                    hello.from
+                ));
             }
             return;
         }

@@ -31,7 +31,11 @@ impl Served {
     /// # Safety
     /// `ptr..ptr+len` must stay valid and unmodified while `keepalive` lives.
     pub unsafe fn new(ptr: *const u8, len: usize, keepalive: Box<dyn Send + Sync>) -> Self {
-        Served { ptr: ptr as usize, len, _keepalive: keepalive }
+        Served {
+            ptr: ptr as usize,
+            len,
+            _keepalive: keepalive,
+        }
     }
 
     fn bytes(&self) -> &[u8] {
@@ -66,7 +70,11 @@ impl TransferRegistry {
 }
 
 /// Serves requests on an accepted transfer stream until the fetcher hangs up.
-pub async fn serve(registry: &TransferRegistry, mut stream: TcpStream, io_timeout: Duration) -> CoreResult<()> {
+pub async fn serve(
+    registry: &TransferRegistry,
+    mut stream: TcpStream,
+    io_timeout: Duration,
+) -> CoreResult<()> {
     let mut buf = Vec::new();
     loop {
         let got = read_frame(&mut stream, &mut buf, MAX_REQUEST).await?;
@@ -84,13 +92,18 @@ pub async fn serve(registry: &TransferRegistry, mut stream: TcpStream, io_timeou
         timed(io_timeout, stream.write_all(&head)).await?;
         for part in item.bytes().chunks(SLICE) {
             timed(io_timeout, stream.write_all(part)).await?;
-            registry.sent.fetch_add(part.len() as u64, Ordering::Relaxed);
+            registry
+                .sent
+                .fetch_add(part.len() as u64, Ordering::Relaxed);
         }
         timed(io_timeout, stream.flush()).await?;
     }
 }
 
-async fn timed<T>(t: Duration, f: impl std::future::Future<Output = std::io::Result<T>>) -> CoreResult<T> {
+async fn timed<T>(
+    t: Duration,
+    f: impl std::future::Future<Output = std::io::Result<T>>,
+) -> CoreResult<T> {
     match tokio::time::timeout(t, f).await {
         Ok(r) => r.map_err(|e| CoreError::io("transfer", e)),
         Err(_) => Err(CoreError::PeerConnection(format!(
@@ -100,14 +113,43 @@ async fn timed<T>(t: Duration, f: impl std::future::Future<Output = std::io::Res
     }
 }
 
+/// Asks the kernel to back `buf` with writable pages now (Linux `MADV_POPULATE_WRITE`),
+/// which is several times faster than faulting them in one by one as data arrives;
+/// a no-op where unsupported. Fresh scratch buffers are the common case here.
+pub fn prefault(ptr: usize, len: usize) {
+    #[cfg(target_os = "linux")]
+    {
+        const MADV_POPULATE_WRITE: libc::c_int = 23;
+        let page = 4096usize;
+        let start = ptr & !(page - 1);
+        let span = len + (ptr - start);
+        if len > 0 {
+            // SAFETY: the range lies within one live allocation of the caller's; the
+            // advice only populates pages, it never changes their contents.
+            unsafe {
+                libc::madvise(start as *mut libc::c_void, span, MADV_POPULATE_WRITE);
+            }
+        }
+    }
+    #[cfg(not(target_os = "linux"))]
+    let _ = (ptr, len);
+}
+
 /// Fetches `key` over an already authenticated transfer stream into `dst`, whose
 /// length must be exactly the served length.
-pub async fn fetch(stream: &mut TcpStream, key: &str, dst: &mut [u8], io_timeout: Duration) -> CoreResult<()> {
+pub async fn fetch(
+    stream: &mut TcpStream,
+    key: &str,
+    dst: &mut [u8],
+    io_timeout: Duration,
+) -> CoreResult<()> {
     write_frame(stream, key.as_bytes()).await?;
     let mut status = [0u8; 1];
     timed(io_timeout, stream.read_exact(&mut status)).await?;
     if status[0] != 0 {
-        return Err(CoreError::PeerConnection(format!("the source does not serve {key:?}")));
+        return Err(CoreError::PeerConnection(format!(
+            "the source does not serve {key:?}"
+        )));
     }
     let mut len = [0u8; 8];
     timed(io_timeout, stream.read_exact(&mut len)).await?;

@@ -51,6 +51,10 @@ impl PyP2PNode {
         let timeout = Duration::from_secs_f64(io_timeout);
         future_into_py(py, async move {
             let _keep = keep;
+            // Back the destination with pages in bulk first (much cheaper than a fault
+            // per page while bytes arrive).
+            let (ptr, len) = (raw.ptr, raw.len);
+            let _ = tokio::task::spawn_blocking(move || transfer::prefault(ptr, len)).await;
             let sock = resolve(&addr).await?;
             let mut stream = node.dial_transfer(sock, peer_id).await?;
             // SAFETY: `_keep` holds the exporting object for the whole transfer and the
