@@ -9,6 +9,7 @@ import enum
 import hmac
 import logging
 import secrets as _secrets
+import time
 from types import TracebackType
 from typing import Any
 
@@ -764,14 +765,19 @@ class Communicator:
         scratch = np.empty(nbytes, dtype=np.uint8)
         errors = []
         for src in sources:
+            started = time.perf_counter()
             try:
                 await self._node.fetch_into(addrs[src], src, key, scratch,
                                             io_timeout=self.peer_timeout)
             except PCCLError as e:
                 errors.append(f"peer {src}: {e}")
                 continue
+            elapsed = time.perf_counter() - started
             got = await asyncio.to_thread(_core.content_hash, scratch)
             if got == want:
+                log.info("peer %s: fetched shared state %r (%.1f MiB) from peer %d in %.2fs "
+                         "(%.2f GB/s)", self.peer_id, key, nbytes / 2**20, src, elapsed,
+                         nbytes / max(elapsed, 1e-9) / 1e9)
                 return scratch
             errors.append(f"peer {src}: content hash mismatch (sent {got.hex()[:16]}..., "
                           f"expected {want.hex()[:16]}...)")
