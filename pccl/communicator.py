@@ -79,6 +79,30 @@ class _Collective:
     outcome: asyncio.Future[m.CollectiveOutcome]
     ring_op: Any = None
     aborted: bool = False
+    quantization: QuantizationOptions = dataclasses.field(
+        default_factory=lambda: QuantizationOptions())
+
+
+_WIRE_TYPES = (DataType.UINT8, DataType.INT8, DataType.FLOAT8_E4M3, DataType.FLOAT8_E5M2)
+_FLOAT_TYPES = (DataType.FLOAT16, DataType.BFLOAT16, DataType.FLOAT32, DataType.FLOAT64)
+
+
+def _check_quantization(q: QuantizationOptions, src: RawTensor, op: ReduceOp) -> None:
+    try:
+        algorithm, wire = QuantizationAlgorithm(q.algorithm), DataType(q.dtype)
+    except ValueError:
+        raise _core.InvalidArgumentError(f"invalid quantization options {q}") from None
+    if wire not in _WIRE_TYPES:
+        raise _core.InvalidArgumentError(
+            f"{wire.name} cannot carry quantized values; use UINT8, INT8, FLOAT8_E4M3 or "
+            "FLOAT8_E5M2")
+    if src.dtype not in _FLOAT_TYPES:
+        raise _core.InvalidArgumentError(
+            f"quantization applies to float tensors, not {src.dtype.name}")
+    if op not in (ReduceOp.SUM, ReduceOp.AVG):
+        raise _core.InvalidArgumentError(
+            f"quantized {op.name} is not exact on the wire; use SUM or AVG, or no "
+            f"quantization ({algorithm.name} was asked)")
 
 
 class PeerState(enum.IntEnum):
@@ -541,13 +565,13 @@ class Communicator:
                 f"out has {dst.count} x {dst.dtype.name}, tensor {src.count} x {src.dtype.name}")
         q = quantization or QuantizationOptions()
         if q.algorithm != QuantizationAlgorithm.NONE:
-            raise _core.InvalidArgumentError("quantized all-reduce is not available yet")
+            _check_quantization(q, src, op)
         if not isinstance(tag, int) or tag < 0:
             raise _core.InvalidArgumentError("tag must be a non-negative integer")
         if tag in self._collectives:
             raise InvalidUsageError(f"tag {tag} is already in flight on this peer")
         loop = asyncio.get_running_loop()
-        col = _Collective(tag, loop.create_future(), loop.create_future())
+        col = _Collective(tag, loop.create_future(), loop.create_future(), quantization=q)
         self._collectives[tag] = col
         try:
             self._send(m.CollectiveInit(tag=tag, kind="all_reduce", dtype=int(src.dtype),
@@ -600,7 +624,9 @@ class Communicator:
                             f"({self._ring_epoch}); call update_topology()")
                     col.ring_op = self._node.start_all_reduce(
                         perform.op_id, perform.rank, perform.world, src.data, int(src.dtype),
-                        int(op), piece_bytes=self.piece_bytes)
+                        int(op), piece_bytes=self.piece_bytes,
+                        quant_algorithm=int(col.quantization.algorithm),
+                        quant_dtype=int(col.quantization.dtype))
                     if col.aborted:
                         col.ring_op.abort()
                     run = col.ring_op.run()

@@ -5,6 +5,7 @@ pub mod error;
 pub mod hash;
 pub mod net;
 pub mod py;
+pub mod quant;
 pub mod reduce;
 pub mod ring;
 pub mod runtime;

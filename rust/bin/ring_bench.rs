@@ -127,6 +127,7 @@ async fn main() {
                 dtype: DType::F32,
                 op: ReduceOp::Sum,
                 piece_bytes: piece,
+                quant: None,
             };
             tasks.push(tokio::spawn(ring_all_reduce(
                 links[i].clone(),

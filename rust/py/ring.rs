@@ -5,6 +5,7 @@ use crate::error::CoreError;
 use crate::net::handshake::Purpose;
 use crate::net::node::PoolKey;
 use crate::py::node::PyP2PNode;
+use crate::quant::{QuantAlgorithm, WireType};
 use crate::reduce::{DType, ReduceOp};
 use crate::ring::allreduce::OpMemory;
 use crate::ring::{ring_all_reduce, ReduceSpec, RingLinks};
@@ -101,7 +102,7 @@ impl PyP2PNode {
     }
 
     /// Starts a ring all-reduce of `buffer` (bytes of `count` elements of `dtype`).
-    #[pyo3(signature = (op_id, rank, world, buffer, dtype, op, piece_bytes=1 << 20))]
+    #[pyo3(signature = (op_id, rank, world, buffer, dtype, op, piece_bytes=1 << 20, quant_algorithm=0, quant_dtype=0))]
     #[allow(clippy::too_many_arguments)]
     fn start_all_reduce(
         &self,
@@ -112,7 +113,27 @@ impl PyP2PNode {
         dtype: u8,
         op: u8,
         piece_bytes: usize,
+        quant_algorithm: u8,
+        quant_dtype: u8,
     ) -> PyResult<RingOp> {
+        let quant = match QuantAlgorithm::from_u8(quant_algorithm) {
+            None => {
+                return Err(CoreError::InvalidArgument(format!(
+                    "unknown quantization algorithm code {quant_algorithm}"
+                ))
+                .into())
+            }
+            Some(QuantAlgorithm::None) => None,
+            Some(alg) => {
+                let wire = WireType::from_u8(quant_dtype).ok_or_else(|| {
+                    CoreError::InvalidArgument(format!(
+                        "data type code {quant_dtype} cannot carry quantized values \
+                         (use UINT8, INT8, FLOAT8_E4M3 or FLOAT8_E5M2)"
+                    ))
+                })?;
+                Some((alg, wire))
+            }
+        };
         let dtype = DType::from_u8(dtype)
             .ok_or_else(|| CoreError::InvalidArgument(format!("unknown dtype code {dtype}")))?;
         let op = ReduceOp::from_u8(op)
@@ -137,6 +158,7 @@ impl PyP2PNode {
             dtype,
             op,
             piece_bytes,
+            quant,
         };
         Ok(RingOp {
             links,

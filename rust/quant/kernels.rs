@@ -3,21 +3,21 @@
 //!
 //! Inputs are raw little-endian bytes. When they are aligned for the element type (and
 //! the host is little-endian) the loops run directly on typed slices; otherwise blocks are
-//! copied into an aligned stack buffer first. Half-precision inputs are always widened to
-//! `f32` a block at a time with `half`'s slice conversions (exact). Every element is
-//! encoded by the same scalar function whatever the path, and the statistics are order
-//! independent, so alignment never changes a bit of the output.
+//! copied into an aligned stack buffer first. Half-precision inputs are widened to `f32`
+//! inside the loops with branch-free integer code (exact, and it vectorises), so every
+//! dtype is one fused pass. Every element is encoded by the same scalar function whatever
+//! the path, and the statistics are order independent, so alignment never changes a bit
+//! of the output.
 //!
 //! The encoder and statistics loops are compiled twice: portable (the crate's baseline
 //! target, SSE2 on x86-64) and, on x86-64, with AVX2 enabled, picked at run time. Both
-//! use only IEEE add / subtract / multiply / compare-select and integer operations (never
-//! fused multiply-add: Rust does not contract), so they produce identical bits; the tests
-//! run both.
+//! use only IEEE add / subtract / multiply / compare-select, integer operations and
+//! exact int-to-float conversions (never fused multiply-add: Rust does not contract), so
+//! they produce identical bits; the tests run both.
 
 use std::mem::size_of;
 use std::ops::{Add, Sub};
 
-use half::slice::HalfFloatSliceExt;
 use half::{bf16, f16};
 
 use super::minifloat::{Fp8, ROUND_MAGIC};
@@ -36,7 +36,7 @@ const BLOCK: usize = 256;
 /// Implementors must have no padding, no invalid bit patterns and no drop glue.
 pub(super) unsafe trait Pod: Copy + 'static {
     /// Little-endian wire order to host order (a no-op on little-endian hosts).
-    fn from_le(self) -> Self;
+    fn le_to_host(self) -> Self;
 }
 
 macro_rules! pod {
@@ -45,7 +45,7 @@ macro_rules! pod {
         // `u16`.
         unsafe impl Pod for $t {
             #[inline(always)]
-            fn from_le(self) -> Self {
+            fn le_to_host(self) -> Self {
                 <$t>::from_bits(<$bits>::from_le(self.to_bits()))
             }
         }
@@ -86,7 +86,7 @@ impl Stage {
         // SAFETY: the buffer is 64-byte aligned, holds `n` elements, any bits are valid.
         let s = unsafe { std::slice::from_raw_parts_mut(self.0.as_mut_ptr().cast::<T>(), n) };
         if cfg!(target_endian = "big") {
-            s.iter_mut().for_each(|x| *x = x.from_le());
+            s.iter_mut().for_each(|x| *x = x.le_to_host());
         }
         s
     }
@@ -105,36 +105,69 @@ fn typed_blocks<T: Pod>(src: &[u8], mut f: impl FnMut(usize, &[T])) {
     }
 }
 
-/// The 16-bit float types, widened to `f32` a block at a time (exact).
-trait Half: Pod {
-    fn widen(src: &[Self], dst: &mut [f32]);
+/// Element types as stored in the input; the loops compute on [`Input::Wide`].
+pub(super) trait Input: Pod {
+    type Wide: Elem;
+    /// Exact conversion to the computation type.
+    fn widen(self) -> Self::Wide;
 }
 
-impl Half for f16 {
-    fn widen(src: &[Self], dst: &mut [f32]) {
-        src.convert_to_f32_slice(dst)
+impl Input for f32 {
+    type Wide = f32;
+    #[inline(always)]
+    fn widen(self) -> f32 {
+        self
     }
 }
 
-impl Half for bf16 {
-    fn widen(src: &[Self], dst: &mut [f32]) {
-        src.convert_to_f32_slice(dst)
+impl Input for f64 {
+    type Wide = f64;
+    #[inline(always)]
+    fn widen(self) -> f64 {
+        self
     }
 }
 
-/// Hand the 16-bit elements in `src` to `f` widened to `f32`, in blocks.
-fn widened_blocks<H: Half>(src: &[u8], mut f: impl FnMut(usize, &[f32])) {
-    let mut stage = Stage::new();
-    let mut wide = [0f32; BLOCK];
-    for (i, chunk) in src.chunks(BLOCK * 2).enumerate() {
-        let h: &[H] = match view::<H>(chunk) {
-            Some(h) => h,
-            None => stage.load::<H>(chunk),
-        };
-        let w = &mut wide[..h.len()];
-        H::widen(h, w);
-        f(i * BLOCK, w);
+impl Input for bf16 {
+    type Wide = f32;
+    /// bfloat16 is the top half of an `f32`.
+    #[inline(always)]
+    fn widen(self) -> f32 {
+        f32::from_bits(u32::from(self.to_bits()) << 16)
     }
+}
+
+impl Input for f16 {
+    type Wide = f32;
+    #[inline(always)]
+    fn widen(self) -> f32 {
+        f16_bits_to_f32(self.to_bits())
+    }
+}
+
+/// IEEE half to `f32`, exactly, without branches (three candidates and selects) so that
+/// loops over it vectorise. NaNs stay NaN (payload shifted along, not quieted), which is
+/// all the quantizer needs.
+#[inline(always)]
+pub(super) fn f16_bits_to_f32(h: u16) -> f32 {
+    let h = u32::from(h);
+    let sign = (h & 0x8000) << 16;
+    let em = h & 0x7FFF;
+    // Normal numbers: exponent and mantissa move up 13 bits, the bias goes from 15 to 127.
+    let normal = (em << 13) + ((127 - 15) << 23);
+    // Zero and subnormals: the 10-bit integer mantissa times 2^-24 (exact, no subnormal
+    // arithmetic in f32).
+    let sub = (em as i32 as f32 * (1.0 / 16_777_216.0)).to_bits();
+    // Infinities and NaN: all exponent bits set.
+    let special = (em << 13) | 0x7F80_0000;
+    let bits = if em < 0x0400 {
+        sub
+    } else if em >= 0x7C00 {
+        special
+    } else {
+        normal
+    };
+    f32::from_bits(bits | sign)
 }
 
 /// Element type of the statistics and encoding loops.
@@ -194,7 +227,7 @@ pub(super) struct Stats {
 }
 
 /// Independent accumulators, so the loop vectorises without reassociating anything.
-const LANES: usize = 32;
+const LANES: usize = 16;
 
 struct Lanes<F: Elem> {
     lo: [F; LANES],
@@ -215,6 +248,8 @@ impl<F: Elem> Lanes<F> {
     /// Fold one element into lane `j`. With `FINITE_ONLY`, NaN and infinities are skipped.
     #[inline(always)]
     fn step<const FINITE_ONLY: bool>(&mut self, j: usize, x: F) {
+        // `x - x` on purpose: 0 for finite `x`, NaN otherwise.
+        #[allow(clippy::eq_op)]
         let z = x - x;
         let (l, h) = if FINITE_ONLY {
             let finite = z == F::ZERO;
@@ -232,15 +267,15 @@ impl<F: Elem> Lanes<F> {
     }
 
     #[inline(always)]
-    fn feed<const FINITE_ONLY: bool>(&mut self, xs: &[F]) {
+    fn feed<I: Input<Wide = F>, const FINITE_ONLY: bool>(&mut self, xs: &[I]) {
         let mut chunks = xs.chunks_exact(LANES);
         for c in &mut chunks {
             for (j, &x) in c.iter().enumerate() {
-                self.step::<FINITE_ONLY>(j, x);
+                self.step::<FINITE_ONLY>(j, x.widen());
             }
         }
         for (j, &x) in chunks.remainder().iter().enumerate() {
-            self.step::<FINITE_ONLY>(j, x);
+            self.step::<FINITE_ONLY>(j, x.widen());
         }
     }
 
@@ -278,59 +313,50 @@ impl<F: Elem> Lanes<F> {
 /// `Lanes::feed` compiled with AVX2.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
-fn feed_avx2<F: Elem, const FINITE_ONLY: bool>(lanes: &mut Lanes<F>, xs: &[F]) {
-    lanes.feed::<FINITE_ONLY>(xs)
+fn feed_avx2<I: Input, const FINITE_ONLY: bool>(lanes: &mut Lanes<I::Wide>, xs: &[I]) {
+    lanes.feed::<I, FINITE_ONLY>(xs)
 }
 
 #[inline(always)]
-fn feed<F: Elem, const FINITE_ONLY: bool>(simd: bool, lanes: &mut Lanes<F>, xs: &[F]) {
+fn feed<I: Input, const FINITE_ONLY: bool>(simd: bool, lanes: &mut Lanes<I::Wide>, xs: &[I]) {
     #[cfg(target_arch = "x86_64")]
     if simd {
         // SAFETY: `simd` is only true when the CPU supports AVX2.
-        unsafe { feed_avx2::<F, FINITE_ONLY>(lanes, xs) };
+        unsafe { feed_avx2::<I, FINITE_ONLY>(lanes, xs) };
         return;
     }
     let _ = simd;
-    lanes.feed::<FINITE_ONLY>(xs)
+    lanes.feed::<I, FINITE_ONLY>(xs)
 }
 
 /// One pass over `src`; `min` / `max` are only meaningful when `nonfinite` is false.
-fn stats_pass<const FINITE_ONLY: bool>(dtype: FloatType, src: &[u8], simd: bool) -> Stats {
-    match dtype {
-        FloatType::F64 => {
-            let mut l = Lanes::<f64>::new();
-            typed_blocks::<f64>(src, |_, b| feed::<f64, FINITE_ONLY>(simd, &mut l, b));
-            l.finish()
-        }
-        FloatType::F32 => {
-            let mut l = Lanes::<f32>::new();
-            typed_blocks::<f32>(src, |_, b| feed::<f32, FINITE_ONLY>(simd, &mut l, b));
-            l.finish()
-        }
-        FloatType::F16 => {
-            let mut l = Lanes::<f32>::new();
-            widened_blocks::<f16>(src, |_, b| feed::<f32, FINITE_ONLY>(simd, &mut l, b));
-            l.finish()
-        }
-        FloatType::BF16 => {
-            let mut l = Lanes::<f32>::new();
-            widened_blocks::<bf16>(src, |_, b| feed::<f32, FINITE_ONLY>(simd, &mut l, b));
-            l.finish()
-        }
+fn stats_pass<I: Input, const FINITE_ONLY: bool>(src: &[u8], simd: bool) -> Stats {
+    let mut lanes = Lanes::<I::Wide>::new();
+    typed_blocks::<I>(src, |_, b| feed::<I, FINITE_ONLY>(simd, &mut lanes, b));
+    lanes.finish()
+}
+
+fn stats_of<I: Input>(src: &[u8], simd: bool) -> Stats {
+    let s = stats_pass::<I, false>(src, simd);
+    if !s.nonfinite {
+        return s;
+    }
+    // Only when the chunk holds NaN or infinities: a second pass that skips them.
+    let f = stats_pass::<I, true>(src, simd);
+    Stats {
+        nonfinite: true,
+        ..f
     }
 }
 
 /// Finite min / max and the non-finite flag of `src` (little-endian `dtype` elements).
 /// One pass; a second one only when the chunk holds NaN or infinities.
 pub(super) fn stats(dtype: FloatType, src: &[u8], simd: bool) -> Stats {
-    let s = stats_pass::<false>(dtype, src, simd);
-    if !s.nonfinite {
-        return s;
-    }
-    let f = stats_pass::<true>(dtype, src, simd);
-    Stats {
-        nonfinite: true,
-        ..f
+    match dtype {
+        FloatType::F16 => stats_of::<f16>(src, simd),
+        FloatType::BF16 => stats_of::<bf16>(src, simd),
+        FloatType::F32 => stats_of::<f32>(src, simd),
+        FloatType::F64 => stats_of::<f64>(src, simd),
     }
 }
 
@@ -369,16 +395,18 @@ pub(super) trait Encoder: Copy {
     }
 }
 
-/// The integer wire types: `code = round_half_even(clamp((x * pre - sub) * mul + add,
-/// qlo, qhi))`, stored as the low byte of the integer (two's complement for `I8`).
+/// The integer wire types: `code = offset + round_half_even(clamp((x * pre - sub) * mul +
+/// add, 0, top))`, the low byte of that integer (two's complement for `I8`). Rounding
+/// happens in code units relative to `qmin` and `offset = qmin` is added afterwards as an
+/// integer, so `U8` and `I8` pick the same level for every element.
 #[derive(Clone, Copy, Debug)]
 pub(super) struct Affine {
     pub pre: f64,
     pub sub: f64,
     pub mul: f64,
     pub add: f64,
-    pub qlo: f64,
-    pub qhi: f64,
+    pub top: f64,
+    pub offset: u8,
     pub specials: [u8; 3],
 }
 
@@ -386,11 +414,11 @@ impl Encoder for Affine {
     #[inline(always)]
     fn code(&self, x: f64) -> u8 {
         let t = (x * self.pre - self.sub) * self.mul + self.add;
-        let t = if t < self.qlo { self.qlo } else { t };
-        let t = if t > self.qhi { self.qhi } else { t };
-        // `t` is within [-128, 255]: the magic addition rounds it to an integer whose two's
-        // complement sits in the low bits of the sum.
-        (t + ROUND_MAGIC).to_bits() as u8
+        let t = if t < 0.0 { 0.0 } else { t };
+        let t = if t > self.top { self.top } else { t };
+        // `t` is within [0, 255]: the magic addition rounds it to an integer that sits in
+        // the low bits of the sum.
+        ((t + ROUND_MAGIC).to_bits() as u8).wrapping_add(self.offset)
     }
 
     #[inline(always)]
@@ -405,7 +433,8 @@ impl Encoder for Affine {
 pub(super) struct Float8<const E5M2: bool> {
     pub pre: f64,
     pub mul: f64,
-    pub max_mag: u8,
+    /// Largest finite value used (the value of the largest code).
+    pub fmax: f64,
     pub specials: [u8; 3],
 }
 
@@ -413,7 +442,7 @@ impl<const E5M2: bool> Encoder for Float8<E5M2> {
     #[inline(always)]
     fn code(&self, x: f64) -> u8 {
         let fmt = if E5M2 { Fp8::E5M2 } else { Fp8::E4M3 };
-        fmt.encode(x * self.pre * self.mul, self.max_mag)
+        fmt.encode(x * self.pre * self.mul, self.fmax)
     }
 
     #[inline(always)]
@@ -423,10 +452,10 @@ impl<const E5M2: bool> Encoder for Float8<E5M2> {
 }
 
 #[inline(always)]
-fn encode_loop<F: Elem, E: Encoder, const NONFINITE: bool>(xs: &[F], out: &mut [u8], e: &E) {
+fn encode_loop<I: Input, E: Encoder, const NONFINITE: bool>(xs: &[I], out: &mut [u8], e: &E) {
     let out = &mut out[..xs.len()];
     for (o, &x) in out.iter_mut().zip(xs) {
-        let x = x.to_f64();
+        let x = x.widen().to_f64();
         *o = if NONFINITE {
             e.code_nonfinite(x)
         } else {
@@ -438,25 +467,36 @@ fn encode_loop<F: Elem, E: Encoder, const NONFINITE: bool>(xs: &[F], out: &mut [
 /// `encode_loop` compiled with AVX2.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
-fn encode_avx2<F: Elem, E: Encoder, const NONFINITE: bool>(xs: &[F], out: &mut [u8], e: &E) {
-    encode_loop::<F, E, NONFINITE>(xs, out, e)
+fn encode_avx2<I: Input, E: Encoder, const NONFINITE: bool>(xs: &[I], out: &mut [u8], e: &E) {
+    encode_loop::<I, E, NONFINITE>(xs, out, e)
 }
 
 #[inline(always)]
-fn encode_block<F: Elem, E: Encoder, const NONFINITE: bool>(
+fn encode_block<I: Input, E: Encoder, const NONFINITE: bool>(
     simd: bool,
-    xs: &[F],
+    xs: &[I],
     out: &mut [u8],
     e: &E,
 ) {
     #[cfg(target_arch = "x86_64")]
     if simd {
         // SAFETY: `simd` is only true when the CPU supports AVX2.
-        unsafe { encode_avx2::<F, E, NONFINITE>(xs, out, e) };
+        unsafe { encode_avx2::<I, E, NONFINITE>(xs, out, e) };
         return;
     }
     let _ = simd;
-    encode_loop::<F, E, NONFINITE>(xs, out, e)
+    encode_loop::<I, E, NONFINITE>(xs, out, e)
+}
+
+fn encode_as<I: Input, E: Encoder, const NONFINITE: bool>(
+    src: &[u8],
+    codes: &mut [u8],
+    e: &E,
+    simd: bool,
+) {
+    typed_blocks::<I>(src, |i, b| {
+        encode_block::<I, E, NONFINITE>(simd, b, &mut codes[i..], e)
+    })
 }
 
 fn encode_typed<E: Encoder, const NONFINITE: bool>(
@@ -467,18 +507,10 @@ fn encode_typed<E: Encoder, const NONFINITE: bool>(
     simd: bool,
 ) {
     match dtype {
-        FloatType::F64 => typed_blocks::<f64>(src, |i, b| {
-            encode_block::<f64, E, NONFINITE>(simd, b, &mut codes[i..], e)
-        }),
-        FloatType::F32 => typed_blocks::<f32>(src, |i, b| {
-            encode_block::<f32, E, NONFINITE>(simd, b, &mut codes[i..], e)
-        }),
-        FloatType::F16 => widened_blocks::<f16>(src, |i, b| {
-            encode_block::<f32, E, NONFINITE>(simd, b, &mut codes[i..], e)
-        }),
-        FloatType::BF16 => widened_blocks::<bf16>(src, |i, b| {
-            encode_block::<f32, E, NONFINITE>(simd, b, &mut codes[i..], e)
-        }),
+        FloatType::F16 => encode_as::<f16, E, NONFINITE>(src, codes, e, simd),
+        FloatType::BF16 => encode_as::<bf16, E, NONFINITE>(src, codes, e, simd),
+        FloatType::F32 => encode_as::<f32, E, NONFINITE>(src, codes, e, simd),
+        FloatType::F64 => encode_as::<f64, E, NONFINITE>(src, codes, e, simd),
     }
 }
 

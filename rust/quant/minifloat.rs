@@ -44,7 +44,9 @@ pub(super) fn round_magnitude(a: u64, man: u32, bias: i32) -> u64 {
     // The count is at most 2^man, which is the smallest normal pattern, so a value that
     // rounds up into the normal range gets the right pattern too.
     let units = f64::from_bits(a) * pow2(bias - 1 + man as i32);
-    let sub = (units + pow2(52)).to_bits().wrapping_sub(pow2(52).to_bits());
+    let sub = (units + pow2(52))
+        .to_bits()
+        .wrapping_sub(pow2(52).to_bits());
     // Bit pattern of the smallest normal number of the target, 2^(1 - bias).
     let min_normal = ((1024 - bias) as u64) << 52;
     if a >= min_normal {
@@ -113,20 +115,17 @@ impl Fp8 {
         }
     }
 
-    /// `y` rounded to nearest even in this format, saturating: any magnitude that would
-    /// round above the pattern `max_mag` gives `max_mag` (with `y`'s sign). Zero keeps its
-    /// sign. `y` must not be NaN (the result would be meaningless).
+    /// `y` rounded to nearest even in this format, saturating: magnitudes above `fmax` (a
+    /// finite value of the format) give `fmax`, with `y`'s sign. Zero keeps its sign. `y`
+    /// must not be NaN (the result would be meaningless).
     #[inline(always)]
-    pub(super) fn encode(self, y: f64, max_mag: u8) -> u8 {
+    pub(super) fn encode(self, y: f64, fmax: f64) -> u8 {
         let bits = y.to_bits();
         let sign = ((bits >> 56) as u8) & 0x80;
-        let mag = round_magnitude(bits & !(1u64 << 63), self.man(), self.bias());
-        let mag = if mag > u64::from(max_mag) {
-            u64::from(max_mag)
-        } else {
-            mag
-        };
-        sign | mag as u8
+        // Saturate before rounding (a float min, cheaper than comparing the result).
+        let a = f64::from_bits(bits & !(1u64 << 63));
+        let a = if a > fmax { fmax } else { a };
+        sign | round_magnitude(a.to_bits(), self.man(), self.bias()) as u8
     }
 }
 

@@ -15,6 +15,7 @@
 //! caller commits only once every peer succeeded.
 
 use crate::error::{CoreError, CoreResult};
+use crate::quant::{self, QuantAlgorithm, WireType};
 use crate::reduce::{self, DType, ReduceOp};
 use crate::ring::links::{Landing, PieceHeader, RingLinks, HEADER_LEN};
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
@@ -31,6 +32,8 @@ pub struct ReduceSpec {
     pub op: ReduceOp,
     /// Upper bound on one piece, in bytes (rounded down to whole elements).
     pub piece_bytes: usize,
+    /// Values travel quantized (`None`: in their own dtype). SUM / AVG of floats only.
+    pub quant: Option<(QuantAlgorithm, WireType)>,
 }
 
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -171,6 +174,31 @@ impl OpMemory {
     }
 }
 
+/// Staging memory for quantized pieces, written at disjoint slots by one task at a time.
+struct Stage {
+    ptr: *mut u8,
+    len: usize,
+    _owner: Vec<u8>,
+}
+
+// SAFETY: slots are disjoint; hand-over is ordered by the progress counters.
+unsafe impl Send for Stage {}
+unsafe impl Sync for Stage {}
+
+impl Stage {
+    fn new(len: usize) -> Stage {
+        let mut owner = vec![0u8; len];
+        Stage { ptr: owner.as_mut_ptr(), len, _owner: owner }
+    }
+
+    #[allow(clippy::mut_from_ref)]
+    fn slot(&self, offset: usize, len: usize) -> &mut [u8] {
+        assert!(offset + len <= self.len);
+        // SAFETY: in bounds; see the Sync impl for the aliasing discipline.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.add(offset), len) }
+    }
+}
+
 /// Geometry of the split: chunk boundaries in elements, pieces per chunk.
 struct Plan {
     world: usize,
@@ -246,6 +274,12 @@ impl Plan {
 
 struct Shared {
     mem: Arc<OpMemory>,
+    /// Quantized runs: one slot per piece for reduce-scatter (a lane lands and reduces
+    /// a piece before it reads the next), and one per (all-gather step, piece), kept
+    /// until forwarded verbatim so every peer decodes the very same bytes.
+    rs_stage: Option<Stage>,
+    ag_stage: Option<Stage>,
+    qslot: usize,
     plan: Plan,
     spec: ReduceSpec,
     /// progress[p] = steps whose piece p has landed and been reduced.
@@ -255,6 +289,30 @@ struct Shared {
     advanced: Notify,
     tx: AtomicU64,
     rx: AtomicU64,
+}
+
+impl Shared {
+    /// Bytes a piece of `raw` payload bytes takes on the wire.
+    fn wire_len(&self, raw: usize) -> usize {
+        match self.spec.quant {
+            Some(_) => quant::quantized_len(raw / self.plan.elem),
+            None => raw,
+        }
+    }
+
+    /// The staging slot that receives piece `(step, p)` of a quantized run.
+    #[allow(clippy::mut_from_ref)]
+    fn staging(&self, step: usize, p: usize, len: usize) -> Option<&mut [u8]> {
+        let last_rs = self.plan.world - 2;
+        if step <= last_rs {
+            self.rs_stage.as_ref().map(|s| s.slot(p * self.qslot, len))
+        } else {
+            let t = step - (last_rs + 1);
+            self.ag_stage
+                .as_ref()
+                .map(|s| s.slot((t * self.plan.pieces + p) * self.qslot, len))
+        }
+    }
 }
 
 impl Landing for Shared {
@@ -275,15 +333,18 @@ impl Landing for Shared {
             )));
         }
         let range = plan.piece(plan.recv_chunk(step), p);
-        if range.len() != len as usize {
+        let expected = self.wire_len(range.len());
+        if expected != len as usize {
             return Err(CoreError::Protocol(format!(
-                "piece {step}/{p} of collective {} has {len} bytes, expected {} \
+                "piece {step}/{p} of collective {} has {len} bytes, expected {expected} \
                  (do all peers reduce the same tensor?)",
-                self.spec.op_id,
-                range.len()
+                self.spec.op_id
             )));
         }
-        let dst = self.mem.scratch_mut(range);
+        let dst = match self.staging(step, p, expected) {
+            Some(slot) => slot,
+            None => self.mem.scratch_mut(range),
+        };
         Ok((dst.as_mut_ptr(), dst.len()))
     }
 
@@ -291,16 +352,29 @@ impl Landing for Shared {
         let (step, p) = (step as usize, piece as usize);
         let plan = &self.plan;
         let range = plan.piece(plan.recv_chunk(step), p);
-        self.rx
-            .fetch_add((HEADER_LEN + range.len()) as u64, Ordering::Relaxed);
+        let wire_len = self.wire_len(range.len());
+        self.rx.fetch_add((HEADER_LEN + wire_len) as u64, Ordering::Relaxed);
         let last_rs = plan.world - 2;
-        if step <= last_rs {
-            // scratch holds what the previous peer accumulated; add ours after it.
-            let acc = self.mem.scratch_mut(range.clone());
-            reduce::reduce_inplace(self.spec.dtype, self.spec.op, acc, self.mem.input(range))?;
-            if step == last_rs {
-                reduce::finalize(self.spec.dtype, self.spec.op, acc, plan.world)?;
+        let (dtype, op) = (self.spec.dtype, self.spec.op);
+        let acc = self.mem.scratch_mut(range.clone());
+        match (self.spec.quant, self.staging(step, p, wire_len)) {
+            (Some((_, wire)), Some(slot)) => {
+                if step <= last_rs {
+                    // What the previous peer accumulated, decoded, then ours after it.
+                    quant::dequantize_reduce(wire, dtype, op, slot, self.mem.input(range), acc)?;
+                } else {
+                    quant::dequantize(wire, dtype, slot, acc)?;
+                }
             }
+            _ => {
+                if step <= last_rs {
+                    // scratch holds what the previous peer accumulated; add ours after it.
+                    reduce::reduce_inplace(dtype, op, acc, self.mem.input(range))?;
+                }
+            }
+        }
+        if step == last_rs {
+            reduce::finalize(dtype, op, acc, plan.world)?;
         }
         self.progress[p].store(step as u32 + 1, Ordering::Release);
         self.landed.fetch_add(1, Ordering::AcqRel);
@@ -331,9 +405,29 @@ pub async fn ring_all_reduce(
             "piece larger than the link's limit".into(),
         ));
     }
+    if spec.quant.is_some()
+        && (!spec.dtype.is_float() || !matches!(spec.op, ReduceOp::Sum | ReduceOp::Avg))
+    {
+        return Err(CoreError::InvalidArgument(format!(
+            "quantized all-reduce supports SUM and AVG of float tensors, not {} of {}",
+            spec.op.name(),
+            spec.dtype.name()
+        )));
+    }
     let op_id = spec.op_id;
     let total = (plan.pieces * plan.steps) as u64;
+    let qslot = quant::quantized_len(plan.piece_elems);
+    let (rs_stage, ag_stage) = match spec.quant {
+        Some(_) => (
+            Some(Stage::new(plan.pieces * qslot)),
+            Some(Stage::new((plan.world - 1) * plan.pieces * qslot)),
+        ),
+        None => (None, None),
+    };
     let shared = Arc::new(Shared {
+        rs_stage,
+        ag_stage,
+        qslot,
         progress: (0..plan.pieces).map(|_| AtomicU32::new(0)).collect(),
         mem,
         plan,
@@ -454,6 +548,7 @@ async fn send_lane(
 ) -> CoreResult<()> {
     let plan = &sh.plan;
     let lanes = links.send_lanes();
+    let mut encoded = vec![0u8; if sh.spec.quant.is_some() { sh.qslot } else { 0 }];
     for step in 0..plan.steps {
         let chunk = plan.send_chunk(step);
         for p in (lane..plan.pieces).step_by(lanes) {
@@ -474,10 +569,31 @@ async fn send_lane(
                 }
             }
             let range = plan.piece(chunk, p);
-            let data = if step == 0 {
-                sh.mem.input(range)
+            let raw = if step == 0 {
+                sh.mem.input(range.clone())
             } else {
-                sh.mem.scratch(range)
+                sh.mem.scratch(range.clone())
+            };
+            let data: &[u8] = match sh.spec.quant {
+                None => raw,
+                Some((alg, wire)) => {
+                    let first_ag = plan.world - 1;
+                    if step <= first_ag {
+                        // Reduce-scatter partials, and the owner's final chunk (first
+                        // all-gather step), are encoded here.
+                        let out = &mut encoded[..quant::quantized_len(range.len() / plan.elem)];
+                        quant::quantize(alg, wire, sh.spec.dtype, raw, out)?;
+                        if step == first_ag {
+                            // The owner keeps exactly what the others will decode.
+                            quant::dequantize(wire, sh.spec.dtype, out, sh.mem.scratch_mut(range))?;
+                        }
+                        out
+                    } else {
+                        // Forward the bytes received one step earlier, verbatim.
+                        let len = sh.wire_len(range.len());
+                        sh.staging(step - 1, p, len).expect("quantized runs have staging")
+                    }
+                }
             };
             let header = PieceHeader {
                 op: sh.spec.op_id,
