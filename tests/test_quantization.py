@@ -8,9 +8,9 @@ import asyncio
 
 import numpy as np
 import pytest
+from reference import bf16_round, bf16_to_f32
 
 import pccl
-from reference import bf16_round, bf16_to_f32
 
 try:  # imported up front: a first import inside a test would stall the event loop
     import torch

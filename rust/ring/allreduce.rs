@@ -188,7 +188,11 @@ unsafe impl Sync for Stage {}
 impl Stage {
     fn new(len: usize) -> Stage {
         let mut owner = vec![0u8; len];
-        Stage { ptr: owner.as_mut_ptr(), len, _owner: owner }
+        Stage {
+            ptr: owner.as_mut_ptr(),
+            len,
+            _owner: owner,
+        }
     }
 
     #[allow(clippy::mut_from_ref)]
@@ -353,7 +357,8 @@ impl Landing for Shared {
         let plan = &self.plan;
         let range = plan.piece(plan.recv_chunk(step), p);
         let wire_len = self.wire_len(range.len());
-        self.rx.fetch_add((HEADER_LEN + wire_len) as u64, Ordering::Relaxed);
+        self.rx
+            .fetch_add((HEADER_LEN + wire_len) as u64, Ordering::Relaxed);
         let last_rs = plan.world - 2;
         let (dtype, op) = (self.spec.dtype, self.spec.op);
         let acc = self.mem.scratch_mut(range.clone());
@@ -591,7 +596,8 @@ async fn send_lane(
                     } else {
                         // Forward the bytes received one step earlier, verbatim.
                         let len = sh.wire_len(range.len());
-                        sh.staging(step - 1, p, len).expect("quantized runs have staging")
+                        sh.staging(step - 1, p, len)
+                            .expect("quantized runs have staging")
                     }
                 }
             };
