@@ -180,6 +180,7 @@ class Communicator:
         self._heartbeat_timeout = 5.0
         self._collectives: dict[int, _Collective] = {}
         self._ring_epoch = -1
+        self._optimizing = False
         self._sync_plan: asyncio.Future[m.SyncPlan] | None = None
         self._sync_outcome: asyncio.Future[m.SyncOutcome] | None = None
 
@@ -329,6 +330,46 @@ class Communicator:
         finally:
             self._update = None
 
+    async def optimize_topology(self) -> None:
+        """Collective over all accepted peers: measure the bandwidth between peers of
+        each group (over as many parallel streams as the ring uses), solve for the ring
+        with the best bottleneck link, and rebuild the rings in that order.
+
+        A peer lost meanwhile fails the call on everyone with
+        :class:`TopologyOptimizationFailedError`; the previous rings stay.
+        """
+        self._require_accepted()
+        if self._update is not None:
+            raise InvalidUsageError("a topology operation is already running on this peer")
+        if self._collectives:
+            raise _core.PendingAsyncOpsError(
+                "collectives still in flight; await them before optimize_topology()")
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._update = fut
+        self._optimizing = True
+        try:
+            self._send(m.OptimizeTopology())
+            await fut
+        except UpdateTopologyFailedError as e:
+            raise _core.TopologyOptimizationFailedError(str(e)) from None
+        finally:
+            self._update = None
+            self._optimizing = False
+
+    async def _probe(self, msg: m.ProbeRequest) -> None:
+        rates = []
+        for target, addr in zip(msg.target_ids, msg.target_addrs):
+            try:
+                rate = await self._node.probe(addr, target, seconds=msg.seconds,
+                                              streams=self.p2p_connection_pool_size,
+                                              io_timeout=self.peer_timeout)
+            except PCCLError as e:
+                log.warning("peer %s: probe to peer %d failed: %s", self.peer_id, target, e)
+                rate = 0.0
+            rates.append(float(rate))
+        if self._lost is None and self._conn is not None:
+            self._conn.send_nowait(m.ProbeReport(target_ids=list(msg.target_ids), rates=rates))
+
     async def are_peers_pending(self) -> bool:
         """Whether peers are waiting to be admitted by :meth:`update_topology`."""
         self._require_accepted()
@@ -466,6 +507,11 @@ class Communicator:
             fut = self._queries.get(msg.req)
             if fut is not None and not fut.done():
                 fut.set_result(msg.pending)
+        elif isinstance(msg, m.ProbeRequest):
+            self._spawn(self._probe(msg), f"pccl-probe-{self.peer_id}")
+        elif isinstance(msg, m.OptimizeFailed):
+            if self._update is not None and not self._update.done():
+                self._update.set_exception(_core.TopologyOptimizationFailedError(msg.message))
         elif isinstance(msg, m.SyncPlan):
             if self._sync_plan is not None and not self._sync_plan.done():
                 self._sync_plan.set_result(msg)

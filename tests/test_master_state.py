@@ -864,10 +864,12 @@ STRAY: dict[str, m.Message] = {
     "sync_plan": m.SyncPlan(revision=0, fetch_keys=[], fetch_hashes=[], fetch_sources=[],
                             source_ids=[], source_addrs=[]),
     "sync_outcome": m.SyncOutcome(ok=True, kind="", message="", revision=0),
+    "probe_request": m.ProbeRequest(target_ids=[], target_addrs=[], seconds=0.1),
+    "optimize_failed": m.OptimizeFailed(message="x"),
 }
 # What the master does act on (or, for pong, deliberately ignores).
 HANDLED = {"update_topology", "p2p_report", "coll_init", "coll_done", "pending_query", "leave",
-           "pong", "sync_init", "sync_done"}
+           "pong", "sync_init", "sync_done", "optimize_topology", "probe_report"}
 
 
 def test_every_message_type_is_either_handled_or_refused() -> None:

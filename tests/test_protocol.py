@@ -44,6 +44,10 @@ EXAMPLES: list[m.Message] = [
                source_ids=[1, 2], source_addrs=["a:1", "b:2"]),
     m.SyncDone(ok=True, kind="", message=""),
     m.SyncOutcome(ok=False, kind="InvalidUsageError", message="x", revision=0),
+    m.OptimizeTopology(),
+    m.ProbeRequest(target_ids=[2], target_addrs=["a:1"], seconds=0.5),
+    m.ProbeReport(target_ids=[2], rates=[1e9]),
+    m.OptimizeFailed(message="x"),
 ]
 
 

@@ -84,6 +84,7 @@ class MasterNode:
         self._changed = asyncio.Event()
         self._address = ""
         self._stopped = asyncio.Event()
+        self.solver_budget = 1.0  # seconds the ring solver may take per group
 
     # --- lifecycle ------------------------------------------------------------------
 
@@ -265,6 +266,10 @@ class MasterNode:
                 if conn.buffered_bytes() > MAX_WRITE_BACKLOG:
                     log.warning("peer %d dropped: not reading its control messages", cmd.peer_id)
                     conn.abort()
+            elif isinstance(cmd, st.Solve):
+                task = asyncio.create_task(self._solve(cmd), name="pccl-master-solve")
+                self._handlers.add(task)
+                task.add_done_callback(self._handlers.discard)
             else:
                 conn = self._conns.pop(cmd.peer_id, None)
                 if conn is not None:
@@ -272,6 +277,19 @@ class MasterNode:
                     # close() flushes what is queued (e.g. a final error) before closing.
                     conn.writer.close()
         self._changed.set()
+
+    async def _solve(self, cmd: st.Solve) -> None:
+        """Runs the ring solver off the event loop and feeds its answer back."""
+        import numpy as np
+
+        from pccl.topology import solve
+
+        bw = np.array(cmd.bw, dtype=np.float64)
+        order = await asyncio.to_thread(solve, bw, time_budget=self.solver_budget,
+                                        rng=np.random.default_rng(cmd.round_id))
+        ring = [cmd.members[i] for i in order]
+        log.info("optimized ring of group %d: %s", cmd.group, ring)
+        self._feed(st.Solved(cmd.round_id, cmd.group, ring))
 
     async def _heartbeat_loop(self) -> None:
         seq = 0

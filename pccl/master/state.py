@@ -37,6 +37,7 @@ class Phase(enum.IntEnum):
     IDLE = 0
     VOTE_ACCEPT_NEW_PEERS = 1
     ESTABLISH_P2P = 2
+    OPTIMIZE_TOPOLOGY = 3
 
 
 # --- events -------------------------------------------------------------------------
@@ -65,7 +66,16 @@ class Received:
     msg: m.Message
 
 
-Event = PeerRegistered | PeerLost | Received
+@dataclasses.dataclass(frozen=True)
+class Solved:
+    """The server solved the ring of ``group`` asked for by :class:`Solve`."""
+
+    round_id: int
+    group: int
+    ring: list[int]
+
+
+Event = PeerRegistered | PeerLost | Received | Solved
 
 
 # --- commands -----------------------------------------------------------------------
@@ -85,7 +95,19 @@ class Disconnect:
     reason: str
 
 
-Command = Send | Disconnect
+@dataclasses.dataclass(frozen=True)
+class Solve:
+    """Find the best ring over ``members`` for the bandwidth matrix ``bw`` (bytes/s,
+    ``bw[i][j]`` from ``members[i]`` to ``members[j]``; 0 = unknown/unreachable). Solving
+    takes time, so it is the server's job; the answer comes back as :class:`Solved`."""
+
+    round_id: int
+    group: int
+    members: list[int]
+    bw: list[list[float]]
+
+
+Command = Send | Disconnect | Solve
 
 
 @dataclasses.dataclass
@@ -159,6 +181,16 @@ class MasterState:
         # Groups whose ring links failed in a collective: unusable until the next round.
         self.broken_groups: set[int] = set()
         self.syncs: dict[int, Sync] = {}
+        # Topology optimization: measured bandwidths (bytes/s) with the optimization
+        # round they were measured in, the preferred ring order per group, and the
+        # state of the round in progress.
+        self.bandwidth: dict[tuple[int, int], tuple[float, int]] = {}
+        self.ring_order: dict[int, list[int]] = {}
+        self.opt_round = 0
+        self.opt_votes: set[int] = set()
+        self.opt_probers: set[int] = set()
+        self.opt_solving: set[int] = set()
+        self.max_bandwidth_age = 4  # rounds after which a measurement is taken again
         # Revision each peer reached in its last successful sync.
         self.last_revision: dict[int, int] = {}
         self.next_op_id = 1
@@ -190,6 +222,8 @@ class MasterState:
         elif isinstance(event, Received):
             if event.peer_id in self.peers:
                 self._on_message(event.peer_id, event.msg, out)
+        elif isinstance(event, Solved):
+            self._on_solved(event, out)
         else:  # pragma: no cover - the type union is closed
             raise TypeError(event)
         return out
@@ -209,7 +243,7 @@ class MasterState:
                 out.append(Send(peer, m.ErrorReply(
                     kind="InvalidUsageError",
                     message="update_topology() before this peer was accepted")))
-            elif self.phase is Phase.ESTABLISH_P2P or peer in self.votes:
+            elif self.phase in (Phase.ESTABLISH_P2P, Phase.OPTIMIZE_TOPOLOGY) or peer in self.votes:
                 out.append(Send(peer, m.ErrorReply(
                     kind="InvalidUsageError",
                     message="update_topology() is already in progress for this peer")))
@@ -239,6 +273,10 @@ class MasterState:
             self._on_collective_init(peer, msg, out)
         elif isinstance(msg, m.CollectiveDone):
             self._on_collective_done(peer, msg, out)
+        elif isinstance(msg, m.OptimizeTopology):
+            self._on_optimize_vote(peer, rec, out)
+        elif isinstance(msg, m.ProbeReport):
+            self._on_probe_report(peer, msg, out)
         elif isinstance(msg, m.SyncInit):
             self._on_sync_init(peer, msg, out)
         elif isinstance(msg, m.SyncDone):
@@ -270,6 +308,9 @@ class MasterState:
 
     def _remove(self, peer: int, out: list[Command], reason: str = "connection lost") -> None:
         rec = self._forget(peer, reason, out)
+        if self.phase is Phase.OPTIMIZE_TOPOLOGY and rec.status is PeerStatus.ACCEPTED:
+            self._fail_optimize(f"peer {peer} was lost during optimize_topology(); the "
+                                "previous rings stay (call update_topology())", out)
         rnd = self.round
         if rnd is not None and peer in rnd.members:
             # The ring that was being built contains a dead peer: build it again.
@@ -329,9 +370,13 @@ class MasterState:
                 )))
 
     def _rings_of(self, members: list[int]) -> dict[int, list[int]]:
+        """Rings per group: the optimized order where there is one, join order else."""
         rings: dict[int, list[int]] = {}
         for p in members:
             rings.setdefault(self.peers[p].peer_group, []).append(p)
+        for g, ring in rings.items():
+            order = {p: i for i, p in enumerate(self.ring_order.get(g, []))}
+            ring.sort(key=lambda p: (0, order[p]) if p in order else (1, p))
         return rings
 
     def _maybe_finish_round(self, out: list[Command]) -> None:
@@ -688,3 +733,97 @@ class MasterState:
                 sync.error = ("PeerConnectionError", f"peer {peer} was lost during the sync")
             self._maybe_finish_sync(sync, out)
 
+
+    # --- topology optimization ------------------------------------------------------
+
+    def _on_optimize_vote(self, peer: int, rec: PeerRecord, out: list[Command]) -> None:
+        if rec.status is not PeerStatus.ACCEPTED:
+            out.append(Send(peer, m.OptimizeFailed(
+                message="optimize_topology() before this peer was accepted")))
+            return
+        if self.phase not in (Phase.IDLE, Phase.OPTIMIZE_TOPOLOGY) or peer in self.opt_votes \
+                or self.opt_probers or self.opt_solving:
+            out.append(Send(peer, m.OptimizeFailed(
+                message="another topology operation is in progress; retry after it")))
+            return
+        self.phase = Phase.OPTIMIZE_TOPOLOGY
+        self.opt_votes.add(peer)
+        if not set(self.accepted()) <= self.opt_votes:
+            return
+        self.opt_round += 1
+        # Measure every ordered pair inside a group that is unknown or too old.
+        plan: dict[int, list[int]] = {}
+        for members in self._groups().values():
+            if len(members) < 3:
+                continue  # one ring only: nothing to choose
+            for i in members:
+                for j in members:
+                    if i == j:
+                        continue
+                    seen = self.bandwidth.get((i, j))
+                    if seen is None or self.opt_round - seen[1] > self.max_bandwidth_age:
+                        plan.setdefault(i, []).append(j)
+        self.opt_probers = set(plan)
+        for i, targets in sorted(plan.items()):
+            out.append(Send(i, m.ProbeRequest(
+                target_ids=targets, target_addrs=[self.peers[t].p2p_addr for t in targets],
+                seconds=self.probe_seconds)))
+        if not plan:
+            self._solve_all(out)
+
+    probe_seconds = 0.25
+
+    def _groups(self) -> dict[int, list[int]]:
+        groups: dict[int, list[int]] = {}
+        for p in self.accepted():
+            groups.setdefault(self.peers[p].peer_group, []).append(p)
+        return groups
+
+    def _on_probe_report(self, peer: int, msg: m.ProbeReport, out: list[Command]) -> None:
+        if peer not in self.opt_probers or len(msg.target_ids) != len(msg.rates):
+            return
+        self.opt_probers.discard(peer)
+        for t, rate in zip(msg.target_ids, msg.rates):
+            if t in self.peers:
+                self.bandwidth[(peer, t)] = (max(float(rate), 0.0), self.opt_round)
+        if not self.opt_probers:
+            self._solve_all(out)
+
+    def _solve_all(self, out: list[Command]) -> None:
+        groups = {g: ms for g, ms in self._groups().items() if len(ms) >= 3}
+        self.opt_solving = set(groups)
+        for g, members in sorted(groups.items()):
+            bw = [[0.0 if i == j else self.bandwidth.get((i, j), (0.0, 0))[0]
+                   for j in members] for i in members]
+            out.append(Solve(self.opt_round, g, list(members), bw))
+        if not groups:
+            self._finish_optimize(out)
+
+    def _on_solved(self, ev: Solved, out: list[Command]) -> None:
+        if ev.round_id != self.opt_round or ev.group not in self.opt_solving:
+            return
+        self.opt_solving.discard(ev.group)
+        if sorted(ev.ring) == sorted(p for p in ev.ring if p in self.peers):
+            self.ring_order[ev.group] = list(ev.ring)
+        if not self.opt_solving:
+            self._finish_optimize(out)
+
+    def _finish_optimize(self, out: list[Command]) -> None:
+        """Rebuild the rings in the new order; voters return at the round's end."""
+        voters = self.opt_votes
+        self.opt_votes = set()
+        self.phase = Phase.IDLE
+        self.votes = set(voters)
+        self.phase = Phase.VOTE_ACCEPT_NEW_PEERS
+        self.rings_stale = True  # force a round, even with nothing pending
+        self.attempts = 0
+        self._start_round(self.accepted(), out)
+
+    def _fail_optimize(self, why: str, out: list[Command]) -> None:
+        for p in sorted(self.opt_votes):
+            if p in self.peers:
+                out.append(Send(p, m.OptimizeFailed(message=why)))
+        self.opt_votes = set()
+        self.opt_probers = set()
+        self.opt_solving = set()
+        self.phase = Phase.IDLE

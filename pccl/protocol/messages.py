@@ -315,3 +315,44 @@ class SyncOutcome(Message):
     kind: str
     message: str
     revision: int
+
+
+# --- topology optimization ----------------------------------------------------------
+
+
+@message
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class OptimizeTopology(Message):
+    """P->M: this accepted peer votes to measure links and re-order the rings."""
+
+    TYPE: ClassVar[str] = "optimize_topology"
+
+
+@message
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ProbeRequest(Message):
+    """M->P: measure your bandwidth to each target (one after the other)."""
+
+    TYPE: ClassVar[str] = "probe_request"
+    target_ids: list[int]
+    target_addrs: list[str]
+    seconds: float
+
+
+@message
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ProbeReport(Message):
+    """P->M: bytes/s to each target (0 = could not measure)."""
+
+    TYPE: ClassVar[str] = "probe_report"
+    target_ids: list[int]
+    rates: list[float]
+
+
+@message
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class OptimizeFailed(Message):
+    """M->P: optimize_topology() failed; the previous rings stay."""
+
+    TYPE: ClassVar[str] = "optimize_failed"
+    message: str

@@ -242,6 +242,10 @@ class _Direction:
         self.reset_at: float | None = None
         self.eof_sent = False
         self.wake = asyncio.Event()
+        # Set by LinkEmulator.classify from the first bytes of the client->server
+        # direction: a cap for this connection only (e.g. per sending peer).
+        self.rate_override: float | None = None
+        self.classified = name != "client->server"
         src.outgoing = self
         dst.incoming = self
 
@@ -267,13 +271,21 @@ class _Direction:
         self.last_at = at
         return at
 
+    def rate(self) -> float | None:
+        return self.rate_override if self.rate_override is not None else self.emu.bandwidth
+
     def push(self, data: bytes) -> None:
         emu = self.emu
         n = len(data)
         now = emu._loop.time()
+        if not self.classified:
+            self.classified = True
+            if emu.classify is not None:
+                self.rate_override = emu.classify(bytes(data[:64]))
         busy = 0.0
-        if emu.bandwidth is not None:
-            busy = self.bucket.take(n, emu.bandwidth, now)
+        rate = self.rate()
+        if rate is not None:
+            busy = self.bucket.take(n, rate, now)
             if self.throttle is not None:  # a read raced with pause_reading(); re-arm below
                 self.throttle.cancel()
                 self.throttle = None
@@ -319,7 +331,7 @@ class _Direction:
         if self.throttle is not None:
             self.throttle.cancel()
             self.throttle = None
-        bandwidth = self.emu.bandwidth
+        bandwidth = self.rate()
         if bandwidth is None:
             self.bucket.reset()
         elif not self.conn.closing:
@@ -572,10 +584,15 @@ class LinkEmulator:
         bandwidth: float | None = None,
         window: int | None = None,
         chunk_size: int = 64 * 1024,
+        classify: Callable[[bytes], float | None] | None = None,
     ) -> None:
         if chunk_size < 1:
             raise ValueError("chunk_size must be positive")
         self.target = target
+        # Given the first bytes a client sends, the bandwidth cap of that connection's
+        # client->server direction (None: the emulator-wide ``bandwidth``). With
+        # ``p2p_dialer_id`` this shapes each sending peer differently.
+        self.classify = classify
         self.listen = listen
         self.chunk_size = int(chunk_size)
         self._loop: asyncio.AbstractEventLoop = None  # type: ignore[assignment]  # set by start()
@@ -818,3 +835,11 @@ class LinkEmulator:
         for wanted, future in self._count_waiters:
             if wanted == count and not future.done():
                 future.set_result(None)
+
+
+def p2p_dialer_id(first_bytes: bytes) -> int | None:
+    """The sending peer's id in the first frame a pccl p2p dialer sends (its hello:
+    4-byte length, magic, version, then ``from`` as a big-endian u64), or None."""
+    if len(first_bytes) < 22 or first_bytes[4:12] != b"PCCLP2P\x01":
+        return None
+    return int.from_bytes(first_bytes[14:22], "big")

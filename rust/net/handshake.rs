@@ -35,6 +35,7 @@ pub const STATUS_WRONG_PEER: u8 = 2;
 pub enum Purpose {
     Ring = 0,
     Transfer = 1,
+    Probe = 2,
 }
 
 impl Purpose {
@@ -42,6 +43,7 @@ impl Purpose {
         match v {
             0 => Some(Purpose::Ring),
             1 => Some(Purpose::Transfer),
+            2 => Some(Purpose::Probe),
             _ => None,
         }
     }

@@ -18,6 +18,8 @@ use tokio_util::task::TaskTracker;
 /// Most streams a single pool may have; more is a misuse (or an attack).
 pub const MAX_POOL: u16 = 64;
 const MAX_LOG: usize = 256;
+/// Most bytes one bandwidth probe stream may send (a bound, not a target).
+pub const MAX_PROBE_BYTES: u64 = 1 << 30;
 
 #[derive(Clone, Debug)]
 pub struct NodeConfig {
@@ -200,6 +202,20 @@ impl Node {
                 return;
             }
         };
+        if hello.purpose == Purpose::Probe {
+            let timeout = self.cfg.connect_timeout.max(Duration::from_secs(30));
+            let absorbed = tokio::select! {
+                _ = self.cancel.cancelled() => return,
+                r = crate::net::transfer::absorb_probe(stream, MAX_PROBE_BYTES, timeout) => r,
+            };
+            if let Err(e) = absorbed {
+                self.note(format!(
+                    "bandwidth probe from peer {} failed: {e}",
+                    hello.from
+                ));
+            }
+            return;
+        }
         if hello.purpose == Purpose::Transfer {
             let timeout = self.cfg.connect_timeout.max(Duration::from_secs(30));
             let served = tokio::select! {
@@ -291,13 +307,25 @@ impl Node {
 
     /// One authenticated transfer stream to peer `to` (see `transfer.rs`).
     pub async fn dial_transfer(&self, addr: SocketAddr, to: u64) -> CoreResult<TcpStream> {
+        self.dial_purpose(addr, to, 0, 1, Purpose::Transfer).await
+    }
+
+    /// One authenticated stream of `purpose` (slot `stream` of `pool`) to peer `to`.
+    pub async fn dial_purpose(
+        &self,
+        addr: SocketAddr,
+        to: u64,
+        stream: u16,
+        pool: u16,
+        purpose: Purpose,
+    ) -> CoreResult<TcpStream> {
         let hello = StreamHello {
             from: self.peer_id(),
             to,
             epoch: 0,
-            stream: 0,
-            pool: 1,
-            purpose: Purpose::Transfer,
+            stream,
+            pool,
+            purpose,
         };
         self.dial_one(addr, hello).await
     }

@@ -165,3 +165,49 @@ pub async fn fetch(
     }
     Ok(())
 }
+
+/// Bandwidth probe, listener side: counts what the prober sends until it half-closes,
+/// then answers the count (u64 big-endian). Bounded by `limit` bytes and `io_timeout`.
+pub async fn absorb_probe(
+    mut stream: TcpStream,
+    limit: u64,
+    io_timeout: Duration,
+) -> CoreResult<()> {
+    let mut buf = vec![0u8; 1 << 20];
+    let mut total = 0u64;
+    loop {
+        let n = timed(io_timeout, stream.read(&mut buf)).await?;
+        if n == 0 {
+            break;
+        }
+        total += n as u64;
+        if total > limit {
+            return Err(CoreError::Protocol("probe exceeded its byte limit".into()));
+        }
+    }
+    timed(io_timeout, stream.write_all(&total.to_be_bytes())).await?;
+    Ok(())
+}
+
+/// Bandwidth probe, prober side: sends for `duration` (or `max_bytes`), half-closes,
+/// and returns bytes/s as acknowledged by the listener.
+pub async fn run_probe(
+    mut stream: TcpStream,
+    duration: Duration,
+    max_bytes: u64,
+    io_timeout: Duration,
+) -> CoreResult<f64> {
+    let block = vec![0u8; 256 << 10];
+    let start = tokio::time::Instant::now();
+    let mut sent = 0u64;
+    while start.elapsed() < duration && sent < max_bytes {
+        let n = (block.len() as u64).min(max_bytes - sent) as usize;
+        timed(io_timeout, stream.write_all(&block[..n])).await?;
+        sent += n as u64;
+    }
+    timed(io_timeout, stream.shutdown()).await?;
+    let mut ack = [0u8; 8];
+    timed(io_timeout, stream.read_exact(&mut ack)).await?;
+    let elapsed = start.elapsed().as_secs_f64().max(1e-9);
+    Ok(u64::from_be_bytes(ack) as f64 / elapsed)
+}

@@ -12,6 +12,53 @@ struct KeepAlive(#[allow(dead_code)] Py<PyAny>);
 
 #[pymethods]
 impl PyP2PNode {
+    /// Measures the bandwidth to peer `peer_id` at `addr` with `streams` parallel
+    /// streams (like the ring's pool) for `seconds` (at most `max_bytes` per stream).
+    /// Resolves to bytes/s summed over the streams.
+    #[pyo3(signature = (addr, peer_id, seconds=0.25, streams=1, max_bytes=256 << 20, io_timeout=10.0))]
+    #[allow(clippy::too_many_arguments)]
+    fn probe<'py>(
+        &self,
+        py: Python<'py>,
+        addr: String,
+        peer_id: u64,
+        seconds: f64,
+        streams: u16,
+        max_bytes: u64,
+        io_timeout: f64,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let node = self.node.clone();
+        let duration = Duration::from_secs_f64(seconds);
+        let timeout = Duration::from_secs_f64(io_timeout);
+        let max_bytes = max_bytes.min(crate::net::node::MAX_PROBE_BYTES);
+        future_into_py(py, async move {
+            let sock = resolve(&addr).await?;
+            let streams = streams.max(1);
+            let probes = (0..streams).map(|i| {
+                let node = node.clone();
+                async move {
+                    let s = node
+                        .dial_purpose(
+                            sock,
+                            peer_id,
+                            i,
+                            streams,
+                            crate::net::handshake::Purpose::Probe,
+                        )
+                        .await?;
+                    transfer::run_probe(s, duration, max_bytes, timeout).await
+                }
+            });
+            let rates = tokio::select! {
+                r = futures::future::try_join_all(probes) => r?,
+                _ = node.cancel_token().cancelled() => {
+                    return Err(crate::error::CoreError::Aborted("the p2p node is closing".into()).into())
+                }
+            };
+            Ok(rates.iter().sum::<f64>())
+        })
+    }
+
     /// Serves `buffer` (read in place, never copied) under `key` until `unserve_all()`.
     fn serve(&self, key: String, buffer: &Bound<'_, PyAny>) -> PyResult<()> {
         let raw = raw_buffer(buffer, false, "a shared-state tensor")?;

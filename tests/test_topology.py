@@ -1,0 +1,93 @@
+"""optimize_topology(): links measured through per-pair shaped emulators, the ring
+avoids the slow links, reduces still work; a peer lost during it fails it cleanly."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+import pccl
+from pccl.testing import Cluster, LinkEmulator
+from pccl.testing.link_emulator import p2p_dialer_id
+
+pytest.importorskip("pccl.topology")
+
+FAST, SLOW = 80e6, 4e6
+
+
+async def shaped_cluster(stack, n: int, slow: set[tuple[int, int]]):
+    """n peers; the link from join-index i to j is SLOW if (i, j) in ``slow``."""
+    cluster = await stack.enter_async_context(Cluster(0, pool_size=2))
+    comms = []
+    for _ in range(n):
+        # A fresh master hands out ids 1, 2, ...: join index = id - 1. The receiver's id
+        # is known by the time anyone dials it.
+        holder: list = []
+
+        def classify(first: bytes, holder=holder) -> float | None:
+            sender = p2p_dialer_id(first)
+            if sender is None:
+                return None
+            return SLOW if (sender - 1, holder[0].peer_id - 1) in slow else FAST
+        emu = await stack.enter_async_context(
+            LinkEmulator(classify=classify, chunk_size=256 * 1024))
+        comm = cluster.new_comm(p2p_advertise_address=emu.address)
+        holder.append(comm)
+        emu.target = (lambda c: lambda: f"127.0.0.1:{c.p2p_port}")(comm)
+        comms.append(comm)
+    await cluster.admit(comms)
+    return cluster, sorted(comms, key=lambda c: c.peer_id)
+
+
+def edges(ring: list[int]) -> set[tuple[int, int]]:
+    return {(ring[k], ring[(k + 1) % len(ring)]) for k in range(len(ring))}
+
+
+async def test_optimized_ring_avoids_the_slow_links() -> None:
+    from contextlib import AsyncExitStack
+
+    async with AsyncExitStack() as stack:
+        # Join order 0->1->2->3->0 uses both slow links.
+        slow = {(0, 1), (2, 3)}
+        cluster, comms = await shaped_cluster(stack, 4, slow)
+        ids = [c.peer_id for c in comms]
+        assert comms[0].ring == ids
+        await asyncio.gather(*(c.optimize_topology() for c in comms))
+        ring = comms[0].ring
+        assert sorted(ring) == sorted(ids)
+        assert all(c.ring == ring for c in comms)
+        slow_ids = {(ids[a], ids[b]) for a, b in slow}
+        assert not (edges(ring) & slow_ids), (ring, slow_ids)
+        # The measured matrix is in the master, and the rings work.
+        assert cluster.master.state.bandwidth[(ids[0], ids[1])][0] < \
+            cluster.master.state.bandwidth[(ids[0], ids[2])][0]
+        xs = [np.full(1000, i + 1, np.float32) for i in range(4)]
+        await asyncio.gather(*(c.all_reduce(x) for c, x in zip(comms, xs)))
+        assert all((x == 10).all() for x in xs)
+        # A second optimization reuses fresh measurements: no probes, same ring.
+        await asyncio.gather(*(c.optimize_topology() for c in comms))
+        assert comms[0].ring == ring
+
+
+async def test_peer_lost_during_optimization_fails_it_everywhere() -> None:
+    async with Cluster(4) as cluster:
+        comms = cluster.comms
+        calls = [asyncio.create_task(c.optimize_topology()) for c in comms[:3]]
+        await cluster.master.wait_for(lambda s: len(s.opt_votes) == 3)
+        await comms[3].close()
+        for call in calls:
+            with pytest.raises(pccl.TopologyOptimizationFailedError):
+                await call
+        live = comms[:3]
+        await asyncio.gather(*(c.update_topology() for c in live))
+        xs = [np.ones(10, np.float32) for _ in live]
+        await asyncio.gather(*(c.all_reduce(x) for c, x in zip(live, xs)))
+        assert all((x == 3).all() for x in xs)
+
+
+async def test_small_groups_need_no_probes(pccl_cluster) -> None:
+    cluster = await pccl_cluster(2)
+    await asyncio.gather(*(c.optimize_topology() for c in cluster.comms))
+    assert not cluster.master.state.bandwidth
