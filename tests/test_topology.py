@@ -91,3 +91,28 @@ async def test_small_groups_need_no_probes(pccl_cluster) -> None:
     cluster = await pccl_cluster(2)
     await asyncio.gather(*(c.optimize_topology() for c in cluster.comms))
     assert not cluster.master.state.bandwidth
+
+
+def test_a_better_ring_found_later_is_adopted_at_the_next_update() -> None:
+    from pccl.master import state as st
+    from pccl.protocol import messages as m
+
+    s = st.MasterState()
+    for p in (1, 2, 3):
+        s.handle(st.PeerRegistered(p, 0, f"h:{p}"))
+    # Admit all three: 1 alone, then 2 and 3 through a vote.
+    s.handle(st.Received(1, m.P2PReport(epoch=1, failed=[])))
+    s.handle(st.Received(1, m.UpdateTopology()))
+    for p in (1, 2, 3):
+        s.handle(st.Received(p, m.P2PReport(epoch=2, failed=[])))
+    assert s.rings[0] == [1, 2, 3] and not s.rings_stale
+    s.opt_round = 1
+    s.handle(st.BetterRing(1, 0, [1, 3, 2]))
+    assert s.ring_order[0] == [1, 3, 2] and s.rings_stale
+    s.handle(st.BetterRing(0, 0, [2, 1, 3]))  # stale round: ignored
+    assert s.ring_order[0] == [1, 3, 2]
+    out = []
+    for p in (1, 2, 3):
+        out += s.handle(st.Received(p, m.UpdateTopology()))
+    rings = {c.msg.ring[0:3] == [1, 3, 2] for c in out if isinstance(c.msg, m.EstablishP2P)}
+    assert rings == {True}

@@ -85,6 +85,7 @@ class MasterNode:
         self._address = ""
         self._stopped = asyncio.Event()
         self.solver_budget = 1.0  # seconds the ring solver may take per group
+        self.improve_steps = 100  # background improvement: steps of ~50 ms after solving
 
     # --- lifecycle ------------------------------------------------------------------
 
@@ -282,14 +283,27 @@ class MasterNode:
         """Runs the ring solver off the event loop and feeds its answer back."""
         import numpy as np
 
-        from pccl.topology import solve
+        from pccl.topology import RingImprover, solve
 
         bw = np.array(cmd.bw, dtype=np.float64)
-        order = await asyncio.to_thread(solve, bw, time_budget=self.solver_budget,
-                                        rng=np.random.default_rng(cmd.round_id))
+        rng = np.random.default_rng(cmd.round_id)
+        order = await asyncio.to_thread(solve, bw, time_budget=self.solver_budget, rng=rng)
         ring = [cmd.members[i] for i in order]
         log.info("optimized ring of group %d: %s", cmd.group, ring)
         self._feed(st.Solved(cmd.round_id, cmd.group, ring))
+        if len(order) <= 12:
+            return  # solved exactly: nothing left to improve
+        # Keep improving in the background for a bounded time; a better ring is
+        # adopted at the next update_topology().
+        improver = RingImprover(bw, list(order), rng=rng)
+        for _ in range(self.improve_steps):
+            if self.state.opt_round != cmd.round_id:
+                return  # a newer optimization superseded this one
+            if await asyncio.to_thread(improver.step, 0.05):
+                better = [cmd.members[i] for i in improver.ring]
+                log.info("better ring for group %d found in the background: %s",
+                         cmd.group, better)
+                self._feed(st.BetterRing(cmd.round_id, cmd.group, better))
 
     async def _heartbeat_loop(self) -> None:
         seq = 0

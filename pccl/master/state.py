@@ -75,7 +75,17 @@ class Solved:
     ring: list[int]
 
 
-Event = PeerRegistered | PeerLost | Received | Solved
+@dataclasses.dataclass(frozen=True)
+class BetterRing:
+    """Background search found a better ring for ``group`` than the one in use; it is
+    adopted at the next ``update_topology()``."""
+
+    round_id: int
+    group: int
+    ring: list[int]
+
+
+Event = PeerRegistered | PeerLost | Received | Solved | BetterRing
 
 
 # --- commands -----------------------------------------------------------------------
@@ -224,6 +234,11 @@ class MasterState:
                 self._on_message(event.peer_id, event.msg, out)
         elif isinstance(event, Solved):
             self._on_solved(event, out)
+        elif isinstance(event, BetterRing):
+            members = set(self._groups().get(event.group, []))
+            if event.round_id == self.opt_round and set(event.ring) == members:
+                self.ring_order[event.group] = list(event.ring)
+                self.rings_stale = True  # the next update_topology() rebuilds in it
         else:  # pragma: no cover - the type union is closed
             raise TypeError(event)
         return out
