@@ -116,3 +116,15 @@ def test_a_better_ring_found_later_is_adopted_at_the_next_update() -> None:
         out += s.handle(st.Received(p, m.UpdateTopology()))
     rings = {c.msg.ring[0:3] == [1, 3, 2] for c in out if isinstance(c.msg, m.EstablishP2P)}
     assert rings == {True}
+
+
+async def test_reduce_against_an_optimizing_peer_is_called_off(pccl_cluster) -> None:
+    cluster = await pccl_cluster(3)
+    a, b, c = cluster.comms
+    votes = [asyncio.create_task(x.optimize_topology()) for x in (a, b)]
+    await cluster.master.wait_for(lambda s: len(s.opt_votes) == 2)
+    x = np.ones(4, np.float32)
+    with pytest.raises(pccl.CollectiveAbortedError):
+        await c.all_reduce(x)
+    await c.optimize_topology()
+    await asyncio.gather(*votes)

@@ -267,16 +267,7 @@ class MasterState:
                 self.phase = Phase.VOTE_ACCEPT_NEW_PEERS
                 # Peers of this group that wait in a collective would wait forever for
                 # this voter, and it for them: call their collectives off.
-                sync = self.syncs.get(rec.peer_group)
-                if sync is not None and not sync.planned:
-                    self._fail_sync(sync, "CollectiveAbortedError", (
-                        f"peer {peer} called update_topology() while this peer called "
-                        "sync_shared_state(); call update_topology() and retry"), out)
-                for col in list(self.collectives.values()):
-                    if col.group == rec.peer_group and col.op_id < 0:
-                        self._fail_unperformed(col, "CollectiveAbortedError", (
-                            f"peer {peer} called update_topology() while this peer called a "
-                            f"collective (tag {col.tag}); call update_topology() and retry"), out)
+                self._call_off_waiting_ops(peer, rec.peer_group, "update_topology()", out)
                 self._maybe_finish_vote(out)
         elif isinstance(msg, m.P2PReport):
             rnd = self.round
@@ -481,7 +472,7 @@ class MasterState:
                 "failed since the last update_topology()); call update_topology() and retry"),
                 out)
             return
-        if any(p in self.votes for p in self._members(rec.peer_group)):
+        if any(p in self.votes or p in self.opt_votes for p in self._members(rec.peer_group)):
             self._fail_unperformed(col, "CollectiveAbortedError", (
                 "other peers of the group are in update_topology(); call update_topology() "
                 "and retry"), out)
@@ -602,7 +593,7 @@ class MasterState:
             refuse("InvalidUsageError", "a shared-state sync is already running in this group")
             return
         sync.inits[peer] = msg
-        if any(p in self.votes for p in self._members(rec.peer_group)):
+        if any(p in self.votes or p in self.opt_votes for p in self._members(rec.peer_group)):
             self._fail_sync(sync, "CollectiveAbortedError", (
                 "other peers of the group are in update_topology(); call update_topology() "
                 "and retry"), out)
@@ -763,6 +754,7 @@ class MasterState:
             return
         self.phase = Phase.OPTIMIZE_TOPOLOGY
         self.opt_votes.add(peer)
+        self._call_off_waiting_ops(peer, rec.peer_group, "optimize_topology()", out)
         if not set(self.accepted()) <= self.opt_votes:
             return
         self.opt_round += 1
@@ -842,3 +834,18 @@ class MasterState:
         self.opt_probers = set()
         self.opt_solving = set()
         self.phase = Phase.IDLE
+
+    def _call_off_waiting_ops(self, peer: int, group: int, what: str,
+                              out: list[Command]) -> None:
+        """A voter will not join the group's waiting collectives or sync, and the peers
+        waiting in them will not vote: call those off (retryable) instead of waiting."""
+        sync = self.syncs.get(group)
+        if sync is not None and not sync.planned:
+            self._fail_sync(sync, "CollectiveAbortedError", (
+                f"peer {peer} called {what} while this peer called sync_shared_state(); "
+                f"call {what} and retry"), out)
+        for col in list(self.collectives.values()):
+            if col.group == group and col.op_id < 0:
+                self._fail_unperformed(col, "CollectiveAbortedError", (
+                    f"peer {peer} called {what} while this peer called a collective "
+                    f"(tag {col.tag}); call {what} and retry"), out)
