@@ -172,3 +172,14 @@ async def test_peers_disagreeing_on_quantization_get_invalid_usage(pccl_cluster)
                                return_exceptions=True)
     assert all(isinstance(r, pccl.InvalidUsageError) for r in res)
     assert all((x == 1).all() for x in xs)
+
+
+@pytest.mark.parametrize("count", [0, 1, 2, 5])
+async def test_odd_sizes_quantized(pccl_cluster, count) -> None:
+    """Fewer elements than peers: empty pieces still carry a header and stay in step."""
+    cluster = await pccl_cluster(3)
+    q = pccl.QuantizationOptions(A.MIN_MAX, W.UINT8)
+    xs = [np.full(count, r + 1.0, np.float32) for r in range(3)]
+    await asyncio.gather(*(c.all_reduce(x, quantization=q) for c, x in zip(cluster.comms, xs)))
+    for x in xs:
+        np.testing.assert_array_equal(x, np.full(count, 6.0, np.float32))
