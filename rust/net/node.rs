@@ -346,23 +346,6 @@ impl Node {
         Ok(stream)
     }
 
-    /// Number of complete inbound pools and outbound pools (for tests and status).
-    pub fn pool_counts(&self, epoch: u64) -> (usize, usize) {
-        let inbound = self.inbound.lock().unwrap();
-        let i = inbound
-            .iter()
-            .filter(|(k, p)| k.epoch == epoch && p.complete())
-            .count();
-        let o = self
-            .outbound
-            .lock()
-            .unwrap()
-            .keys()
-            .filter(|k| k.epoch == epoch)
-            .count();
-        (i, o)
-    }
-
     /// Takes the outbound pool for `key`, if it was dialed.
     pub fn take_outbound(&self, key: PoolKey) -> Option<Vec<TcpStream>> {
         self.outbound.lock().unwrap().remove(&key)

@@ -103,11 +103,6 @@ impl PyP2PNode {
         })
     }
 
-    /// `(complete inbound pools, outbound pools)` held for `epoch`.
-    fn pool_counts(&self, epoch: u64) -> (usize, usize) {
-        self.node.pool_counts(epoch)
-    }
-
     /// Drops pools of epochs before `epoch` and refuses them from now on.
     fn retain_from_epoch(&self, epoch: u64) {
         self.node.retain_from_epoch(epoch)

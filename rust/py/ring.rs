@@ -44,7 +44,7 @@ pub(crate) fn raw_buffer(
 
 /// Keeps a Python object alive from tokio threads; the decref is deferred by pyo3
 /// until a thread holds the GIL.
-struct KeepAlive(#[allow(dead_code)] Py<PyAny>);
+pub(crate) struct KeepAlive(#[allow(dead_code)] pub(crate) Py<PyAny>);
 
 #[pymethods]
 impl PyP2PNode {

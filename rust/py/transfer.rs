@@ -2,13 +2,10 @@
 
 use crate::net::transfer::{self, Served};
 use crate::py::node::{resolve, PyP2PNode};
-use crate::py::ring::raw_buffer;
+use crate::py::ring::{raw_buffer, KeepAlive};
 use pyo3::prelude::*;
 use pyo3_async_runtimes::tokio::future_into_py;
 use std::time::Duration;
-
-/// Keeps a Python object alive from tokio threads (decref deferred to a GIL holder).
-struct KeepAlive(#[allow(dead_code)] Py<PyAny>);
 
 #[pymethods]
 impl PyP2PNode {
