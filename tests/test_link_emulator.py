@@ -412,3 +412,30 @@ async def test_stop_without_start_and_invalid_settings() -> None:
         LinkEmulator(bandwidth=0)
     with pytest.raises(ValueError):
         LinkEmulator(window=0)
+
+
+@pytest.mark.asyncio
+async def test_classify_sees_first_bytes_split_over_several_writes(echo: EchoServer) -> None:
+    """A pccl dialer writes a frame's length prefix and body separately; the classifier
+    must still see the dialer id, however the bytes were split on the way."""
+    import struct
+
+    from pccl.testing.link_emulator import p2p_dialer_id
+
+    seen: list[int | None] = []
+
+    def classify(head: bytes) -> float | None:
+        seen.append(p2p_dialer_id(head))
+        return 1e9 if seen[-1] is not None else None
+
+    async with LinkEmulator(echo.address, classify=classify) as link:
+        reader, writer = await connect(link)
+        body = b"PCCLP2P\x01" + struct.pack(">HQ", 1, 42) + b"z" * 40
+        writer.write(struct.pack(">I", len(body)))
+        await writer.drain()
+        await asyncio.wait_for(reader.readexactly(4), 10)  # echoed: the prefix got through
+        writer.write(body)
+        await writer.drain()
+        await asyncio.wait_for(reader.readexactly(len(body)), 10)
+        assert seen[-1] == 42
+        await close(writer)

@@ -246,6 +246,7 @@ class _Direction:
         # direction: a cap for this connection only (e.g. per sending peer).
         self.rate_override: float | None = None
         self.classified = name != "client->server"
+        self.head = b""
         src.outgoing = self
         dst.incoming = self
 
@@ -279,9 +280,14 @@ class _Direction:
         n = len(data)
         now = emu._loop.time()
         if not self.classified:
-            self.classified = True
-            if emu.classify is not None:
-                self.rate_override = emu.classify(bytes(data[:64]))
+            # The first bytes may arrive in several reads (a length prefix written on
+            # its own, say): keep asking until the classifier decides or 64 bytes came.
+            self.head += bytes(data[:64 - len(self.head)])
+            if emu.classify is None:
+                self.classified = True
+            else:
+                self.rate_override = emu.classify(self.head)
+                self.classified = self.rate_override is not None or len(self.head) >= 64
         busy = 0.0
         rate = self.rate()
         if rate is not None:
