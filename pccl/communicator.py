@@ -110,6 +110,7 @@ class PeerState(enum.IntEnum):
     REGISTERED = 1  # handshake done, waiting to be admitted
     ACCEPTED = 2
     CLOSED = 3
+    RECONNECTING = 4  # lost the master; registering again (see ``reconnect_timeout``)
 
 
 class Communicator:
@@ -127,6 +128,14 @@ class Communicator:
     dropping dead peers, and are cancellable. ``peer_timeout`` bounds how long a ring
     link may go without progress before the collective fails with
     :class:`PeerConnectionError` (a stalled or dead neighbour).
+
+    When the connection to the master is lost (the master process died, or dropped
+    this peer), calls in flight fail with :class:`MasterConnectionError` and the peer
+    keeps trying to register again, with back-off, for up to ``reconnect_timeout``
+    seconds (0 disables this). It says what it held (its peer id, ring epoch, last
+    synced revision and ring), so a restarted master re-forms the group from the peers.
+    Calls made meanwhile wait for that (``all_reduce_async``, which cannot wait, raises
+    :class:`MasterConnectionError`); once the time is up, every call raises it.
     """
 
     def __init__(
@@ -145,6 +154,7 @@ class Communicator:
         peer_timeout: float = 30.0,
         piece_bytes: int = 1 << 20,
         max_frame: int = MAX_FRAME,
+        reconnect_timeout: float = 60.0,
     ) -> None:
         if not 1 <= p2p_connection_pool_size <= 64:
             raise _core.InvalidArgumentError("p2p_connection_pool_size must be in 1..64")
@@ -162,6 +172,7 @@ class Communicator:
         self.peer_timeout = peer_timeout
         self.piece_bytes = piece_bytes
         self.max_frame = max_frame
+        self.reconnect_timeout = reconnect_timeout
 
         self.state = PeerState.NEW
         self.peer_id: int | None = None
@@ -183,6 +194,9 @@ class Communicator:
         self._optimizing = False
         self._sync_plan: asyncio.Future[m.SyncPlan] | None = None
         self._sync_outcome: asyncio.Future[m.SyncOutcome] | None = None
+        self._last_revision = -1  # of the last successful sync_shared_state()
+        self._rejoined: asyncio.Future[None] | None = None
+        self.reconnects = 0  # times this peer registered again after losing the master
 
     # --- lifecycle ------------------------------------------------------------------
 
@@ -250,9 +264,14 @@ class Communicator:
                 adv_host, adv_port = self.p2p_advertise_host or "", int(self._node.port)
                 if self.p2p_advertise_address:
                     adv_host, adv_port = split_host_port(self.p2p_advertise_address)
+                resume = self.state is PeerState.RECONNECTING and self.peer_id is not None
                 await conn.send(m.Hello(
                     version=PROTOCOL_VERSION, peer_group=self.peer_group,
-                    p2p_port=adv_port, p2p_host=adv_host, nonce=nonce, mac=mac))
+                    p2p_port=adv_port, p2p_host=adv_host, nonce=nonce, mac=mac,
+                    resume_peer_id=self.peer_id if resume else 0,
+                    resume_epoch=max(self._ring_epoch, self.epoch, 0) if resume else 0,
+                    resume_revision=self._last_revision if resume else -1,
+                    resume_peers=list(self.ring) if resume else []))
                 reply = await conn.recv()
         except TimeoutError:
             raise MasterConnectionError(
@@ -272,7 +291,9 @@ class Communicator:
         self._heartbeat_timeout = reply.heartbeat_timeout
         # The p2p node learns its id now; streams are only dialed after this point.
         self._node.set_peer_id(reply.peer_id)
-        self.state = PeerState.REGISTERED
+        if self.state is not PeerState.RECONNECTING:
+            self.state = PeerState.REGISTERED
+        self._lost = None
         loop = asyncio.get_running_loop()
         self._accepted = loop.create_future()
         self._reader = asyncio.create_task(self._read_loop(conn), name=f"pccl-peer-{self.peer_id}")
@@ -297,6 +318,9 @@ class Communicator:
             node, self._node = self._node, None
             await node.close()
         self._fail_waiters(MasterConnectionError("the communicator was closed"))
+        if self._rejoined is not None and not self._rejoined.done():
+            self._rejoined.set_exception(MasterConnectionError("the communicator was closed"))
+            self._rejoined.exception()
 
     async def __aenter__(self) -> Communicator:
         await self.connect()
@@ -315,7 +339,7 @@ class Communicator:
     async def update_topology(self) -> None:
         """Collective over all accepted peers: admits pending joiners, drops dead peers
         and (re)builds the p2p rings. Returns when every peer's pools are up."""
-        self._require_accepted()
+        await self._ready()
         if self._update is not None:
             raise InvalidUsageError("update_topology() is already running on this peer")
         if self._collectives:
@@ -338,7 +362,7 @@ class Communicator:
         A peer lost meanwhile fails the call on everyone with
         :class:`TopologyOptimizationFailedError`; the previous rings stay.
         """
-        self._require_accepted()
+        await self._ready()
         if self._update is not None:
             raise InvalidUsageError("a topology operation is already running on this peer")
         if self._collectives:
@@ -372,7 +396,7 @@ class Communicator:
 
     async def are_peers_pending(self) -> bool:
         """Whether peers are waiting to be admitted by :meth:`update_topology`."""
-        self._require_accepted()
+        await self._ready()
         self._next_req += 1
         req = self._next_req
         fut: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
@@ -418,6 +442,9 @@ class Communicator:
     def _require_accepted(self) -> None:
         if self._lost is not None:
             raise type(self._lost)(str(self._lost))
+        if self.state is PeerState.RECONNECTING:
+            raise MasterConnectionError("registering with the master again after losing it; "
+                                        "retry once that is done")
         if self.state is not PeerState.ACCEPTED:
             raise InvalidUsageError(f"this peer is {self.state.name}, not ACCEPTED; "
                                     "call connect() first")
@@ -466,6 +493,84 @@ class Communicator:
             lost = e if isinstance(e, MasterConnectionError) else MasterConnectionError(str(e))
             self._lost = lost
             self._fail_waiters(self._lost)
+            if self.state is PeerState.ACCEPTED and self.reconnect_timeout > 0:
+                self.state = PeerState.RECONNECTING
+                self._rejoined = asyncio.get_running_loop().create_future()
+                self._spawn(self._rejoin(), f"pccl-rejoin-{self.peer_id}")
+
+    async def _rejoin(self) -> None:
+        """Registers with the master again (a restarted one, or the same one after it
+        dropped this peer) until admitted or ``reconnect_timeout`` runs out."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.reconnect_timeout
+        host, port = split_host_port(self.master)
+        old, self._conn = self._conn, None
+        if old is not None:
+            old.abort()
+        delay = 0.05
+        last: BaseException | None = self._lost
+        log.warning("peer %s: lost the master (%s); registering again for up to %.1fs",
+                    self.peer_id, last, self.reconnect_timeout)
+        while loop.time() < deadline:
+            conn: FramedConnection | None = None
+            try:
+                async with asyncio.timeout(min(self.timeout, deadline - loop.time())):
+                    reader, writer = await asyncio.open_connection(host, port)
+                    conn = FramedConnection(reader, writer, max_frame=self.max_frame)
+                    self._conn = conn
+                    await self._handshake(conn)
+                async with asyncio.timeout(max(deadline - loop.time(), 0.0)):
+                    assert self._accepted is not None
+                    await self._accepted
+            except (AuthenticationError, ProtocolError) as e:
+                last = e  # retrying cannot help
+                break
+            except (OSError, TimeoutError, PCCLError) as e:
+                last = e
+                if conn is not None:
+                    await self._drop_conn(conn)
+                await asyncio.sleep(min(delay, max(deadline - loop.time(), 0.0)))  # back-off
+                delay = min(delay * 2, 2.0)
+                continue
+            except BaseException:
+                if conn is not None:
+                    await self._drop_conn(conn)
+                raise
+            self.state = PeerState.ACCEPTED
+            self.reconnects += 1
+            log.warning("peer %s: registered again with the master; the run goes on",
+                        self.peer_id)
+            assert self._rejoined is not None
+            self._rejoined.set_result(None)
+            return
+        if self._conn is not None:
+            await self._drop_conn(self._conn)
+        err = MasterConnectionError(
+            f"could not register with the master at {self.master} again within "
+            f"{self.reconnect_timeout}s ({last})")
+        log.error("peer %s: %s", self.peer_id, err)
+        self._lost = err
+        assert self._rejoined is not None
+        self._rejoined.set_exception(err)
+        self._rejoined.exception()
+
+    async def _drop_conn(self, conn: FramedConnection) -> None:
+        """Forgets a master connection of a failed registration attempt."""
+        reader = self._reader
+        if reader is not None and reader is not asyncio.current_task():
+            reader.cancel()
+            await asyncio.gather(reader, return_exceptions=True)
+        self._reader = None
+        if self._conn is conn:
+            self._conn = None
+        conn.abort()
+
+    async def _ready(self) -> None:
+        """Waits out a re-registration with the master, then checks the peer is usable."""
+        rejoined = self._rejoined
+        if self.state is PeerState.RECONNECTING and rejoined is not None:
+            await asyncio.shield(rejoined)
+        self._require_accepted()
 
     def _drain_p2p_log(self) -> None:
         if self._node is not None:
@@ -563,9 +668,9 @@ class Communicator:
             except PCCLError as e:
                 error = UpdateTopologyFailedError(f"could not take over the ring links: {e}")
         self.epoch = msg.epoch
-        if self.state is PeerState.REGISTERED:
+        if self.state in (PeerState.REGISTERED, PeerState.RECONNECTING):
             fut = self._accepted
-            if error is None:
+            if error is None and self.state is PeerState.REGISTERED:
                 self.state = PeerState.ACCEPTED
         else:
             fut = self._update
@@ -645,6 +750,7 @@ class Communicator:
 
             info = await comm.all_reduce(x, op=pccl.ReduceOp.AVG)
         """
+        await self._ready()
         return await self.all_reduce_async(tensor, out, op=op, tag=tag,
                                            quantization=quantization)
 
@@ -776,7 +882,7 @@ class Communicator:
             state.revision += 1
             info = await comm.sync_shared_state(state)
         """
-        self._require_accepted()
+        await self._ready()
         if self._sync_plan is not None:
             raise InvalidUsageError("sync_shared_state() is already running on this peer")
         strategy = SharedStateSyncStrategy(strategy)
@@ -824,6 +930,7 @@ class Communicator:
             for key, scratch in fetched.items():
                 np.copyto(by_key[key].data, scratch)
             state.revision = outcome.revision
+            self._last_revision = int(outcome.revision)
             rx = sum(int(a.nbytes) for a in fetched.values())
             return SyncInfo(tx_bytes=int(self._node.bytes_served() - served_before), rx_bytes=rx)
         finally:

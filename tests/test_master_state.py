@@ -25,6 +25,7 @@ from hypothesis.stateful import (
 )
 
 from pccl.master.state import (
+    ArmRecoveryTimer,
     Command,
     Disconnect,
     Event,
@@ -34,6 +35,8 @@ from pccl.master.state import (
     PeerStatus,
     Phase,
     Received,
+    RecoveryTimeout,
+    Resume,
     Send,
 )
 from pccl.protocol import messages as m
@@ -185,6 +188,41 @@ def test_first_peer_is_admitted_alone_without_a_vote() -> None:
     assert st.phase is Phase.IDLE and st.round is None
     assert st.rings == {0: [1]} and st.ring_epoch == 1 and st.epoch == 1
     assert not st.rings_stale
+
+
+def resume(st: MasterState, pid: int, epoch: int, revision: int,
+           peers: Sequence[int]) -> list[Command]:
+    return st.handle(PeerRegistered(pid, 0, addr(pid), Resume(epoch, revision, tuple(peers))))
+
+
+def test_restarted_master_waits_for_the_old_group_and_admits_it_at_once() -> None:
+    st = MasterState()
+    # Peer 3 of an old group of {2, 3, 5} comes back first: the master waits for 2 and 5.
+    assert resume(st, 3, 9, 4, [2, 3, 5]) == [ArmRecoveryTimer(1)]
+    assert st.recovery_awaiting == {2, 5} and st.phase is Phase.IDLE
+    # A fresh joiner meanwhile is not admitted alone ahead of the old group.
+    assert join(st, 7) == []
+    assert resume(st, 2, 9, 4, [2, 3, 5]) == []
+    # The last one completes the group: everyone in one round, after the old epochs.
+    assert resume(st, 5, 8, 3, [2, 3, 5]) == establish(10, [2, 3, 5, 7])
+    assert st.last_revision == {3: 4, 2: 4, 5: 3}
+    report_all(st)
+    assert st.accepted() == [3, 7, 2, 5]
+
+
+def test_recovery_timer_admits_whoever_came_back() -> None:
+    st = MasterState()
+    assert resume(st, 2, 4, -1, [1, 2]) == [ArmRecoveryTimer(1)]
+    assert st.handle(RecoveryTimeout(0)) == []  # a stale timer changes nothing
+    assert st.handle(RecoveryTimeout(1)) == establish(5, [2])
+    assert st.last_revision == {}
+
+
+def test_resuming_peer_at_a_running_master_is_a_plain_joiner() -> None:
+    st = run_with([0, 0])
+    assert resume(st, 4, 1, 2, [1, 2, 4]) == []
+    assert st.pending() == [4] and not st.recovery_awaiting
+    assert st.last_revision == {4: 2}
 
 
 def test_second_peer_waits_for_a_vote_of_the_accepted_peer() -> None:

@@ -13,6 +13,7 @@ import logging
 import secrets as _secrets
 from collections.abc import Callable
 from types import TracebackType
+from typing import Any
 
 from pccl.errors import ProtocolError
 from pccl.master import state as st
@@ -66,6 +67,7 @@ class MasterNode:
         handshake_timeout: float = 5.0,
         max_frame: int = MAX_FRAME,
         max_establish_attempts: int = 3,
+        recovery_grace: float = 5.0,
     ) -> None:
         if heartbeat_timeout <= heartbeat_interval:
             raise ValueError("heartbeat_timeout must exceed heartbeat_interval")
@@ -75,6 +77,9 @@ class MasterNode:
         self.heartbeat_timeout = heartbeat_timeout
         self.handshake_timeout = handshake_timeout
         self.max_frame = max_frame
+        # After a restart: how long to wait for the rest of an old group once one of its
+        # peers has come back, before admitting whoever is there.
+        self.recovery_grace = recovery_grace
         self.state = st.MasterState(max_establish_attempts=max_establish_attempts)
         self._server: asyncio.Server | None = None
         self._conns: dict[int, FramedConnection] = {}
@@ -219,16 +224,26 @@ class MasterNode:
             await self._reject(conn, "ProtocolError", f"invalid p2p port {hello.p2p_port}")
             return None
         peer_id = self._next_peer_id
-        self._next_peer_id += 1
+        resume: st.Resume | None = None
+        if 0 < hello.resume_peer_id < 1 << 48:
+            resume = st.Resume(hello.resume_epoch, hello.resume_revision,
+                               tuple(hello.resume_peers[:4096]))
+            # Keep the old id when it is free: ring order and tie-breaks follow ids.
+            if hello.resume_peer_id not in self._conns and \
+                    hello.resume_peer_id not in self.state.peers:
+                peer_id = hello.resume_peer_id
+        self._next_peer_id = max(self._next_peer_id, peer_id + 1)
         host = hello.p2p_host or conn.peername[0]
         p2p_addr = f"[{host}]:{hello.p2p_port}" if ":" in host else f"{host}:{hello.p2p_port}"
         self._conns[peer_id] = conn
         conn.send_nowait(m.Welcome(peer_id=peer_id, mac=server_mac,
                                    heartbeat_interval=self.heartbeat_interval,
                                    heartbeat_timeout=self.heartbeat_timeout))
-        log.info("peer %d registered from %s (group %d, p2p %s)",
-                 peer_id, remote, hello.peer_group, p2p_addr)
-        self._feed(st.PeerRegistered(peer_id, hello.peer_group, p2p_addr))
+        log.info("peer %d %s from %s (group %d, p2p %s)", peer_id,
+                 "registered" if resume is None else
+                 f"re-registered (was peer {hello.resume_peer_id}, revision "
+                 f"{hello.resume_revision})", remote, hello.peer_group, p2p_addr)
+        self._feed(st.PeerRegistered(peer_id, hello.peer_group, p2p_addr, resume))
         return peer_id
 
     async def _reject(self, conn: FramedConnection, kind: str, message: str) -> None:
@@ -268,9 +283,9 @@ class MasterNode:
                     log.warning("peer %d dropped: not reading its control messages", cmd.peer_id)
                     conn.abort()
             elif isinstance(cmd, st.Solve):
-                task = asyncio.create_task(self._solve(cmd), name="pccl-master-solve")
-                self._handlers.add(task)
-                task.add_done_callback(self._handlers.discard)
+                self._own(self._solve(cmd), "pccl-master-solve")
+            elif isinstance(cmd, st.ArmRecoveryTimer):
+                self._own(self._recovery_timer(cmd.recovery_id), "pccl-master-recovery")
             else:
                 conn = self._conns.pop(cmd.peer_id, None)
                 if conn is not None:
@@ -278,6 +293,20 @@ class MasterNode:
                     # close() flushes what is queued (e.g. a final error) before closing.
                     conn.writer.close()
         self._changed.set()
+
+    def _own(self, coro: Any, name: str) -> None:
+        task = asyncio.create_task(coro, name=name)
+        self._handlers.add(task)
+        task.add_done_callback(self._handlers.discard)
+
+    async def _recovery_timer(self, recovery_id: int) -> None:
+        log.info("waiting up to %.1fs for the rest of the old group to come back",
+                 self.recovery_grace)
+        await asyncio.sleep(self.recovery_grace)  # a deadline, not a synchronisation
+        if self.state.recovery_awaiting and self.state.recovery_id == recovery_id:
+            log.warning("admitting without peers %s: they did not come back within %.1fs",
+                        sorted(self.state.recovery_awaiting), self.recovery_grace)
+        self._feed(st.RecoveryTimeout(recovery_id))
 
     async def _solve(self, cmd: st.Solve) -> None:
         """Runs the ring solver off the event loop and feeds its answer back."""

@@ -17,6 +17,14 @@ A round of ``update_topology`` runs in phases over the whole run (all peer group
 
 While no peer is accepted at all (the first peers of a run, or everyone left), pending
 peers are admitted without a vote.
+
+Master restart: a master holds no tensor data, so a fresh master process can take over a
+run whose master died. Peers that lost their master register again and say what they
+held (:class:`Resume`: their old peer id, ring epoch, shared-state revision and ring
+members). While nobody is accepted, the fresh master waits until every peer named in
+those rings has come back (or the server's recovery grace period ends, reported as
+:class:`RecoveryTimeout`) and then admits them all in one round, so the group re-forms
+as a whole instead of one peer at a time behind votes.
 """
 
 from __future__ import annotations
@@ -44,12 +52,29 @@ class Phase(enum.IntEnum):
 
 
 @dataclasses.dataclass(frozen=True)
+class Resume:
+    """What a peer that lost its master held (see the module docstring)."""
+
+    epoch: int
+    revision: int  # -1: it never synced shared state
+    peers: tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True)
 class PeerRegistered:
     """A peer finished the handshake. ``p2p_addr`` is the "host:port" others dial."""
 
     peer_id: int
     peer_group: int
     p2p_addr: str
+    resume: Resume | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class RecoveryTimeout:
+    """The recovery grace period armed by :class:`ArmRecoveryTimer` ended."""
+
+    recovery_id: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,7 +110,7 @@ class BetterRing:
     ring: list[int]
 
 
-Event = PeerRegistered | PeerLost | Received | Solved | BetterRing
+Event = PeerRegistered | PeerLost | Received | Solved | BetterRing | RecoveryTimeout
 
 
 # --- commands -----------------------------------------------------------------------
@@ -117,7 +142,14 @@ class Solve:
     bw: list[list[float]]
 
 
-Command = Send | Disconnect | Solve
+@dataclasses.dataclass(frozen=True)
+class ArmRecoveryTimer:
+    """Feed :class:`RecoveryTimeout` with this id after the recovery grace period."""
+
+    recovery_id: int
+
+
+Command = Send | Disconnect | Solve | ArmRecoveryTimer
 
 
 @dataclasses.dataclass
@@ -204,6 +236,10 @@ class MasterState:
         # Revision each peer reached in its last successful sync.
         self.last_revision: dict[int, int] = {}
         self.next_op_id = 1
+        # Recovery after a master restart: peers named by resuming peers that have not
+        # registered yet; admission waits for them (bounded by the recovery timer).
+        self.recovery_awaiting: set[int] = set()
+        self.recovery_id = 0
 
     # --- queries (used by the server and by tests) --------------------------------
 
@@ -239,6 +275,10 @@ class MasterState:
             if event.round_id == self.opt_round and set(event.ring) == members:
                 self.ring_order[event.group] = list(event.ring)
                 self.rings_stale = True  # the next update_topology() rebuilds in it
+        elif isinstance(event, RecoveryTimeout):
+            if event.recovery_id == self.recovery_id and self.recovery_awaiting:
+                self.recovery_awaiting.clear()
+                self._admit_if_nobody_accepted(out)
         else:  # pragma: no cover - the type union is closed
             raise TypeError(event)
         return out
@@ -249,6 +289,21 @@ class MasterState:
         if ev.peer_id in self.peers:
             raise ValueError(f"peer id {ev.peer_id} registered twice")
         self.peers[ev.peer_id] = PeerRecord(ev.peer_id, ev.peer_group, ev.p2p_addr)
+        self.recovery_awaiting.discard(ev.peer_id)
+        res = ev.resume
+        if res is not None:
+            # Epochs must keep increasing across the restart: peers still hold links
+            # keyed by their old epochs.
+            self.epoch = max(self.epoch, res.epoch)
+            if res.revision >= 0:
+                self.last_revision[ev.peer_id] = res.revision
+            if self.phase is Phase.IDLE and not self.accepted():
+                missing = set(res.peers) - set(self.peers)
+                if missing:
+                    if not self.recovery_awaiting:
+                        self.recovery_id += 1
+                        out.append(ArmRecoveryTimer(self.recovery_id))
+                    self.recovery_awaiting |= missing
         self._admit_if_nobody_accepted(out)
 
     def _on_message(self, peer: int, msg: m.Message, out: list[Command]) -> None:
@@ -329,6 +384,8 @@ class MasterState:
         self._admit_if_nobody_accepted(out)
 
     def _admit_if_nobody_accepted(self, out: list[Command]) -> None:
+        if self.recovery_awaiting:
+            return  # a restarted master waits for the rest of the old group
         if self.phase is Phase.IDLE and not self.accepted() and self.pending():
             self.attempts = 0
             self._start_round(self.pending(), out)

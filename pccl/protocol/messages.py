@@ -11,7 +11,7 @@ import dataclasses
 from typing import ClassVar
 
 #: Bumped on every incompatible change; checked in the handshake.
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -55,6 +55,14 @@ class Hello(Message):
     p2p_host: str  # "" = the address the master sees the connection from
     nonce: bytes
     mac: bytes
+    # A peer that lost its master and is registering again (e.g. with a restarted
+    # master) says what it held: its previous peer id (0 = a fresh peer), the last ring
+    # epoch it used, the shared-state revision of its last successful sync (-1 = none)
+    # and the members of its last ring, so that a fresh master can re-form the group.
+    resume_peer_id: int = 0
+    resume_epoch: int = 0
+    resume_revision: int = -1
+    resume_peers: list[int] = dataclasses.field(default_factory=list)
 
 
 @message
