@@ -22,6 +22,8 @@ def _add_master_args(p: argparse.ArgumentParser) -> None:
                    help="file holding the shared secret peers must prove they know")
     p.add_argument("--heartbeat-interval", type=float, default=1.0)
     p.add_argument("--heartbeat-timeout", type=float, default=5.0)
+    p.add_argument("--recovery-grace", type=float, default=5.0,
+                   help="after a restart: seconds to wait for the rest of an old group")
     p.add_argument("--log-level", default="INFO",
                    choices=["DEBUG", "INFO", "WARNING", "ERROR"])
 
@@ -30,7 +32,8 @@ async def _run_master(args: argparse.Namespace) -> None:
     secret = args.secret_file.read_bytes().strip() if args.secret_file else None
     master = MasterNode(listen=args.listen, secret=secret,
                         heartbeat_interval=args.heartbeat_interval,
-                        heartbeat_timeout=args.heartbeat_timeout)
+                        heartbeat_timeout=args.heartbeat_timeout,
+                        recovery_grace=args.recovery_grace)
     await master.start()
     print(f"pccl master listening on {master.address}", flush=True)
     loop = asyncio.get_running_loop()

@@ -55,6 +55,21 @@ impl PieceHeader {
             len: u32_at(20),
         })
     }
+
+    /// What a receiving lane does with the header bytes the previous peer sent: decode
+    /// them and refuse a piece larger than `max_piece` before anything is read.
+    pub fn parse(h: &[u8; HEADER_LEN], max_piece: usize) -> CoreResult<Self> {
+        let header = PieceHeader::decode(h).ok_or_else(|| {
+            CoreError::Protocol("garbage on a ring link (bad frame magic)".into())
+        })?;
+        if header.len as usize > max_piece {
+            return Err(CoreError::Protocol(format!(
+                "piece of {} bytes exceeds the limit of {max_piece}",
+                header.len
+            )));
+        }
+        Ok(header)
+    }
 }
 
 /// Where an op wants the pieces addressed to it. The reader task of each receiving
@@ -79,7 +94,9 @@ pub struct RingLinks {
     pub epoch: u64,
     pub next: u64,
     pub prev: u64,
-    writers: Vec<tokio::sync::Mutex<OwnedWriteHalf>>,
+    /// `None` once closed: the sockets go with `close()`, even while an op that used
+    /// these links is still referenced from Python.
+    writers: Vec<tokio::sync::Mutex<Option<OwnedWriteHalf>>>,
     recv_lanes: usize,
     max_piece: usize,
     io_timeout: Duration,
@@ -90,7 +107,7 @@ pub struct RingLinks {
     cancel: CancellationToken,
     tracker: TaskTracker,
     /// Unused read halves of the sending streams, kept so the sockets stay whole.
-    _send_read_halves: Vec<OwnedReadHalf>,
+    send_read_halves: Mutex<Vec<OwnedReadHalf>>,
 }
 
 impl RingLinks {
@@ -109,7 +126,7 @@ impl RingLinks {
         for s in to_next {
             let (r, w) = s.into_split();
             send_reads.push(r);
-            writers.push(tokio::sync::Mutex::new(w));
+            writers.push(tokio::sync::Mutex::new(Some(w)));
         }
         let links = Arc::new(RingLinks {
             epoch,
@@ -125,7 +142,7 @@ impl RingLinks {
             poison_reason: Mutex::new(None),
             cancel: CancellationToken::new(),
             tracker: TaskTracker::new(),
-            _send_read_halves: send_reads,
+            send_read_halves: Mutex::new(send_reads),
         });
         for (lane, stream) in from_prev.into_iter().enumerate() {
             let weak = Arc::downgrade(&links);
@@ -253,7 +270,13 @@ impl RingLinks {
         }
         let writer = &self.writers[lane];
         let write = async {
-            let mut w = writer.lock().await;
+            let mut guard = writer.lock().await;
+            let Some(w) = guard.as_mut() else {
+                return Err(std::io::Error::new(
+                    std::io::ErrorKind::NotConnected,
+                    "ring links closed",
+                ));
+            };
             w.write_all(&header.encode()).await?;
             w.write_all(payload).await?;
             Ok::<_, std::io::Error>(())
@@ -285,6 +308,11 @@ impl RingLinks {
         self.poison("ring links closed (topology changed or peer closing)".into());
         self.tracker.close();
         self.tracker.wait().await;
+        // Senders give their lane up promptly once poisoned (or after io_timeout).
+        for w in &self.writers {
+            w.lock().await.take();
+        }
+        self.send_read_halves.lock().unwrap().clear();
     }
 }
 
@@ -313,15 +341,7 @@ async fn read_lane(
             }
             Err(e) => return Err(CoreError::io("reading a piece header", e)),
         }
-        let header = PieceHeader::decode(&h).ok_or_else(|| {
-            CoreError::Protocol("garbage on a ring link (bad frame magic)".into())
-        })?;
-        if header.len as usize > max_piece {
-            return Err(CoreError::Protocol(format!(
-                "piece of {} bytes exceeds the limit of {max_piece}",
-                header.len
-            )));
-        }
+        let header = PieceHeader::parse(&h, max_piece)?;
         let Some(l) = links.upgrade() else {
             return Ok(());
         };
