@@ -162,6 +162,7 @@ _RETRYABLE = (PeerConnectionError, CollectiveAbortedError, UpdateTopologyFailedE
 _TRAIN = 0   # inner steps follow
 _LAUNCH = 1  # async mode: the next reduce is started, then inner steps follow
 _RETRY = 2   # a failed reduce is retried now, then the outer step completes
+_RETRY_FLUSH = 3  # async mode: a failed reduce is retried now, then flush() completes
 
 # diloco.meta layout (int64): the outer step, the phase above, then the configuration
 # every peer must share (floats as their float64 bit patterns).
@@ -490,11 +491,15 @@ class DiLoCo:
             self._trained = True
         else:
             # The group is retrying a reduce: join it with weight 0, then finish the outer
-            # step with everyone. Our own next pseudo-gradient covers no training either.
+            # step (or the flush) with everyone. Our own next pseudo-gradient covers no
+            # training either.
             self._trained = False
             if self.async_mode:
                 self._pending = self._zero_reduce()
-            await self._outer_step()
+            if phase == _RETRY_FLUSH:
+                await self._flush()
+            else:
+                await self._outer_step()
 
     async def step(self) -> OuterStepInfo | None:
         """Reports one inner step; every ``inner_steps``-th call takes the outer step."""
@@ -525,9 +530,13 @@ class DiLoCo:
         self._require_started()
         if self._pending is None:
             return None
+        return await self._flush()
+
+    async def _flush(self) -> OuterStepInfo:
         retries_before = self._retries
         pending, self._pending = self._pending, None
-        applied, world, contributors, tx, rx = await self._complete(pending)
+        assert pending is not None
+        applied, world, contributors, tx, rx = await self._complete(pending, _RETRY_FLUSH)
         sync = await self._sync(_TRAIN)
         await asyncio.to_thread(self._write_local)
         self._local_step = 0
@@ -559,12 +568,12 @@ class DiLoCo:
         if not self.async_mode:
             current = self._form_reduce()
             await asyncio.to_thread(self._form_pseudo_gradient, current)
-            applied, world, contributors, tx, rx = await self._complete(current)
+            applied, world, contributors, tx, rx = await self._complete(current, _RETRY)
             nxt = None
         else:
             pending, self._pending = self._pending, None
             if pending is not None:
-                await self._finish(pending)
+                await self._finish(pending, _RETRY)
             # Measured from the global parameters this round started from, so formed
             # before the delayed update moves them.
             nxt = self._form_reduce()
@@ -612,9 +621,9 @@ class DiLoCo:
                                        quantization=self.quantization)
         return w, g
 
-    async def _finish(self, r: _Reduce) -> tuple[ReduceInfo, ReduceInfo]:
-        """Awaits ``r`` (launching it if needed); on retryable failures recovers and
-        runs it again."""
+    async def _finish(self, r: _Reduce, retry_phase: int) -> tuple[ReduceInfo, ReduceInfo]:
+        """Awaits ``r`` (launching it if needed); on retryable failures recovers (the
+        re-sync tells joiners ``retry_phase``: what follows the reduce) and runs it again."""
         failures = 0
         while True:
             if r.task is None:
@@ -639,13 +648,13 @@ class DiLoCo:
                          self.outer_step + 1, type(e).__name__, str(e), failures,
                          self.max_retries)
                 await self._update_topology()
-                await self._sync(_RETRY)
+                await self._sync(retry_phase)
             except BaseException:
                 r.task = None
                 raise
 
-    async def _complete(self, r: _Reduce) -> tuple[bool, int, int, int, int]:
-        await self._finish(r)
+    async def _complete(self, r: _Reduce, retry_phase: int) -> tuple[bool, int, int, int, int]:
+        await self._finish(r, retry_phase)
         return await self._apply(r)
 
     async def _apply(self, r: _Reduce) -> tuple[bool, int, int, int, int]:

@@ -439,6 +439,43 @@ async def test_async_joiner_takes_part_in_the_reduce_it_missed(pccl_cluster) -> 
     await asyncio.gather(*(p.d.close() for p in peers))
 
 
+async def test_async_flush_retried_with_a_joiner(pccl_cluster) -> None:
+    """Async mode: a peer dies while flush() waits on the last reduce and a joiner is
+    pending; the joiner is admitted by the retry, lands in the flush (not in an outer
+    step) with weight 0, and everyone ends on the survivors' mean update."""
+    async with LinkEmulator() as emu:
+        cluster, peers = await cluster_with_slow_peer(pccl_cluster, emu, async_mode=True)
+        await start_all(peers)
+        theta = flat(peers[0].model)
+        emu.blackhole()  # the reduce launched at the first outer step stays in flight
+        results = await asyncio.gather(*(p.round() for p in peers))
+        comm = cluster.new_comm()
+        joining = asyncio.create_task(comm.connect())
+        await cluster.master.wait_for(lambda s: len(s.pending()) == 1, timeout=30)
+        flushes = [asyncio.create_task(p.d.flush()) for p in peers]
+        await crash(peers[2].comm)
+        emu.blackhole(False)
+        await joining
+        joiner = Peer(comm, 3, seed=11, async_mode=True)
+        await joiner.d.start()
+        res = await asyncio.gather(*flushes, return_exceptions=True)
+        assert isinstance(res[2], pccl.MasterConnectionError)
+        group = [*peers[:2], joiner]
+        pgs = [theta - r[0] for r in results[:2]] + [np.zeros_like(theta)]
+        g = ring_reference(ring_order(group, pgs), pccl.ReduceOp.AVG, "float32")
+        theta, m = nesterov(theta, np.zeros_like(theta), g * np.float32(3 / 2))
+        for info in [*res[:2], joiner.d.last_info]:
+            assert info.applied and info.world_size == 3 and info.contributors == 2
+        for p in group:
+            assert flat(p.model).tobytes() == theta.tobytes()
+            assert not p.d.reduce_in_flight and p.d.outer_step == 1
+        assert_parity(group)
+        # Training resumes: the next outer step starts a new reduce, applied one later.
+        results = await asyncio.gather(*(p.round() for p in group))
+        assert all(not info.applied for _, info in results)
+        await asyncio.gather(*(p.d.close() for p in group))
+
+
 # --- dtypes, numpy, quantization, CUDA --------------------------------------------------
 
 
