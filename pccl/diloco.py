@@ -198,13 +198,13 @@ class OuterStepInfo:
 class _Param:
     """One model parameter and its segment of the flat float32 buffers."""
 
+    exact = True  # the model's dtype holds every float32 value: no rounding needed
+
     def __init__(self, name: str, tensor: Any, offset: int, count: int) -> None:
         self.name = name
         self.tensor = tensor
         self.sl = slice(offset, offset + count)
         self.count = count
-
-    exact = True  # the model's dtype holds every float32 value: no rounding needed
 
     def read(self, out: np.ndarray) -> None:
         """``out`` (float32) := the local values."""
@@ -487,7 +487,7 @@ class DiLoCo:
             self._trained = True
         elif phase == _LAUNCH:
             # The group starts the reduce of the round we missed: join it with weight 0.
-            self._pending = self._launch(self._zero_reduce())
+            self._pending = self._launch(await self._zero_reduce())
             self._trained = True
         else:
             # The group is retrying a reduce: join it with weight 0, then finish the outer
@@ -495,7 +495,7 @@ class DiLoCo:
             # training either.
             self._trained = False
             if self.async_mode:
-                self._pending = self._zero_reduce()
+                self._pending = await self._zero_reduce()
             if phase == _RETRY_FLUSH:
                 await self._flush()
             else:
@@ -601,10 +601,11 @@ class DiLoCo:
         self._pg_next = (self._pg_next + 1) % len(self._pg)
         return _Reduce(buf, 1.0 if self._trained else 0.0, np.zeros(1, dtype=np.float32))
 
-    def _zero_reduce(self) -> _Reduce:
+    async def _zero_reduce(self) -> _Reduce:
+        """A weight-0 reduce of zeros, for a joiner that trained none of its round."""
         r = self._form_reduce()
         r.weight = 0.0
-        r.buf.fill(0.0)
+        await asyncio.to_thread(r.buf.fill, 0.0)
         return r
 
     def _launch(self, r: _Reduce) -> _Reduce:

@@ -16,12 +16,11 @@ from reference import ring_reference
 
 import pccl
 from pccl import _core
+from pccl.diloco import DiLoCo, OuterStepFailedError
 from pccl.testing import LinkEmulator
 
 torch = pytest.importorskip("torch")
 nn = torch.nn
-
-from pccl.diloco import DiLoCo, OuterStepFailedError  # noqa: E402
 
 # torch imports much of itself lazily (the first optimizer pulls in torch._dynamo, ~3 s):
 # pay for it here, not inside a test, where it would stall the event loop past the
