@@ -652,7 +652,10 @@ class _Loop:
         for t in left:
             t.cancel()
         if left:
-            await asyncio.wait(left, timeout=_CANCEL_GRACE)
+            finished, _ = await asyncio.wait(left, timeout=_CANCEL_GRACE)
+            for t in finished:  # nobody is left to report these to
+                if not t.cancelled() and t.exception() is not None:
+                    log.debug("task %s ended with %r at shutdown", t.get_name(), t.exception())
         await self.loop.shutdown_asyncgens()
         await self.loop.shutdown_default_executor()
         self.loop.stop()
@@ -1366,15 +1369,27 @@ class Communicator:
             send, recv, op, operand_descriptor, quantization_options)
         ready: concurrent.futures.Future[Any] = concurrent.futures.Future()
         ready.set_running_or_notify_cancel()
+        launched: list[asyncio.Task[Any]] = []
 
         async def start(core: _PeerCore) -> asyncio.Task[Any]:
             comm = await core.settle()
             core.require_peers(comm)
             task = core.launch(comm, tensor, out, core_op, tag, quantization)
+            launched.append(task)
             task.add_done_callback(lambda t: _settle(t, ready))
             return task
 
-        task = self._run(start)
+        try:
+            task = self._run(start)
+        except BaseException:
+            loop = self._loop
+            if launched and loop is not None:
+                # Interrupted (Ctrl-C) after the reduce started: nobody will wait for it,
+                # so call it off before returning, as a cancelled wait() does.
+                with contextlib.suppress(RuntimeError):
+                    loop.loop.call_soon_threadsafe(launched[0].cancel)
+                concurrent.futures.wait([ready], timeout=_CANCEL_GRACE)
+            raise
         assert self._loop is not None
         return self._loop, [task], ready
 
