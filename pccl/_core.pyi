@@ -69,7 +69,11 @@ class P2PNode:
     def bytes_served(self) -> int: ...
     def fetch_into(
         self, addr: str, peer_id: int, key: str, out: Any, io_timeout: float = 30.0
-    ) -> Awaitable[int]: ...
+    ) -> Awaitable[int]:
+        """Fills ``out`` with the bytes a peer serves under ``key``; resolves to their
+        content hash (as an int; ``.to_bytes(16, "big")`` is ``content_hash(out)``),
+        computed while the bytes land."""
+        ...
     def probe(
         self,
         addr: str,

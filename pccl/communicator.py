@@ -946,13 +946,14 @@ class Communicator:
         for src in sources:
             started = time.perf_counter()
             try:
-                await self._node.fetch_into(addrs[src], src, key, scratch,
-                                            io_timeout=self.peer_timeout)
+                # Hashed while the bytes land: no second pass over the scratch buffer.
+                landed = await self._node.fetch_into(addrs[src], src, key, scratch,
+                                                     io_timeout=self.peer_timeout)
             except PCCLError as e:
                 errors.append(f"peer {src}: {e}")
                 continue
             elapsed = time.perf_counter() - started
-            got = await asyncio.to_thread(_core.content_hash, scratch)
+            got = int(landed).to_bytes(16, "big")
             if got == want:
                 log.info("peer %s: fetched shared state %r (%.1f MiB) from peer %d in %.2fs "
                          "(%.2f GB/s)", self.peer_id, key, nbytes / 2**20, src, elapsed,

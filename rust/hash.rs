@@ -128,11 +128,49 @@ fn tree_hash(data: &[u8], leaf_size: usize, threads: usize) -> u128 {
         });
     }
 
+    root_of(&digests, data.len(), leaf_size)
+}
+
+/// The root over the leaf digests of `len` bytes.
+fn root_of(digests: &[u8], len: usize, leaf_size: usize) -> u128 {
     let mut root = Xxh3::with_seed(ROOT_SEED);
-    root.update(&digests);
-    root.update(&(data.len() as u64).to_be_bytes());
+    root.update(digests);
+    root.update(&(len as u64).to_be_bytes());
     root.update(&(leaf_size as u64).to_be_bytes());
     root.digest128()
+}
+
+/// [`content_hash`] of bytes that arrive in order, hashed as they come (e.g. while a
+/// transfer lands them), so that no second pass over the data is needed.
+#[derive(Default)]
+pub struct LeafHasher {
+    digests: Vec<u8>,
+    len: usize,
+}
+
+impl LeafHasher {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Hashes the next `chunk` of the data. Every chunk but the last must be a whole
+    /// number of leaves (a multiple of [`LEAF_SIZE`]).
+    pub fn update(&mut self, chunk: &[u8]) {
+        assert!(
+            self.len % LEAF_SIZE == 0,
+            "only the last chunk may end inside a leaf"
+        );
+        let start = self.digests.len();
+        let n = chunk.len().div_ceil(LEAF_SIZE);
+        self.digests.resize(start + n * DIGEST_BYTES, 0);
+        hash_leaves(chunk, LEAF_SIZE, self.len / LEAF_SIZE, &mut self.digests[start..]);
+        self.len += chunk.len();
+    }
+
+    /// The content hash of everything passed to [`LeafHasher::update`].
+    pub fn finish(&self) -> u128 {
+        root_of(&self.digests, self.len, LEAF_SIZE)
+    }
 }
 
 /// Hashes the consecutive leaves of `chunk` (whose first leaf has global index
@@ -211,6 +249,28 @@ mod tests {
                 );
             }
         }
+    }
+
+    #[test]
+    fn leaf_hasher_matches_content_hash_for_any_whole_leaf_chunking() {
+        for len in [0, 1, LEAF_SIZE - 1, LEAF_SIZE, 3 * LEAF_SIZE + 17, 9 * LEAF_SIZE] {
+            let data = pattern(len, 7);
+            for per in [1, 2, 4] {
+                let mut h = LeafHasher::new();
+                for chunk in data.chunks(per * LEAF_SIZE) {
+                    h.update(chunk);
+                }
+                assert_eq!(h.finish(), content_hash(&data), "len {len}, {per} leaves per chunk");
+            }
+        }
+    }
+
+    #[test]
+    #[should_panic(expected = "only the last chunk")]
+    fn leaf_hasher_refuses_a_chunk_after_a_partial_leaf() {
+        let mut h = LeafHasher::new();
+        h.update(&[1, 2, 3]);
+        h.update(&[4]);
     }
 
     #[test]

@@ -110,8 +110,8 @@ impl PyP2PNode {
                     Err(crate::error::CoreError::Aborted("the p2p node is closing".into()))
                 }
             };
-            fetched?;
-            Ok(raw.len as u64)
+            // The content hash, computed while the bytes landed.
+            Ok(fetched?)
         })
     }
 }
