@@ -157,7 +157,7 @@ impl LeafHasher {
     /// number of leaves (a multiple of [`LEAF_SIZE`]).
     pub fn update(&mut self, chunk: &[u8]) {
         assert!(
-            self.len % LEAF_SIZE == 0,
+            self.len.is_multiple_of(LEAF_SIZE),
             "only the last chunk may end inside a leaf"
         );
         let start = self.digests.len();

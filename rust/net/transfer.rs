@@ -20,7 +20,7 @@ const MAX_REQUEST: usize = 4096;
 /// Bytes moved per read/write call, so stalls are noticed within one timeout.
 const SLICE: usize = 4 << 20;
 // Slices are hashed as they land, so each must be whole hash leaves.
-const _: () = assert!(SLICE % crate::hash::LEAF_SIZE == 0);
+const _: () = assert!(SLICE.is_multiple_of(crate::hash::LEAF_SIZE));
 
 /// A byte range served in place. `keepalive` owns whatever backs the memory.
 pub struct Served {
