@@ -385,6 +385,8 @@ class Peer:
     steps: int = 0
     synced: bool = False  # completed at least one step: holds the run's state
     last_step: float = dataclasses.field(default_factory=time.monotonic)
+    # Last time a step attempt ended, in success or in a typed error.
+    last_attempt: float = dataclasses.field(default_factory=time.monotonic)
     leaving: bool = False
     killed: bool = False
     bye: dict[str, Any] | None = None
@@ -411,6 +413,8 @@ class Orchestrator:
         self.leaks: list[str] = []
         self.max_rss_growth = 0.0
         self.kill_in_sync = False
+        self.last_master_kill = time.monotonic()
+        self.longest_without_step = 0.0
         self._tasks: set[asyncio.Task[Any]] = set()
 
     # -- processes --
@@ -481,7 +485,10 @@ class Orchestrator:
                 peer.steps += 1
                 peer.synced = True
                 peer.phase = "idle"
-                peer.last_step = time.monotonic()
+                now = time.monotonic()
+                self.longest_without_step = max(self.longest_without_step,
+                                                now - peer.last_step)
+                peer.last_step = peer.last_attempt = now
                 r = int(ev["revision"])
                 self.max_revision = max(self.max_revision, r)
                 self.figures["steps_reported"] += 1
@@ -493,6 +500,7 @@ class Orchestrator:
                 self.violations.append(f"{peer.name}: {ev['what']}")
             elif kind == "retry":
                 self.retries[ev["kind"]] += 1
+                peer.last_attempt = time.monotonic()
             elif kind == "bye":
                 peer.bye = ev
             elif kind == "fatal":
@@ -544,13 +552,14 @@ class Orchestrator:
         synced = [p for p in live if p.synced]
         a = self.args
         # Never take the last holders of the state away (2 must stay).
-        weights: dict[str, float] = {"link_reset": 1.0, "link_blackhole": 1.0}
+        weights: dict[str, float] = {"link_reset": 0.6, "link_blackhole": 0.6}
         if len(synced) > 2 and len(live) > a.min_peers:
             weights.update(kill_reduce=2.0, kill_sync=2.0, kill_any=1.0, leave=1.0)
         if len(live) < a.max_peers:
             weights["join"] = 3.0 if len(live) <= a.min_peers else 1.5
-        if a.master_kills:
-            weights["master"] = 0.5
+        # A master restart every few seconds leaves nothing to measure: space them.
+        if a.master_kills and time.monotonic() - self.last_master_kill > a.master_spacing:
+            weights["master"] = 0.6
         what = self.rng.choices(list(weights), weights=list(weights.values()))[0]
         if what == "kill_sync":
             self.kill_in_sync = True  # the next peer to enter a sync is killed
@@ -583,6 +592,7 @@ class Orchestrator:
             log.info("black-holed the links of %s", victim.name)
             self._own(self._unblackhole(victim, self.rng.uniform(0.5, 3.0)))
         elif what == "master":
+            self.last_master_kill = time.monotonic()
             await self.kill_master()
             log.info("SIGKILL master")
             await asyncio.sleep(self.rng.uniform(0.2, 2.0))  # the master stays down a while
@@ -615,8 +625,10 @@ class Orchestrator:
             await asyncio.sleep(1.0)  # a periodic check, not a synchronisation
             now = time.monotonic()
             for p in self.live():
-                if now - p.last_step > self.args.hang_timeout:
-                    self.hangs.append(f"{p.name} completed no step for "
+                # Every wait in pccl is bounded, so every attempt must end (in a step
+                # or a typed error) in bounded time, however hard the faults hit.
+                if now - p.last_attempt > self.args.hang_timeout:
+                    self.hangs.append(f"{p.name}: no step attempt ended for "
                                       f"{self.args.hang_timeout:.0f}s (phase {p.phase})")
                     log.error("HANG: %s; stack dump in %s", self.hangs[-1], p.stderr_path)
                     self._dump(p)
@@ -636,7 +648,7 @@ class Orchestrator:
                 while not all(p.synced for p in self.peers.values()):  # noqa: ASYNC110
                     await asyncio.sleep(0.1)  # bounded poll of reported progress
             for p in self.peers.values():
-                p.last_step = time.monotonic()
+                p.last_step = p.last_attempt = time.monotonic()
             watchdog = asyncio.create_task(self.watchdog())
             deadline = time.monotonic() + a.seconds
             while time.monotonic() < deadline and not self.hangs:
@@ -716,6 +728,7 @@ class Orchestrator:
             "leaks": len(self.leaks),
             "leak_details": self.leaks,
             "max_rss_growth_mb": self.max_rss_growth,
+            "longest_without_step_s": round(self.longest_without_step, 1),
         }
 
 
@@ -782,9 +795,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--min-peers", type=int, default=3)
     p.add_argument("--max-peers", type=int, default=None)
     p.add_argument("--no-master-kills", dest="master_kills", action="store_false")
-    p.add_argument("--hang-timeout", type=float, default=90.0)
+    p.add_argument("--hang-timeout", type=float, default=120.0,
+                   help="a live peer whose step attempt does not end within this fails "
+                        "the run (must exceed --reconnect-timeout)")
+    p.add_argument("--master-spacing", type=float, default=20.0,
+                   help="least seconds between two master kills")
     p.add_argument("--peer-timeout", type=float, default=5.0)
-    p.add_argument("--reconnect-timeout", type=float, default=120.0)
+    p.add_argument("--reconnect-timeout", type=float, default=60.0)
     p.add_argument("--max-rss-growth-mb", type=float, default=256.0)
     p.add_argument("--params", type=int, default=Sizes.params)
     p.add_argument("--moment", type=int, default=Sizes.moment)

@@ -371,7 +371,10 @@ class _Direction:
             if item is _EOF:
                 self.eof_sent = True
                 if dst.transport.can_write_eof():  # type: ignore[union-attr]
-                    dst.transport.write_eof()  # type: ignore[union-attr]
+                    # The sink may have been reset meanwhile (ENOTCONN): the teardown
+                    # that follows is the same as for any other dead sink.
+                    with contextlib.suppress(OSError):
+                        dst.transport.write_eof()  # type: ignore[union-attr]
                 conn.maybe_close_gracefully()
                 if conn.closing:
                     return _STOP
