@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 import pccl
+from pccl import _core
 from pccl.testing.data import deterministic_tensor, digest
 
 
@@ -42,6 +43,11 @@ class Worker:
 
     async def cmd_digest(self, name: str) -> str:
         return digest(self.tensors[name])
+
+    async def cmd_content_hash(self, names: list[str]) -> dict[str, str]:
+        """pccl's own content hash (the one shared-state sync compares), hex."""
+        return {n: _core.content_hash_hex(self.tensors[n].reshape(-1).view(np.uint8))
+                for n in names}
 
     async def cmd_sync(self, names: list[str], revision: int,
                        strategy: str = "ENFORCE_POPULAR") -> dict[str, Any]:

@@ -6,6 +6,10 @@
   a started :class:`~pccl.testing.Cluster`; all clusters are closed after the test.
 - ``pccl_peer_process``: a factory for :class:`~pccl.testing.PeerProcess`; every process
   is killed and reaped after the test.
+- ``pccl_netns``: a started :class:`~pccl.testing.netns.VirtualLan` (peers and master in
+  their own network namespaces behind a private bridge); its processes, ports and
+  namespaces are removed after the test, failed or not. Skips, with the reason, where
+  that cannot work (not root, no iproute2, no namespace support).
 """
 
 from __future__ import annotations
@@ -13,10 +17,12 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
+import pytest
 import pytest_asyncio
 
 from pccl.master.server import MasterNode
 from pccl.testing.cluster import Cluster
+from pccl.testing.netns import VirtualLan, netns_unavailable
 from pccl.testing.processes import PeerProcess
 
 
@@ -62,3 +68,12 @@ async def pccl_peer_process() -> AsyncIterator[Callable[..., Awaitable[PeerProce
     finally:
         for p in procs:
             await p.close()
+
+
+@pytest_asyncio.fixture
+async def pccl_netns() -> AsyncIterator[VirtualLan]:
+    reason = netns_unavailable()
+    if reason is not None:
+        pytest.skip(f"real test hosts unavailable: {reason}")
+    async with VirtualLan() as lan:
+        yield lan

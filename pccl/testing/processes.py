@@ -8,6 +8,7 @@ import json
 import os
 import signal
 import sys
+from collections.abc import Sequence
 from types import TracebackType
 from typing import Any
 
@@ -34,6 +35,7 @@ class PeerProcess:
         secret: bytes | None = None,
         extra_args: list[str] | None = None,
         reply_timeout: float = 60.0,
+        command_prefix: Sequence[str] = (),
     ) -> None:
         self.master = master
         self.group = group
@@ -41,6 +43,9 @@ class PeerProcess:
         self.secret = secret
         self.extra_args = extra_args or []
         self.reply_timeout = reply_timeout
+        # Prepended to the worker's command line, e.g. ``ip netns exec NAME`` (the prefix
+        # must exec the worker so that signals reach it).
+        self.command_prefix = list(command_prefix)
         self.proc: asyncio.subprocess.Process | None = None
         self.peer_id: int | None = None
         self._replies: dict[int, asyncio.Future[Any]] = {}
@@ -49,8 +54,9 @@ class PeerProcess:
         self._next_id = 0
 
     async def start(self) -> None:
-        args = [sys.executable, "-m", "pccl.testing.peer_worker", "--master", self.master,
-                "--group", str(self.group), "--pool", str(self.pool_size), *self.extra_args]
+        args = [*self.command_prefix, sys.executable, "-m", "pccl.testing.peer_worker",
+                "--master", self.master, "--group", str(self.group),
+                "--pool", str(self.pool_size), *self.extra_args]
         if self.secret:
             args += ["--secret-hex", self.secret.hex()]
         self.proc = await asyncio.create_subprocess_exec(
