@@ -53,7 +53,6 @@ async def test_quickstart_notebook_runs_and_shows_every_step(
     env = hide_torch(tmp_path / "no-torch") if torch_in_kernel == "hidden" else {}
     write_kernelspec(tmp_path / "jupyter", env)
     monkeypatch.setenv("JUPYTER_PATH", str(tmp_path / "jupyter"))
-    monkeypatch.setenv("JUPYTER_PLATFORM_DIRS", "1")  # silences jupyter_core's migration notice
     work = tmp_path / "cwd"  # the kernel's working directory: nothing may land in the repo
     work.mkdir()
     nb = nbformat.read(NOTEBOOK, as_version=4)
