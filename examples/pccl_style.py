@@ -3,12 +3,13 @@
 Apart from the import below (``import pccl`` with PrimeIntellect's bindings) this is a
 PCCL script: a master that ``run()``s and falls off the end of ``main()``, and peers
 that ``connect()``, admit joiners with ``are_peers_pending()`` / ``update_topology()``,
-reduce numpy arrays and torch tensors (``all_reduce``, ``all_reduce_async().wait()``,
-``all_reduce_multiple_with_retry``), keep a ``SharedState`` in sync, and carry on when
-a peer dies. ::
+reduce numpy arrays and torch tensors, mixed across peers (``all_reduce``,
+``all_reduce_async().wait()``, ``all_reduce_multiple_with_retry``), keep a
+``SharedState`` in sync, and carry on when a peer dies. ::
 
     python examples/pccl_style.py master --listen 127.0.0.1:48148
-    python examples/pccl_style.py peer --master 127.0.0.1:48148 --weight 1 --world 3 &
+    python examples/pccl_style.py peer --master 127.0.0.1:48148 --weight 1 --world 3 \\
+        --torch &
     python examples/pccl_style.py peer --master 127.0.0.1:48148 --weight 2 --world 3 &
     python examples/pccl_style.py peer --master 127.0.0.1:48148 --weight 4 --world 3 \\
         --die-at 2:multiple &
@@ -126,16 +127,21 @@ def reduce_phase(comm: pccl.Communicator, w: int, torch: Any) -> dict[str, Any]:
     out["multiple"] = {"a": check_sum(a, base32), "b": check_sum(b, base32),
                        "world": info.local_world_size, "tx_positive": info.tx_bytes > 0}
 
-    if torch is not None:
-        t = torch.full((N,), float(w), dtype=torch.bfloat16)  # small integers: exact
-        comm.all_reduce(t, t, op=pccl.ReduceOp.SUM, tag=20)
-        u = torch.arange(N, dtype=torch.float64) * w
-        ok, _, _ = comm.all_reduce_async(u, u, op=pccl.ReduceOp.SUM, tag=21).wait()
-        m = torch.full((N,), w, dtype=torch.int32)
-        comm.all_reduce(m, m, op=pccl.ReduceOp.MIN, tag=22)
-        out["torch"] = {"bf16_sum": float(t[0]), "bf16_exact": bool((t == t[0]).all()),
-                        "f64": check_sum(u.numpy(), np.arange(N)), "async_ok": ok,
-                        "min": int(m.min()), "min_exact": bool((m == m[0]).all())}
+    # The same reduces on this peer's own kind of tensor (torch or numpy): peers may mix.
+    def tensor(values: np.ndarray) -> Any:
+        return torch.from_numpy(values) if torch is not None else values
+
+    t = tensor(np.full(N, w, dtype=np.float16))  # small integers: exact in float16
+    comm.all_reduce(t, t, op=pccl.ReduceOp.SUM, tag=20)
+    u = tensor(np.arange(N, dtype=np.float64) * w)
+    ok, _, _ = comm.all_reduce_async(u, u, op=pccl.ReduceOp.SUM, tag=21).wait()
+    m = tensor(np.full(N, w, dtype=np.int32))
+    comm.all_reduce(m, m, op=pccl.ReduceOp.MIN, tag=22)
+    t, u, m = (np.asarray(v) for v in (t, u, m))
+    out["tensors"] = {"kind": "torch" if torch is not None else "numpy",
+                      "f16_sum": float(t[0]), "f16_exact": bool((t == t[0]).all()),
+                      "f64": check_sum(u, np.arange(N)), "async_ok": ok,
+                      "min": int(m.min()), "min_exact": bool((m == m[0]).all())}
     return out
 
 
@@ -168,20 +174,21 @@ def train_step(comm: pccl.Communicator, state: pccl.SharedState, weights: np.nda
             operand_descriptor=pccl.ReduceOperandDescriptor(pccl.DataType.FLOAT),
             quantization_options=pccl.QuantizationOptions(
                 pccl.DataType.UINT8, pccl.QuantizationAlgorithm.MIN_MAX))))
-    if torch is not None:
-        tg = torch.arange(N, dtype=torch.float32) * w
-        descriptors.append(pccl.ReduceOpDescriptor.from_torch(tg, tg, pccl.ReduceDescriptor(
-            count=N, op=pccl.ReduceOp.SUM, tag=len(descriptors),
-            operand_descriptor=pccl.ReduceOperandDescriptor(pccl.DataType.FLOAT),
-            quantization_options=pccl.QuantizationOptions(
-                pccl.DataType.FLOAT, pccl.QuantizationAlgorithm.NONE))))
+    own = np.arange(N, dtype=np.float32) * w  # this peer's kind of tensor, as above
+    tg = torch.from_numpy(own) if torch is not None else own
+    from_tensors = pccl.ReduceOpDescriptor.from_torch if torch is not None else \
+        pccl.ReduceOpDescriptor.from_numpy
+    descriptors.append(from_tensors(tg, tg, pccl.ReduceDescriptor(
+        count=N, op=pccl.ReduceOp.SUM, tag=len(descriptors),
+        operand_descriptor=pccl.ReduceOperandDescriptor(pccl.DataType.FLOAT),
+        quantization_options=pccl.QuantizationOptions(
+            pccl.DataType.FLOAT, pccl.QuantizationAlgorithm.NONE))))
     info = comm.all_reduce_multiple_with_retry(descriptors, max_in_flight=2)
     multiple = {"world": info.local_world_size, "grad": check_sum(grads[0], base),
                 "grad_step": check_sum(grads[1], base * step),
                 "quantized": float(quantized[0]),
                 "quantized_exact": bool((quantized == quantized[0]).all())}
-    if torch is not None:
-        multiple["torch"] = check_sum(tg.numpy(), base)
+    multiple["own"] = check_sum(own, base)
 
     if die_at == (step, "async"):
         die_here()
@@ -230,10 +237,11 @@ def run_peer(args: argparse.Namespace) -> None:
     else:
         weights = np.linspace(-1, 1, STATE_N, dtype=np.float32)
     entries = [pccl.TensorInfo.from_numpy(weights, "weights")]
-    momentum = None
+    momentum = np.full(STATE_N, -1.0 if args.late else 0.5, dtype=np.float64)
     if torch is not None:
-        momentum = torch.full((STATE_N,), -1.0 if args.late else 0.5, dtype=torch.float64)
-        entries.append(pccl.TensorInfo.from_torch(momentum, "momentum"))
+        entries.append(pccl.TensorInfo.from_torch(torch.from_numpy(momentum), "momentum"))
+    else:
+        entries.append(pccl.TensorInfo.from_numpy(momentum, "momentum"))
     state = pccl.SharedState(entries)
 
     if not args.late:
@@ -248,7 +256,7 @@ def run_peer(args: argparse.Namespace) -> None:
         state.revision += 1
     sync = comm.sync_shared_state(state)
     emit("synced", revision=state.revision, digest=digest(weights), rx_bytes=sync.rx_bytes,
-         momentum=digest(momentum) if momentum is not None else None)
+         momentum=digest(momentum))
 
     for step in range(1, args.steps + 1):
         emit("step", **train_step(comm, state, weights, step, w, die_at, torch))
@@ -270,7 +278,8 @@ def main() -> None:
     p.add_argument("--late", action="store_true", help="join a run that is under way")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--die-at", default="", help="STEP:multiple or STEP:async")
-    p.add_argument("--torch", action="store_true", help="also reduce torch tensors")
+    p.add_argument("--torch", action="store_true",
+                   help="hold torch tensors instead of numpy arrays where it can (peers mix)")
     p.add_argument("--hold", action="store_true",
                    help="read a line from stdin before connecting (start early, join later)")
     args = parser.parse_args()

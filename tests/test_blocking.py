@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import importlib.util
 import json
 import os
 import signal
@@ -34,11 +35,7 @@ WAIT = 60.0  # bound on any single wait for another process
 
 
 def _has_torch() -> bool:
-    try:
-        import torch  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    return importlib.util.find_spec("torch") is not None
 
 
 # --- the PCCL-style script, master + peers in processes ------------------------------
@@ -111,6 +108,8 @@ class Script:
 
 @pytest.mark.multiprocess
 async def test_pccl_style_script_runs_on_pccl(tmp_path: Path) -> None:
+    # Peers a and d hold torch tensors where b and c hold numpy arrays (when torch is
+    # installed): the reduces and the shared state mix them.
     torch_args = ["--torch"] if _has_torch() else []
     master = Script("master", ["master", "--listen", "127.0.0.1:0"], tmp_path)
     scripts = [master]
@@ -120,13 +119,13 @@ async def test_pccl_style_script_runs_on_pccl(tmp_path: Path) -> None:
 
         def peer(name: str, weight: int, *extra: str) -> Script:
             s = Script(name, ["peer", "--master", address, "--weight", str(weight),
-                              "--world", "3", "--steps", "3", *torch_args, *extra], tmp_path)
+                              "--world", "3", "--steps", "3", *extra], tmp_path)
             scripts.append(s)
             return s
 
-        a, b, c = peer("a", 1), peer("b", 2, "--die-at", "3:async"), \
+        a, b, c = peer("a", 1, *torch_args), peer("b", 2, "--die-at", "3:async"), \
             peer("c", 4, "--die-at", "2:multiple")
-        d = peer("d", 8, "--late", "--hold")  # joins once a, b, c run as three
+        d = peer("d", 8, "--late", "--hold", *torch_args)  # joins once a, b, c run as 3
         for s in (a, b, c, d):
             await s.start()
         for s in (a, b, c):
@@ -150,10 +149,10 @@ async def test_pccl_style_script_runs_on_pccl(tmp_path: Path) -> None:
             assert r["multiple"] == {"a": {"sum": 7.0, "exact": True},
                                      "b": {"sum": 7.0, "exact": True},
                                      "world": 3, "tx_positive": True}
-            if torch_args:
-                assert r["torch"] == {"bf16_sum": 7.0, "bf16_exact": True,
-                                      "f64": {"sum": 7.0, "exact": True}, "async_ok": True,
-                                      "min": 1, "min_exact": True}
+            assert r["tensors"] == {
+                "kind": "torch" if s is a and torch_args else "numpy", "f16_sum": 7.0,
+                "f16_exact": True, "f64": {"sum": 7.0, "exact": True}, "async_ok": True,
+                "min": 1, "min_exact": True}
 
         # Shared state: the late joiner ends bit-identical, at the run's revision.
         first = [s.of("synced")[0] for s in (a, b, c)]
@@ -178,6 +177,7 @@ async def test_pccl_style_script_runs_on_pccl(tmp_path: Path) -> None:
                 {"sum": 15.0, "exact": True}
             assert (e["multiple"]["quantized"], e["multiple"]["quantized_exact"]) == \
                 (15.0, True)
+            assert e["multiple"]["own"] == {"sum": 15.0, "exact": True}
             assert (e["stats_sum"], e["stats_count"], e["attempts"]) == (15, 4, 1)
         assert c.events[-1] == {"event": "dying"} and not [e for e in c.of("step")
                                                           if e["step"] == 2]
@@ -186,8 +186,7 @@ async def test_pccl_style_script_runs_on_pccl(tmp_path: Path) -> None:
             assert (e["multiple"]["world"], e["stats_world"], e["world"]) == (3, 3, 3)
             assert e["multiple"]["grad"] == {"sum": 11.0, "exact": True}
             assert e["multiple"]["quantized"] == 11.0
-            if torch_args:
-                assert e["multiple"]["torch"] == {"sum": 11.0, "exact": True}
+            assert e["multiple"]["own"] == {"sum": 11.0, "exact": True}
             assert (e["stats_sum"], e["attempts"]) == (11, 1)
         assert b.events[-1] == {"event": "dying"}
         for s in (a, d):
@@ -355,6 +354,36 @@ def test_torch_argument_errors() -> None:
     assert pb.DataType.from_torch_dtype(torch.bfloat16) is pb.DataType.BFLOAT16
     assert pb.DataType.BFLOAT16.to_torch_dtype() is torch.bfloat16
     comm.close()
+
+
+def test_torch_tensors_between_two_peers(master: pb.MasterNode) -> None:
+    torch = pytest.importorskip("torch")
+    a, b = pb.Communicator(master.address, 0), pb.Communicator(master.address, 0)
+    try:
+        _admit(master, a, b)
+        xa = torch.full((300,), 1.5, dtype=torch.bfloat16)
+        xb = torch.full((300,), 2.0, dtype=torch.bfloat16)
+        ia, oa = torch.arange(10, dtype=torch.int64), torch.zeros(10, dtype=torch.int64)
+        wa = torch.linspace(0, 1, 100, dtype=torch.float64)
+        wb = torch.zeros(100, dtype=torch.float64)
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            other = pool.submit(b.all_reduce, xb, xb, op=pb.ReduceOp.SUM)
+            assert a.all_reduce(xa, xa, op=pb.ReduceOp.SUM).local_world_size == 2
+            other.result(timeout=WAIT)
+            other = pool.submit(b.all_reduce_async(
+                ia * 3, torch.zeros(10, dtype=torch.int64), op=pb.ReduceOp.PROD, tag=2).wait)
+            ok, status, _ = a.all_reduce_async(ia, oa, op=pb.ReduceOp.PROD, tag=2).wait()
+            assert other.result(timeout=WAIT)[0] and (ok, status) == (True, 0)
+            sb = pb.SharedState([pb.TensorInfo.from_torch(wb, "w")])
+            other = pool.submit(b.sync_shared_state, sb)
+            a.sync_shared_state(pb.SharedState([pb.TensorInfo.from_torch(wa, "w")]))
+            assert other.result(timeout=WAIT).rx_bytes == wb.numel() * 8
+        assert (xa == 3.5).all() and (xb == xa).all()  # exact in bfloat16
+        assert (oa == torch.arange(10) ** 2 * 3).all() and (ia == torch.arange(10)).all()
+        assert torch.equal(wa, wb)
+    finally:
+        a.close()
+        b.close()
 
 
 def test_world_of_one_behaves_like_pccl(master: pb.MasterNode) -> None:
