@@ -299,15 +299,19 @@ class Worker:
         await node.close()
         await asyncio.gather(*(asyncio.to_thread(time.sleep, 0) for _ in range(2)))
         fds0, threads0 = _fds(), threading.active_count()
-        self.comm = pccl.Communicator(
-            master=self.args.master, p2p_connection_pool_size=2,
-            p2p_listen_host="127.0.0.1", p2p_listen_port=self.args.p2p_port,
-            p2p_advertise_address=self.args.advertise or None,
-            timeout=10.0, p2p_timeout=5.0, peer_timeout=self.args.peer_timeout,
-            reconnect_timeout=self.args.reconnect_timeout)
         rss0 = None
         try:
-            await self.comm.connect(n_attempts=30)
+            # connect() fails when the master dies before this peer was admitted; a
+            # joiner then simply tries again (bounded), as a user's launcher would.
+            for attempt in range(5):
+                self.comm = self._new_comm()
+                try:
+                    await self.comm.connect(n_attempts=30)
+                    break
+                except pccl.MasterConnectionError as e:
+                    if attempt == 4:
+                        raise
+                    _emit(ev="retry", kind=type(e).__name__, message=f"connect: {e}"[:300])
             _emit(ev="accepted", peer_id=self.comm.peer_id)
             while not self.leaving.is_set():
                 try:
@@ -350,6 +354,14 @@ class Worker:
               thread_growth=threading.active_count() - threads0,
               rss_growth_mb=round(_rss_mb() - (rss0 or _rss_mb()), 1))
         return 0
+
+    def _new_comm(self) -> Any:
+        return self.pccl.Communicator(
+            master=self.args.master, p2p_connection_pool_size=2,
+            p2p_listen_host="127.0.0.1", p2p_listen_port=self.args.p2p_port,
+            p2p_advertise_address=self.args.advertise or None,
+            timeout=10.0, p2p_timeout=5.0, peer_timeout=self.args.peer_timeout,
+            reconnect_timeout=self.args.reconnect_timeout)
 
     async def _commands(self, stdin: asyncio.StreamReader) -> None:
         while True:
@@ -415,6 +427,7 @@ class Orchestrator:
         self.kill_in_sync = False
         self.last_master_kill = time.monotonic()
         self.longest_without_step = 0.0
+        self.crashes: list[str] = []
         self._tasks: set[asyncio.Task[Any]] = set()
 
     # -- processes --
@@ -467,6 +480,12 @@ class Orchestrator:
         while True:
             line = await peer.proc.stdout.readline()
             if not line:
+                if not (peer.killed or peer.leaving):
+                    # It exited by itself: a crash or a peer that gave up.
+                    peer.killed = True
+                    self.crashes.append(f"{peer.name} exited on its own (see {peer.stderr_path})")
+                    log.error("%s", self.crashes[-1])
+                    self._own(self.reap(peer))
                 return
             try:
                 ev = json.loads(line)
@@ -725,6 +744,8 @@ class Orchestrator:
             "hang_details": self.hangs,
             "parity_violations": len(self.violations),
             "violation_details": self.violations[:20],
+            "crashes": len(self.crashes),
+            "crash_details": self.crashes,
             "leaks": len(self.leaks),
             "leak_details": self.leaks,
             "max_rss_growth_mb": self.max_rss_growth,
@@ -733,26 +754,28 @@ class Orchestrator:
 
 
 def summary_line(fig: dict[str, Any]) -> str:
-    ok = fig["hangs"] == 0 and fig["parity_violations"] == 0 and fig["leaks"] == 0
+    ok = (fig["hangs"] == 0 and fig["parity_violations"] == 0 and fig["leaks"] == 0
+          and fig["crashes"] == 0)
     return (f"churn {'PASS' if ok else 'FAIL'}: seed {fig['seed']}, {fig['peers']} peers, "
             f"{fig['minutes']} min, {fig['steps']} steps, {fig['kills']} kills "
             f"({fig['kills_mid_reduce']} mid-reduce, {fig['kills_mid_sync']} mid-sync), "
             f"{fig['joins']} joins, {fig['graceful_leaves']} leaves, "
             f"{fig['link_resets'] + fig['link_blackholes']} link faults, "
             f"{fig['master_kills']} master restarts, {fig['hangs']} hangs, "
-            f"{fig['parity_violations']} parity violations, {fig['leaks']} leaks, "
+            f"{fig['parity_violations']} parity violations, {fig['crashes']} crashes, "
+            f"{fig['leaks']} leaks, "
             f"max RSS growth {fig['max_rss_growth_mb']} MB")
 
 
 def _record_markdown(path: Path, fig: dict[str, Any], command: str) -> None:
     header = ("| date | command | min | steps | kills (reduce/sync) | joins | leaves | "
-              "link faults | master restarts | hangs | parity violations | leaks | "
-              "max RSS growth |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|\n")
+              "link faults | master restarts | hangs | parity violations | crashes | leaks | "
+              "max RSS growth |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n")
     row = (f"| {time.strftime('%Y-%m-%d')} | `{command}` | {fig['minutes']} | {fig['steps']} | "
            f"{fig['kills']} ({fig['kills_mid_reduce']}/{fig['kills_mid_sync']}) | "
            f"{fig['joins']} | {fig['graceful_leaves']} | "
            f"{fig['link_resets'] + fig['link_blackholes']} | {fig['master_kills']} | "
-           f"{fig['hangs']} | {fig['parity_violations']} | {fig['leaks']} | "
+           f"{fig['hangs']} | {fig['parity_violations']} | {fig['crashes']} | {fig['leaks']} | "
            f"{fig['max_rss_growth_mb']} MB |\n")
     text = path.read_text() if path.exists() else "# Reliability\n"
     marker = "## Churn soak runs\n"
