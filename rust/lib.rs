@@ -2,6 +2,9 @@
 //! Rust modules with their own tests.
 
 pub mod error;
+#[cfg(any(test, feature = "fuzzing"))]
+#[doc(hidden)]
+pub mod fuzzing;
 pub mod hash;
 pub mod net;
 pub mod py;

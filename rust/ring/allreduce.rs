@@ -288,6 +288,9 @@ struct Shared {
     spec: ReduceSpec,
     /// progress[p] = steps whose piece p has landed and been reduced.
     progress: Vec<AtomicU32>,
+    /// claimed[p] = steps whose piece p some lane has started to receive: each piece is
+    /// handed to one lane only, even if the previous peer announces it on several.
+    claimed: Vec<AtomicU32>,
     /// Pieces landed so far, out of `plan.pieces * plan.steps`.
     landed: AtomicU64,
     advanced: Notify,
@@ -345,6 +348,20 @@ impl Landing for Shared {
                 self.spec.op_id
             )));
         }
+        if self.claimed[p]
+            .compare_exchange(
+                step as u32,
+                step as u32 + 1,
+                Ordering::AcqRel,
+                Ordering::Acquire,
+            )
+            .is_err()
+        {
+            return Err(CoreError::Protocol(format!(
+                "piece {step}/{p} of collective {} arrived twice",
+                self.spec.op_id
+            )));
+        }
         let dst = match self.staging(step, p, expected) {
             Some(slot) => slot,
             None => self.mem.scratch_mut(range),
@@ -396,52 +413,9 @@ pub async fn ring_all_reduce(
     mem: Arc<OpMemory>,
     cancel: CancellationToken,
 ) -> CoreResult<ReduceStats> {
-    if spec.world < 2 {
-        return Err(CoreError::InvalidArgument(
-            "a ring needs at least two peers".into(),
-        ));
-    }
-    if spec.rank >= spec.world {
-        return Err(CoreError::InvalidArgument("rank outside the world".into()));
-    }
-    let plan = Plan::new(&spec, mem.len())?;
-    if plan.piece_elems * plan.elem > links.max_piece() {
-        return Err(CoreError::InvalidArgument(
-            "piece larger than the link's limit".into(),
-        ));
-    }
-    if spec.quant.is_some()
-        && (!spec.dtype.is_float() || !matches!(spec.op, ReduceOp::Sum | ReduceOp::Avg))
-    {
-        return Err(CoreError::InvalidArgument(format!(
-            "quantized all-reduce supports SUM and AVG of float tensors, not {} of {}",
-            spec.op.name(),
-            spec.dtype.name()
-        )));
-    }
-    let op_id = spec.op_id;
-    let total = (plan.pieces * plan.steps) as u64;
-    let qslot = quant::quantized_len(plan.piece_elems);
-    let (rs_stage, ag_stage) = match spec.quant {
-        Some(_) => (
-            Some(Stage::new(plan.pieces * qslot)),
-            Some(Stage::new((plan.world - 1) * plan.pieces * qslot)),
-        ),
-        None => (None, None),
-    };
-    let shared = Arc::new(Shared {
-        rs_stage,
-        ag_stage,
-        qslot,
-        progress: (0..plan.pieces).map(|_| AtomicU32::new(0)).collect(),
-        mem,
-        plan,
-        spec,
-        landed: AtomicU64::new(0),
-        advanced: Notify::new(),
-        tx: AtomicU64::new(0),
-        rx: AtomicU64::new(0),
-    });
+    let shared = Arc::new(Shared::prepare(spec, mem, links.max_piece())?);
+    let op_id = shared.spec.op_id;
+    let total = (shared.plan.pieces * shared.plan.steps) as u64;
     // If this future is dropped half-way (the caller went away), a lane may have left
     // half a frame on the wire: the guard poisons the links and stops the tasks.
     let mut guard = AbortGuard {
@@ -468,6 +442,95 @@ pub async fn ring_all_reduce(
         tx_bytes: shared.tx.load(Ordering::Relaxed),
         rx_bytes: shared.rx.load(Ordering::Relaxed),
     })
+}
+
+impl Shared {
+    /// Checks `spec` against `mem` and the links' piece limit and sets up the op's
+    /// state: the plan, the staging memory of quantized runs and the progress counters.
+    fn prepare(spec: ReduceSpec, mem: Arc<OpMemory>, max_piece: usize) -> CoreResult<Shared> {
+        if spec.world < 2 {
+            return Err(CoreError::InvalidArgument(
+                "a ring needs at least two peers".into(),
+            ));
+        }
+        if spec.rank >= spec.world {
+            return Err(CoreError::InvalidArgument("rank outside the world".into()));
+        }
+        let plan = Plan::new(&spec, mem.len())?;
+        if plan.piece_elems * plan.elem > max_piece {
+            return Err(CoreError::InvalidArgument(
+                "piece larger than the link's limit".into(),
+            ));
+        }
+        if spec.quant.is_some()
+            && (!spec.dtype.is_float() || !matches!(spec.op, ReduceOp::Sum | ReduceOp::Avg))
+        {
+            return Err(CoreError::InvalidArgument(format!(
+                "quantized all-reduce supports SUM and AVG of float tensors, not {} of {}",
+                spec.op.name(),
+                spec.dtype.name()
+            )));
+        }
+        let qslot = quant::quantized_len(plan.piece_elems);
+        let (rs_stage, ag_stage) = match spec.quant {
+            Some(_) => (
+                Some(Stage::new(plan.pieces * qslot)),
+                Some(Stage::new((plan.world - 1) * plan.pieces * qslot)),
+            ),
+            None => (None, None),
+        };
+        Ok(Shared {
+            rs_stage,
+            ag_stage,
+            qslot,
+            progress: (0..plan.pieces).map(|_| AtomicU32::new(0)).collect(),
+            claimed: (0..plan.pieces).map(|_| AtomicU32::new(0)).collect(),
+            mem,
+            plan,
+            spec,
+            landed: AtomicU64::new(0),
+            advanced: Notify::new(),
+            tx: AtomicU64::new(0),
+            rx: AtomicU64::new(0),
+        })
+    }
+}
+
+/// The receiving side of one op, driven by hand instead of by a lane's reader task:
+/// what `crate::fuzzing` feeds untrusted piece streams to.
+#[cfg(any(test, feature = "fuzzing"))]
+pub(crate) struct Receiver(Arc<Shared>);
+
+#[cfg(any(test, feature = "fuzzing"))]
+impl Receiver {
+    pub(crate) fn new(spec: ReduceSpec, mem: Arc<OpMemory>, max_piece: usize) -> CoreResult<Self> {
+        Ok(Receiver(Arc::new(Shared::prepare(spec, mem, max_piece)?)))
+    }
+
+    /// `(steps, pieces)` of the op.
+    pub(crate) fn shape(&self) -> (usize, usize) {
+        (self.0.plan.steps, self.0.plan.pieces)
+    }
+
+    pub(crate) fn landing(&self, step: u32, piece: u32, len: u32) -> CoreResult<(*mut u8, usize)> {
+        self.0.landing(step, piece, len)
+    }
+
+    pub(crate) fn landed(&self, step: u32, piece: u32) -> CoreResult<()> {
+        self.0.landed(step, piece)
+    }
+
+    /// Bytes piece `(step, piece)` takes on the wire.
+    pub(crate) fn wire_len(&self, step: usize, piece: usize) -> usize {
+        let plan = &self.0.plan;
+        self.0
+            .wire_len(plan.piece(plan.recv_chunk(step), piece).len())
+    }
+
+    /// Pieces landed so far.
+    pub(crate) fn landed_count(&self) -> u64 {
+        self.0.landed.load(Ordering::Acquire)
+    }
 }
 
 /// Waits until every sender finished and every expected piece landed. Fails when the
