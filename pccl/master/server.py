@@ -223,6 +223,12 @@ class MasterNode:
         if not (0 < hello.p2p_port < 65536):
             await self._reject(conn, "ProtocolError", f"invalid p2p port {hello.p2p_port}")
             return None
+        # The state adopts a resumed epoch and counts up from it: keep it far below the
+        # largest integer a message can carry.
+        if not (0 <= hello.resume_epoch < 1 << 48):
+            await self._reject(conn, "ProtocolError",
+                               f"invalid resume epoch {hello.resume_epoch}")
+            return None
         peer_id = self._next_peer_id
         resume: st.Resume | None = None
         if 0 < hello.resume_peer_id < 1 << 48:

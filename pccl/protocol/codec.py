@@ -62,7 +62,9 @@ def decode(data: bytes) -> Message:
         raise ProtocolError(f"undecodable frame ({type(e).__name__}: {e})") from None
     if not isinstance(body, dict):
         raise ProtocolError("frame is not a msgpack map")
-    cls = REGISTRY.get(body.pop("t", None))  # type: ignore[arg-type]
+    kind = body.pop("t", None)
+    # Only a str can name a type (a list or map there is unhashable: no dict lookup).
+    cls = REGISTRY.get(kind) if isinstance(kind, str) else None
     if cls is None:
         raise ProtocolError("frame has a missing or unknown message type")
     fields = _FIELDS[cls]
