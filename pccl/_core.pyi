@@ -96,3 +96,8 @@ def content_hash(buffer: Any, threads: int | None = None) -> bytes:
 
 def content_hash_hex(buffer: Any, threads: int | None = None) -> str:
     """``content_hash(buffer, threads).hex()``."""
+
+def copy_into(dst: Any, src: Any, threads: int | None = None) -> None:
+    """Copies ``src`` into ``dst`` (same byte length), GIL released: destination pages
+    populated in bulk first, then copied on up to ``threads`` threads (default: all
+    cores for copies of at least 64 MiB)."""

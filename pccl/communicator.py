@@ -927,8 +927,10 @@ class Communicator:
             outcome = await self._sync_outcome
             if not outcome.ok:
                 raise ERROR_KINDS.get(outcome.kind, PCCLError)(outcome.message)
+            # Not awaited on purpose: the commit must not be interrupted halfway. The
+            # copy releases the GIL and runs on all cores.
             for key, scratch in fetched.items():
-                np.copyto(by_key[key].data, scratch)
+                _core.copy_into(by_key[key].data, scratch)
             state.revision = outcome.revision
             self._last_revision = int(outcome.revision)
             rx = sum(int(a.nbytes) for a in fetched.values())

@@ -20,6 +20,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     py::errors::register(m)?;
     py::hash::register(m)?;
+    py::transfer::register(m)?;
     m.add_class::<py::node::PyP2PNode>()?;
     m.add_class::<py::ring::RingOp>()?;
     Ok(())

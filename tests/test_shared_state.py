@@ -222,3 +222,15 @@ async def test_source_lost_mid_transfer_loses_nothing(pccl_peer_process) -> None
             r = await asyncio.gather(stale.sync_shared_state(state),
                                      src2.call("sync", names=["w"], revision=0))
             assert digest(mine) == r[1]["digests"]["w"]
+
+
+def test_copy_into_copies_exactly_and_checks_lengths() -> None:
+    for n in (0, 1, 4097, (64 << 20) + 3):  # inline and multi-threaded paths
+        src = np.frombuffer(np.random.default_rng(n).bytes(n), dtype=np.uint8)
+        dst = np.zeros(n, dtype=np.uint8)
+        _core.copy_into(dst, src)
+        assert np.array_equal(dst, src)
+    with pytest.raises(pccl.InvalidArgumentError, match="destination has 3 bytes"):
+        _core.copy_into(np.zeros(3, np.uint8), np.zeros(4, np.uint8))
+    with pytest.raises(pccl.InvalidArgumentError, match="read-only"):
+        _core.copy_into(np.frombuffer(b"abcd", np.uint8), np.zeros(4, np.uint8))

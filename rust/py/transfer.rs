@@ -115,3 +115,53 @@ impl PyP2PNode {
         })
     }
 }
+
+/// Copies `src` into `dst` (equal byte lengths) with the GIL released: destination
+/// pages are populated in bulk first (transparent huge pages where the kernel allows),
+/// then the bytes are copied on up to `threads` threads (default: all cores, for copies
+/// of at least 64 MiB). Used to commit fetched shared state.
+#[pyfunction]
+#[pyo3(signature = (dst, src, threads=None))]
+pub fn copy_into(
+    py: Python<'_>,
+    dst: &Bound<'_, PyAny>,
+    src: &Bound<'_, PyAny>,
+    threads: Option<usize>,
+) -> PyResult<()> {
+    let d = raw_buffer(dst, true, "the destination")?;
+    let s = raw_buffer(src, false, "the source")?;
+    if d.len != s.len {
+        return Err(crate::error::CoreError::InvalidArgument(format!(
+            "copy_into: destination has {} bytes, source {}",
+            d.len, s.len
+        ))
+        .into());
+    }
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let threads = threads
+        .unwrap_or(if d.len >= 64 << 20 { cores } else { 1 })
+        .clamp(1, 64);
+    py.detach(move || {
+        transfer::prefault(d.ptr, d.len);
+        // SAFETY: both buffers are exported by live Python objects the caller holds for
+        // the duration of this call; pccl never hands overlapping buffers here.
+        let dst = unsafe { std::slice::from_raw_parts_mut(d.ptr as *mut u8, d.len) };
+        let src = unsafe { std::slice::from_raw_parts(s.ptr as *const u8, s.len) };
+        if threads == 1 {
+            dst.copy_from_slice(src);
+            return;
+        }
+        let per = d.len.div_ceil(threads).max(1);
+        std::thread::scope(|scope| {
+            for (dc, sc) in dst.chunks_mut(per).zip(src.chunks(per)) {
+                scope.spawn(move || dc.copy_from_slice(sc));
+            }
+        });
+    });
+    Ok(())
+}
+
+pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_function(wrap_pyfunction!(copy_into, m)?)?;
+    Ok(())
+}
