@@ -778,7 +778,7 @@ def _record_markdown(path: Path, fig: dict[str, Any], command: str) -> None:
            f"{fig['hangs']} | {fig['parity_violations']} | {fig['crashes']} | {fig['leaks']} | "
            f"{fig['max_rss_growth_mb']} MB |\n")
     text = path.read_text() if path.exists() else "# Reliability\n"
-    marker = "## Churn soak runs\n"
+    marker = "### Churn soak runs\n"
     if marker not in text:
         text = text.rstrip("\n") + "\n\n" + marker + "\n" + header
     head, _, tail = text.partition(marker)
