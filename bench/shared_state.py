@@ -53,6 +53,44 @@ def loopback_gbps(nbytes: int) -> float:
     return nbytes / dt / 1e9
 
 
+def loopback_fresh_gbps(nbytes: int) -> float:
+    """Like :func:`loopback_gbps`, but the receiver lands the bytes in freshly allocated
+    memory (as a joiner must): what raw TCP does when every page is touched first."""
+    srv = socket.create_server(("127.0.0.1", 0))
+    port = srv.getsockname()[1]
+    buf = bytearray(4 * MiB)
+
+    def receive() -> None:
+        conn, _ = srv.accept()
+        dst = memoryview(np.empty(nbytes, dtype=np.uint8))
+        got = 0
+        with conn:
+            while got < nbytes:
+                got += conn.recv_into(dst[got:got + 4 * MiB])
+
+    t = threading.Thread(target=receive)
+    t.start()
+    with socket.create_connection(("127.0.0.1", port)) as s:
+        t0 = time.perf_counter()
+        left = nbytes
+        while left:
+            n = min(left, len(buf))
+            s.sendall(memoryview(buf)[:n])
+            left -= n
+        t.join()
+        dt = time.perf_counter() - t0
+    srv.close()
+    return nbytes / dt / 1e9
+
+
+def first_touch_gbps(nbytes: int) -> float:
+    """Writing freshly allocated memory once (page faults included)."""
+    a = np.empty(nbytes, dtype=np.uint8)
+    t = time.perf_counter()
+    a.fill(1)
+    return nbytes / (time.perf_counter() - t) / 1e9
+
+
 def hash_vs_memcpy(nbytes: int) -> dict[str, float]:
     a = np.ones(nbytes, dtype=np.uint8)
     b = np.empty_like(a)
@@ -72,7 +110,8 @@ def _timed(fn) -> float:  # type: ignore[no-untyped-def]
     return time.perf_counter() - t
 
 
-async def joiner_sync(total: int, sources: int, tensors: int = 4) -> dict[str, float]:
+async def joiner_sync(total: int, sources: int, tensors: int = 4,
+                      touched: bool = False, in_place: bool = False) -> dict[str, float]:
     per = total // tensors // 4
     async with Cluster(sources, pool_size=1, master_kwargs={"heartbeat_timeout": 60.0}) as cl:
         states = []
@@ -83,7 +122,12 @@ async def joiner_sync(total: int, sources: int, tensors: int = 4) -> dict[str, f
         await asyncio.gather(*(c.sync_shared_state(s) for c, s in zip(cl.comms, states)))
         joiner = cl.new_comm()
         await cl.admit([joiner])
+        # A fresh joiner's tensors are new memory; "touched" ones were written before
+        # (a peer that fell behind).
         mine = [np.zeros(per, dtype=np.float32) for _ in range(tensors)]
+        if touched:
+            for t in mine:
+                t.fill(0.25)
         fresh = pccl.SharedState([pccl.TensorInfo.from_numpy(t, f"t{i}")
                                   for i, t in enumerate(mine)])
         for s in states:
@@ -91,7 +135,8 @@ async def joiner_sync(total: int, sources: int, tensors: int = 4) -> dict[str, f
         t0 = time.perf_counter()
         infos = await asyncio.gather(
             *(c.sync_shared_state(s) for c, s in zip(cl.comms, states)),
-            joiner.sync_shared_state(fresh, strategy=pccl.SharedStateSyncStrategy.RECEIVE_ONLY))
+            joiner.sync_shared_state(fresh, strategy=pccl.SharedStateSyncStrategy.RECEIVE_ONLY,
+                                     in_place=in_place))
         dt = time.perf_counter() - t0
         assert all((t == 1.5).all() for t in mine)
         return {"sources": sources, "bytes": infos[-1].rx_bytes, "seconds": dt,
@@ -105,11 +150,19 @@ def main() -> None:
     args = ap.parse_args()
     total = int(args.gib * (1 << 30))
     result = {"loopback_1_stream_GBps": max(loopback_gbps(total // 2) for _ in range(2)),
+              "loopback_1_stream_fresh_memory_GBps": loopback_fresh_gbps(total),
+              "first_touch_GBps": first_touch_gbps(total),
               "hash": hash_vs_memcpy(total // 2)}
-    # Fresh guest memory is slow to touch the first time on this VM (first run: "cold");
-    # the second run reuses memory the process already touched ("warm").
-    result["joiner"] = [{**asyncio.run(joiner_sync(total, k)), "run": run}
-                        for run in ("cold", "warm") for k in (1, 3)]
+    result["joiner"] = [{**asyncio.run(joiner_sync(total, k, touched=touched,
+                                                   in_place=in_place)),
+                         "joiner_tensors": "touched" if touched else "fresh",
+                         "in_place": in_place}
+                        for touched, in_place in ((False, False), (True, False), (False, True))
+                        for k in (1, 3)]
+    lo, lo_fresh = result["loopback_1_stream_GBps"], result["loopback_1_stream_fresh_memory_GBps"]
+    for r in result["joiner"]:
+        r["vs_loopback"] = r["GBps"] / lo
+        r["vs_loopback_fresh_memory"] = r["GBps"] / lo_fresh
     print(json.dumps(result, indent=1))
 
 

@@ -866,16 +866,25 @@ class Communicator:
         self,
         state: SharedState,
         strategy: SharedStateSyncStrategy = SharedStateSyncStrategy.ENFORCE_POPULAR,
+        *,
+        in_place: bool = False,
     ) -> SyncInfo:
         """Brings ``state`` to the content most peers of the group hold (collective).
 
         The master elects the most popular revision and, per tensor, the most popular
         content hash (ties: the content of the earliest-joined holder). Outdated peers
-        fetch tensors peer to peer into scratch buffers, re-hash them, and write them into
-        their tensors only after every peer of the group succeeded; on failure every
-        tensor is left exactly as it was. ``RECEIVE_ONLY`` (a fresh joiner) adopts the
-        popular revision and content; ``SEND_ONLY`` never changes local tensors. Do not
-        modify the tensors while the call runs.
+        fetch tensors peer to peer into scratch buffers, hashing them as they land, and
+        write them into their tensors only after every peer of the group succeeded; on
+        failure every tensor is left exactly as it was. ``RECEIVE_ONLY`` (a fresh joiner)
+        adopts the popular revision and content; ``SEND_ONLY`` never changes local
+        tensors. Do not modify the tensors while the call runs.
+
+        ``in_place=True`` fetches straight into the tensors instead: no scratch memory
+        and no commit copy (the fastest way to bring up a fresh joiner with a large
+        state), but a failed call may leave fetched tensors partly written or holding
+        content that did not verify. Use it only where the local values have nothing to
+        lose (a fresh ``RECEIVE_ONLY`` joiner); the revision still changes only on
+        success.
 
         Example::
 
@@ -910,7 +919,8 @@ class Communicator:
 
             async def fetch(key: str, want: bytes, sources: list[int]) -> None:
                 async with limit:
-                    fetched[key] = await self._fetch_verified(key, want, sources, addrs,
+                    dst = by_key[key].data if in_place else None
+                fetched[key] = await self._fetch_verified(key, want, sources, addrs, dst,
                                                               by_key[key].nbytes)
 
             results = await asyncio.gather(
@@ -930,7 +940,8 @@ class Communicator:
             # Not awaited on purpose: the commit must not be interrupted halfway. The
             # copy releases the GIL and runs on all cores.
             for key, scratch in fetched.items():
-                _core.copy_into(by_key[key].data, scratch)
+                if scratch is not by_key[key].data:
+                    _core.copy_into(by_key[key].data, scratch)
             state.revision = outcome.revision
             self._last_revision = int(outcome.revision)
             rx = sum(int(a.nbytes) for a in fetched.values())
@@ -941,9 +952,11 @@ class Communicator:
                 self._node.unserve_all()
 
     async def _fetch_verified(self, key: str, want: bytes, sources: list[int],
-                              addrs: dict[int, str], nbytes: int) -> np.ndarray:
-        """Fetches ``key`` from the first source that delivers the expected content."""
-        scratch = np.empty(nbytes, dtype=np.uint8)
+                              addrs: dict[int, str], dst: np.ndarray | None,
+                              nbytes: int) -> np.ndarray:
+        """Fetches ``key`` from the first source that delivers the expected content, into
+        a scratch buffer (or straight into ``dst``)."""
+        scratch = np.empty(nbytes, dtype=np.uint8) if dst is None else dst
         errors = []
         for src in sources:
             started = time.perf_counter()

@@ -234,3 +234,14 @@ def test_copy_into_copies_exactly_and_checks_lengths() -> None:
         _core.copy_into(np.zeros(3, np.uint8), np.zeros(4, np.uint8))
     with pytest.raises(pccl.InvalidArgumentError, match="read-only"):
         _core.copy_into(np.frombuffer(b"abcd", np.uint8), np.zeros(4, np.uint8))
+
+
+async def test_in_place_receive_only_lands_straight_in_the_tensors(pccl_cluster) -> None:
+    cluster = await pccl_cluster(3)
+    pairs = [make_state(4, revision=2) for _ in range(2)]
+    fresh, tensors = make_state(99)
+    infos = await asyncio.gather(
+        *(c.sync_shared_state(s) for c, (s, _) in zip(cluster.comms, pairs)),
+        cluster.comms[2].sync_shared_state(fresh, S.RECEIVE_ONLY, in_place=True))
+    assert hashes(tensors) == hashes(pairs[0][1]) and fresh.revision == 2
+    assert infos[2].rx_bytes == sum(t.nbytes for t in tensors.values())
