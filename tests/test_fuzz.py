@@ -362,6 +362,7 @@ def _assert_baseline(live: Live, real: set[int], handlers: set[asyncio.Task[None
     assert master._handlers == handlers
     assert s.phase is st.Phase.IDLE and not s.votes and s.round is None
     assert not s.collectives and not s.syncs and not s.recovery_awaiting
+    assert set(s.last_revision) <= real  # resumed revisions of fakes are forgotten too
     assert not live.errors.records, [r.getMessage() for r in live.errors.records]
 
 
