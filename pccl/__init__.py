@@ -14,6 +14,7 @@ group. See ``README.md`` and ``docs/`` for the full picture::
     asyncio.run(main())
 """
 
+from pccl import _shutdown  # noqa: F401  (atexit hook: see the module)
 from pccl._core import __version__ as _core_version
 from pccl.communicator import (
     Communicator,
