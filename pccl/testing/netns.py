@@ -227,8 +227,9 @@ class MasterProcess:
                 self.proc.kill()
         await self.proc.wait()
         if self._reader is not None:
-            with contextlib.suppress(Exception):
-                await self._reader
+            await asyncio.wait({self._reader}, timeout=timeout)  # EOF follows the exit
+            self._reader.cancel()
+            await asyncio.gather(self._reader, return_exceptions=True)
         transport = getattr(self.proc, "_transport", None)
         if transport is not None:
             transport.close()

@@ -130,8 +130,11 @@ class PeerProcess:
             self.proc.kill()
         await self.proc.wait()
         if self._reader is not None:
-            with contextlib.suppress(Exception):
-                await self._reader
+            # EOF comes once every holder of the pipe is gone: bounded, in case a
+            # command prefix left a grandchild holding it.
+            await asyncio.wait({self._reader}, timeout=10)
+            self._reader.cancel()
+            await asyncio.gather(self._reader, return_exceptions=True)
         if self.proc.stdin is not None:
             self.proc.stdin.close()
             with contextlib.suppress(Exception):
