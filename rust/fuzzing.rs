@@ -676,7 +676,11 @@ pub fn transfer_fetch(data: &[u8]) {
             assert_eq!(input[0], 0);
             assert_eq!(input[1..9], (dst.len() as u64).to_be_bytes());
             assert_eq!(dst[..], input[9..9 + dst.len()]);
-            assert_eq!(hash, crate::hash::content_hash(&dst), "hashed while landing");
+            assert_eq!(
+                hash,
+                crate::hash::content_hash(&dst),
+                "hashed while landing"
+            );
         }
         Err(CoreError::PeerConnection(_)) => {}
         Err(CoreError::InvalidUsage(_)) => {
