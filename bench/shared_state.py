@@ -153,6 +153,7 @@ def main() -> None:
               "loopback_1_stream_fresh_memory_GBps": loopback_fresh_gbps(total),
               "first_touch_GBps": first_touch_gbps(total),
               "hash": hash_vs_memcpy(total // 2)}
+    asyncio.run(joiner_sync(64 * MiB, 1))  # warm-up: runtime, pools, allocator
     result["joiner"] = [{**asyncio.run(joiner_sync(total, k, touched=touched,
                                                    in_place=in_place)),
                          "joiner_tensors": "touched" if touched else "fresh",

@@ -884,7 +884,8 @@ class Communicator:
         state), but a failed call may leave fetched tensors partly written or holding
         content that did not verify. Use it only where the local values have nothing to
         lose (a fresh ``RECEIVE_ONLY`` joiner); the revision still changes only on
-        success.
+        success. With ``RECEIVE_ONLY`` it also skips hashing the local tensors: every
+        tensor is fetched (and verified), even one that happened to be equal.
 
         Example::
 
@@ -897,8 +898,13 @@ class Communicator:
         strategy = SharedStateSyncStrategy(strategy)
         raws = [as_raw(i.tensor, writable=strategy != SharedStateSyncStrategy.SEND_ONLY,
                        what=f"shared state {i.name!r}") for i in state.infos]
-        hashes = await asyncio.gather(*(asyncio.to_thread(_core.content_hash, r.data)
-                                        for r in raws))
+        if in_place and strategy == SharedStateSyncStrategy.RECEIVE_ONLY:
+            # Nothing to lose and everything to take: no use hashing what gets replaced
+            # (an empty hash never matches, so every tensor is fetched and verified).
+            hashes = [b""] * len(raws)
+        else:
+            hashes = await asyncio.gather(*(asyncio.to_thread(_core.content_hash, r.data)
+                                            for r in raws))
         by_key = {i.name: r for i, r in zip(state.infos, raws)}
         loop = asyncio.get_running_loop()
         self._sync_plan, self._sync_outcome = loop.create_future(), loop.create_future()
