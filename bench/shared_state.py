@@ -25,48 +25,25 @@ from pccl.testing import Cluster
 MiB = 1 << 20
 
 
-def loopback_gbps(nbytes: int) -> float:
-    """One plain TCP stream on 127.0.0.1, sender and receiver threads (GIL released)."""
+def loopback_gbps(nbytes: int, fresh: bool = False) -> float:
+    """One plain TCP stream on 127.0.0.1, sender and receiver threads (GIL released).
+    ``fresh``: the receiver lands the bytes in freshly allocated memory (as a joiner
+    must), so every page is touched for the first time while bytes arrive."""
     srv = socket.create_server(("127.0.0.1", 0))
     port = srv.getsockname()[1]
     buf = bytearray(4 * MiB)
 
     def receive() -> None:
         conn, _ = srv.accept()
-        view, left = memoryview(bytearray(4 * MiB)), nbytes
-        with conn:
-            while left:
-                left -= conn.recv_into(view[:min(left, len(view))])
-
-    t = threading.Thread(target=receive)
-    t.start()
-    with socket.create_connection(("127.0.0.1", port)) as s:
-        t0 = time.perf_counter()
-        left = nbytes
-        while left:
-            n = min(left, len(buf))
-            s.sendall(memoryview(buf)[:n])
-            left -= n
-        t.join()
-        dt = time.perf_counter() - t0
-    srv.close()
-    return nbytes / dt / 1e9
-
-
-def loopback_fresh_gbps(nbytes: int) -> float:
-    """Like :func:`loopback_gbps`, but the receiver lands the bytes in freshly allocated
-    memory (as a joiner must): what raw TCP does when every page is touched first."""
-    srv = socket.create_server(("127.0.0.1", 0))
-    port = srv.getsockname()[1]
-    buf = bytearray(4 * MiB)
-
-    def receive() -> None:
-        conn, _ = srv.accept()
-        dst = memoryview(np.empty(nbytes, dtype=np.uint8))
+        if fresh:
+            dst, step = memoryview(np.empty(nbytes, dtype=np.uint8)), 4 * MiB
+        else:
+            dst, step = memoryview(bytearray(4 * MiB)), 0
         got = 0
         with conn:
             while got < nbytes:
-                got += conn.recv_into(dst[got:got + 4 * MiB])
+                at = got if step else 0
+                got += conn.recv_into(dst[at:at + min(4 * MiB, nbytes - got)])
 
     t = threading.Thread(target=receive)
     t.start()
@@ -150,7 +127,7 @@ def main() -> None:
     args = ap.parse_args()
     total = int(args.gib * (1 << 30))
     result = {"loopback_1_stream_GBps": max(loopback_gbps(total // 2) for _ in range(2)),
-              "loopback_1_stream_fresh_memory_GBps": loopback_fresh_gbps(total),
+              "loopback_1_stream_fresh_memory_GBps": loopback_gbps(total, fresh=True),
               "first_touch_GBps": first_touch_gbps(total),
               "hash": hash_vs_memcpy(total // 2)}
     asyncio.run(joiner_sync(64 * MiB, 1))  # warm-up: runtime, pools, allocator
