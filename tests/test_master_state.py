@@ -37,6 +37,7 @@ from pccl.master.state import (
     Received,
     RecoveryTimeout,
     Resume,
+    RoundTimeout,
     Send,
 )
 from pccl.protocol import messages as m
@@ -223,6 +224,23 @@ def test_resuming_peer_at_a_running_master_is_a_plain_joiner() -> None:
     assert resume(st, 4, 1, 2, [1, 2, 4]) == []
     assert st.pending() == [4] and not st.recovery_awaiting
     assert st.last_revision == {4: 2}
+
+
+def test_round_timeout_drops_members_that_never_reported() -> None:
+    st = run_with([0, 0])
+    join(st, 3)
+    vote(st, 1)
+    vote(st, 2)
+    assert st.round is not None and st.round.epoch == 3
+    report(st, 1, 3)
+    report(st, 2, 3)
+    assert st.handle(RoundTimeout(2)) == []  # a stale timer changes nothing
+    out = st.handle(RoundTimeout(3))
+    assert Disconnect(3, TEXT) in out
+    assert establish(4, [1, 2]) == [c for c in out if isinstance(c, Send)
+                                    and isinstance(c.msg, m.EstablishP2P)]
+    report_all(st)
+    assert st.accepted() == [1, 2] and 3 not in st.peers
 
 
 def test_second_peer_waits_for_a_vote_of_the_accepted_peer() -> None:

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import resource
 import struct
 
+import numpy as np
 import pytest
 
 import pccl
@@ -249,3 +251,38 @@ async def test_peers_notice_a_dead_master() -> None:
             async with asyncio.timeout(10):
                 while True:  # bounded by the timeout: the reader notices EOF promptly
                     await a.are_peers_pending()
+
+
+async def test_peer_that_never_reports_its_links_cannot_stall_a_round() -> None:
+    """A registered peer answers heartbeats but never reports its p2p links: the round
+    that would admit it ends at establish_timeout without it, and the others go on."""
+    async with Cluster(2, master_kwargs={"establish_timeout": 1.0}) as cluster:
+        reader, writer = await _raw(cluster.master.address)
+        prefix = await reader.readexactly(4)
+        await reader.readexactly(codec.parse_length(prefix, 1 << 20))
+        writer.write(codec.frame(m.Hello(version=PROTOCOL_VERSION, peer_group=0, p2p_port=9,
+                                         p2p_host="127.0.0.1", nonce=b"n" * 16, mac=b"")))
+
+        async def answer_pings_only() -> None:
+            while True:
+                n = codec.parse_length(await reader.readexactly(4), 1 << 20)
+                msg = codec.decode(await reader.readexactly(n))
+                if isinstance(msg, m.Ping):
+                    writer.write(codec.frame(m.Pong(seq=msg.seq)))
+
+        pinger = asyncio.create_task(answer_pings_only())
+        try:
+            await cluster.master.wait_for(lambda s: len(s.pending()) == 1)
+            a, b = cluster.comms
+            async with asyncio.timeout(30):
+                await asyncio.gather(a.update_topology(), b.update_topology())
+            assert attrs(a)[0] == 2 and not cluster.master.state.pending()
+            x, y = np.ones(8, np.float32), np.full(8, 2, np.float32)
+            await asyncio.gather(a.all_reduce(x), b.all_reduce(y))
+            assert np.array_equal(x, np.full(8, 3, np.float32))
+        finally:
+            pinger.cancel()
+            await asyncio.gather(pinger, return_exceptions=True)
+            writer.close()
+            with contextlib.suppress(ConnectionError):
+                await writer.wait_closed()

@@ -68,6 +68,7 @@ class MasterNode:
         max_frame: int = MAX_FRAME,
         max_establish_attempts: int = 3,
         recovery_grace: float = 5.0,
+        establish_timeout: float = 60.0,
     ) -> None:
         if heartbeat_timeout <= heartbeat_interval:
             raise ValueError("heartbeat_timeout must exceed heartbeat_interval")
@@ -80,6 +81,10 @@ class MasterNode:
         # After a restart: how long to wait for the rest of an old group once one of its
         # peers has come back, before admitting whoever is there.
         self.recovery_grace = recovery_grace
+        # A round of update_topology() whose members have not all reported their p2p
+        # links by then treats the silent ones as unreachable.
+        self.establish_timeout = establish_timeout
+        self._timed_epoch = -1
         self.state = st.MasterState(max_establish_attempts=max_establish_attempts)
         self._server: asyncio.Server | None = None
         self._conns: dict[int, FramedConnection] = {}
@@ -298,12 +303,25 @@ class MasterNode:
                     log.info("peer %d disconnected: %s", cmd.peer_id, cmd.reason)
                     # close() flushes what is queued (e.g. a final error) before closing.
                     conn.writer.close()
+        rnd = self.state.round
+        if rnd is not None and rnd.epoch != self._timed_epoch:
+            self._timed_epoch = rnd.epoch
+            self._own(self._round_timer(rnd.epoch), "pccl-master-round-timer")
         self._changed.set()
 
     def _own(self, coro: Any, name: str) -> None:
         task = asyncio.create_task(coro, name=name)
         self._handlers.add(task)
         task.add_done_callback(self._handlers.discard)
+
+    async def _round_timer(self, epoch: int) -> None:
+        await asyncio.sleep(self.establish_timeout)  # a deadline, not a synchronisation
+        rnd = self.state.round
+        if rnd is not None and rnd.epoch == epoch:
+            silent = sorted(set(rnd.members) - rnd.reported)
+            log.warning("round %d: peers %s did not report their p2p links within %.1fs; "
+                        "treating them as unreachable", epoch, silent, self.establish_timeout)
+            self._feed(st.RoundTimeout(epoch))
 
     async def _recovery_timer(self, recovery_id: int) -> None:
         log.info("waiting up to %.1fs for the rest of the old group to come back",

@@ -110,7 +110,17 @@ class BetterRing:
     ring: list[int]
 
 
-Event = PeerRegistered | PeerLost | Received | Solved | BetterRing | RecoveryTimeout
+@dataclasses.dataclass(frozen=True)
+class RoundTimeout:
+    """The round of ``epoch`` has been establishing p2p links for too long (the server
+    times every round). Members that have not reported by now count as unreachable: a
+    peer that answers heartbeats but never reports must not stall everyone."""
+
+    epoch: int
+
+
+Event = (PeerRegistered | PeerLost | Received | Solved | BetterRing | RecoveryTimeout
+         | RoundTimeout)
 
 
 # --- commands -----------------------------------------------------------------------
@@ -275,6 +285,13 @@ class MasterState:
             if event.round_id == self.opt_round and set(event.ring) == members:
                 self.ring_order[event.group] = list(event.ring)
                 self.rings_stale = True  # the next update_topology() rebuilds in it
+        elif isinstance(event, RoundTimeout):
+            rnd = self.round
+            if rnd is not None and rnd.epoch == event.epoch:
+                silent = [p for p in rnd.members if p not in rnd.reported]
+                rnd.unreachable.update(silent)
+                rnd.reported.update(silent)
+                self._maybe_finish_round(out)
         elif isinstance(event, RecoveryTimeout):
             if event.recovery_id == self.recovery_id and self.recovery_awaiting:
                 self.recovery_awaiting.clear()
