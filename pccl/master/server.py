@@ -85,6 +85,7 @@ class MasterNode:
         # links by then treats the silent ones as unreachable.
         self.establish_timeout = establish_timeout
         self._timed_epoch = -1
+        self._round_timer_task: asyncio.Task[Any] | None = None
         self.state = st.MasterState(max_establish_attempts=max_establish_attempts)
         self._server: asyncio.Server | None = None
         self._conns: dict[int, FramedConnection] = {}
@@ -306,13 +307,17 @@ class MasterNode:
         rnd = self.state.round
         if rnd is not None and rnd.epoch != self._timed_epoch:
             self._timed_epoch = rnd.epoch
-            self._own(self._round_timer(rnd.epoch), "pccl-master-round-timer")
+            if self._round_timer_task is not None:
+                self._round_timer_task.cancel()  # that round is over
+            self._round_timer_task = self._own(self._round_timer(rnd.epoch),
+                                               "pccl-master-round-timer")
         self._changed.set()
 
-    def _own(self, coro: Any, name: str) -> None:
+    def _own(self, coro: Any, name: str) -> asyncio.Task[Any]:
         task = asyncio.create_task(coro, name=name)
         self._handlers.add(task)
         task.add_done_callback(self._handlers.discard)
+        return task
 
     async def _round_timer(self, epoch: int) -> None:
         await asyncio.sleep(self.establish_timeout)  # a deadline, not a synchronisation
