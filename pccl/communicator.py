@@ -585,7 +585,8 @@ class Communicator:
         elif isinstance(msg, m.WorldInfo):
             self._world = msg
         elif isinstance(msg, m.TopologyUpdated):
-            self._spawn(self._topology_updated(msg), f"pccl-topology-{self.peer_id}")
+            self._spawn(self._topology_updated(msg, self._conn),
+                        f"pccl-topology-{self.peer_id}")
         elif isinstance(msg, m.CollectivePerform):
             col = self._collectives.get(msg.tag)
             if col is not None and not col.perform.done():
@@ -650,8 +651,11 @@ class Communicator:
         if self._lost is None and self._conn is not None:
             self._conn.send_nowait(m.P2PReport(epoch=msg.epoch, failed=failed))
 
-    async def _topology_updated(self, msg: m.TopologyUpdated) -> None:
+    async def _topology_updated(self, msg: m.TopologyUpdated,
+                                conn: FramedConnection | None) -> None:
         """Installs the ring links of the new epoch, then releases the waiting call."""
+        if conn is not self._conn:
+            return  # from a master connection lost meanwhile: its round is void
         if self._world is not None:
             self.ring = list(self._world.ring)
         error: PCCLError | None = None
@@ -667,6 +671,8 @@ class Communicator:
                 self._ring_epoch = msg.epoch
             except PCCLError as e:
                 error = UpdateTopologyFailedError(f"could not take over the ring links: {e}")
+        if conn is not self._conn:
+            return  # from a master connection lost meanwhile: its round is void
         self.epoch = msg.epoch
         if self.state in (PeerState.REGISTERED, PeerState.RECONNECTING):
             fut = self._accepted
