@@ -191,9 +191,9 @@ pub fn frames(data: &[u8]) {
                 block_on(write_frame(&mut again, &buf)).unwrap();
                 assert_eq!(again.written, rest[..4 + body.len()]);
             }
-            // EOF where a prefix should start (or inside it).
+            // A clean end only where a prefix should start; EOF inside one is an error.
             Ok(false) => {
-                assert!(rest.len() < 4);
+                assert!(rest.is_empty(), "a truncated prefix read as a clean end");
                 return;
             }
             Err(CoreError::Protocol(_)) => {
@@ -204,8 +204,10 @@ pub fn frames(data: &[u8]) {
                 return;
             }
             Err(CoreError::PeerConnection(_)) => {
-                let n = declared.expect("a complete prefix");
-                assert!(n <= max && rest.len() < 4 + n, "a truncated body only");
+                match declared {
+                    None => assert!(!rest.is_empty(), "an error at a clean end"),
+                    Some(n) => assert!(n <= max && rest.len() < 4 + n, "a truncated body only"),
+                }
                 return;
             }
             Err(e) => panic!("unexpected error kind: {e:?}"),
@@ -634,16 +636,17 @@ pub fn transfer_serve(data: &[u8]) {
         rest = next;
     }
     assert_eq!(script.written, want);
-    // What stopped the replay: EOF (fewer than 4 bytes left), a key that is not UTF-8,
-    // an oversized request, or a truncated one.
+    // What stopped the replay: EOF (nothing left), a key that is not UTF-8, an oversized
+    // request, or a truncated one (prefix or body).
     let declared = rest
         .get(..4)
         .map(|p| u32::from_be_bytes(p.try_into().unwrap()) as usize);
     match got {
-        Ok(()) => assert!(!bad_key && declared.is_none(), "served past a bad request"),
+        Ok(()) => assert!(!bad_key && rest.is_empty(), "served past a bad request"),
         Err(CoreError::Protocol(_)) => assert!(bad_key || declared.unwrap() > 4096),
         Err(CoreError::PeerConnection(_)) => {
-            assert!(!bad_key && declared.unwrap() <= 4096);
+            // A truncated length prefix, or a truncated request body.
+            assert!(!bad_key && !rest.is_empty() && declared.is_none_or(|n| n <= 4096));
         }
         Err(e) => panic!("unexpected error kind: {e:?}"),
     }

@@ -163,7 +163,12 @@ impl LeafHasher {
         let start = self.digests.len();
         let n = chunk.len().div_ceil(LEAF_SIZE);
         self.digests.resize(start + n * DIGEST_BYTES, 0);
-        hash_leaves(chunk, LEAF_SIZE, self.len / LEAF_SIZE, &mut self.digests[start..]);
+        hash_leaves(
+            chunk,
+            LEAF_SIZE,
+            self.len / LEAF_SIZE,
+            &mut self.digests[start..],
+        );
         self.len += chunk.len();
     }
 
@@ -253,14 +258,25 @@ mod tests {
 
     #[test]
     fn leaf_hasher_matches_content_hash_for_any_whole_leaf_chunking() {
-        for len in [0, 1, LEAF_SIZE - 1, LEAF_SIZE, 3 * LEAF_SIZE + 17, 9 * LEAF_SIZE] {
+        for len in [
+            0,
+            1,
+            LEAF_SIZE - 1,
+            LEAF_SIZE,
+            3 * LEAF_SIZE + 17,
+            9 * LEAF_SIZE,
+        ] {
             let data = pattern(len, 7);
             for per in [1, 2, 4] {
                 let mut h = LeafHasher::new();
                 for chunk in data.chunks(per * LEAF_SIZE) {
                     h.update(chunk);
                 }
-                assert_eq!(h.finish(), content_hash(&data), "len {len}, {per} leaves per chunk");
+                assert_eq!(
+                    h.finish(),
+                    content_hash(&data),
+                    "len {len}, {per} leaves per chunk"
+                );
             }
         }
     }

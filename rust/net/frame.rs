@@ -14,11 +14,18 @@ pub async fn read_frame<R: AsyncRead + Unpin>(
     max_len: usize,
 ) -> CoreResult<bool> {
     let mut len_bytes = [0u8; 4];
-    match reader.read_exact(&mut len_bytes).await {
-        Ok(_) => {}
-        Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(false),
-        Err(e) => return Err(CoreError::io("reading frame header", e)),
+    let got = reader
+        .read(&mut len_bytes)
+        .await
+        .map_err(|e| CoreError::io("reading frame header", e))?;
+    if got == 0 {
+        return Ok(false);
     }
+    // EOF inside the length prefix is a truncated frame, not a clean end.
+    reader
+        .read_exact(&mut len_bytes[got..])
+        .await
+        .map_err(|e| CoreError::io("reading frame header", e))?;
     let len = u32::from_be_bytes(len_bytes) as usize;
     if len > max_len {
         return Err(CoreError::Protocol(format!(
@@ -55,6 +62,18 @@ pub async fn write_frame<W: AsyncWrite + Unpin>(writer: &mut W, body: &[u8]) -> 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[tokio::test]
+    async fn eof_inside_the_length_prefix_is_an_error() {
+        let (mut a, mut b) = tokio::io::duplex(64);
+        a.write_all(&[0, 0]).await.unwrap();
+        drop(a);
+        let mut buf = Vec::new();
+        assert!(read_frame(&mut b, &mut buf, 16).await.is_err());
+        let (a, mut b) = tokio::io::duplex(64);
+        drop(a);
+        assert!(!read_frame(&mut b, &mut buf, 16).await.unwrap());
+    }
 
     #[tokio::test]
     async fn round_trip() {
