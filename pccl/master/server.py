@@ -305,12 +305,14 @@ class MasterNode:
                     # close() flushes what is queued (e.g. a final error) before closing.
                     conn.writer.close()
         rnd = self.state.round
-        if rnd is not None and rnd.epoch != self._timed_epoch:
-            self._timed_epoch = rnd.epoch
+        if rnd is None or rnd.epoch != self._timed_epoch:
             if self._round_timer_task is not None:
                 self._round_timer_task.cancel()  # that round is over
-            self._round_timer_task = self._own(self._round_timer(rnd.epoch),
-                                               "pccl-master-round-timer")
+                self._round_timer_task = None
+            if rnd is not None:
+                self._timed_epoch = rnd.epoch
+                self._round_timer_task = self._own(self._round_timer(rnd.epoch),
+                                                   "pccl-master-round-timer")
         self._changed.set()
 
     def _own(self, coro: Any, name: str) -> asyncio.Task[Any]:
