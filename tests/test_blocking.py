@@ -631,11 +631,17 @@ def test_ctrl_c_calls_a_blocked_reduce_off(master: pb.MasterNode) -> None:
                 # b never joins; a failed wait_for still fails the test below.
                 os.kill(os.getpid(), signal.SIGINT)
 
-        with concurrent.futures.ThreadPoolExecutor(1) as pool:
-            sender = pool.submit(interrupt_once_a_waits)
-            with pytest.raises(KeyboardInterrupt):
-                a.all_reduce(x, x, op=pb.ReduceOp.SUM)  # b never joins this one
-            sender.result(timeout=WAIT)
+        # A process started in the background by a non-interactive shell (as CI may
+        # be) inherits SIGINT ignored; Ctrl-C is what this test is about, so restore it.
+        previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+        try:
+            with concurrent.futures.ThreadPoolExecutor(1) as pool:
+                sender = pool.submit(interrupt_once_a_waits)
+                with pytest.raises(KeyboardInterrupt):
+                    a.all_reduce(x, x, op=pb.ReduceOp.SUM)  # b never joins this one
+                sender.result(timeout=WAIT)
+        finally:
+            signal.signal(signal.SIGINT, previous)
         # The reduce was called off at the master, not left waiting for b.
         master.wait_for(lambda s: not s.collectives)
         assert (x == np.arange(100)).all()
