@@ -48,7 +48,6 @@ from common import (
     busbw_factor,
     collect,
     fmt_size,
-    free_port,
     get_one,
     iter_wall_times,
     machine_info,
@@ -57,6 +56,8 @@ from common import (
     report_failure,
     summarize,
 )
+
+from pccl.testing import free_port
 
 TCP_CHUNK = 4 * MIB  # bytes per send()/recv_into() in the loopback measurement
 SETUP_TIMEOUT = 120.0  # seconds for spawning, joining and admitting a set of peers

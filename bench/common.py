@@ -13,7 +13,6 @@ import multiprocessing as mp
 import os
 import platform
 import queue as _queue
-import socket
 import statistics
 import subprocess
 import sys
@@ -134,13 +133,6 @@ def get_one(q: Any, kids: Children, timeout: float, what: str) -> Any:
     """One message from a child (an address, a port), bounded like :func:`collect`."""
     msgs = collect(q, kids, 1, timeout, what)
     return msgs[-1]
-
-
-def free_port() -> int:
-    """A TCP port that was free a moment ago on 127.0.0.1 (for rendezvous addresses)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 # --- numbers -------------------------------------------------------------------------

@@ -58,7 +58,6 @@ import contextlib
 import json
 import logging
 import os
-import socket
 import sys
 import time
 import traceback
@@ -71,6 +70,7 @@ from typing import Any
 import numpy as np
 
 import pccl
+from pccl.testing import free_port
 
 log = logging.getLogger("sharded_nodes")
 
@@ -447,12 +447,6 @@ def worker_main(args: argparse.Namespace) -> None:
 
 
 # --- the driver: a master and the nodes' processes ------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class RankProcess:

@@ -45,7 +45,6 @@ import hashlib
 import json
 import os
 import signal
-import socket
 import sys
 import time
 from pathlib import Path
@@ -308,12 +307,6 @@ def worker_main(a: argparse.Namespace) -> int:
 # --- launcher ------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 class Run:
     """One configuration: a master, the peers behind their emulators, their reports."""
 
@@ -347,10 +340,10 @@ class Run:
         self.master_addr = line.split()[-1]
 
     async def spawn(self, name: str, shard: int, joiner: bool) -> None:
-        from pccl.testing import LinkEmulator
+        from pccl.testing import LinkEmulator, free_port
 
         a = self.a
-        port = _free_port()
+        port = free_port()
         emu = LinkEmulator(f"127.0.0.1:{port}", latency=a.latency, bandwidth=a.bandwidth)
         await emu.start()
         self.emus.append(emu)

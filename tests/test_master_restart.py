@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import socket
 import sys
 
 import numpy as np
@@ -14,7 +13,7 @@ import pytest
 import pccl
 from pccl import _core
 from pccl.communicator import PeerState
-from pccl.testing import Cluster
+from pccl.testing import Cluster, free_port
 from pccl.testing.data import deterministic_tensor
 
 S = pccl.SharedStateSyncStrategy
@@ -157,12 +156,6 @@ async def test_close_while_reconnecting_is_clean(pccl_cluster) -> None:
         await waiting
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 async def _master_process(port: int) -> asyncio.subprocess.Process:
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "pccl", "master", "--listen", f"127.0.0.1:{port}",
@@ -182,7 +175,7 @@ async def _admit_one(accepted: list, newcomer) -> None:
 @pytest.mark.multiprocess
 async def test_sigkilled_master_process_is_replaced(pccl_peer_process) -> None:
     """A real master process SIGKILLed and started again; the peers are processes."""
-    port = _free_port()
+    port = free_port()
     address = f"127.0.0.1:{port}"
     masters = [await _master_process(port)]
     try:

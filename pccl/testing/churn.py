@@ -45,7 +45,6 @@ import logging
 import os
 import random
 import signal
-import socket
 import sys
 import threading
 import time
@@ -55,6 +54,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from pccl.testing.processes import free_port
 
 log = logging.getLogger("pccl.churn")
 
@@ -380,12 +381,6 @@ def worker_main(args: argparse.Namespace) -> int:
 # --- orchestrator ----------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @dataclasses.dataclass
 class Peer:
     name: str
@@ -411,7 +406,7 @@ class Orchestrator:
         self.rng = random.Random(args.seed)
         self.sz = Sizes(args.params, args.moment, args.quant)
         self.replay = Replay(self.sz)
-        self.port = _free_port()
+        self.port = free_port()
         self.master: asyncio.subprocess.Process | None = None
         self.peers: dict[str, Peer] = {}
         self.n_spawned = 0
@@ -452,7 +447,7 @@ class Orchestrator:
 
         self.n_spawned += 1
         name = f"peer{self.n_spawned}"
-        p2p_port = _free_port()
+        p2p_port = free_port()
         link = LinkEmulator(f"127.0.0.1:{p2p_port}")
         await link.start()
         stderr_path = self.run_dir / f"{name}.log"

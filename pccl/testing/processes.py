@@ -7,12 +7,21 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import sys
 from collections.abc import Sequence
 from types import TracebackType
 from typing import Any
 
 from pccl.errors import ERROR_KINDS, PCCLError
+
+
+def free_port() -> int:
+    """A TCP port that was free a moment ago on 127.0.0.1 (for a listener a child
+    process or a test binds next; another process may take it meanwhile)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 class PeerProcess:
