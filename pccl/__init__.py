@@ -46,7 +46,7 @@ from pccl.errors import (
     UpdateTopologyFailedError,
 )
 from pccl.master import MasterNode
-from pccl.shared_state import SharedState, SyncInfo, TensorInfo
+from pccl.shared_state import SharedState, SyncInfo, SyncProgress, TensorInfo
 
 __version__ = _core_version
 
@@ -74,6 +74,7 @@ __all__ = [
     "SharedState",
     "SharedStateSyncStrategy",
     "SyncInfo",
+    "SyncProgress",
     "TensorInfo",
     "TooFewPeersError",
     "TopologyOptimizationFailedError",

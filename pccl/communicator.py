@@ -10,6 +10,7 @@ import hmac
 import logging
 import secrets as _secrets
 import time
+from collections.abc import Callable
 from types import TracebackType
 from typing import Any
 
@@ -36,7 +37,7 @@ from pccl.master.server import DEFAULT_PORT, master_mac, peer_mac, split_host_po
 from pccl.protocol import MAX_FRAME, PROTOCOL_VERSION
 from pccl.protocol import messages as m
 from pccl.protocol.transport import ConnectionClosed, FramedConnection
-from pccl.shared_state import SharedState, SyncInfo
+from pccl.shared_state import SharedState, SyncInfo, SyncProgress
 from pccl.tensors import RawTensor, as_raw
 
 log = logging.getLogger(__name__)
@@ -874,6 +875,8 @@ class Communicator:
         strategy: SharedStateSyncStrategy = SharedStateSyncStrategy.ENFORCE_POPULAR,
         *,
         in_place: bool = False,
+        progress: Callable[[SyncProgress], object] | None = None,
+        progress_interval: float = 1.0,
     ) -> SyncInfo:
         """Brings ``state`` to the content most peers of the group hold (collective).
 
@@ -892,6 +895,12 @@ class Communicator:
         lose (a fresh ``RECEIVE_ONLY`` joiner); the revision still changes only on
         success. With ``RECEIVE_ONLY`` it also skips hashing the local tensors: every
         tensor is fetched (and verified), even one that happened to be equal.
+
+        ``progress`` (optional) is called on the event loop with a :class:`SyncProgress`
+        when the master's plan arrives, every ``progress_interval`` seconds while the sync
+        runs, and once more (``final=True``) when its outcome is known. Keep it quick; an
+        exception it raises is logged and the callback is not called again (the sync goes
+        on). Long transfers are also logged at INFO level every 10 seconds.
 
         Example::
 
@@ -928,25 +937,30 @@ class Communicator:
             ok, kind, why = True, "", ""
             addrs = dict(zip(plan.source_ids, plan.source_addrs))
             limit = asyncio.Semaphore(4)  # tensors in flight at once (one stream each)
+            counters: dict[str, _core.ByteCounter] = {}
+            report = _SyncReporter(self, progress, progress_interval, served_before,
+                                   counters, fetched,
+                                   [by_key[k].nbytes for k in plan.fetch_keys])
 
             async def fetch(key: str, want: bytes, sources: list[int]) -> None:
                 async with limit:
                     dst = by_key[key].data if in_place else None
-                fetched[key] = await self._fetch_verified(key, want, sources, addrs, dst,
-                                                              by_key[key].nbytes)
+                    fetched[key] = await self._fetch_verified(
+                        key, want, sources, addrs, dst, by_key[key].nbytes, counters)
 
-            results = await asyncio.gather(
-                *(fetch(k, h, s) for k, h, s in zip(plan.fetch_keys, plan.fetch_hashes,
-                                                    plan.fetch_sources)),
-                return_exceptions=True)
-            errors = [r for r in results if isinstance(r, BaseException)]
-            for r in errors:
-                if not isinstance(r, PCCLError):
-                    raise r
-            if errors:
-                ok, kind, why = False, type(errors[0]).__name__, str(errors[0])
-            self._send(m.SyncDone(ok=ok, kind=kind, message=why))
-            outcome = await self._sync_outcome
+            async with report:
+                results = await asyncio.gather(
+                    *(fetch(k, h, s) for k, h, s in zip(plan.fetch_keys, plan.fetch_hashes,
+                                                        plan.fetch_sources)),
+                    return_exceptions=True)
+                errors = [r for r in results if isinstance(r, BaseException)]
+                for r in errors:
+                    if not isinstance(r, PCCLError):
+                        raise r
+                if errors:
+                    ok, kind, why = False, type(errors[0]).__name__, str(errors[0])
+                self._send(m.SyncDone(ok=ok, kind=kind, message=why))
+                outcome = await self._sync_outcome
             if not outcome.ok:
                 raise ERROR_KINDS.get(outcome.kind, PCCLError)(outcome.message)
             # Not awaited on purpose: the commit must not be interrupted halfway. The
@@ -965,17 +979,20 @@ class Communicator:
 
     async def _fetch_verified(self, key: str, want: bytes, sources: list[int],
                               addrs: dict[int, str], dst: np.ndarray | None,
-                              nbytes: int) -> np.ndarray:
+                              nbytes: int, counters: dict[str, Any]) -> np.ndarray:
         """Fetches ``key`` from the first source that delivers the expected content, into
-        a scratch buffer (or straight into ``dst``)."""
+        a scratch buffer (or straight into ``dst``). ``counters[key]`` counts the bytes
+        of the current attempt as they land."""
         scratch = np.empty(nbytes, dtype=np.uint8) if dst is None else dst
         errors = []
         for src in sources:
             started = time.perf_counter()
+            counters[key] = counter = _core.ByteCounter()
             try:
                 # Hashed while the bytes land: no second pass over the scratch buffer.
                 landed = await self._node.fetch_into(addrs[src], src, key, scratch,
-                                                     io_timeout=self.peer_timeout)
+                                                     io_timeout=self.peer_timeout,
+                                                     counter=counter)
             except PCCLError as e:
                 errors.append(f"peer {src}: {e}")
                 continue
@@ -990,3 +1007,67 @@ class Communicator:
                           f"expected {want.hex()[:16]}...)")
         raise _core.PeerConnectionError(
             f"could not fetch shared state {key!r} from any source: {'; '.join(errors)}")
+
+
+class _SyncReporter:
+    """Reports a running sync's progress to a callback and, for long transfers, to the
+    log; an owned task from the master's plan until the outcome (``async with``)."""
+
+    LOG_EVERY = 10.0
+
+    def __init__(self, comm: Communicator, callback: Callable[[SyncProgress], object] | None,
+                 interval: float, served_before: int, counters: dict[str, Any],
+                 fetched: dict[str, np.ndarray], sizes: list[int]) -> None:
+        self._comm, self._callback = comm, callback
+        self._interval = max(float(interval), 0.01)
+        self._served_before = served_before
+        self._counters, self._fetched = counters, fetched
+        self._rx_total, self._tensors = sum(sizes), len(sizes)
+        self._started = time.perf_counter()
+        self._task: asyncio.Task[None] | None = None
+
+    def snapshot(self, final: bool = False) -> SyncProgress:
+        node = self._comm._node
+        tx = int(node.bytes_served() - self._served_before) if node is not None else 0
+        return SyncProgress(
+            rx_bytes=sum(c.value for c in list(self._counters.values())),
+            rx_total=self._rx_total, tx_bytes=tx, tensors_done=len(self._fetched),
+            tensors_total=self._tensors, seconds=time.perf_counter() - self._started,
+            final=final)
+
+    def _emit(self, final: bool = False) -> None:
+        p = self.snapshot(final)
+        if self._callback is None:
+            return
+        try:
+            self._callback(p)
+        except Exception:
+            log.exception("peer %s: the sync progress callback failed; not calling it "
+                          "again", self._comm.peer_id)
+            self._callback = None
+
+    async def _run(self) -> None:
+        logged = 0.0
+        while True:
+            await asyncio.sleep(self._interval)
+            self._emit()
+            p = self.snapshot()
+            if p.rx_total and p.seconds - logged >= self.LOG_EVERY:
+                logged = p.seconds
+                log.info("peer %s: shared-state sync: %.1f of %.1f MiB fetched, %d/%d "
+                         "tensors, %.1fs (%.2f GB/s)", self._comm.peer_id,
+                         p.rx_bytes / 2**20, p.rx_total / 2**20, p.tensors_done,
+                         p.tensors_total, p.seconds, p.rx_bytes / max(p.seconds, 1e-9) / 1e9)
+
+    async def __aenter__(self) -> _SyncReporter:
+        self._emit()
+        self._task = asyncio.get_running_loop().create_task(self._run())
+        return self
+
+    async def __aexit__(self, et: type[BaseException] | None, e: BaseException | None,
+                        tb: TracebackType | None) -> None:
+        assert self._task is not None
+        self._task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._task
+        self._emit(final=True)

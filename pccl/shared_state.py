@@ -61,3 +61,18 @@ class SyncInfo:
 
     tx_bytes: int  #: tensor bytes this peer served to others
     rx_bytes: int  #: tensor bytes this peer fetched
+
+
+@dataclasses.dataclass(frozen=True)
+class SyncProgress:
+    """A snapshot of a running sync, handed to ``sync_shared_state(progress=...)``."""
+
+    #: tensor bytes landed so far (a tensor restarted from another source after a failed
+    #: fetch counts from zero again, so this may step back once)
+    rx_bytes: int
+    rx_total: int  #: tensor bytes this peer fetches in this sync
+    tx_bytes: int  #: tensor bytes served to other peers so far in this sync
+    tensors_done: int  #: tensors fetched and verified
+    tensors_total: int  #: tensors this peer fetches in this sync
+    seconds: float  #: since the master's plan arrived
+    final: bool  #: the last report: the sync's outcome is known (success or error)

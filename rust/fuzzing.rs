@@ -661,12 +661,14 @@ pub fn transfer_fetch(data: &[u8]) {
         return;
     };
     let mut dst = vec![0u8; usize::from(len)];
+    let landed = std::sync::atomic::AtomicU64::new(0);
     let mut script = Script::new(input, read_step(step));
     let got = block_on(transfer::fetch(
         &mut script,
         "weights",
         &mut dst,
         Duration::from_secs(5),
+        &landed,
     ));
     let mut request = Script::new(&[], 1);
     block_on(write_frame(&mut request, b"weights")).unwrap();
@@ -684,8 +686,11 @@ pub fn transfer_fetch(data: &[u8]) {
                 crate::hash::content_hash(&dst),
                 "hashed while landing"
             );
+            assert_eq!(landed.into_inner(), dst.len() as u64, "every byte counted");
         }
-        Err(CoreError::PeerConnection(_)) => {}
+        Err(CoreError::PeerConnection(_)) => {
+            assert!(landed.into_inner() <= dst.len() as u64);
+        }
         Err(CoreError::InvalidUsage(_)) => {
             let announced = u64::from_be_bytes(input[1..9].try_into().unwrap());
             assert_ne!(announced, dst.len() as u64);

@@ -1558,3 +1558,58 @@ class MasterPopulation(RuleBasedStateMachine):
 TestMasterPopulation = MasterPopulation.TestCase
 TestMasterPopulation.settings = settings(max_examples=150, stateful_step_count=40,
                                          deadline=None)
+
+
+# --- shared-state sync ----------------------------------------------------------------
+
+
+def sync_init(revision: int, hash_: bytes, strategy: int = 0) -> m.SyncInit:
+    return m.SyncInit(revision=revision, strategy=strategy, keys=["w"], dtypes=[1],
+                      counts=[4], hashes=[hash_], unequal=[False])
+
+
+def sync_outcomes(cmds: list[Command]) -> list[Command]:
+    return [c for c in cmds if isinstance(c, Send) and isinstance(c.msg, m.SyncOutcome)]
+
+
+def planned3() -> MasterState:
+    """Peers 1 and 2 hold content A of key "w", peer 3 is a RECEIVE_ONLY joiner told to
+    fetch it from 1, then 2."""
+    st = run_with([0, 0, 0])
+    tell(st, 1, sync_init(1, b"A" * 16))
+    tell(st, 2, sync_init(1, b"A" * 16))
+    cmds = tell(st, 3, sync_init(0, b"", strategy=1))
+    plans = {c.peer_id: c.msg for c in cmds if isinstance(c, Send)}
+    assert plans[3].fetch_keys == ["w"] and sorted(plans[3].fetch_sources[0]) == [1, 2]
+    assert plans[1].fetch_keys == [] and plans[2].fetch_keys == []
+    return st
+
+
+def test_source_lost_mid_sync_lets_the_rest_finish_from_another_source() -> None:
+    st = planned3()
+    # No outcome yet: peer 3 may still fetch from peer 2.
+    assert not sync_outcomes(lose(st, 1))
+    tell(st, 2, m.SyncDone(ok=True, kind="", message=""))
+    cmds = tell(st, 3, m.SyncDone(ok=True, kind="", message=""))
+    assert cmds == [Send(p, m.SyncOutcome(ok=True, kind="", message="", revision=1))
+                    for p in (2, 3)]
+    assert st.last_revision[2] == st.last_revision[3] == 1 and not st.syncs
+
+
+def test_fetcher_failing_after_its_source_was_lost_fails_the_sync_for_all() -> None:
+    st = planned3()
+    lose(st, 1)
+    tell(st, 3, m.SyncDone(ok=False, kind="PeerConnectionError", message="no source"))
+    cmds = tell(st, 2, m.SyncDone(ok=True, kind="", message=""))
+    assert cmds == [Send(p, m.SyncOutcome(ok=False, kind="PeerConnectionError",
+                                          message=TEXT, revision=1)) for p in (2, 3)]
+    assert 3 not in st.last_revision or st.last_revision[3] != 1
+
+
+def test_last_pending_report_lost_finishes_the_sync() -> None:
+    st = planned3()
+    tell(st, 1, m.SyncDone(ok=True, kind="", message=""))
+    tell(st, 2, m.SyncDone(ok=True, kind="", message=""))
+    cmds = sync_outcomes(lose(st, 3))  # the fetcher itself dies: the sources are done
+    assert cmds == [Send(p, m.SyncOutcome(ok=True, kind="", message="", revision=1))
+                    for p in (1, 2)]

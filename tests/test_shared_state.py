@@ -4,13 +4,14 @@ tie-break is deterministic, misuse gets typed errors, failures lose nothing."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import numpy as np
 import pytest
 
 import pccl
 from pccl import _core
-from pccl.testing import Cluster, LinkEmulator
+from pccl.testing import Cluster, LinkEmulator, free_port
 from pccl.testing.data import deterministic_tensor, digest
 
 try:
@@ -174,54 +175,62 @@ async def test_torch_tensors(pccl_cluster) -> None:
     assert torch.equal(ts[0], ts[1])
 
 
-async def test_source_lost_mid_transfer_loses_nothing(pccl_peer_process) -> None:
-    """The only up-to-date source (a process) is SIGKILLed while a large tensor flows
-    to the stale peer through a slow link: the stale peer gets PeerConnectionError and
-    its tensors are untouched; after update_topology() the sync works."""
+@pytest.mark.parametrize("sources", [1, 2])
+async def test_source_lost_mid_transfer(pccl_peer_process, sources: int) -> None:
+    """An up-to-date source (a process) is SIGKILLed while a large tensor flows to the
+    stale peer through a slow link. With a second source holding the same content the
+    stale peer fetches the tensor again from it and the sync succeeds for everyone left;
+    with none, the stale peer gets PeerConnectionError and its tensor is untouched."""
     n = 16 << 20  # 64 MiB of float32
-    import socket
-
-    with socket.socket() as s:  # a free port for the source's listener
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     async with LinkEmulator(f"127.0.0.1:{port}", bandwidth=20e6, chunk_size=256 * 1024) as emu:
         async with Cluster(1) as cluster:
             (stale,) = cluster.comms
             src = await pccl_peer_process(cluster.master.address, extra_args=[
                 "--p2p-advertise-address", emu.address, "--p2p-port", str(port)])
+            procs = [src]
             await cluster.master.wait_for(lambda s: len(s.pending()) == 1, timeout=60)
-            src2 = await pccl_peer_process(cluster.master.address)
-            await cluster.master.wait_for(lambda s: len(s.pending()) == 2, timeout=60)
+            if sources == 2:
+                procs.append(await pccl_peer_process(cluster.master.address))
+                await cluster.master.wait_for(lambda s: len(s.pending()) == 2, timeout=60)
             await stale.update_topology()
-            await src.wait_accepted()
-            await src2.wait_accepted()
-            for p in (src, src2):
+            for p in procs:
+                await p.wait_accepted()
                 await p.call("make_tensor", name="w", dtype="float32", count=n, seed=7)
             mine = deterministic_tensor("float32", n, seed=8)
             before = digest(mine)
             state = pccl.SharedState([pccl.TensorInfo.from_numpy(mine, "w")])
-            # src and src2 agree (popular); src is the earlier joiner, so it is the
-            # stale peer's first source, behind the slow emulator.
-            assert src.peer_id < src2.peer_id
+            # The sources agree; src is the earlier joiner, so it is the stale peer's
+            # first source, behind the slow emulator.
+            strategy = S.ENFORCE_POPULAR if sources == 2 else S.RECEIVE_ONLY
+            reports: list[pccl.SyncProgress] = []
             calls = [asyncio.create_task(p.call("sync", names=["w"], revision=0))
-                     for p in (src, src2)]
-            mine_sync = asyncio.create_task(stale.sync_shared_state(state))
+                     for p in procs]
+            mine_sync = asyncio.create_task(stale.sync_shared_state(
+                state, strategy, progress=reports.append, progress_interval=0.05))
             await cluster.master.wait_for(lambda s: any(x.planned for x in s.syncs.values()))
             async with asyncio.timeout(30):
                 while emu.bytes_forwarded < 4 << 20:  # noqa: ASYNC110 (no event to wait on)
                     await asyncio.sleep(0.01)
             src.kill()
-            with pytest.raises(pccl.PeerConnectionError):
-                await mine_sync
-            assert digest(mine) == before
-            with pytest.raises(pccl.PeerConnectionError):
-                await calls[1]
             with pytest.raises(ConnectionError):
                 await calls[0]
-            await asyncio.gather(stale.update_topology(), src2.call("update_topology"))
-            r = await asyncio.gather(stale.sync_shared_state(state),
-                                     src2.call("sync", names=["w"], revision=0))
-            assert digest(mine) == r[1]["digests"]["w"]
+            if sources == 1:
+                with pytest.raises(pccl.PeerConnectionError, match="could not fetch"):
+                    await mine_sync
+                assert digest(mine) == before and state.revision == 0
+                assert reports[-1].final and reports[-1].tensors_done == 0
+                return
+            info = await mine_sync
+            theirs = await calls[1]
+            assert digest(mine) == theirs["digests"]["w"] != before
+            assert info.rx_bytes == 4 * n
+            # Progress: bytes of the first attempt came in before the end, then all.
+            assert reports[0].rx_total == 4 * n and reports[0].tensors_total == 1
+            assert any(0 < r.rx_bytes < 4 * n and not r.final for r in reports)
+            assert reports[-1] == dataclasses.replace(
+                reports[-1], rx_bytes=4 * n, tensors_done=1, final=True)
+            assert sum(r.final for r in reports) == 1
 
 
 def test_copy_into_copies_exactly_and_checks_lengths() -> None:
@@ -245,3 +254,41 @@ async def test_in_place_receive_only_lands_straight_in_the_tensors(pccl_cluster)
         cluster.comms[2].sync_shared_state(fresh, S.RECEIVE_ONLY, in_place=True))
     assert hashes(tensors) == hashes(pairs[0][1]) and fresh.revision == 2
     assert infos[2].rx_bytes == sum(t.nbytes for t in tensors.values())
+
+
+async def test_progress_reports_and_a_failing_callback(pccl_cluster, caplog) -> None:
+    cluster = await pccl_cluster(3)
+    pairs = [make_state(4, revision=2) for _ in range(2)]
+    fresh, tensors = make_state(99)
+    total = sum(t.nbytes for t in tensors.values())
+    seen: list[list[pccl.SyncProgress]] = [[], [], []]
+    calls = 0
+
+    def broken(p: pccl.SyncProgress) -> None:
+        nonlocal calls
+        calls += 1
+        raise RuntimeError("callback bug")
+
+    infos = await asyncio.gather(
+        *(c.sync_shared_state(s, progress=seen[i].append)
+          for i, (c, (s, _)) in enumerate(zip(cluster.comms, pairs))),
+        cluster.comms[2].sync_shared_state(fresh, S.RECEIVE_ONLY, progress=seen[2].append))
+    assert hashes(tensors) == hashes(pairs[0][1])
+    first, last = seen[2][0], seen[2][-1]
+    assert (first.rx_bytes, first.rx_total, first.tensors_done, first.tensors_total,
+            first.final) == (0, total, 0, 3, False)
+    assert (last.rx_bytes, last.tensors_done, last.final) == (total, 3, True)
+    # Sources fetch nothing; what they served adds up to what the joiner fetched.
+    assert all(r.rx_total == 0 and r.tensors_total == 0 for r in seen[0] + seen[1])
+    assert seen[0][-1].tx_bytes + seen[1][-1].tx_bytes == total == infos[2].rx_bytes
+    assert [i.tx_bytes for i in infos[:2]] == [seen[0][-1].tx_bytes, seen[1][-1].tx_bytes]
+
+    # A callback that raises is logged once and dropped; the sync goes on.
+    for s, _ in pairs:
+        s.revision += 1
+    fresh.revision += 1
+    infos = await asyncio.gather(
+        *(c.sync_shared_state(s) for c, (s, _) in zip(cluster.comms, pairs)),
+        cluster.comms[2].sync_shared_state(fresh, progress=broken))
+    assert calls == 1 and fresh.revision == 3
+    assert "progress callback failed" in caplog.text

@@ -807,10 +807,11 @@ class MasterState:
             else:
                 self._maybe_plan_sync(sync, out)
         elif peer in sync.participants:
+            # The plan stands: a fetcher whose source it was moves on to the next holder
+            # of the same content (or reports the failure), and the others commit only
+            # if every remaining participant succeeds.
             sync.participants.remove(peer)
             sync.reported.discard(peer)
-            if sync.error is None:
-                sync.error = ("PeerConnectionError", f"peer {peer} was lost during the sync")
             self._maybe_finish_sync(sync, out)
 
 

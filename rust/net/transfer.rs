@@ -152,12 +152,14 @@ pub fn prefault(ptr: usize, len: usize) {
 
 /// Fetches `key` over an already authenticated transfer stream into `dst`, whose
 /// length must be exactly the served length. Returns the content hash of what arrived,
-/// computed slice by slice while the bytes land (no second pass over `dst`).
+/// computed slice by slice while the bytes land (no second pass over `dst`). `landed`
+/// counts the payload bytes received so far (for progress reports).
 pub async fn fetch<S: AsyncRead + AsyncWrite + Unpin>(
     stream: &mut S,
     key: &str,
     dst: &mut [u8],
     io_timeout: Duration,
+    landed: &AtomicU64,
 ) -> CoreResult<u128> {
     write_frame(stream, key.as_bytes()).await?;
     let mut status = [0u8; 1];
@@ -178,7 +180,17 @@ pub async fn fetch<S: AsyncRead + AsyncWrite + Unpin>(
     }
     let mut hasher = LeafHasher::new();
     for part in dst.chunks_mut(SLICE) {
-        timed(io_timeout, stream.read_exact(part)).await?;
+        let mut got = 0;
+        while got < part.len() {
+            // Any progress within `io_timeout` keeps a slow link going.
+            let n = timed(io_timeout, stream.read(&mut part[got..])).await?;
+            if n == 0 {
+                let eof = std::io::Error::from(std::io::ErrorKind::UnexpectedEof);
+                return Err(CoreError::io("transfer", eof));
+            }
+            got += n;
+            landed.fetch_add(n as u64, Ordering::Relaxed);
+        }
         hasher.update(part);
     }
     Ok(hasher.finish())

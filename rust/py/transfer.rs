@@ -5,7 +5,29 @@ use crate::py::node::{resolve, PyP2PNode};
 use crate::py::ring::{raw_buffer, KeepAlive};
 use pyo3::prelude::*;
 use pyo3_async_runtimes::tokio::future_into_py;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
+
+/// Bytes landed by one fetch so far: hand one to `fetch_into(counter=...)` and read
+/// `value` from Python while the fetch runs (progress reports).
+#[pyclass(module = "pccl._core", frozen)]
+#[derive(Default)]
+pub struct ByteCounter(Arc<AtomicU64>);
+
+#[pymethods]
+impl ByteCounter {
+    #[new]
+    fn new() -> Self {
+        Self::default()
+    }
+
+    /// Bytes counted so far.
+    #[getter]
+    fn value(&self) -> u64 {
+        self.0.load(Ordering::Relaxed)
+    }
+}
 
 #[pymethods]
 impl PyP2PNode {
@@ -78,8 +100,10 @@ impl PyP2PNode {
     }
 
     /// Fetches `key` from peer `peer_id` at `addr` straight into `out` (writable,
-    /// exactly the served length). Resolves to the number of bytes received.
-    #[pyo3(signature = (addr, peer_id, key, out, io_timeout=30.0))]
+    /// exactly the served length). Resolves to the content hash (int) of what arrived;
+    /// `counter` (a `ByteCounter`) counts the bytes as they land.
+    #[pyo3(signature = (addr, peer_id, key, out, io_timeout=30.0, counter=None))]
+    #[allow(clippy::too_many_arguments)]
     fn fetch_into<'py>(
         &self,
         py: Python<'py>,
@@ -88,7 +112,9 @@ impl PyP2PNode {
         key: String,
         out: &Bound<'py, PyAny>,
         io_timeout: f64,
+        counter: Option<&Bound<'py, ByteCounter>>,
     ) -> PyResult<Bound<'py, PyAny>> {
+        let landed = counter.map_or_else(Default::default, |c| c.get().0.clone());
         let raw = raw_buffer(out, true, "the fetch buffer")?;
         let keep = KeepAlive(out.clone().unbind());
         let node = self.node.clone();
@@ -105,7 +131,7 @@ impl PyP2PNode {
             // caller hands us a private scratch buffer.
             let dst = unsafe { std::slice::from_raw_parts_mut(raw.ptr as *mut u8, raw.len) };
             let fetched = tokio::select! {
-                r = transfer::fetch(&mut stream, &key, dst, timeout) => r,
+                r = transfer::fetch(&mut stream, &key, dst, timeout, &landed) => r,
                 _ = node.cancel_token().cancelled() => {
                     Err(crate::error::CoreError::Aborted("the p2p node is closing".into()))
                 }
@@ -163,5 +189,6 @@ pub fn copy_into(
 
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(copy_into, m)?)?;
+    m.add_class::<ByteCounter>()?;
     Ok(())
 }
