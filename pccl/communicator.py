@@ -936,17 +936,18 @@ class Communicator:
             fetched: dict[str, np.ndarray] = {}
             ok, kind, why = True, "", ""
             addrs = dict(zip(plan.source_ids, plan.source_addrs))
-            limit = asyncio.Semaphore(4)  # tensors in flight at once (one stream each)
-            counters: dict[str, _core.ByteCounter] = {}
+            # Fetches in flight at once (one stream each): enough to keep every source
+            # busy, bounded.
+            limit = asyncio.Semaphore(min(16, max(4, 2 * len(plan.source_ids))))
+            counters: dict[tuple[str, int], _core.ByteCounter] = {}
             report = _SyncReporter(self, progress, progress_interval, served_before,
                                    counters, fetched,
                                    [by_key[k].nbytes for k in plan.fetch_keys])
 
             async def fetch(key: str, want: bytes, sources: list[int]) -> None:
-                async with limit:
-                    dst = by_key[key].data if in_place else None
-                    fetched[key] = await self._fetch_verified(
-                        key, want, sources, addrs, dst, by_key[key].nbytes, counters)
+                dst = by_key[key].data if in_place else None
+                fetched[key] = await self._fetch_verified(
+                    key, want, sources, addrs, dst, by_key[key].nbytes, counters, limit)
 
             async with report:
                 results = await asyncio.gather(
@@ -978,35 +979,96 @@ class Communicator:
                 self._node.unserve_all()
 
     async def _fetch_verified(self, key: str, want: bytes, sources: list[int],
-                              addrs: dict[int, str], dst: np.ndarray | None,
-                              nbytes: int, counters: dict[str, Any]) -> np.ndarray:
-        """Fetches ``key`` from the first source that delivers the expected content, into
-        a scratch buffer (or straight into ``dst``). ``counters[key]`` counts the bytes
-        of the current attempt as they land."""
+                              addrs: dict[int, str], dst: np.ndarray | None, nbytes: int,
+                              counters: dict[tuple[str, int], Any],
+                              limit: asyncio.Semaphore) -> np.ndarray:
+        """Fetches ``key`` into a scratch buffer (or straight into ``dst``) and checks
+        its content hash. A large tensor is split into ranges fetched from different
+        holders at once (each range moving on to the next holder if its source fails);
+        after a hash mismatch, or for a small tensor, whole-tensor attempts go through
+        the holders in order. ``counters`` count the bytes of the current attempts."""
         scratch = np.empty(nbytes, dtype=np.uint8) if dst is None else dst
-        errors = []
-        for src in sources:
-            started = time.perf_counter()
-            counters[key] = counter = _core.ByteCounter()
-            try:
-                # Hashed while the bytes land: no second pass over the scratch buffer.
-                landed = await self._node.fetch_into(addrs[src], src, key, scratch,
-                                                     io_timeout=self.peer_timeout,
-                                                     counter=counter)
-            except PCCLError as e:
-                errors.append(f"peer {src}: {e}")
-                continue
-            elapsed = time.perf_counter() - started
-            got = int(landed).to_bytes(16, "big")
+        started = time.perf_counter()
+        errors: list[str] = []
+        ranges = _fetch_ranges(nbytes, len(sources))
+        order = list(sources)
+        if len(ranges) > 1:
+            parts = await asyncio.gather(*(
+                self._fetch_range(key, scratch, offset, length, nbytes,
+                                  sources[i % len(sources):] + sources[:i % len(sources)],
+                                  addrs, counters, limit)
+                for i, (offset, length) in enumerate(ranges)))
+            got = _core.hash_root(b"".join(p for p, _ in parts), nbytes)
+            used = sorted({src for _, src in parts})
             if got == want:
-                log.info("peer %s: fetched shared state %r (%.1f MiB) from peer %d in %.2fs "
-                         "(%.2f GB/s)", self.peer_id, key, nbytes / 2**20, src, elapsed,
-                         nbytes / max(elapsed, 1e-9) / 1e9)
+                self._log_fetched(key, nbytes, started, used)
+                return scratch
+            errors.append(f"peers {used}: content hash mismatch over the ranges "
+                          f"(got {got.hex()[:16]}..., expected {want.hex()[:16]}...)")
+            for k in [k for k in counters if k[0] == key]:
+                del counters[k]  # the whole-tensor attempts below count afresh
+        for src in order:
+            started = time.perf_counter()
+            try:
+                digests, _ = await self._fetch_range(key, scratch, 0, nbytes, nbytes, [src],
+                                                     addrs, counters, limit)
+            except PCCLError as e:
+                errors.append(str(e))
+                continue
+            got = _core.hash_root(digests, nbytes)
+            if got == want:
+                self._log_fetched(key, nbytes, started, [src])
                 return scratch
             errors.append(f"peer {src}: content hash mismatch (sent {got.hex()[:16]}..., "
                           f"expected {want.hex()[:16]}...)")
         raise _core.PeerConnectionError(
             f"could not fetch shared state {key!r} from any source: {'; '.join(errors)}")
+
+    async def _fetch_range(self, key: str, scratch: np.ndarray, offset: int, length: int,
+                           total: int, order: list[int], addrs: dict[int, str],
+                           counters: dict[tuple[str, int], Any],
+                           limit: asyncio.Semaphore) -> tuple[bytes, int]:
+        """Fetches one range from the first holder in ``order`` that delivers it; returns
+        its leaf digests (hashed as the bytes landed) and the holder's id."""
+        errors = []
+        for src in order:
+            counters[(key, offset)] = counter = _core.ByteCounter()
+            async with limit:
+                try:
+                    digests = await self._node.fetch_into(
+                        addrs[src], src, key, scratch[offset:offset + length],
+                        offset=offset, total=total, io_timeout=self.peer_timeout,
+                        counter=counter)
+                except PCCLError as e:
+                    errors.append(f"peer {src}: {e}")
+                    continue
+            return bytes(digests), src
+        raise _core.PeerConnectionError(
+            f"could not fetch bytes {offset}..{offset + length} of shared state {key!r}: "
+            f"{'; '.join(errors)}")
+
+    def _log_fetched(self, key: str, nbytes: int, started: float, sources: list[int]) -> None:
+        elapsed = time.perf_counter() - started
+        log.info("peer %s: fetched shared state %r (%.1f MiB) from peer(s) %s in %.2fs "
+                 "(%.2f GB/s)", self.peer_id, key, nbytes / 2**20, sources, elapsed,
+                 nbytes / max(elapsed, 1e-9) / 1e9)
+
+
+#: Tensors of at least twice this size are fetched in ranges from several holders at once.
+RANGE_BYTES = 32 << 20
+_LEAF = 1 << 20  # ranges start on hash leaves (pccl._core's tree hash)
+
+
+def _fetch_ranges(nbytes: int, holders: int) -> list[tuple[int, int]]:
+    """(offset, length) ranges of a tensor: at most one per holder, each about
+    :data:`RANGE_BYTES` or more and starting on a hash leaf; one range for small
+    tensors."""
+    parts = max(1, min(holders, nbytes // RANGE_BYTES))
+    if parts == 1:
+        return [(0, nbytes)]
+    leaves = -(-nbytes // _LEAF)
+    per = -(-leaves // parts) * _LEAF
+    return [(a, min(per, nbytes - a)) for a in range(0, nbytes, per)]
 
 
 class _SyncReporter:

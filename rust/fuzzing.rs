@@ -619,34 +619,43 @@ pub fn transfer_serve(data: &[u8]) {
     // Replay the requests by the rules and compare the answers.
     let mut want = Vec::new();
     let mut rest = input;
-    let mut bad_key = false;
-    while let Some((key, next)) = split_frame(rest, 4096) {
-        let Ok(key) = std::str::from_utf8(key) else {
-            bad_key = true;
+    let mut bad = false; // a request without a range, or a key that is not UTF-8
+    while let Some((body, next)) = split_frame(rest, 4096) {
+        if body.len() < 16 {
+            bad = true;
+            break;
+        }
+        let offset = u64::from_be_bytes(body[..8].try_into().unwrap());
+        let len = u64::from_be_bytes(body[8..16].try_into().unwrap());
+        let Ok(key) = std::str::from_utf8(&body[16..]) else {
+            bad = true;
             break;
         };
         match KEYS.iter().find(|(k, _)| *k == key) {
-            Some(&(k, len)) => {
-                want.push(0);
-                want.extend_from_slice(&(len as u64).to_be_bytes());
-                want.extend_from_slice(&content(k, len));
-            }
+            Some(&(k, n)) => match offset.checked_add(len).filter(|&e| e <= n as u64) {
+                Some(end) => {
+                    want.push(0);
+                    want.extend_from_slice(&(n as u64).to_be_bytes());
+                    want.extend_from_slice(&content(k, n)[offset as usize..end as usize]);
+                }
+                None => want.push(2),
+            },
             None => want.push(1),
         }
         rest = next;
     }
     assert_eq!(script.written, want);
-    // What stopped the replay: EOF (nothing left), a key that is not UTF-8, an oversized
-    // request, or a truncated one (prefix or body).
+    // What stopped the replay: EOF (nothing left), a bad request, an oversized one, or
+    // a truncated one (prefix or body).
     let declared = rest
         .get(..4)
         .map(|p| u32::from_be_bytes(p.try_into().unwrap()) as usize);
     match got {
-        Ok(()) => assert!(!bad_key && rest.is_empty(), "served past a bad request"),
-        Err(CoreError::Protocol(_)) => assert!(bad_key || declared.unwrap() > 4096),
+        Ok(()) => assert!(!bad && rest.is_empty(), "served past a bad request"),
+        Err(CoreError::Protocol(_)) => assert!(bad || declared.unwrap() > 4096),
         Err(CoreError::PeerConnection(_)) => {
             // A truncated length prefix, or a truncated request body.
-            assert!(!bad_key && !rest.is_empty() && declared.is_none_or(|n| n <= 4096));
+            assert!(!bad && !rest.is_empty() && declared.is_none_or(|n| n <= 4096));
         }
         Err(e) => panic!("unexpected error kind: {e:?}"),
     }
@@ -666,24 +675,31 @@ pub fn transfer_fetch(data: &[u8]) {
     let got = block_on(transfer::fetch(
         &mut script,
         "weights",
+        0,
+        dst.len() as u64,
         &mut dst,
         Duration::from_secs(5),
         &landed,
     ));
     let mut request = Script::new(&[], 1);
-    block_on(write_frame(&mut request, b"weights")).unwrap();
+    let body = cat(&[
+        &0u64.to_be_bytes(),
+        &(dst.len() as u64).to_be_bytes(),
+        b"weights",
+    ]);
+    block_on(write_frame(&mut request, &body)).unwrap();
     assert_eq!(
         script.written, request.written,
-        "the request is the key frame"
+        "the request is the range and the key"
     );
     match got {
-        Ok(hash) => {
+        Ok(digests) => {
             assert_eq!(input[0], 0);
             assert_eq!(input[1..9], (dst.len() as u64).to_be_bytes());
             assert_eq!(dst[..], input[9..9 + dst.len()]);
             assert_eq!(
-                hash,
-                crate::hash::content_hash(&dst),
+                crate::hash::root_of_digests(&digests, dst.len()),
+                Some(crate::hash::content_hash(&dst)),
                 "hashed while landing"
             );
             assert_eq!(landed.into_inner(), dst.len() as u64, "every byte counted");
@@ -692,9 +708,12 @@ pub fn transfer_fetch(data: &[u8]) {
             assert!(landed.into_inner() <= dst.len() as u64);
         }
         Err(CoreError::InvalidUsage(_)) => {
-            let announced = u64::from_be_bytes(input[1..9].try_into().unwrap());
-            assert_ne!(announced, dst.len() as u64);
+            let announced = input
+                .get(1..9)
+                .map(|b| u64::from_be_bytes(b.try_into().unwrap()));
+            assert!(input[0] == 2 || announced != Some(dst.len() as u64));
         }
+        Err(CoreError::Protocol(_)) => assert!(input[0] > 2),
         Err(e) => panic!("unexpected error kind: {e:?}"),
     }
 }
@@ -768,6 +787,11 @@ fn framed(body: &[u8]) -> Vec<u8> {
 
 fn cat(parts: &[&[u8]]) -> Vec<u8> {
     parts.concat()
+}
+
+/// The body of a transfer request for bytes `offset..offset + len` of `key`.
+fn range_request(offset: u64, len: u64, key: &[u8]) -> Vec<u8> {
+    cat(&[&offset.to_be_bytes(), &len.to_be_bytes(), key])
 }
 
 /// A dialer message for `hello` with `nonce_d` and an all-zero MAC (no secret).
@@ -994,16 +1018,25 @@ pub fn seeds(target: &str) -> Vec<Vec<u8>> {
         "transfer_serve" => vec![
             cat(&[
                 &[0, all],
-                &framed(b"a"),
-                &framed(b"nope"),
-                &framed(b"weights"),
+                &framed(&range_request(0, 5, b"a")),
+                &framed(&range_request(0, 1, b"nope")),
+                &framed(&range_request(2, 3, b"a")),
+                &framed(&range_request(4, 2, b"a")),
+                &framed(&range_request(100, 200, b"weights")),
             ]),
-            cat(&[&[0, 3], &framed(b""), &framed(b"a"), &[0, 0]]),
+            cat(&[
+                &[0, 3],
+                &framed(&range_request(0, 0, b"")),
+                &framed(b"a"),
+                &[0, 0],
+            ]),
         ],
         "transfer_fetch" => vec![
             cat(&[&[5, all], &[0], &5u64.to_be_bytes(), b"12345"]),
             cat(&[&[0, 2], &[0], &0u64.to_be_bytes()]),
             cat(&[&[9, all], &[1]]),
+            cat(&[&[9, all], &[2]]),
+            cat(&[&[9, all], &[7]]),
         ],
         "probe" => vec![
             cat(&[&[255, all], &[0; 100]]),

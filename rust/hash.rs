@@ -146,11 +146,27 @@ fn root_of(digests: &[u8], len: usize, leaf_size: usize) -> u128 {
 pub struct LeafHasher {
     digests: Vec<u8>,
     len: usize,
+    first_leaf: usize,
 }
 
 impl LeafHasher {
     pub fn new() -> Self {
         Self::default()
+    }
+
+    /// Hashes a run of leaves of a larger buffer, the first being leaf `first_leaf`
+    /// (a range fetched on its own); combine the runs' [`LeafHasher::into_digests`]
+    /// in order with [`root_of_digests`].
+    pub fn starting_at(first_leaf: usize) -> Self {
+        LeafHasher {
+            first_leaf,
+            ..Self::default()
+        }
+    }
+
+    /// The big-endian leaf digests hashed so far, 16 bytes each.
+    pub fn into_digests(self) -> Vec<u8> {
+        self.digests
     }
 
     /// Hashes the next `chunk` of the data. Every chunk but the last must be a whole
@@ -166,16 +182,26 @@ impl LeafHasher {
         hash_leaves(
             chunk,
             LEAF_SIZE,
-            self.len / LEAF_SIZE,
+            self.first_leaf + self.len / LEAF_SIZE,
             &mut self.digests[start..],
         );
         self.len += chunk.len();
     }
 
-    /// The content hash of everything passed to [`LeafHasher::update`].
+    /// The content hash of everything passed to [`LeafHasher::update`] (a hasher made
+    /// with [`LeafHasher::new`]: the data starts at leaf 0).
     pub fn finish(&self) -> u128 {
+        assert_eq!(self.first_leaf, 0, "a run of leaves has no root of its own");
         root_of(&self.digests, self.len, LEAF_SIZE)
     }
+}
+
+/// The content hash of `len` bytes from their leaf digests (16 bytes each, in order),
+/// e.g. runs of leaves hashed by several [`LeafHasher::starting_at`]. `None` when the
+/// number of digests does not fit `len`.
+pub fn root_of_digests(digests: &[u8], len: usize) -> Option<u128> {
+    (digests.len() == len.div_ceil(LEAF_SIZE) * DIGEST_BYTES)
+        .then(|| root_of(digests, len, LEAF_SIZE))
 }
 
 /// Hashes the consecutive leaves of `chunk` (whose first leaf has global index
@@ -202,6 +228,28 @@ pub fn to_hex(hash: u128) -> String {
 mod tests {
     use super::*;
     use proptest::prelude::*;
+
+    #[test]
+    fn runs_of_leaves_hashed_apart_give_the_same_root() {
+        let data = pattern(5 * LEAF_SIZE + 12_345, 9);
+        for cuts in [vec![], vec![1], vec![2, 3], vec![1, 2, 3, 4, 5]] {
+            let mut digests = Vec::new();
+            let mut bounds = vec![0];
+            bounds.extend(cuts.iter().map(|c| c * LEAF_SIZE));
+            bounds.push(data.len());
+            for w in bounds.windows(2) {
+                let mut h = LeafHasher::starting_at(w[0] / LEAF_SIZE);
+                h.update(&data[w[0]..w[1]]);
+                digests.extend(h.into_digests());
+            }
+            assert_eq!(
+                root_of_digests(&digests, data.len()),
+                Some(content_hash(&data))
+            );
+        }
+        assert_eq!(root_of_digests(&[0; 16], 2 * LEAF_SIZE), None);
+        assert_eq!(root_of_digests(&[], 0), Some(content_hash(&[])));
+    }
 
     /// Deterministic, non-repeating-looking test bytes (a 64-bit LCG, top byte).
     fn pattern(len: usize, salt: u64) -> Vec<u8> {

@@ -292,3 +292,86 @@ async def test_progress_reports_and_a_failing_callback(pccl_cluster, caplog) -> 
         cluster.comms[2].sync_shared_state(fresh, progress=broken))
     assert calls == 1 and fresh.revision == 3
     assert "progress callback failed" in caplog.text
+
+
+def test_fetch_ranges_cover_the_tensor_on_hash_leaves() -> None:
+    from pccl.communicator import RANGE_BYTES, _fetch_ranges
+
+    leaf = 1 << 20
+    assert _fetch_ranges(0, 3) == [(0, 0)]
+    assert _fetch_ranges(2 * RANGE_BYTES - 1, 3) == [(0, 2 * RANGE_BYTES - 1)]
+    for nbytes in (2 * RANGE_BYTES, 3 * RANGE_BYTES + 12345, (256 << 20) + 7):
+        for holders in (1, 2, 3, 5):
+            rs = _fetch_ranges(nbytes, holders)
+            assert 1 <= len(rs) <= holders
+            assert [a for a, _ in rs] == [sum(n for _, n in rs[:i]) for i in range(len(rs))]
+            assert sum(n for _, n in rs) == nbytes and all(a % leaf == 0 for a, _ in rs)
+            assert len(rs) == 1 or all(n >= RANGE_BYTES - holders * leaf for _, n in rs)
+
+
+async def test_large_tensor_is_fetched_in_ranges_from_every_holder(pccl_cluster) -> None:
+    cluster = await pccl_cluster(4)
+    n = 3 * (32 << 20) // 4 + 5  # int32 elements: three ranges, the last one shorter
+    good = np.arange(n, dtype=np.int32)
+    states = [pccl.SharedState([pccl.TensorInfo.from_numpy(good.copy(), "w")])
+              for _ in range(3)]
+    mine = np.zeros(n, dtype=np.int32)
+    infos = await asyncio.gather(
+        *(c.sync_shared_state(s) for c, s in zip(cluster.comms, states)),
+        cluster.comms[3].sync_shared_state(pccl.SharedState([pccl.TensorInfo.from_numpy(
+            mine, "w")]), S.RECEIVE_ONLY))
+    assert np.array_equal(mine, good)
+    assert all(i.tx_bytes > 0 for i in infos[:3])
+    assert sum(i.tx_bytes for i in infos[:3]) == infos[3].rx_bytes == good.nbytes
+
+
+async def test_a_range_from_a_lying_holder_falls_back_to_whole_fetches(pccl_cluster,
+                                                                      monkeypatch) -> None:
+    """A holder whose bytes do not match the hash it announced (here: its hash is faked)
+    spoils the ranged fetch; whole-tensor fetches from the holders in turn get the
+    popular content, and the liar's bytes are never accepted."""
+    cluster = await pccl_cluster(4)
+    n = 3 * (32 << 20) // 4
+    good = np.arange(n, dtype=np.int32)
+    tensors = [good.copy() for _ in range(3)]
+    tensors[1][:: n // 8] = -1  # the liar's bytes differ in whatever range it serves
+    real_hash = pccl.communicator._core.content_hash
+
+    def lying_hash(buf, *a, **kw):  # type: ignore[no-untyped-def]
+        if np.shares_memory(buf, tensors[1]):
+            return real_hash(good)
+        return real_hash(buf, *a, **kw)
+
+    monkeypatch.setattr(pccl.communicator._core, "content_hash", lying_hash)
+    states = [pccl.SharedState([pccl.TensorInfo.from_numpy(t, "w")]) for t in tensors]
+    mine = np.zeros(n, dtype=np.int32)
+    infos = await asyncio.gather(
+        *(c.sync_shared_state(s) for c, s in zip(cluster.comms, states)),
+        cluster.comms[3].sync_shared_state(pccl.SharedState([pccl.TensorInfo.from_numpy(
+            mine, "w")]), S.RECEIVE_ONLY))
+    assert np.array_equal(mine, good) and infos[3].rx_bytes == good.nbytes
+    assert sum(i.tx_bytes for i in infos[:3]) > good.nbytes  # ranges, then whole tensors
+
+
+async def test_fetch_into_checks_its_range(pccl_cluster) -> None:
+    cluster = await pccl_cluster(2)
+    a, b = cluster.comms
+    served = np.arange(3 << 20, dtype=np.uint8)
+    a._node.serve("w", served)
+    try:
+        out = np.zeros(1 << 20, dtype=np.uint8)
+        src = cluster.master.state.peers[a.peer_id].p2p_addr
+        digests = await b._node.fetch_into(src, a.peer_id, "w", out, offset=1 << 20,
+                                           total=3 << 20)
+        assert np.array_equal(out, served[1 << 20:2 << 20]) and len(digests) == 16
+        with pytest.raises(pccl.InvalidArgumentError, match="hash leaves"):
+            await b._node.fetch_into(src, a.peer_id, "w", out, offset=5, total=3 << 20)
+        with pytest.raises(pccl.InvalidUsageError, match="shorter"):
+            await b._node.fetch_into(src, a.peer_id, "w", out, offset=3 << 20, total=4 << 20)
+        with pytest.raises(pccl.InvalidUsageError, match="with 3145728 bytes"):
+            await b._node.fetch_into(src, a.peer_id, "w", out, offset=0, total=2 << 20)
+        whole = np.zeros(3 << 20, dtype=np.uint8)
+        digests = await b._node.fetch_into(src, a.peer_id, "w", whole)
+        assert _core.hash_root(digests, whole.nbytes) == _core.content_hash(served)
+    finally:
+        a._node.unserve_all()

@@ -2,13 +2,16 @@
 //! ranges (its tensors, read in place); another peer *fetches* one into a buffer of its
 //! own over an authenticated p2p stream (`Purpose::Transfer`).
 //!
-//! Request (one frame, <= 4 KiB): the key, UTF-8. Reply: a status byte (0 = found,
-//! 1 = not served), then for status 0 the length as u64 big-endian and that many bytes.
-//! A connection serves requests until the fetcher closes it. The fetcher verifies the
-//! content hash itself, so a wrong or stale tensor is caught there, not trusted.
+//! Request (one frame, <= 4 KiB): the byte range as u64 big-endian offset and length,
+//! then the key, UTF-8. Reply: a status byte (0 = found, 1 = not served, 2 = the range
+//! lies outside the tensor), then for status 0 the tensor's whole length as u64
+//! big-endian and the range's bytes. A connection serves requests until the fetcher
+//! closes it. The fetcher verifies the content hash itself, so a wrong or stale tensor
+//! is caught there, not trusted; ranges start on hash leaves, so a tensor fetched in
+//! ranges from several sources is hashed while it lands too.
 
 use crate::error::{CoreError, CoreResult};
-use crate::hash::LeafHasher;
+use crate::hash::{LeafHasher, LEAF_SIZE};
 use crate::net::frame::{read_frame, write_frame};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -20,7 +23,7 @@ const MAX_REQUEST: usize = 4096;
 /// Bytes moved per read/write call, so stalls are noticed within one timeout.
 const SLICE: usize = 4 << 20;
 // Slices are hashed as they land, so each must be whole hash leaves.
-const _: () = assert!(SLICE.is_multiple_of(crate::hash::LEAF_SIZE));
+const _: () = assert!(SLICE.is_multiple_of(LEAF_SIZE));
 
 /// A byte range served in place. `keepalive` owns whatever backs the memory.
 pub struct Served {
@@ -83,16 +86,28 @@ pub async fn serve<S: AsyncRead + AsyncWrite + Unpin>(
         if !got {
             return Ok(());
         }
-        let key = std::str::from_utf8(&buf)
+        if buf.len() < 16 {
+            return Err(CoreError::Protocol(
+                "transfer request without a range".into(),
+            ));
+        }
+        let offset = u64::from_be_bytes(buf[..8].try_into().unwrap());
+        let len = u64::from_be_bytes(buf[8..16].try_into().unwrap());
+        let key = std::str::from_utf8(&buf[16..])
             .map_err(|_| CoreError::Protocol("transfer request key is not UTF-8".into()))?;
         let Some(item) = registry.get(key) else {
             timed(io_timeout, stream.write_all(&[1u8])).await?;
             continue;
         };
+        let end = offset.checked_add(len).filter(|&e| e <= item.len as u64);
+        let Some(end) = end else {
+            timed(io_timeout, stream.write_all(&[2u8])).await?;
+            continue;
+        };
         let mut head = [0u8; 9];
         head[1..].copy_from_slice(&(item.len as u64).to_be_bytes());
         timed(io_timeout, stream.write_all(&head)).await?;
-        for part in item.bytes().chunks(SLICE) {
+        for part in item.bytes()[offset as usize..end as usize].chunks(SLICE) {
             timed(io_timeout, stream.write_all(part)).await?;
             registry
                 .sent
@@ -150,35 +165,61 @@ pub fn prefault(ptr: usize, len: usize) {
     let _ = (ptr, len);
 }
 
-/// Fetches `key` over an already authenticated transfer stream into `dst`, whose
-/// length must be exactly the served length. Returns the content hash of what arrived,
-/// computed slice by slice while the bytes land (no second pass over `dst`). `landed`
-/// counts the payload bytes received so far (for progress reports).
+/// Fetches bytes `offset..offset + dst.len()` of `key`, a tensor of `total` bytes, over
+/// an already authenticated transfer stream into `dst`. `offset` must start a hash leaf
+/// and the range must end on one or at `total`. Returns the range's leaf digests (see
+/// [`crate::hash::root_of_digests`]), computed slice by slice while the bytes land (no
+/// second pass over `dst`). `landed` counts the payload bytes received so far (for
+/// progress reports).
 pub async fn fetch<S: AsyncRead + AsyncWrite + Unpin>(
     stream: &mut S,
     key: &str,
+    offset: u64,
+    total: u64,
     dst: &mut [u8],
     io_timeout: Duration,
     landed: &AtomicU64,
-) -> CoreResult<u128> {
-    write_frame(stream, key.as_bytes()).await?;
-    let mut status = [0u8; 1];
-    timed(io_timeout, stream.read_exact(&mut status)).await?;
-    if status[0] != 0 {
-        return Err(CoreError::PeerConnection(format!(
-            "the source does not serve {key:?}"
-        )));
-    }
-    let mut len = [0u8; 8];
-    timed(io_timeout, stream.read_exact(&mut len)).await?;
-    let len = u64::from_be_bytes(len) as usize;
-    if len != dst.len() {
-        return Err(CoreError::InvalidUsage(format!(
-            "the source serves {key:?} with {len} bytes, expected {}",
+) -> CoreResult<Vec<u8>> {
+    let leaf = LEAF_SIZE as u64;
+    let end = offset.checked_add(dst.len() as u64);
+    if !offset.is_multiple_of(leaf)
+        || end.is_none_or(|e| e > total || (e < total && !e.is_multiple_of(leaf)))
+    {
+        return Err(CoreError::InvalidArgument(format!(
+            "fetch range {offset}+{} of {total} bytes does not lie on hash leaves",
             dst.len()
         )));
     }
-    let mut hasher = LeafHasher::new();
+    let mut request = Vec::with_capacity(16 + key.len());
+    request.extend_from_slice(&offset.to_be_bytes());
+    request.extend_from_slice(&(dst.len() as u64).to_be_bytes());
+    request.extend_from_slice(key.as_bytes());
+    write_frame(stream, &request).await?;
+    let mut status = [0u8; 1];
+    timed(io_timeout, stream.read_exact(&mut status)).await?;
+    match status[0] {
+        0 => {}
+        1 => {
+            return Err(CoreError::PeerConnection(format!(
+                "the source does not serve {key:?}"
+            )))
+        }
+        2 => {
+            return Err(CoreError::InvalidUsage(format!(
+                "the source's {key:?} is shorter than {total} bytes"
+            )))
+        }
+        s => return Err(CoreError::Protocol(format!("unknown transfer status {s}"))),
+    }
+    let mut len = [0u8; 8];
+    timed(io_timeout, stream.read_exact(&mut len)).await?;
+    let len = u64::from_be_bytes(len);
+    if len != total {
+        return Err(CoreError::InvalidUsage(format!(
+            "the source serves {key:?} with {len} bytes, expected {total}"
+        )));
+    }
+    let mut hasher = LeafHasher::starting_at((offset / leaf) as usize);
     for part in dst.chunks_mut(SLICE) {
         let mut got = 0;
         while got < part.len() {
@@ -193,7 +234,7 @@ pub async fn fetch<S: AsyncRead + AsyncWrite + Unpin>(
         }
         hasher.update(part);
     }
-    Ok(hasher.finish())
+    Ok(hasher.into_digests())
 }
 
 /// Bandwidth probe, listener side: counts what the prober sends until it half-closes,

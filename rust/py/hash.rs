@@ -100,7 +100,25 @@ pub fn content_hash_hex(
     Ok(hash::to_hex(hash_object(py, buffer, threads)?))
 }
 
+/// The content hash (16 big-endian bytes) of `nbytes` bytes from their leaf digests in
+/// order, as `P2PNode.fetch_into` returns them for the ranges of one tensor.
+#[pyfunction]
+pub fn hash_root<'py>(
+    py: Python<'py>,
+    digests: &[u8],
+    nbytes: u64,
+) -> PyResult<Bound<'py, PyBytes>> {
+    let value = hash::root_of_digests(digests, nbytes as usize).ok_or_else(|| {
+        crate::error::CoreError::InvalidArgument(format!(
+            "{} bytes of leaf digests do not fit {nbytes} bytes of data",
+            digests.len()
+        ))
+    })?;
+    Ok(PyBytes::new(py, &value.to_be_bytes()))
+}
+
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_function(wrap_pyfunction!(hash_root, m)?)?;
     m.add_function(wrap_pyfunction!(content_hash, m)?)?;
     m.add_function(wrap_pyfunction!(content_hash_hex, m)?)?;
     Ok(())

@@ -4,6 +4,7 @@ use crate::net::transfer::{self, Served};
 use crate::py::node::{resolve, PyP2PNode};
 use crate::py::ring::{raw_buffer, KeepAlive};
 use pyo3::prelude::*;
+use pyo3::types::PyBytes;
 use pyo3_async_runtimes::tokio::future_into_py;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -99,10 +100,13 @@ impl PyP2PNode {
         self.node.transfers.bytes_sent()
     }
 
-    /// Fetches `key` from peer `peer_id` at `addr` straight into `out` (writable,
-    /// exactly the served length). Resolves to the content hash (int) of what arrived;
-    /// `counter` (a `ByteCounter`) counts the bytes as they land.
-    #[pyo3(signature = (addr, peer_id, key, out, io_timeout=30.0, counter=None))]
+    /// Fetches bytes `offset..offset + len(out)` of `key` (a tensor of `total` bytes;
+    /// default: the range ends the tensor) from peer `peer_id` at `addr` straight into
+    /// `out` (writable). `offset` must start a hash leaf (1 MiB) and the range must end
+    /// on one or at the tensor's end. Resolves to the range's leaf digests (bytes; see
+    /// `hash_root`), hashed while the bytes land; `counter` (a `ByteCounter`) counts the
+    /// bytes as they land.
+    #[pyo3(signature = (addr, peer_id, key, out, offset=0, total=None, io_timeout=30.0, counter=None))]
     #[allow(clippy::too_many_arguments)]
     fn fetch_into<'py>(
         &self,
@@ -111,33 +115,33 @@ impl PyP2PNode {
         peer_id: u64,
         key: String,
         out: &Bound<'py, PyAny>,
+        offset: u64,
+        total: Option<u64>,
         io_timeout: f64,
         counter: Option<&Bound<'py, ByteCounter>>,
     ) -> PyResult<Bound<'py, PyAny>> {
         let landed = counter.map_or_else(Default::default, |c| c.get().0.clone());
         let raw = raw_buffer(out, true, "the fetch buffer")?;
+        let total = total.unwrap_or(offset.saturating_add(raw.len as u64));
         let keep = KeepAlive(out.clone().unbind());
         let node = self.node.clone();
         let timeout = Duration::from_secs_f64(io_timeout);
         future_into_py(py, async move {
             let _keep = keep;
-            // Back the destination with pages in bulk first (much cheaper than a fault
-            // per page while bytes arrive).
-            let (ptr, len) = (raw.ptr, raw.len);
-            let _ = tokio::task::spawn_blocking(move || transfer::prefault(ptr, len)).await;
             let sock = resolve(&addr).await?;
             let mut stream = node.dial_transfer(sock, peer_id).await?;
             // SAFETY: `_keep` holds the exporting object for the whole transfer and the
-            // caller hands us a private scratch buffer.
+            // caller hands us memory nobody else writes meanwhile.
             let dst = unsafe { std::slice::from_raw_parts_mut(raw.ptr as *mut u8, raw.len) };
             let fetched = tokio::select! {
-                r = transfer::fetch(&mut stream, &key, dst, timeout, &landed) => r,
+                r = transfer::fetch(&mut stream, &key, offset, total, dst, timeout, &landed) => r,
                 _ = node.cancel_token().cancelled() => {
                     Err(crate::error::CoreError::Aborted("the p2p node is closing".into()))
                 }
             };
-            // The content hash, computed while the bytes landed.
-            Ok(fetched?)
+            // The leaf digests, computed while the bytes landed.
+            let digests = fetched?;
+            Ok(Python::attach(|py| PyBytes::new(py, &digests).unbind()))
         })
     }
 }
