@@ -20,23 +20,29 @@ import numpy as np
 
 import pccl
 from pccl import _core
-from pccl.testing import Cluster
+from pccl.testing import Cluster, LinkEmulator, free_port
 
 MiB = 1 << 20
 
 
-def loopback_gbps(nbytes: int, fresh: bool = False) -> float:
-    """One plain TCP stream on 127.0.0.1, sender and receiver threads (GIL released).
-    ``fresh``: the receiver lands the bytes in freshly allocated memory (as a joiner
-    must), so every page is touched for the first time while bytes arrive."""
+def loopback_gbps(nbytes: int, fresh: bool = False, whole: bool = False) -> float:
+    """One plain TCP stream on 127.0.0.1, sender and receiver threads (GIL released),
+    4 MiB per call. Default: both ends reuse one 4 MiB buffer (cache-hot). ``fresh``:
+    the receiver lands the bytes in freshly allocated memory (as a joiner must), so every
+    page is touched for the first time while bytes arrive. ``whole``: the bytes go from
+    an ``nbytes`` buffer into another, already touched one (the memory traffic of a
+    sync into existing tensors, without hashing)."""
     srv = socket.create_server(("127.0.0.1", 0))
     port = srv.getsockname()[1]
-    buf = bytearray(4 * MiB)
+    buf = np.ones(nbytes if whole else 4 * MiB, dtype=np.uint8)
+    landing = np.zeros(nbytes, dtype=np.uint8) if whole else None
 
     def receive() -> None:
         conn, _ = srv.accept()
         if fresh:
             dst, step = memoryview(np.empty(nbytes, dtype=np.uint8)), 4 * MiB
+        elif landing is not None:
+            dst, step = memoryview(landing), 4 * MiB
         else:
             dst, step = memoryview(bytearray(4 * MiB)), 0
         got = 0
@@ -49,11 +55,12 @@ def loopback_gbps(nbytes: int, fresh: bool = False) -> float:
     t.start()
     with socket.create_connection(("127.0.0.1", port)) as s:
         t0 = time.perf_counter()
-        left = nbytes
-        while left:
-            n = min(left, len(buf))
-            s.sendall(memoryview(buf)[:n])
-            left -= n
+        view, sent = memoryview(buf), 0
+        while sent < nbytes:
+            n = min(nbytes - sent, 4 * MiB)
+            at = sent if whole else 0
+            s.sendall(view[at:at + n])
+            sent += n
         t.join()
         dt = time.perf_counter() - t0
     srv.close()
@@ -121,13 +128,60 @@ async def joiner_sync(total: int, sources: int, tensors: int = 4,
                 "served_by": [i.tx_bytes for i in infos[:-1]]}
 
 
+async def slow_sources(nbytes: int, sources: int, bandwidth: float) -> dict[str, float]:
+    """A RECEIVE_ONLY joiner fetches one tensor of ``nbytes`` from ``sources`` holders,
+    each behind its own LinkEmulator that caps every connection at ``bandwidth`` bytes/s
+    (a per-flow limit like a long internet path's)."""
+    emus, comms = [], []
+    async with Cluster(0, pool_size=1, master_kwargs={"heartbeat_timeout": 60.0}) as cl:
+        try:
+            for _ in range(sources):
+                port = free_port()
+                emu = LinkEmulator(f"127.0.0.1:{port}", bandwidth=bandwidth,
+                                   chunk_size=256 * 1024)
+                await emu.start()
+                emus.append(emu)
+                comms.append(cl.new_comm(p2p_listen_port=port,
+                                         p2p_advertise_address=emu.address))
+            await cl.admit(comms)
+            data = np.arange(nbytes // 4, dtype=np.int32)
+            states = [pccl.SharedState([pccl.TensorInfo.from_numpy(data.copy(), "w")])
+                      for _ in range(sources)]
+            await asyncio.gather(*(c.sync_shared_state(s) for c, s in zip(comms, states)))
+            joiner = cl.new_comm()
+            await cl.admit([joiner])
+            mine = np.zeros_like(data)
+            for s in states:
+                s.revision += 1
+            t0 = time.perf_counter()
+            infos = await asyncio.gather(
+                *(c.sync_shared_state(s) for c, s in zip(comms, states)),
+                joiner.sync_shared_state(
+                    pccl.SharedState([pccl.TensorInfo.from_numpy(mine, "w")]),
+                    strategy=pccl.SharedStateSyncStrategy.RECEIVE_ONLY))
+            dt = time.perf_counter() - t0
+            assert np.array_equal(mine, data)
+        finally:
+            for emu in emus:
+                await emu.stop()
+    return {"sources": sources, "bytes": nbytes, "link_MBps": bandwidth / 1e6,
+            "seconds": dt, "MBps": nbytes / dt / 1e6,
+            "served_by": [i.tx_bytes for i in infos[:-1]]}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--gib", type=float, default=1.0)
+    ap.add_argument("--slow-mib", type=int, default=128,
+                    help="tensor size of the slow-link case (one tensor, 1 and 3 holders)")
+    ap.add_argument("--slow-bandwidth", type=float, default=40e6,
+                    help="bytes/s per connection behind each holder's link emulator")
     args = ap.parse_args()
     total = int(args.gib * (1 << 30))
     result = {"loopback_1_stream_GBps": max(loopback_gbps(total // 2) for _ in range(2)),
               "loopback_1_stream_fresh_memory_GBps": loopback_gbps(total, fresh=True),
+              "loopback_1_stream_whole_buffers_GBps": max(loopback_gbps(total, whole=True)
+                                                          for _ in range(2)),
               "first_touch_GBps": first_touch_gbps(total),
               "hash": hash_vs_memcpy(total // 2)}
     asyncio.run(joiner_sync(64 * MiB, 1))  # warm-up: runtime, pools, allocator
@@ -135,12 +189,16 @@ def main() -> None:
                                                    in_place=in_place)),
                          "joiner_tensors": "touched" if touched else "fresh",
                          "in_place": in_place}
-                        for touched, in_place in ((False, False), (True, False), (False, True))
+                        for touched, in_place in ((False, False), (True, False), (False, True),
+                                                  (True, True))
                         for k in (1, 3)]
+    result["slow_links"] = [asyncio.run(slow_sources(args.slow_mib * MiB, k,
+                                                     args.slow_bandwidth)) for k in (1, 3)]
     lo, lo_fresh = result["loopback_1_stream_GBps"], result["loopback_1_stream_fresh_memory_GBps"]
     for r in result["joiner"]:
         r["vs_loopback"] = r["GBps"] / lo
         r["vs_loopback_fresh_memory"] = r["GBps"] / lo_fresh
+        r["vs_loopback_whole_buffers"] = r["GBps"] / result["loopback_1_stream_whole_buffers_GBps"]
     print(json.dumps(result, indent=1))
 
 
