@@ -32,9 +32,12 @@ def main() -> None:
               f"{j['sources']} holder{'s' if j['sources'] > 1 else ''}" for j in rows]
     left.bar(range(len(rows)), [j["GBps"] for j in rows], color="tab:blue")
     for value, name, style in [
-            (r["loopback_1_stream_GBps"], "TCP, hot 4 MiB buffers", "--"),
-            (r["loopback_1_stream_whole_buffers_GBps"], "TCP, whole 1 GiB buffers", ":"),
-            (r["loopback_1_stream_fresh_memory_GBps"], "TCP into fresh memory", "-.")]:
+            (r["loopback_1_stream_GBps"], "TCP 1 stream, hot 4 MiB buffers", "--"),
+            (r["loopback_4_streams_whole_buffers_GBps"], "TCP 4 streams, 1 GiB buffers", ":"),
+            (r["loopback_4_streams_whole_buffers_hashed_GBps"],
+             "TCP 4 streams, 1 GiB buffers, hashed", "-."),
+            (r["loopback_1_stream_fresh_memory_GBps"], "TCP 1 stream into fresh memory",
+             (0, (1, 4)))]:
         left.axhline(value, color="gray", linestyle=style, label=f"{name} ({value:.2f})")
     left.set_xticks(range(len(rows)), labels, fontsize=7)
     left.set_ylabel("GB/s (1 GiB joiner sync)")
