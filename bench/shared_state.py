@@ -90,6 +90,17 @@ def loopback_gbps(nbytes: int, fresh: bool = False, whole: bool = False,
     return part * streams / dt / 1e9
 
 
+def prewarm(gib: float) -> None:
+    """Touches and frees ``gib`` GiB. On this VM the host takes back guest memory a few
+    seconds after the guest frees it (measured: the same 3-holder staged sync took
+    0.68-0.86 s run back to back, 2.0-2.7 s after a 5 s pause), and touching such memory
+    again costs several times a normal page fault; each joiner case is measured right
+    after a prewarm so that "fresh" means new to the process, as on a host that keeps
+    its memory."""
+    warm = [np.ones(1 << 30, dtype=np.uint8) for _ in range(int(gib))]
+    del warm
+
+
 def first_touch_gbps(nbytes: int) -> float:
     """Writing freshly allocated memory once (page faults included)."""
     a = np.empty(nbytes, dtype=np.uint8)
@@ -199,36 +210,52 @@ def main() -> None:
                     help="tensor size of the slow-link case (one tensor, 1 and 3 holders)")
     ap.add_argument("--slow-bandwidth", type=float, default=40e6,
                     help="bytes/s per connection behind each holder's link emulator")
+    ap.add_argument("--reps", type=int, default=3, help="runs of each joiner case (median)")
     ap.add_argument("--prewarm-gib", type=float, default=6.0,
-                    help="touch and free this much memory first (0: off), so that 'fresh' "
-                         "means new to the process, not pages the VM host never backed")
+                    help="touch and free this much memory before each case (0: off), so "
+                         "that 'fresh' means new to the process, not pages the VM host "
+                         "took back")
     args = ap.parse_args()
     total = int(args.gib * (1 << 30))
-    if args.prewarm_gib > 0:
-        # On a VM the first touch of guest memory the host never backed costs up to
-        # 10x a normal page fault; whichever case ran first would pay it.
-        warm = [np.ones(1 << 30, dtype=np.uint8) for _ in range(int(args.prewarm_gib))]
-        del warm
-    result = {"prewarm_GiB": args.prewarm_gib,
-              "loopback_1_stream_GBps": max(loopback_gbps(total // 2) for _ in range(2)),
-              "loopback_1_stream_fresh_memory_GBps": loopback_gbps(total, fresh=True),
-              "loopback_1_stream_whole_buffers_GBps": max(loopback_gbps(total, whole=True)
-                                                          for _ in range(2)),
-              # The joiner fetches up to 4-6 ranges/tensors at once, one stream each.
-              "loopback_4_streams_whole_buffers_GBps": max(
-                  loopback_gbps(total, whole=True, streams=4) for _ in range(2)),
-              "loopback_4_streams_whole_buffers_hashed_GBps": max(
-                  loopback_gbps(total, whole=True, streams=4, hashed=True) for _ in range(2)),
-              "first_touch_GBps": first_touch_gbps(total),
-              "hash": hash_vs_memcpy(total // 2)}
+    references = {
+        "loopback_1_stream_GBps": lambda: loopback_gbps(total // 2),
+        "loopback_1_stream_fresh_memory_GBps": lambda: loopback_gbps(total, fresh=True),
+        "loopback_1_stream_whole_buffers_GBps": lambda: loopback_gbps(total, whole=True),
+        # The joiner fetches 4-6 ranges/tensors at once, one stream each.
+        "loopback_4_streams_whole_buffers_GBps":
+            lambda: loopback_gbps(total, whole=True, streams=4),
+        "loopback_4_streams_whole_buffers_hashed_GBps":
+            lambda: loopback_gbps(total, whole=True, streams=4, hashed=True),
+        "first_touch_GBps": lambda: first_touch_gbps(total),
+    }
     asyncio.run(joiner_sync(64 * MiB, 1))  # warm-up: runtime, pools, allocator
-    result["joiner"] = [{**asyncio.run(joiner_sync(total, k, touched=touched,
-                                                   in_place=in_place)),
-                         "joiner_tensors": "touched" if touched else "fresh",
-                         "in_place": in_place}
-                        for touched, in_place in ((False, False), (True, False), (False, True),
-                                                  (True, True))
-                        for k in (1, 3)]
+    cases = [(touched, in_place, k)
+             for touched, in_place in ((False, False), (True, False), (False, True),
+                                       (True, True))
+             for k in (1, 3)]
+    # Repetitions go round the references and all cases (not case after case), so the
+    # machine's slow and fast phases spread over all of them; each reports its median.
+    ref_runs: dict[str, list[float]] = {name: [] for name in references}
+    runs: dict[tuple[bool, bool, int], list[dict]] = {c: [] for c in cases}
+    for _ in range(args.reps):
+        for name, measure in references.items():
+            prewarm(args.prewarm_gib)
+            ref_runs[name].append(measure())
+        for touched, in_place, k in cases:
+            prewarm(args.prewarm_gib)
+            runs[(touched, in_place, k)].append(
+                asyncio.run(joiner_sync(total, k, touched=touched, in_place=in_place)))
+    result: dict = {"prewarm_GiB": args.prewarm_gib, "reps": args.reps}
+    for name, xs in ref_runs.items():
+        result[name] = sorted(xs)[len(xs) // 2]
+        result[name.replace("_GBps", "_samples_GBps")] = xs
+    result["hash"] = hash_vs_memcpy(total // 2)
+    result["joiner"] = []
+    for (touched, in_place, _), rs in runs.items():
+        rs.sort(key=lambda r: r["seconds"])
+        result["joiner"].append({**rs[len(rs) // 2], "samples_s": [r["seconds"] for r in rs],
+                                 "joiner_tensors": "touched" if touched else "fresh",
+                                 "in_place": in_place})
     result["slow_links"] = [asyncio.run(slow_sources(args.slow_mib * MiB, k,
                                                      args.slow_bandwidth)) for k in (1, 3)]
     lo, lo_fresh = result["loopback_1_stream_GBps"], result["loopback_1_stream_fresh_memory_GBps"]
