@@ -924,6 +924,7 @@ class Communicator:
         loop = asyncio.get_running_loop()
         self._sync_plan, self._sync_outcome = loop.create_future(), loop.create_future()
         served_before = self._node.bytes_served()
+        prefault: asyncio.Task[None] | None = None
         try:
             for info, raw in zip(state.infos, raws):
                 self._node.serve(info.name, raw.data)
@@ -933,6 +934,11 @@ class Communicator:
                 counts=[r.count for r in raws], hashes=list(hashes),
                 unequal=[bool(i.allow_content_inequality) for i in state.infos]))
             plan = await self._sync_plan
+            if not in_place and plan.fetch_keys:
+                # Back the tensors the commit will write with pages while the bytes
+                # travel (contents untouched), so the commit is a plain copy.
+                prefault = loop.create_task(asyncio.to_thread(
+                    _prefault_all, [by_key[k].data for k in plan.fetch_keys]))
             fetched: dict[str, np.ndarray] = {}
             ok, kind, why = True, "", ""
             addrs = dict(zip(plan.source_ids, plan.source_addrs))
@@ -961,6 +967,8 @@ class Communicator:
                 if errors:
                     ok, kind, why = False, type(errors[0]).__name__, str(errors[0])
                 self._send(m.SyncDone(ok=ok, kind=kind, message=why))
+                if prefault is not None:
+                    await prefault
                 outcome = await self._sync_outcome
             if not outcome.ok:
                 raise ERROR_KINDS.get(outcome.kind, PCCLError)(outcome.message)
@@ -974,6 +982,8 @@ class Communicator:
             rx = sum(int(a.nbytes) for a in fetched.values())
             return SyncInfo(tx_bytes=int(self._node.bytes_served() - served_before), rx_bytes=rx)
         finally:
+            if prefault is not None and not prefault.done():
+                prefault.cancel()  # the thread finishes on its own; nothing is written
             self._sync_plan = self._sync_outcome = None
             if self._node is not None:
                 self._node.unserve_all()
@@ -1052,6 +1062,11 @@ class Communicator:
         log.info("peer %s: fetched shared state %r (%.1f MiB) from peer(s) %s in %.2fs "
                  "(%.2f GB/s)", self.peer_id, key, nbytes / 2**20, sources, elapsed,
                  nbytes / max(elapsed, 1e-9) / 1e9)
+
+
+def _prefault_all(buffers: list[np.ndarray]) -> None:
+    for b in buffers:
+        _core.prefault(b)
 
 
 #: Tensors of at least twice this size are fetched in ranges from several holders at once.

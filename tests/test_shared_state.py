@@ -245,6 +245,19 @@ def test_copy_into_copies_exactly_and_checks_lengths() -> None:
         _core.copy_into(np.frombuffer(b"abcd", np.uint8), np.zeros(4, np.uint8))
 
 
+def test_prefault_keeps_contents() -> None:
+    for n in (0, 5, (8 << 20) + 3):  # empty, inside one page, across huge pages
+        a = np.frombuffer(np.random.default_rng(n).bytes(n), dtype=np.uint8).copy()
+        before = a.copy()
+        _core.prefault(a)
+        assert np.array_equal(a, before)
+    fresh = np.zeros(16 << 20, dtype=np.uint8)  # untouched pages read back as zeros
+    _core.prefault(fresh)
+    assert not fresh.any()
+    with pytest.raises(pccl.InvalidArgumentError, match="read-only"):
+        _core.prefault(np.frombuffer(b"abcd", np.uint8))
+
+
 async def test_in_place_receive_only_lands_straight_in_the_tensors(pccl_cluster) -> None:
     cluster = await pccl_cluster(3)
     pairs = [make_state(4, revision=2) for _ in range(2)]
