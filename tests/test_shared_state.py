@@ -175,16 +175,18 @@ async def test_torch_tensors(pccl_cluster) -> None:
     assert torch.equal(ts[0], ts[1])
 
 
-@pytest.mark.parametrize("sources", [1, 2])
-async def test_source_lost_mid_transfer(pccl_peer_process, sources: int) -> None:
-    """An up-to-date source (a process) is SIGKILLed while a large tensor flows to the
-    stale peer through a slow link. With a second source holding the same content the
-    stale peer fetches the tensor again from it and the sync succeeds for everyone left;
-    with none, the stale peer gets PeerConnectionError and its tensor is untouched."""
+@pytest.mark.parametrize(("fault", "sources"), [("kill", 1), ("kill", 2), ("stop", 2)])
+async def test_source_lost_mid_transfer(pccl_peer_process, fault: str, sources: int) -> None:
+    """An up-to-date source (a process) is SIGKILLed (or SIGSTOPped: frozen with its
+    sockets open) while a large tensor flows to the stale peer through a slow link. With
+    a second source holding the same content the stale peer fetches the rest from it
+    (after ``peer_timeout`` of silence for a frozen source) and the sync succeeds for
+    everyone left; with none, the stale peer gets PeerConnectionError and its tensor is
+    untouched."""
     n = 16 << 20  # 64 MiB of float32
     port = free_port()
     async with LinkEmulator(f"127.0.0.1:{port}", bandwidth=20e6, chunk_size=256 * 1024) as emu:
-        async with Cluster(1) as cluster:
+        async with Cluster(1, comm_kwargs={"peer_timeout": 3.0}) as cluster:
             (stale,) = cluster.comms
             src = await pccl_peer_process(cluster.master.address, extra_args=[
                 "--p2p-advertise-address", emu.address, "--p2p-port", str(port)])
@@ -212,9 +214,13 @@ async def test_source_lost_mid_transfer(pccl_peer_process, sources: int) -> None
             async with asyncio.timeout(30):
                 while emu.bytes_forwarded < 4 << 20:  # noqa: ASYNC110 (no event to wait on)
                     await asyncio.sleep(0.01)
-            src.kill()
-            with pytest.raises(ConnectionError):
-                await calls[0]
+            if fault == "stop":
+                src.stop()
+                calls[0].cancel()  # a frozen process never answers
+            else:
+                src.kill()
+                with pytest.raises(ConnectionError):
+                    await calls[0]
             if sources == 1:
                 with pytest.raises(pccl.PeerConnectionError, match="could not fetch"):
                     await mine_sync
