@@ -1001,13 +1001,18 @@ class Communicator:
         started = time.perf_counter()
         errors: list[str] = []
         ranges = _fetch_ranges(nbytes, len(sources))
-        order = list(sources)
         if len(ranges) > 1:
-            parts = await asyncio.gather(*(
+            # Every range runs to its end before a failure is raised: nothing keeps
+            # writing into the buffer after this returns.
+            results = await asyncio.gather(*(
                 self._fetch_range(key, scratch, offset, length, nbytes,
                                   sources[i % len(sources):] + sources[:i % len(sources)],
                                   addrs, counters, limit)
-                for i, (offset, length) in enumerate(ranges)))
+                for i, (offset, length) in enumerate(ranges)), return_exceptions=True)
+            for r in results:
+                if isinstance(r, BaseException):
+                    raise r
+            parts = [r for r in results if not isinstance(r, BaseException)]
             got = _core.hash_root(b"".join(p for p, _ in parts), nbytes)
             used = sorted({src for _, src in parts})
             if got == want:
@@ -1017,7 +1022,7 @@ class Communicator:
                           f"(got {got.hex()[:16]}..., expected {want.hex()[:16]}...)")
             for k in [k for k in counters if k[0] == key]:
                 del counters[k]  # the whole-tensor attempts below count afresh
-        for src in order:
+        for src in sources:
             started = time.perf_counter()
             try:
                 digests, _ = await self._fetch_range(key, scratch, 0, nbytes, nbytes, [src],
@@ -1065,8 +1070,12 @@ class Communicator:
 
 
 def _prefault_all(buffers: list[np.ndarray]) -> None:
+    """Best effort: an optimization must never fail a sync."""
     for b in buffers:
-        _core.prefault(b)
+        try:
+            _core.prefault(b)
+        except Exception as e:  # noqa: BLE001 (nothing to recover; the commit faults pages in)
+            log.debug("prefault skipped: %s", e)
 
 
 #: Tensors of at least twice this size are fetched in ranges from several holders at once.
@@ -1093,7 +1102,8 @@ class _SyncReporter:
     LOG_EVERY = 10.0
 
     def __init__(self, comm: Communicator, callback: Callable[[SyncProgress], object] | None,
-                 interval: float, served_before: int, counters: dict[str, Any],
+                 interval: float, served_before: int,
+                 counters: dict[tuple[str, int], Any],
                  fetched: dict[str, np.ndarray], sizes: list[int]) -> None:
         self._comm, self._callback = comm, callback
         self._interval = max(float(interval), 0.01)
