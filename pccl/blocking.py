@@ -115,7 +115,7 @@ from pccl.errors import (
 )
 from pccl.master.server import MasterNode as _AsyncMasterNode
 from pccl.shared_state import SharedState as _AsyncSharedState
-from pccl.shared_state import SyncInfo
+from pccl.shared_state import SyncInfo, SyncProgress
 from pccl.shared_state import TensorInfo as _AsyncTensorInfo
 
 log = logging.getLogger(__name__)
@@ -1333,9 +1333,13 @@ class Communicator:
     @_reports_result
     def sync_shared_state(self, shared_state: SharedState,
                           strategy: SharedStateSyncStrategy =
-                          SharedStateSyncStrategy.ENFORCE_POPULAR) -> SyncInfo:
+                          SharedStateSyncStrategy.ENFORCE_POPULAR, *,
+                          progress: Callable[[SyncProgress], object] | None = None,
+                          progress_interval: float = 1.0) -> SyncInfo:
         """Brings ``shared_state`` to the content most peers of the group hold and sets
-        its revision (collective). Returns ``tx_bytes`` / ``rx_bytes``."""
+        its revision (collective). Returns ``tx_bytes`` / ``rx_bytes``. ``progress``
+        (an extension) gets :class:`pccl.SyncProgress` reports as in the asyncio API; it
+        is called on the background event-loop thread."""
         if not isinstance(shared_state, SharedState):
             raise InvalidArgumentError("shared_state must be a pccl.blocking.SharedState")
         try:
@@ -1351,7 +1355,9 @@ class Communicator:
                     f"{len(core.in_flight)} reduce(s) in flight; wait() for them before "
                     "sync_shared_state()")
             try:
-                return await comm.sync_shared_state(shared_state._state, strategy)
+                return await comm.sync_shared_state(shared_state._state, strategy,
+                                                    progress=progress,
+                                                    progress_interval=progress_interval)
             except _RETRYABLE:
                 await core.recover()
                 raise

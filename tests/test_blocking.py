@@ -532,10 +532,13 @@ def test_shared_state_late_joiner_and_raw_pointers(master: pb.MasterNode) -> Non
         with pytest.raises(ValueError):
             sa.revision = -1
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
-            other = pool.submit(b.sync_shared_state, sb, pb.SharedStateSyncStrategy.RECEIVE_ONLY)
+            reports: list = []
+            other = pool.submit(b.sync_shared_state, sb, pb.SharedStateSyncStrategy.RECEIVE_ONLY,
+                                progress=reports.append)
             info_a = a.sync_shared_state(sa)
             info_b = other.result(timeout=WAIT)
         assert (wb == wa).all() and sb.revision == sa.revision == 7
+        assert reports[-1].final and reports[-1].rx_bytes == reports[-1].rx_total == wa.nbytes
         assert (info_a.tx_bytes, info_b.rx_bytes) == (wa.nbytes, wa.nbytes)
         for s in (sa, sb):
             s.push_revision()
