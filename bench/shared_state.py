@@ -4,7 +4,8 @@ content-hash throughput next to memcpy.
 
     python bench/shared_state.py --gib 1
 
-Peers run in one process (the bytes move in Rust on tokio threads, peer to peer).
+Peers run in one process (the bytes move in Rust on tokio threads, peer to peer), and
+again with each holder in its own process (the joiner here).
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ import numpy as np
 
 import pccl
 from pccl import _core
-from pccl.testing import Cluster, LinkEmulator, free_port
+from pccl.testing import Cluster, LinkEmulator, PeerProcess, free_port
+from pccl.testing.data import deterministic_tensor
 
 MiB = 1 << 20
 
@@ -162,6 +164,55 @@ async def joiner_sync(total: int, sources: int, tensors: int = 4,
                 "served_by": [i.tx_bytes for i in infos[:-1]]}
 
 
+async def joiner_sync_processes(total: int, sources: int, tensors: int = 4,
+                                touched: bool = False, in_place: bool = False) -> dict:
+    """Like :func:`joiner_sync`, but each holder is its own process (its own interpreter,
+    runtime and hashing threads); the joiner runs here."""
+    per = total // tensors // 4
+    names = [f"t{i}" for i in range(tensors)]
+    async with Cluster(0, pool_size=1, master_kwargs={"heartbeat_timeout": 60.0}) as cl:
+        joiner = cl.new_comm()
+        await cl.admit([joiner])
+        procs = [PeerProcess(cl.master.address, pool_size=1) for _ in range(sources)]
+        try:
+            for p in procs:
+                await p.start()
+            await cl.master.wait_for(lambda s: len(s.pending()) == sources, timeout=60)
+            await joiner.update_topology()
+            for p in procs:
+                await p.wait_accepted()
+                for n in names:
+                    await p.call("make_tensor", name=n, dtype="int32", count=per, seed=7)
+
+            async def sync_all(mine: list[np.ndarray], revision: int) -> tuple[float, dict]:
+                state = pccl.SharedState([pccl.TensorInfo.from_numpy(t, n)
+                                          for n, t in zip(names, mine)])
+                calls = [asyncio.create_task(p.call("sync", names=names, revision=revision,
+                                                    digests=False)) for p in procs]
+                t0 = time.perf_counter()
+                info = await joiner.sync_shared_state(
+                    state, strategy=pccl.SharedStateSyncStrategy.RECEIVE_ONLY,
+                    in_place=in_place)
+                dt = time.perf_counter() - t0
+                served = [(await c)["tx_bytes"] for c in calls]
+                return dt, {"rx": info.rx_bytes, "served_by": served}
+
+            await sync_all([np.zeros(per, dtype=np.int32) for _ in names], 0)  # warm-up
+            mine = [np.zeros(per, dtype=np.int32) for _ in names]
+            if touched:
+                for t in mine:
+                    t.fill(3)
+            dt, info = await sync_all(mine, 1)
+            # The joiner holds what the holders made (same seed, same generator).
+            assert np.array_equal(mine[0], deterministic_tensor("int32", per, 7))
+        finally:
+            for p in procs:
+                await p.close()
+    return {"sources": sources, "bytes": info["rx"], "seconds": dt,
+            "GBps": info["rx"] / dt / 1e9, "served_by": info["served_by"],
+            "joiner_tensors": "touched" if touched else "fresh", "in_place": in_place}
+
+
 async def slow_sources(nbytes: int, sources: int, bandwidth: float) -> dict[str, float]:
     """A RECEIVE_ONLY joiner fetches one tensor of ``nbytes`` from ``sources`` holders,
     each behind its own LinkEmulator that caps every connection at ``bandwidth`` bytes/s
@@ -211,6 +262,8 @@ def main() -> None:
     ap.add_argument("--slow-bandwidth", type=float, default=40e6,
                     help="bytes/s per connection behind each holder's link emulator")
     ap.add_argument("--reps", type=int, default=3, help="runs of each joiner case (median)")
+    ap.add_argument("--no-processes", dest="processes", action="store_false",
+                    help="skip the cases with each holder in its own process")
     ap.add_argument("--prewarm-gib", type=float, default=6.0,
                     help="touch and free this much memory before each case (0: off), so "
                          "that 'fresh' means new to the process, not pages the VM host "
@@ -235,8 +288,12 @@ def main() -> None:
              for k in (1, 3)]
     # Repetitions go round the references and all cases (not case after case), so the
     # machine's slow and fast phases spread over all of them; each reports its median.
+    proc_cases = [(touched, in_place, k)
+                  for touched, in_place in ((False, False), (False, True), (True, True))
+                  for k in (1, 3)] if args.processes else []
     ref_runs: dict[str, list[float]] = {name: [] for name in references}
     runs: dict[tuple[bool, bool, int], list[dict]] = {c: [] for c in cases}
+    proc_runs: dict[tuple[bool, bool, int], list[dict]] = {c: [] for c in proc_cases}
     for _ in range(args.reps):
         for name, measure in references.items():
             prewarm(args.prewarm_gib)
@@ -245,6 +302,10 @@ def main() -> None:
             prewarm(args.prewarm_gib)
             runs[(touched, in_place, k)].append(
                 asyncio.run(joiner_sync(total, k, touched=touched, in_place=in_place)))
+        for touched, in_place, k in proc_cases:
+            prewarm(args.prewarm_gib)
+            proc_runs[(touched, in_place, k)].append(asyncio.run(joiner_sync_processes(
+                total, k, touched=touched, in_place=in_place)))
     result: dict = {"prewarm_GiB": args.prewarm_gib, "reps": args.reps}
     for name, xs in ref_runs.items():
         result[name] = sorted(xs)[len(xs) // 2]
@@ -256,10 +317,15 @@ def main() -> None:
         result["joiner"].append({**rs[len(rs) // 2], "samples_s": [r["seconds"] for r in rs],
                                  "joiner_tensors": "touched" if touched else "fresh",
                                  "in_place": in_place})
+    result["joiner_holders_in_processes"] = []
+    for rs in proc_runs.values():
+        rs.sort(key=lambda r: r["seconds"])
+        result["joiner_holders_in_processes"].append(
+            {**rs[len(rs) // 2], "samples_s": [r["seconds"] for r in rs]})
     result["slow_links"] = [asyncio.run(slow_sources(args.slow_mib * MiB, k,
                                                      args.slow_bandwidth)) for k in (1, 3)]
     lo, lo_fresh = result["loopback_1_stream_GBps"], result["loopback_1_stream_fresh_memory_GBps"]
-    for r in result["joiner"]:
+    for r in result["joiner"] + result["joiner_holders_in_processes"]:
         r["vs_loopback"] = r["GBps"] / lo
         r["vs_loopback_fresh_memory"] = r["GBps"] / lo_fresh
         r["vs_loopback_whole_buffers"] = r["GBps"] / result["loopback_1_stream_whole_buffers_GBps"]

@@ -50,13 +50,13 @@ class Worker:
                 for n in names}
 
     async def cmd_sync(self, names: list[str], revision: int,
-                       strategy: str = "ENFORCE_POPULAR") -> dict[str, Any]:
+                       strategy: str = "ENFORCE_POPULAR", digests: bool = True) -> dict[str, Any]:
         state = pccl.SharedState([pccl.TensorInfo.from_numpy(self.tensors[n], n) for n in names],
                                  revision=revision)
         info = await self.comm.sync_shared_state(
             state, strategy=pccl.SharedStateSyncStrategy[strategy])
         return {"revision": state.revision, "tx_bytes": info.tx_bytes, "rx_bytes": info.rx_bytes,
-                "digests": {n: digest(self.tensors[n]) for n in names}}
+                "digests": {n: digest(self.tensors[n]) for n in names} if digests else {}}
 
     async def cmd_all_reduce(self, name: str, op: str = "SUM", tag: int = 0) -> dict[str, Any]:
         info = await self.comm.all_reduce(self.tensors[name], op=pccl.ReduceOp[op], tag=tag)
