@@ -11,8 +11,12 @@
 //! hash only reads the buffer while memcpy reads it and writes a second one, so memcpy
 //! moves twice the bytes through memory for the same payload.
 
+#[path = "bench_support.rs"]
+mod bench_support;
+
+use bench_support::time_median;
 use std::hint::black_box;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use _core::hash::{content_hash, content_hash_threads};
 
@@ -33,20 +37,6 @@ fn parse_args() -> (usize, usize) {
         }
     }
     (mib, reps)
-}
-
-/// Median wall time of `reps` runs of `f`, after one warm-up run.
-fn median_time(reps: usize, mut f: impl FnMut()) -> Duration {
-    f();
-    let mut times: Vec<Duration> = (0..reps)
-        .map(|_| {
-            let t = Instant::now();
-            f();
-            t.elapsed()
-        })
-        .collect();
-    times.sort();
-    times[times.len() / 2]
 }
 
 /// memcpy of `src` into `dst` split into `threads` contiguous pieces.
@@ -87,7 +77,7 @@ fn main() {
 
     rows.push((
         "memcpy, 1 thread".into(),
-        median_time(reps, || {
+        time_median(reps, || {
             dst.copy_from_slice(black_box(&src));
             black_box(&mut dst);
         }),
@@ -95,7 +85,7 @@ fn main() {
     if cores > 1 {
         rows.push((
             format!("memcpy, {cores} threads"),
-            median_time(reps, || {
+            time_median(reps, || {
                 parallel_copy(&mut dst, black_box(&src), cores);
                 black_box(&mut dst);
             }),
@@ -103,13 +93,13 @@ fn main() {
     }
     rows.push((
         "content_hash_threads(.., 1)".into(),
-        median_time(reps, || {
+        time_median(reps, || {
             assert_eq!(content_hash_threads(black_box(&src), 1), reference);
         }),
     ));
     rows.push((
         format!("content_hash (auto, {cores} threads)"),
-        median_time(reps, || {
+        time_median(reps, || {
             assert_eq!(content_hash(black_box(&src)), reference);
         }),
     ));

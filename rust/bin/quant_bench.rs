@@ -13,14 +13,16 @@
 //! for dequantize (reads 1 byte per element, writes it). memcpy copies a buffer of the same
 //! size. `x memcpy` is the ratio to the memcpy measured at the start of the run.
 
+#[path = "bench_support.rs"]
+mod bench_support;
+
+use bench_support::{gbps, time_median};
 use std::hint::black_box;
-use std::time::{Duration, Instant};
 
 use _core::quant::{
     dequantize, dequantize_reduce, quantize, quantized_len, QuantAlgorithm, WireType,
 };
 use _core::reduce::{DType, ReduceOp};
-use half::{bf16, f16};
 
 const USAGE: &str = "usage: quant_bench [--mib N] [--reps N] [--dtype NAME]...";
 
@@ -67,46 +69,12 @@ fn parse_args() -> Args {
     args
 }
 
-/// Median wall time of `reps` runs of `f`, after one untimed warm-up run.
-fn time_median(reps: usize, mut f: impl FnMut()) -> Duration {
-    f();
-    let mut times: Vec<Duration> = (0..reps)
-        .map(|_| {
-            let t = Instant::now();
-            f();
-            t.elapsed()
-        })
-        .collect();
-    times.sort();
-    times[times.len() / 2]
-}
-
-fn gbps(bytes: usize, t: Duration) -> f64 {
-    bytes as f64 / t.as_secs_f64() / 1e9
-}
-
 /// Gradient-like data: roughly normal values (sum of uniforms) of scale 1e-2.
 fn fill(dtype: DType, buf: &mut [u8], seed: u64) {
-    let mut state = seed;
-    let mut next = move || {
-        // xorshift64*
-        state ^= state >> 12;
-        state ^= state << 25;
-        state ^= state >> 27;
-        state.wrapping_mul(0x2545_F491_4F6C_DD1D)
-    };
-    for e in buf.chunks_exact_mut(dtype.size()) {
-        let r = next();
+    bench_support::fill(dtype, buf, seed, |r| {
         let u = |s: u32| ((r >> s) & 0xFFFF) as f64 / 65536.0;
-        let x = (u(0) + u(16) + u(32) + u(48) - 2.0) * 1e-2;
-        match dtype {
-            DType::F16 => e.copy_from_slice(&f16::from_f64(x).to_le_bytes()),
-            DType::BF16 => e.copy_from_slice(&bf16::from_f64(x).to_le_bytes()),
-            DType::F32 => e.copy_from_slice(&(x as f32).to_le_bytes()),
-            DType::F64 => e.copy_from_slice(&x.to_le_bytes()),
-            _ => e.copy_from_slice(&r.to_le_bytes()[..e.len()]),
-        }
-    }
+        (u(0) + u(16) + u(32) + u(48) - 2.0) * 1e-2
+    });
 }
 
 fn memcpy_gbps(dst: &mut [u8], src: &[u8], reps: usize) -> f64 {

@@ -17,11 +17,13 @@
 //!   `reduce` and `reduce_inplace` 3x, `finalize` 2x), to compare with memcpy as a
 //!   fraction of memory bandwidth.
 
+#[path = "bench_support.rs"]
+mod bench_support;
+
+use bench_support::{gbps, time_median};
 use std::hint::black_box;
-use std::time::{Duration, Instant};
 
 use _core::reduce::{finalize, reduce, reduce_inplace, DType, ReduceOp};
-use half::{bf16, f16};
 
 struct Args {
     mib: usize,
@@ -82,47 +84,12 @@ fn parse_args() -> Args {
     args
 }
 
-/// Median wall time of `reps` runs of `f`, after one untimed warm-up run (which also
-/// faults in any untouched pages).
-fn time_median(reps: usize, mut f: impl FnMut()) -> Duration {
-    f();
-    let mut times: Vec<Duration> = (0..reps)
-        .map(|_| {
-            let t = Instant::now();
-            f();
-            t.elapsed()
-        })
-        .collect();
-    times.sort();
-    times[times.len() / 2]
-}
-
-fn gbps(bytes: usize, t: Duration) -> f64 {
-    bytes as f64 / t.as_secs_f64() / 1e9
-}
-
 /// Fill `buf` with values of `dtype` that keep every op in the normal range: floats in
 /// [0.75, 1.25) (products of a few of them stay far from subnormals), integers arbitrary.
 fn fill(dtype: DType, buf: &mut [u8], seed: u64) {
-    let mut state = seed;
-    let mut next = move || {
-        // xorshift64*
-        state ^= state >> 12;
-        state ^= state << 25;
-        state ^= state >> 27;
-        state.wrapping_mul(0x2545_F491_4F6C_DD1D)
-    };
-    for e in buf.chunks_exact_mut(dtype.size()) {
-        let r = next();
-        let x = 0.75 + (r >> 40) as f64 / (1u64 << 24) as f64 * 0.5;
-        match dtype {
-            DType::F16 => e.copy_from_slice(&f16::from_f64(x).to_le_bytes()),
-            DType::BF16 => e.copy_from_slice(&bf16::from_f64(x).to_le_bytes()),
-            DType::F32 => e.copy_from_slice(&(x as f32).to_le_bytes()),
-            DType::F64 => e.copy_from_slice(&x.to_le_bytes()),
-            _ => e.copy_from_slice(&r.to_le_bytes()[..e.len()]),
-        }
-    }
+    bench_support::fill(dtype, buf, seed, |r| {
+        0.75 + (r >> 40) as f64 / (1u64 << 24) as f64 * 0.5
+    });
 }
 
 fn memcpy_row(label: &str, dst: &mut [u8], src: &[u8], reps: usize) -> f64 {
