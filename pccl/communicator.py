@@ -945,7 +945,8 @@ class Communicator:
             # Fetches in flight at once (one stream each): enough to keep every source
             # busy, bounded.
             limit = asyncio.Semaphore(min(16, max(4, 2 * len(plan.source_ids))))
-            counters: dict[tuple[str, int], _core.ByteCounter] = {}
+            # Per range: (bytes landed by earlier attempts, counter of the current one).
+            counters: dict[tuple[str, int], tuple[int, _core.ByteCounter]] = {}
             report = _SyncReporter(self, progress, progress_interval, served_before,
                                    counters, fetched,
                                    [by_key[k].nbytes for k in plan.fetch_keys])
@@ -990,38 +991,36 @@ class Communicator:
 
     async def _fetch_verified(self, key: str, want: bytes, sources: list[int],
                               addrs: dict[int, str], dst: np.ndarray | None, nbytes: int,
-                              counters: dict[tuple[str, int], Any],
+                              counters: dict[tuple[str, int], tuple[int, Any]],
                               limit: asyncio.Semaphore) -> np.ndarray:
         """Fetches ``key`` into a scratch buffer (or straight into ``dst``) and checks
         its content hash. A large tensor is split into ranges fetched from different
-        holders at once (each range moving on to the next holder if its source fails);
-        after a hash mismatch, or for a small tensor, whole-tensor attempts go through
-        the holders in order. ``counters`` count the bytes of the current attempts."""
+        holders at once; a range whose source fails continues from the next holder after
+        the whole hash leaves already landed. After a content mismatch, whole-tensor
+        fetches go through the holders in turn. ``counters`` count the bytes landed."""
         scratch = np.empty(nbytes, dtype=np.uint8) if dst is None else dst
         started = time.perf_counter()
-        errors: list[str] = []
-        ranges = _fetch_ranges(nbytes, len(sources))
-        if len(ranges) > 1:
-            # Every range runs to its end before a failure is raised: nothing keeps
-            # writing into the buffer after this returns.
-            results = await asyncio.gather(*(
-                self._fetch_range(key, scratch, offset, length, nbytes,
-                                  sources[i % len(sources):] + sources[:i % len(sources)],
-                                  addrs, counters, limit)
-                for i, (offset, length) in enumerate(ranges)), return_exceptions=True)
-            for r in results:
-                if isinstance(r, BaseException):
-                    raise r
-            parts = [r for r in results if not isinstance(r, BaseException)]
-            got = _core.hash_root(b"".join(p for p, _ in parts), nbytes)
-            used = sorted({src for _, src in parts})
-            if got == want:
-                self._log_fetched(key, nbytes, started, used)
-                return scratch
-            errors.append(f"peers {used}: content hash mismatch over the ranges "
-                          f"(got {got.hex()[:16]}..., expected {want.hex()[:16]}...)")
-            for k in [k for k in counters if k[0] == key]:
-                del counters[k]  # the whole-tensor attempts below count afresh
+        # Every range runs to its end before a failure is raised: nothing keeps writing
+        # into the buffer after this returns.
+        results = await asyncio.gather(*(
+            self._fetch_range(key, scratch, offset, length, nbytes,
+                              sources[i % len(sources):] + sources[:i % len(sources)],
+                              addrs, counters, limit)
+            for i, (offset, length) in enumerate(_fetch_ranges(nbytes, len(sources)))),
+            return_exceptions=True)
+        for r in results:
+            if isinstance(r, BaseException):
+                raise r
+        parts = [r for r in results if not isinstance(r, BaseException)]
+        got = _core.hash_root(b"".join(p for p, _ in parts), nbytes)
+        used = sorted({src for _, srcs in parts for src in srcs})
+        if got == want:
+            self._log_fetched(key, nbytes, started, used)
+            return scratch
+        errors = [f"peers {used}: content hash mismatch (got {got.hex()[:16]}..., "
+                  f"expected {want.hex()[:16]}...)"]
+        for k in [k for k in counters if k[0] == key]:
+            del counters[k]  # the whole-tensor attempts below count afresh
         for src in sources:
             started = time.perf_counter()
             try:
@@ -1041,23 +1040,33 @@ class Communicator:
 
     async def _fetch_range(self, key: str, scratch: np.ndarray, offset: int, length: int,
                            total: int, order: list[int], addrs: dict[int, str],
-                           counters: dict[tuple[str, int], Any],
-                           limit: asyncio.Semaphore) -> tuple[bytes, int]:
-        """Fetches one range from the first holder in ``order`` that delivers it; returns
-        its leaf digests (hashed as the bytes landed) and the holder's id."""
+                           counters: dict[tuple[str, int], tuple[int, Any]],
+                           limit: asyncio.Semaphore) -> tuple[bytes, list[int]]:
+        """Fetches bytes ``offset..offset + length`` from the holders in ``order``: when
+        one fails, the next continues after the whole hash leaves that already landed
+        (their digests are computed from what landed; the content hash of the tensor
+        still checks every byte). Returns the range's leaf digests and the holders that
+        delivered parts of it."""
         errors = []
+        done, head, used = 0, b"", []  # bytes of whole leaves landed so far, their digests
         for src in order:
-            counters[(key, offset)] = counter = _core.ByteCounter()
+            start = offset + done
+            counter = _core.ByteCounter()
+            counters[(key, offset)] = (done, counter)
             async with limit:
                 try:
                     digests = await self._node.fetch_into(
-                        addrs[src], src, key, scratch[offset:offset + length],
-                        offset=offset, total=total, io_timeout=self.peer_timeout,
-                        counter=counter)
+                        addrs[src], src, key, scratch[start:offset + length], offset=start,
+                        total=total, io_timeout=self.peer_timeout, counter=counter)
                 except PCCLError as e:
                     errors.append(f"peer {src}: {e}")
+                    whole = counter.value // _LEAF * _LEAF
+                    if whole:
+                        head += _core.leaf_digests(scratch[start:start + whole], start // _LEAF)
+                        done += whole
+                        used.append(src)
                     continue
-            return bytes(digests), src
+            return head + bytes(digests), [*used, src]
         raise _core.PeerConnectionError(
             f"could not fetch bytes {offset}..{offset + length} of shared state {key!r}: "
             f"{'; '.join(errors)}")
@@ -1103,7 +1112,7 @@ class _SyncReporter:
 
     def __init__(self, comm: Communicator, callback: Callable[[SyncProgress], object] | None,
                  interval: float, served_before: int,
-                 counters: dict[tuple[str, int], Any],
+                 counters: dict[tuple[str, int], tuple[int, Any]],
                  fetched: dict[str, np.ndarray], sizes: list[int]) -> None:
         self._comm, self._callback = comm, callback
         self._interval = max(float(interval), 0.01)
@@ -1117,7 +1126,7 @@ class _SyncReporter:
         node = self._comm._node
         tx = int(node.bytes_served() - self._served_before) if node is not None else 0
         return SyncProgress(
-            rx_bytes=sum(c.value for c in list(self._counters.values())),
+            rx_bytes=sum(base + c.value for base, c in list(self._counters.values())),
             rx_total=self._rx_total, tx_bytes=tx, tensors_done=len(self._fetched),
             tensors_total=self._tensors, seconds=time.perf_counter() - self._started,
             final=final)

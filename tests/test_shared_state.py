@@ -179,10 +179,10 @@ async def test_torch_tensors(pccl_cluster) -> None:
 async def test_source_lost_mid_transfer(pccl_peer_process, fault: str, sources: int) -> None:
     """An up-to-date source (a process) is SIGKILLed (or SIGSTOPped: frozen with its
     sockets open) while a large tensor flows to the stale peer through a slow link. With
-    a second source holding the same content the stale peer fetches the rest from it
-    (after ``peer_timeout`` of silence for a frozen source) and the sync succeeds for
-    everyone left; with none, the stale peer gets PeerConnectionError and its tensor is
-    untouched."""
+    a second source holding the same content the stale peer fetches the rest from it,
+    keeping what already landed (after ``peer_timeout`` of silence for a frozen source),
+    and the sync succeeds for everyone left; with none, the stale peer gets
+    PeerConnectionError and its tensor is untouched."""
     n = 16 << 20  # 64 MiB of float32
     port = free_port()
     async with LinkEmulator(f"127.0.0.1:{port}", bandwidth=20e6, chunk_size=256 * 1024) as emu:
@@ -231,6 +231,9 @@ async def test_source_lost_mid_transfer(pccl_peer_process, fault: str, sources: 
             theirs = await calls[1]
             assert digest(mine) == theirs["digests"]["w"] != before
             assert info.rx_bytes == 4 * n
+            # The second holder served its own half and the rest of the first half: the
+            # whole leaves that had landed from the lost holder were kept, not fetched again.
+            assert 2 * n < theirs["tx_bytes"] <= 4 * n - (2 << 20)
             # Progress: bytes of the first attempt came in before the end, then all.
             assert reports[0].rx_total == 4 * n and reports[0].tensors_total == 1
             assert any(0 < r.rx_bytes < 4 * n and not r.final for r in reports)
@@ -394,3 +397,16 @@ async def test_fetch_into_checks_its_range(pccl_cluster) -> None:
         assert _core.hash_root(digests, whole.nbytes) == _core.content_hash(served)
     finally:
         a._node.unserve_all()
+
+
+def test_leaf_digests_of_runs_combine_into_the_content_hash() -> None:
+    leaf = 1 << 20
+    data = np.frombuffer(np.random.default_rng(3).bytes(5 * leaf + 777), dtype=np.uint8)
+    for cut in (0, 1, 3, 5):
+        parts = (_core.leaf_digests(data[:cut * leaf], 0)
+                 + _core.leaf_digests(data[cut * leaf:], cut))
+        assert _core.hash_root(parts, data.nbytes) == _core.content_hash(data)
+    wrong_start = _core.leaf_digests(data[:leaf], 0) + _core.leaf_digests(data[leaf:], 0)
+    assert _core.hash_root(wrong_start, data.nbytes) != _core.content_hash(data)
+    with pytest.raises(pccl.InvalidArgumentError, match="do not fit"):
+        _core.hash_root(b"\0" * 16, data.nbytes)

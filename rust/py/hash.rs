@@ -100,6 +100,33 @@ pub fn content_hash_hex(
     Ok(hash::to_hex(hash_object(py, buffer, threads)?))
 }
 
+/// The leaf digests (16 big-endian bytes each) of `buffer`, a run of whole hash leaves
+/// (or ending the data) whose first leaf is leaf `first_leaf` of the data: what a fetch
+/// of those bytes would have returned. Used to resume a range another source started.
+#[pyfunction]
+pub fn leaf_digests<'py>(
+    py: Python<'py>,
+    buffer: &Bound<'py, PyAny>,
+    first_leaf: usize,
+) -> PyResult<Bound<'py, PyBytes>> {
+    let buf = byte_view(buffer)?;
+    let len = buf.len_bytes();
+    let data: &[u8] = if len == 0 {
+        &[]
+    } else {
+        // SAFETY: as in `hash_object`: `buf` keeps the exporter's buffer alive until the
+        // hashing below is done.
+        unsafe { std::slice::from_raw_parts(buf.buf_ptr() as *const u8, len) }
+    };
+    let digests = py.detach(|| {
+        let mut h = hash::LeafHasher::starting_at(first_leaf);
+        h.update(data);
+        h.into_digests()
+    });
+    drop(buf);
+    Ok(PyBytes::new(py, &digests))
+}
+
 /// The content hash (16 big-endian bytes) of `nbytes` bytes from their leaf digests in
 /// order, as `P2PNode.fetch_into` returns them for the ranges of one tensor.
 #[pyfunction]
@@ -119,6 +146,7 @@ pub fn hash_root<'py>(
 
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(hash_root, m)?)?;
+    m.add_function(wrap_pyfunction!(leaf_digests, m)?)?;
     m.add_function(wrap_pyfunction!(content_hash, m)?)?;
     m.add_function(wrap_pyfunction!(content_hash_hex, m)?)?;
     Ok(())
