@@ -453,8 +453,9 @@ class DiLoCo:
 
     # --- lifecycle --------------------------------------------------------------------
 
-    async def start(self, strategy: SharedStateSyncStrategy | None = None) -> None:
-        """First sync; call once before the first inner step (collective).
+    async def start(self, strategy: SharedStateSyncStrategy | None = None) -> SyncInfo:
+        """First sync; call once before the first inner step (collective). Returns the
+        :class:`pccl.SyncInfo` of the sync that brought this peer in (what it fetched).
 
         ``strategy=None`` joins as described in the module docstring (``RECEIVE_ONLY``,
         falling back to ``ENFORCE_POPULAR`` when nobody offers state yet).
@@ -466,14 +467,14 @@ class DiLoCo:
         try:
             if strategy is None:
                 try:
-                    await self._sync(_TRAIN, SharedStateSyncStrategy.RECEIVE_ONLY)
+                    info = await self._sync(_TRAIN, SharedStateSyncStrategy.RECEIVE_ONLY)
                     log.info("peer %s: DiLoCo joined the run at outer step %d",
                              self.comm.peer_id, self.outer_step)
                 except NoSharedStateAvailableError:
                     # Everybody is fresh: the first peers of a run agree on a common start.
-                    await self._sync(_TRAIN, SharedStateSyncStrategy.ENFORCE_POPULAR)
+                    info = await self._sync(_TRAIN, SharedStateSyncStrategy.ENFORCE_POPULAR)
             else:
-                await self._sync(_TRAIN, SharedStateSyncStrategy(strategy))
+                info = await self._sync(_TRAIN, SharedStateSyncStrategy(strategy))
         except RevisionIncrementViolationError as e:
             raise InvalidUsageError(
                 f"this communicator synced shared state before ({e}); the master checks "
@@ -500,6 +501,7 @@ class DiLoCo:
                 await self._flush()
             else:
                 await self._outer_step()
+        return info
 
     async def step(self) -> OuterStepInfo | None:
         """Reports one inner step; every ``inner_steps``-th call takes the outer step."""

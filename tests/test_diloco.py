@@ -277,7 +277,8 @@ async def test_joiner_at_an_outer_step_receives_the_state(pccl_cluster) -> None:
         await joining
         peer = Peer(comm, 3, seed=99)  # its own (different) initial weights
         assert not np.array_equal(flat(peer.model), theta)
-        await peer.d.start()
+        info = await peer.d.start()
+        assert info.rx_bytes > 0 and info.tx_bytes == 0  # it fetched the run's state
         return peer
 
     *results, joiner = await asyncio.gather(*(p.round() for p in peers), join())
