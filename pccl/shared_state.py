@@ -67,8 +67,9 @@ class SyncInfo:
 class SyncProgress:
     """A snapshot of a running sync, handed to ``sync_shared_state(progress=...)``."""
 
-    #: tensor bytes landed so far (a tensor restarted from another source after a failed
-    #: fetch counts from zero again, so this may step back once)
+    #: tensor bytes landed so far; may step back a little when a source fails (the next
+    #: one continues after the whole 1 MiB leaves that landed) and by a whole tensor
+    #: when a content mismatch makes it fetch that tensor again
     rx_bytes: int
     rx_total: int  #: tensor bytes this peer fetches in this sync
     tx_bytes: int  #: tensor bytes served to other peers so far in this sync
