@@ -254,6 +254,50 @@ async def slow_sources(nbytes: int, sources: int, bandwidth: float) -> dict[str,
             "served_by": [i.tx_bytes for i in infos[:-1]]}
 
 
+async def many_small(count: int, each: int, latency: float) -> dict:
+    """A joiner fetches ``count`` tensors of ``each`` bytes from one holder behind a
+    LinkEmulator with ``latency`` seconds each way: a whole sync, and the same fetches
+    with and without reusing transfer streams (4 in flight, as a sync does)."""
+    port = free_port()
+    out: dict = {"tensors": count, "bytes_each": each, "latency_ms": latency * 1e3}
+    async with LinkEmulator(f"127.0.0.1:{port}", latency=latency) as emu:
+        async with Cluster(0, pool_size=1, master_kwargs={"heartbeat_timeout": 60.0}) as cl:
+            src = cl.new_comm(p2p_listen_port=port, p2p_advertise_address=emu.address)
+            await cl.admit([src])
+            joiner = cl.new_comm()
+            await cl.admit([joiner])
+            theirs = {f"t{i}": np.full(each // 4, i, dtype=np.float32) for i in range(count)}
+            mine = {k: np.zeros_like(t) for k, t in theirs.items()}
+            accepted = emu.connections_accepted
+            t0 = time.perf_counter()
+            await asyncio.gather(
+                src.sync_shared_state(pccl.SharedState(
+                    [pccl.TensorInfo.from_numpy(t, k) for k, t in theirs.items()])),
+                joiner.sync_shared_state(pccl.SharedState(
+                    [pccl.TensorInfo.from_numpy(t, k) for k, t in mine.items()]),
+                    strategy=pccl.SharedStateSyncStrategy.RECEIVE_ONLY))
+            out["sync_seconds"] = time.perf_counter() - t0
+            out["sync_connections"] = emu.connections_accepted - accepted
+            assert all(np.array_equal(mine[k], theirs[k]) for k in theirs)
+            # The fetches alone, straight on the node, with and without reuse.
+            for k, t in theirs.items():
+                src._node.serve(k, t.reshape(-1).view(np.uint8))
+            addr = cl.master.state.peers[src.peer_id].p2p_addr
+            limit = asyncio.Semaphore(4)
+            for reuse in (False, True):
+                async def one(k: str, t: np.ndarray, reuse: bool = reuse) -> None:
+                    async with limit:
+                        await joiner._node.fetch_into(addr, src.peer_id, k,
+                                                      np.empty(t.nbytes, np.uint8),
+                                                      reuse=reuse)
+                t0 = time.perf_counter()
+                await asyncio.gather(*(one(k, t) for k, t in theirs.items()))
+                out[f"fetch_seconds_reuse_{reuse}"] = time.perf_counter() - t0
+                joiner._node.drop_idle_transfers()
+            src._node.unserve_all()
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--gib", type=float, default=1.0)
@@ -322,6 +366,7 @@ def main() -> None:
         rs.sort(key=lambda r: r["seconds"])
         result["joiner_holders_in_processes"].append(
             {**rs[len(rs) // 2], "samples_s": [r["seconds"] for r in rs]})
+    result["many_small"] = [asyncio.run(many_small(256, 256 * 1024, lat)) for lat in (0.0, 0.02)]
     result["slow_links"] = [asyncio.run(slow_sources(args.slow_mib * MiB, k,
                                                      args.slow_bandwidth)) for k in (1, 3)]
     lo, lo_fresh = result["loopback_1_stream_GBps"], result["loopback_1_stream_fresh_memory_GBps"]

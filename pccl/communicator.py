@@ -988,6 +988,7 @@ class Communicator:
             self._sync_plan = self._sync_outcome = None
             if self._node is not None:
                 self._node.unserve_all()
+                self._node.drop_idle_transfers()
 
     async def _fetch_verified(self, key: str, want: bytes, sources: list[int],
                               addrs: dict[int, str], dst: np.ndarray | None, nbytes: int,

@@ -410,3 +410,30 @@ def test_leaf_digests_of_runs_combine_into_the_content_hash() -> None:
     assert _core.hash_root(wrong_start, data.nbytes) != _core.content_hash(data)
     with pytest.raises(pccl.InvalidArgumentError, match="do not fit"):
         _core.hash_root(b"\0" * 16, data.nbytes)
+
+
+async def test_many_small_tensors_reuse_a_few_transfer_streams() -> None:
+    """40 tensors from one holder: each fetch used to dial (and authenticate) a stream of
+    its own; now a stream that finished a fetch cleanly serves the next ones, and the
+    kept streams are closed when the sync ends."""
+    port = free_port()
+    async with LinkEmulator(f"127.0.0.1:{port}", latency=0.002) as emu:
+        async with Cluster(0) as cluster:
+            src = cluster.new_comm(p2p_listen_port=port, p2p_advertise_address=emu.address)
+            await cluster.admit([src])
+            joiner = cluster.new_comm()
+            await cluster.admit([joiner])
+            theirs = {f"t{i}": deterministic_tensor("float32", 1000 + i, i) for i in range(40)}
+            mine = {k: np.zeros_like(t) for k, t in theirs.items()}
+            open_before, accepted_before = emu.connection_count, emu.connections_accepted
+            await asyncio.gather(
+                src.sync_shared_state(pccl.SharedState(
+                    [pccl.TensorInfo.from_numpy(t, k) for k, t in theirs.items()])),
+                joiner.sync_shared_state(pccl.SharedState(
+                    [pccl.TensorInfo.from_numpy(t, k) for k, t in mine.items()]),
+                    S.RECEIVE_ONLY))
+            assert all(np.array_equal(mine[k], theirs[k]) for k in theirs)
+            # At most one stream per fetch in flight (4 for one holder), not one per tensor.
+            assert emu.connections_accepted - accepted_before <= 4
+            async with asyncio.timeout(10):
+                await emu.wait_for_connections(open_before)

@@ -618,6 +618,7 @@ class LinkEmulator:
         self._tasks: set[asyncio.Task[None]] = set()
         self._count_waiters: list[tuple[int, asyncio.Future[None]]] = []
         self._bytes_forwarded = 0
+        self._accepted = 0
         self._latency = 0.0
         self._bandwidth: float | None = None
         self._window: int | None = None
@@ -789,6 +790,11 @@ class LinkEmulator:
         return len(self._conns)
 
     @property
+    def connections_accepted(self) -> int:
+        """Number of connections accepted so far (open or closed)."""
+        return self._accepted
+
+    @property
     def bytes_forwarded(self) -> int:
         """Payload bytes delivered so far, both directions, all connections."""
         return self._bytes_forwarded
@@ -833,6 +839,7 @@ class LinkEmulator:
             side.abort(rst=True)
             return
         self._conns.add(_Connection(self, side))
+        self._accepted += 1
         self._notify_count()
 
     def _connection_finished(self, conn: _Connection) -> None:

@@ -72,7 +72,13 @@ pub struct Node {
     log: Mutex<VecDeque<String>>,
     /// Tensors this peer serves to others during a shared-state sync.
     pub transfers: crate::net::transfer::TransferRegistry,
+    /// Transfer streams this peer dialed that finished a fetch cleanly, by source, for
+    /// the next fetch from the same source (a dial plus handshake costs round trips).
+    idle_transfers: Mutex<HashMap<(SocketAddr, u64), Vec<TcpStream>>>,
 }
+
+/// Most idle transfer streams kept per source.
+const MAX_IDLE_TRANSFERS: usize = 16;
 
 impl Node {
     /// Binds the listener and starts accepting.
@@ -96,6 +102,7 @@ impl Node {
             tracker: TaskTracker::new(),
             log: Mutex::new(VecDeque::new()),
             transfers: Default::default(),
+            idle_transfers: Mutex::new(HashMap::new()),
         });
         let weak = Arc::downgrade(&node);
         let cancel = node.cancel.clone();
@@ -310,6 +317,39 @@ impl Node {
         self.dial_purpose(addr, to, 0, 1, Purpose::Transfer).await
     }
 
+    /// An idle transfer stream to peer `to` at `addr` from an earlier fetch, if any
+    /// (`true`: reused), else a new one.
+    pub async fn take_transfer(&self, addr: SocketAddr, to: u64) -> CoreResult<(TcpStream, bool)> {
+        let idle = self
+            .idle_transfers
+            .lock()
+            .unwrap()
+            .get_mut(&(addr, to))
+            .and_then(Vec::pop);
+        match idle {
+            Some(stream) => Ok((stream, true)),
+            None => Ok((self.dial_transfer(addr, to).await?, false)),
+        }
+    }
+
+    /// Keeps `stream`, which just finished a fetch cleanly, for the next fetch from the
+    /// same source (until `drop_idle_transfers`). Never after `close()`.
+    pub fn put_transfer(&self, addr: SocketAddr, to: u64, stream: TcpStream) {
+        if self.cancel.is_cancelled() {
+            return;
+        }
+        let mut idle = self.idle_transfers.lock().unwrap();
+        let streams = idle.entry((addr, to)).or_default();
+        if streams.len() < MAX_IDLE_TRANSFERS {
+            streams.push(stream);
+        }
+    }
+
+    /// Closes every idle transfer stream (the end of a sync: the sources stop serving).
+    pub fn drop_idle_transfers(&self) {
+        self.idle_transfers.lock().unwrap().clear();
+    }
+
     /// One authenticated stream of `purpose` (slot `stream` of `pool`) to peer `to`.
     pub async fn dial_purpose(
         &self,
@@ -400,6 +440,7 @@ impl Node {
         self.tracker.wait().await;
         self.inbound.lock().unwrap().clear();
         self.outbound.lock().unwrap().clear();
+        self.drop_idle_transfers();
     }
 }
 

@@ -95,6 +95,11 @@ impl PyP2PNode {
         self.node.transfers.unserve_all();
     }
 
+    /// Closes the transfer streams kept from earlier fetches (the end of a sync).
+    fn drop_idle_transfers(&self) {
+        self.node.drop_idle_transfers();
+    }
+
     /// Payload bytes served to other peers so far.
     fn bytes_served(&self) -> u64 {
         self.node.transfers.bytes_sent()
@@ -105,8 +110,10 @@ impl PyP2PNode {
     /// `out` (writable). `offset` must start a hash leaf (1 MiB) and the range must end
     /// on one or at the tensor's end. Resolves to the range's leaf digests (bytes; see
     /// `hash_root`), hashed while the bytes land; `counter` (a `ByteCounter`) counts the
-    /// bytes as they land.
-    #[pyo3(signature = (addr, peer_id, key, out, offset=0, total=None, io_timeout=30.0, counter=None))]
+    /// bytes as they land. `reuse`: take a stream kept from an earlier fetch from the
+    /// same source if there is one, and keep this one afterwards (see
+    /// `drop_idle_transfers`); otherwise dial one for this fetch alone.
+    #[pyo3(signature = (addr, peer_id, key, out, offset=0, total=None, io_timeout=30.0, counter=None, reuse=true))]
     #[allow(clippy::too_many_arguments)]
     fn fetch_into<'py>(
         &self,
@@ -119,6 +126,7 @@ impl PyP2PNode {
         total: Option<u64>,
         io_timeout: f64,
         counter: Option<&Bound<'py, ByteCounter>>,
+        reuse: bool,
     ) -> PyResult<Bound<'py, PyAny>> {
         let landed = counter.map_or_else(Default::default, |c| c.get().0.clone());
         let raw = raw_buffer(out, true, "the fetch buffer")?;
@@ -129,18 +137,37 @@ impl PyP2PNode {
         future_into_py(py, async move {
             let _keep = keep;
             let sock = resolve(&addr).await?;
-            let mut stream = node.dial_transfer(sock, peer_id).await?;
             // SAFETY: `_keep` holds the exporting object for the whole transfer and the
             // caller hands us memory nobody else writes meanwhile.
             let dst = unsafe { std::slice::from_raw_parts_mut(raw.ptr as *mut u8, raw.len) };
-            let fetched = tokio::select! {
+            let (mut stream, reused) = if reuse {
+                node.take_transfer(sock, peer_id).await?
+            } else {
+                (node.dial_transfer(sock, peer_id).await?, false)
+            };
+            let mut fetched = tokio::select! {
                 r = transfer::fetch(&mut stream, &key, offset, total, dst, timeout, &landed) => r,
                 _ = node.cancel_token().cancelled() => {
                     Err(crate::error::CoreError::Aborted("the p2p node is closing".into()))
                 }
             };
+            if reused && fetched.is_err() && landed.load(Ordering::Relaxed) == 0 {
+                // An idle stream the source may have closed meanwhile: one fresh dial
+                // before calling the source failed.
+                stream = node.dial_transfer(sock, peer_id).await?;
+                fetched = tokio::select! {
+                    r = transfer::fetch(&mut stream, &key, offset, total, dst, timeout, &landed) => r,
+                    _ = node.cancel_token().cancelled() => {
+                        Err(crate::error::CoreError::Aborted("the p2p node is closing".into()))
+                    }
+                };
+            }
             // The leaf digests, computed while the bytes landed.
             let digests = fetched?;
+            // A clean end leaves the stream between requests: keep it for the next fetch.
+            if reuse {
+                node.put_transfer(sock, peer_id, stream);
+            }
             Ok(Python::attach(|py| PyBytes::new(py, &digests).unbind()))
         })
     }
