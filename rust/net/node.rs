@@ -485,6 +485,36 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn transfer_streams_are_kept_for_the_next_fetch_until_dropped() {
+        use crate::net::transfer::{fetch, Served};
+        let any: SocketAddr = "127.0.0.1:0".parse().unwrap();
+        let a = Node::bind(cfg(1, Some(b"k")), any).await.unwrap();
+        let b = Node::bind(cfg(2, Some(b"k")), any).await.unwrap();
+        let data: Vec<u8> = (0..3000u32).map(|i| i as u8).collect();
+        let (ptr, len) = (data.as_ptr(), data.len());
+        // SAFETY: the Vec's buffer lives in the keep-alive box, unmodified.
+        b.transfers
+            .serve("w".into(), unsafe { Served::new(ptr, len, Box::new(data)) });
+        let landed = AtomicU64::new(0);
+        let mut dst = vec![0u8; len];
+        for round in 0..3 {
+            let (mut s, reused) = a.take_transfer(b.local_addr(), 2).await.unwrap();
+            assert_eq!(reused, round > 0, "round {round}");
+            let timeout = Duration::from_secs(2);
+            fetch(&mut s, "w", 0, len as u64, &mut dst, timeout, &landed)
+                .await
+                .unwrap();
+            a.put_transfer(b.local_addr(), 2, s);
+        }
+        assert_eq!(landed.into_inner(), 3 * len as u64);
+        a.drop_idle_transfers();
+        let (_, reused) = a.take_transfer(b.local_addr(), 2).await.unwrap();
+        assert!(!reused);
+        a.close().await;
+        b.close().await;
+    }
+
+    #[tokio::test]
     async fn wrong_secret_is_refused_and_logged() {
         let any: SocketAddr = "127.0.0.1:0".parse().unwrap();
         let a = Node::bind(cfg(1, Some(b"x")), any).await.unwrap();
