@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import json
 import os
+import random
 import signal
 import socket
 import sys
@@ -18,8 +19,31 @@ from pccl.errors import ERROR_KINDS, PCCLError
 
 def free_port() -> int:
     """A TCP port that was free a moment ago on 127.0.0.1 (for a listener a child
-    process or a test binds next; another process may take it meanwhile)."""
-    with socket.socket() as s:
+    process or a test binds next).
+
+    It is picked at random *below* the kernel's ephemeral range: ports in that range
+    are handed out to every outgoing connection and every ``bind(0)``, so one chosen
+    there can be taken by any socket before the listener binds it (seen in a churn soak:
+    a joiner's ``Address already in use``); below it, only another explicit bind of the
+    same number can collide.
+    """
+    low, high = 32768, 60999
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = (int(x) for x in f.read().split())
+    except (OSError, ValueError):
+        pass
+    if low > 2048:
+        rng = random.Random()
+        for _ in range(64):
+            port = rng.randrange(max(1024, low - 16384), low)
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", port))
+                except OSError:
+                    continue
+                return port
+    with socket.socket() as s:  # no room below the range: any free port
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
 
