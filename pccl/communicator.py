@@ -942,9 +942,10 @@ class Communicator:
             fetched: dict[str, np.ndarray] = {}
             ok, kind, why = True, "", ""
             addrs = dict(zip(plan.source_ids, plan.source_addrs))
-            # Fetches in flight at once (one stream each): enough to keep every source
-            # busy, bounded.
-            limit = asyncio.Semaphore(min(16, max(4, 2 * len(plan.source_ids))))
+            # Fetches in flight at once, one stream each (kept for the next fetch from the
+            # same holder): enough to hide the round trips of many small tensors on long
+            # links (256 x 256 KiB behind 20 ms: 2.98 s with 4, 0.93 s with 16), bounded.
+            limit = asyncio.Semaphore(MAX_FETCHES_IN_FLIGHT)
             # Per range: (bytes landed by earlier attempts, counter of the current one).
             counters: dict[tuple[str, int], tuple[int, _core.ByteCounter]] = {}
             report = _SyncReporter(self, progress, progress_interval, served_before,
@@ -1088,6 +1089,8 @@ def _prefault_all(buffers: list[np.ndarray]) -> None:
             log.debug("prefault skipped: %s", e)
 
 
+#: Fetches (streams) one sync keeps in flight at once.
+MAX_FETCHES_IN_FLIGHT = 16
 #: Tensors of at least twice this size are fetched in ranges from several holders at once.
 RANGE_BYTES = 32 << 20
 _LEAF = 1 << 20  # ranges start on hash leaves (pccl._core's tree hash)
