@@ -457,6 +457,8 @@ class Run:
             await proc.wait()
 
     async def shutdown(self) -> None:
+        from pccl.testing import stop_process
+
         for p in self.peers.values():
             if p["proc"].returncode is None:
                 p["proc"].kill()
@@ -468,14 +470,8 @@ class Run:
             p = next(p for p in self.peers.values() if p["emu"] is emu)
             p["link_bytes"] = emu.bytes_forwarded
             await emu.stop()
-        if self.master is not None and self.master.returncode is None:
-            self.master.terminate()
-            try:
-                async with asyncio.timeout(10):
-                    await self.master.wait()
-            except TimeoutError:
-                self.master.kill()
-                await self.master.wait()
+        if self.master is not None:
+            await stop_process(self.master)
 
     # -- checks and figures --
 

@@ -8,9 +8,9 @@
 """
 
 from pccl.testing.cluster import Cluster, connect_all
-from pccl.testing.processes import PeerProcess, free_port
+from pccl.testing.processes import PeerProcess, free_port, stop_process
 
-__all__ = ["Cluster", "PeerProcess", "connect_all", "free_port"]
+__all__ = ["Cluster", "PeerProcess", "connect_all", "free_port", "stop_process"]
 
 try:  # the emulator is optional at import time while it is being developed
     from pccl.testing.link_emulator import LinkEmulator  # noqa: F401

@@ -55,7 +55,7 @@ from typing import Any
 
 import numpy as np
 
-from pccl.testing.processes import free_port
+from pccl.testing.processes import free_port, stop_process
 
 log = logging.getLogger("pccl.churn")
 
@@ -707,14 +707,8 @@ class Orchestrator:
         for t in list(self._tasks):
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        if self.master is not None and self.master.returncode is None:
-            self.master.terminate()
-            try:
-                async with asyncio.timeout(10):
-                    await self.master.wait()
-            except TimeoutError:
-                self.master.kill()
-                await self.master.wait()
+        if self.master is not None:
+            await stop_process(self.master)
 
     def _figures(self, elapsed: float) -> dict[str, Any]:
         f = self.figures

@@ -49,7 +49,7 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
-from pccl.testing.processes import PeerProcess
+from pccl.testing.processes import PeerProcess, stop_process
 
 __all__ = ["Host", "MasterProcess", "NetnsError", "VirtualLan", "netns_unavailable"]
 
@@ -218,14 +218,7 @@ class MasterProcess:
         """SIGTERM (a graceful stop), SIGKILL after ``timeout``; then reaps it."""
         if self.proc is None:
             return
-        if self.proc.returncode is None:
-            self.proc.terminate()
-            try:
-                async with asyncio.timeout(timeout):
-                    await self.proc.wait()
-            except TimeoutError:
-                self.proc.kill()
-        await self.proc.wait()
+        await stop_process(self.proc, timeout)
         if self._reader is not None:
             await asyncio.wait({self._reader}, timeout=timeout)  # EOF follows the exit
             self._reader.cancel()

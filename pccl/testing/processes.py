@@ -48,6 +48,19 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+async def stop_process(proc: asyncio.subprocess.Process, timeout: float = 10.0) -> None:
+    """SIGTERM (a graceful stop), SIGKILL if it is still running after ``timeout``
+    seconds; returns once the process is reaped."""
+    if proc.returncode is None:
+        proc.terminate()
+        try:
+            async with asyncio.timeout(timeout):
+                await proc.wait()
+        except TimeoutError:
+            proc.kill()
+    await proc.wait()
+
+
 class PeerProcess:
     """A peer running ``pccl.testing.peer_worker`` in a child process.
 
