@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from typing import Any
 
 import numpy as np
 import pytest
@@ -149,15 +150,10 @@ async def test_sigkill_mid_all_reduce_across_hosts(pccl_netns: VirtualLan) -> No
     net = await Net.start(pccl_netns, 4)
     victim = net.peers[2]
     vhost = net.hosts[victim.peer_id]
-    await pccl_netns.shape(vhost, 30e6, qdisc="tbf")  # keeps the ring busy for seconds
     count = 2 << 20
-    before = await net.make("t", "float32", count)
-    sent0, _ = await pccl_netns.link_bytes(vhost)
-    calls = [asyncio.create_task(p.call("all_reduce", name="t")) for p in net.peers]
     # Mid-ring: the victim has put 1 MiB of the reduce on the wire (of ~12 MiB).
-    await wait_until(lambda: _sent_since(pccl_netns, vhost, sent0, 1 << 20), 20,
-                     "the victim to send its first MiB")
-    assert not any(c.done() for c in calls)
+    before, calls = await _reduce_under_way(pccl_netns, net, vhost, "tbf", count,
+                                            "the victim to send its first MiB")
     victim.kill()
     survivors = [p for p in net.peers if p is not victim]
     for p, c in zip(net.peers, calls):
@@ -176,6 +172,20 @@ async def test_sigkill_mid_all_reduce_across_hosts(pccl_netns: VirtualLan) -> No
     results = await reduce_all(survivors, "t")
     assert [r["digest"] for r in results] == [expected(ring, "float32", count)] * 3
     assert all(r["world_size"] == 3 for r in results)
+
+
+async def _reduce_under_way(lan: VirtualLan, net: Net, host: Host, qdisc: str, count: int,
+                            what: str) -> tuple[dict[int, str], list[asyncio.Task[Any]]]:
+    """Shapes ``host`` to 30 Mbit/s (keeps the ring busy for seconds), starts an
+    all-reduce of ``count`` float32 on every peer and returns once ``host`` has put
+    1 MiB of it on the wire: each peer's digest before the reduce, and the calls."""
+    await lan.shape(host, 30e6, qdisc=qdisc)
+    before = await net.make("t", "float32", count)
+    sent0, _ = await lan.link_bytes(host)
+    calls = [asyncio.create_task(p.call("all_reduce", name="t")) for p in net.peers]
+    await wait_until(lambda: _sent_since(lan, host, sent0, 1 << 20), 20, what)
+    assert not any(c.done() for c in calls)
+    return before, calls
 
 
 async def _sent_since(lan: VirtualLan, host: Host, base: int, n: int) -> bool:
@@ -250,14 +260,9 @@ async def test_link_cut_mid_ring(pccl_netns: VirtualLan) -> None:
     net = await Net.start(pccl_netns, 4)
     victim = net.peers[1]
     vhost = net.hosts[victim.peer_id]
-    await pccl_netns.shape(vhost, 30e6, qdisc="htb")
     count = 2 << 20
-    before = await net.make("t", "float32", count)
-    sent0, _ = await pccl_netns.link_bytes(vhost)
-    calls = [asyncio.create_task(p.call("all_reduce", name="t")) for p in net.peers]
-    await wait_until(lambda: _sent_since(pccl_netns, vhost, sent0, 1 << 20), 20,
-                     "the victim to send its first MiB")
-    assert not any(c.done() for c in calls)
+    before, calls = await _reduce_under_way(pccl_netns, net, vhost, "htb", count,
+                                            "the victim to send its first MiB")
     await pccl_netns.set_link(vhost, up=False)
     errors, ended = await _outcomes(net.peers, calls, since=time.monotonic())
     survivors = [p for p in net.peers if p is not victim]
@@ -289,14 +294,9 @@ async def test_partition_between_two_hosts_mid_ring(pccl_netns: VirtualLan) -> N
     net = await Net.start(pccl_netns, 4)
     ring = (await net.peers[0].call("info"))["ring"]
     a, b = net.hosts[ring[0]], net.hosts[ring[1]]
-    await pccl_netns.shape(a, 30e6, qdisc="tbf")
     count = 1 << 20  # a sends ~6 MiB at 30 Mbit/s: the ring runs ~1.6 s
-    before = await net.make("t", "float32", count)
-    sent0, _ = await pccl_netns.link_bytes(a)
-    calls = [asyncio.create_task(p.call("all_reduce", name="t")) for p in net.peers]
-    await wait_until(lambda: _sent_since(pccl_netns, a, sent0, 1 << 20), 20,
-                     "the first MiB on the partitioned link")
-    assert not any(c.done() for c in calls)
+    before, calls = await _reduce_under_way(pccl_netns, net, a, "tbf", count,
+                                            "the first MiB on the partitioned link")
     await pccl_netns.partition(a, b)
     errors, ended = await _outcomes(net.peers, calls, since=time.monotonic())
     for p, err in zip(net.peers, errors):
