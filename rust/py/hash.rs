@@ -59,19 +59,28 @@ fn hash_object(py: Python<'_>, obj: &Bound<'_, PyAny>, threads: Option<i64>) -> 
             .into())
         }
     };
+    with_bytes(py, obj, |data| match threads {
+        None => hash::content_hash(data),
+        Some(t) => hash::content_hash_threads(data, t),
+    })
+}
+
+/// Runs `f` over the bytes of `obj` with the GIL released.
+fn with_bytes<R: Send>(
+    py: Python<'_>,
+    obj: &Bound<'_, PyAny>,
+    f: impl FnOnce(&[u8]) -> R + Send,
+) -> PyResult<R> {
     let buf = byte_view(obj)?;
     let len = buf.len_bytes();
     let data: &[u8] = if len == 0 {
         &[]
     } else {
         // SAFETY: `buf` holds the exporter's buffer (C-contiguous, `len` bytes) until it
-        // is dropped at the end of this function, after the hash is done.
+        // is dropped at the end of this function, after `f` is done.
         unsafe { std::slice::from_raw_parts(buf.buf_ptr() as *const u8, len) }
     };
-    let value = py.detach(|| match threads {
-        None => hash::content_hash(data),
-        Some(t) => hash::content_hash_threads(data, t),
-    });
+    let value = py.detach(|| f(data));
     drop(buf);
     Ok(value)
 }
@@ -109,21 +118,11 @@ pub fn leaf_digests<'py>(
     buffer: &Bound<'py, PyAny>,
     first_leaf: usize,
 ) -> PyResult<Bound<'py, PyBytes>> {
-    let buf = byte_view(buffer)?;
-    let len = buf.len_bytes();
-    let data: &[u8] = if len == 0 {
-        &[]
-    } else {
-        // SAFETY: as in `hash_object`: `buf` keeps the exporter's buffer alive until the
-        // hashing below is done.
-        unsafe { std::slice::from_raw_parts(buf.buf_ptr() as *const u8, len) }
-    };
-    let digests = py.detach(|| {
+    let digests = with_bytes(py, buffer, |data| {
         let mut h = hash::LeafHasher::starting_at(first_leaf);
         h.update(data);
         h.into_digests()
-    });
-    drop(buf);
+    })?;
     Ok(PyBytes::new(py, &digests))
 }
 

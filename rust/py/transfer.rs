@@ -140,30 +140,29 @@ impl PyP2PNode {
             // SAFETY: `_keep` holds the exporting object for the whole transfer and the
             // caller hands us memory nobody else writes meanwhile.
             let dst = unsafe { std::slice::from_raw_parts_mut(raw.ptr as *mut u8, raw.len) };
-            let (mut stream, reused) = if reuse {
+            let (mut stream, mut reused) = if reuse {
                 node.take_transfer(sock, peer_id).await?
             } else {
                 (node.dial_transfer(sock, peer_id).await?, false)
             };
-            let mut fetched = tokio::select! {
-                r = transfer::fetch(&mut stream, &key, offset, total, dst, timeout, &landed) => r,
-                _ = node.cancel_token().cancelled() => {
-                    Err(crate::error::CoreError::Aborted("the p2p node is closing".into()))
-                }
-            };
-            if reused && fetched.is_err() && landed.load(Ordering::Relaxed) == 0 {
-                // An idle stream the source may have closed meanwhile: one fresh dial
-                // before calling the source failed.
-                stream = node.dial_transfer(sock, peer_id).await?;
-                fetched = tokio::select! {
+            // The leaf digests, computed while the bytes land.
+            let digests = loop {
+                let fetched = tokio::select! {
                     r = transfer::fetch(&mut stream, &key, offset, total, dst, timeout, &landed) => r,
                     _ = node.cancel_token().cancelled() => {
                         Err(crate::error::CoreError::Aborted("the p2p node is closing".into()))
                     }
                 };
-            }
-            // The leaf digests, computed while the bytes landed.
-            let digests = fetched?;
+                match fetched {
+                    Err(_) if reused && landed.load(Ordering::Relaxed) == 0 => {
+                        // An idle stream the source may have closed meanwhile: one fresh
+                        // dial before calling the source failed.
+                        stream = node.dial_transfer(sock, peer_id).await?;
+                        reused = false;
+                    }
+                    r => break r?,
+                }
+            };
             // A clean end leaves the stream between requests: keep it for the next fetch.
             if reuse {
                 node.put_transfer(sock, peer_id, stream);
