@@ -1135,23 +1135,22 @@ class _SyncReporter:
             tensors_total=self._tensors, seconds=time.perf_counter() - self._started,
             final=final)
 
-    def _emit(self, final: bool = False) -> None:
+    def _emit(self, final: bool = False) -> SyncProgress:
         p = self.snapshot(final)
-        if self._callback is None:
-            return
-        try:
-            self._callback(p)
-        except Exception:
-            log.exception("peer %s: the sync progress callback failed; not calling it "
-                          "again", self._comm.peer_id)
-            self._callback = None
+        if self._callback is not None:
+            try:
+                self._callback(p)
+            except Exception:
+                log.exception("peer %s: the sync progress callback failed; not calling it "
+                              "again", self._comm.peer_id)
+                self._callback = None
+        return p
 
     async def _run(self) -> None:
         logged = 0.0
         while True:
             await asyncio.sleep(self._interval)
-            self._emit()
-            p = self.snapshot()
+            p = self._emit()
             if p.rx_total and p.seconds - logged >= self.LOG_EVERY:
                 logged = p.seconds
                 log.info("peer %s: shared-state sync: %.1f of %.1f MiB fetched, %d/%d "
