@@ -16,6 +16,7 @@ import json
 import socket
 import threading
 import time
+from typing import Any
 
 import numpy as np
 
@@ -130,6 +131,18 @@ def _timed(fn) -> float:  # type: ignore[no-untyped-def]
     return time.perf_counter() - t
 
 
+async def timed_join(holders: list, states: list[pccl.SharedState], joiner: Any,
+                     mine: pccl.SharedState, in_place: bool = False) -> tuple[float, list]:
+    """The holders sync ``states`` while ``joiner`` syncs ``mine`` RECEIVE_ONLY: the
+    seconds until everyone returned, and the SyncInfos (the joiner's last)."""
+    t0 = time.perf_counter()
+    infos = await asyncio.gather(
+        *(c.sync_shared_state(s) for c, s in zip(holders, states)),
+        joiner.sync_shared_state(mine, strategy=pccl.SharedStateSyncStrategy.RECEIVE_ONLY,
+                                 in_place=in_place))
+    return time.perf_counter() - t0, infos
+
+
 async def joiner_sync(total: int, sources: int, tensors: int = 4,
                       touched: bool = False, in_place: bool = False) -> dict[str, float]:
     per = total // tensors // 4
@@ -152,12 +165,7 @@ async def joiner_sync(total: int, sources: int, tensors: int = 4,
                                   for i, t in enumerate(mine)])
         for s in states:
             s.revision += 1
-        t0 = time.perf_counter()
-        infos = await asyncio.gather(
-            *(c.sync_shared_state(s) for c, s in zip(cl.comms, states)),
-            joiner.sync_shared_state(fresh, strategy=pccl.SharedStateSyncStrategy.RECEIVE_ONLY,
-                                     in_place=in_place))
-        dt = time.perf_counter() - t0
+        dt, infos = await timed_join(cl.comms[:sources], states, joiner, fresh, in_place)
         assert all((t == 1.5).all() for t in mine)
         return {"sources": sources, "bytes": infos[-1].rx_bytes, "seconds": dt,
                 "GBps": infos[-1].rx_bytes / dt / 1e9,
@@ -238,13 +246,8 @@ async def slow_sources(nbytes: int, sources: int, bandwidth: float) -> dict[str,
             mine = np.zeros_like(data)
             for s in states:
                 s.revision += 1
-            t0 = time.perf_counter()
-            infos = await asyncio.gather(
-                *(c.sync_shared_state(s) for c, s in zip(comms, states)),
-                joiner.sync_shared_state(
-                    pccl.SharedState([pccl.TensorInfo.from_numpy(mine, "w")]),
-                    strategy=pccl.SharedStateSyncStrategy.RECEIVE_ONLY))
-            dt = time.perf_counter() - t0
+            dt, infos = await timed_join(comms, states, joiner, pccl.SharedState(
+                [pccl.TensorInfo.from_numpy(mine, "w")]))
             assert np.array_equal(mine, data)
         finally:
             for emu in emus:
@@ -256,8 +259,8 @@ async def slow_sources(nbytes: int, sources: int, bandwidth: float) -> dict[str,
 
 async def many_small(count: int, each: int, latency: float) -> dict:
     """A joiner fetches ``count`` tensors of ``each`` bytes from one holder behind a
-    LinkEmulator with ``latency`` seconds each way: a whole sync, and the same fetches
-    with and without reusing transfer streams (4 in flight, as a sync does)."""
+    LinkEmulator with ``latency`` seconds each way: a whole sync, and the fetches alone
+    (4 in flight) with and without reusing transfer streams."""
     port = free_port()
     out: dict = {"tensors": count, "bytes_each": each, "latency_ms": latency * 1e3}
     async with LinkEmulator(f"127.0.0.1:{port}", latency=latency) as emu:
@@ -269,14 +272,11 @@ async def many_small(count: int, each: int, latency: float) -> dict:
             theirs = {f"t{i}": np.full(each // 4, i, dtype=np.float32) for i in range(count)}
             mine = {k: np.zeros_like(t) for k, t in theirs.items()}
             accepted = emu.connections_accepted
-            t0 = time.perf_counter()
-            await asyncio.gather(
-                src.sync_shared_state(pccl.SharedState(
-                    [pccl.TensorInfo.from_numpy(t, k) for k, t in theirs.items()])),
-                joiner.sync_shared_state(pccl.SharedState(
-                    [pccl.TensorInfo.from_numpy(t, k) for k, t in mine.items()]),
-                    strategy=pccl.SharedStateSyncStrategy.RECEIVE_ONLY))
-            out["sync_seconds"] = time.perf_counter() - t0
+            out["sync_seconds"], _ = await timed_join(
+                [src], [pccl.SharedState([pccl.TensorInfo.from_numpy(t, k)
+                                          for k, t in theirs.items()])],
+                joiner, pccl.SharedState([pccl.TensorInfo.from_numpy(t, k)
+                                          for k, t in mine.items()]))
             out["sync_connections"] = emu.connections_accepted - accepted
             assert all(np.array_equal(mine[k], theirs[k]) for k in theirs)
             # The fetches alone, straight on the node, with and without reuse.
