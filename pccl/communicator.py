@@ -806,18 +806,46 @@ class Communicator:
                     ok, kind, why = False, type(e).__name__, str(e)
             self._send(m.CollectiveDone(tag=col.tag, op_id=perform.op_id, ok=ok, kind=kind,
                                         message=why))
-            outcome = await col.outcome
+            try:
+                outcome = await asyncio.shield(col.outcome)
+            except asyncio.CancelledError:
+                # The others must not apply a result this peer drops: call it off, and
+                # apply it after all if the master had already decided (the outcome says).
+                decided = await self._withdraw_collective(col, perform.op_id)
+                if decided is not None and decided.ok and ok:
+                    self._apply_reduce(perform.world, col, src, dst)
+                raise
             if not outcome.ok:
                 raise ERROR_KINDS.get(outcome.kind, PCCLError)(outcome.message)
-            if perform.world == 1:
-                if dst.data is not src.data:
-                    np.copyto(dst.data, src.data)
-            else:
-                col.ring_op.commit(dst.data)
+            self._apply_reduce(perform.world, col, src, dst)
             return ReduceInfo(tx_bytes=int(tx), rx_bytes=int(rx), world_size=perform.world)
         finally:
             if self._collectives.get(col.tag) is col:
                 del self._collectives[col.tag]
+
+    @staticmethod
+    def _apply_reduce(world: int, col: _Collective, src: RawTensor, dst: RawTensor) -> None:
+        if world == 1:
+            if dst.data is not src.data:
+                np.copyto(dst.data, src.data)
+        else:
+            col.ring_op.commit(dst.data)
+
+    async def _withdraw_collective(self, col: _Collective,
+                                   op_id: int) -> m.CollectiveOutcome | None:
+        """After the caller cancelled a collective this peer reported done: fails it for
+        the group unless its outcome was already decided, and waits (bounded) for that
+        outcome."""
+        try:
+            self._send(m.CollectiveDone(tag=col.tag, op_id=op_id, ok=False,
+                                        kind="CollectiveAbortedError",
+                                        message="cancelled by the caller"))
+            async with asyncio.timeout(self.timeout):
+                return await col.outcome
+        except (PCCLError, TimeoutError) as e:
+            log.warning("peer %s: cancelled all_reduce(tag=%d); no outcome from the master "
+                        "(%s): output left as it was", self.peer_id, col.tag, e or "timed out")
+        return None
 
     async def all_reduce_multiple_with_retry(
         self,
@@ -902,6 +930,11 @@ class Communicator:
         exception it raises is logged and the callback is not called again (the sync goes
         on). Long transfers are also logged at INFO level every 10 seconds.
 
+        Cancelling the call withdraws this peer: a sync the master has not decided yet
+        fails for the whole group (``CollectiveAbortedError``) and nothing is committed;
+        one it already decided to commit is committed here too before ``CancelledError``
+        propagates, so the group stays in parity either way.
+
         Example::
 
             state.revision += 1
@@ -925,6 +958,8 @@ class Communicator:
         self._sync_plan, self._sync_outcome = loop.create_future(), loop.create_future()
         served_before = self._node.bytes_served()
         prefault: asyncio.Task[None] | None = None
+        fetched: dict[str, np.ndarray] = {}
+        reported_ok = False
         try:
             for info, raw in zip(state.infos, raws):
                 self._node.serve(info.name, raw.data)
@@ -933,54 +968,57 @@ class Communicator:
                 keys=[i.name for i in state.infos], dtypes=[int(r.dtype) for r in raws],
                 counts=[r.count for r in raws], hashes=list(hashes),
                 unequal=[bool(i.allow_content_inequality) for i in state.infos]))
-            plan = await self._sync_plan
-            if not in_place and plan.fetch_keys:
-                # Back the tensors the commit will write with pages while the bytes
-                # travel (contents untouched), so the commit is a plain copy.
-                prefault = loop.create_task(asyncio.to_thread(
-                    _prefault_all, [by_key[k].data for k in plan.fetch_keys]))
-            fetched: dict[str, np.ndarray] = {}
-            ok, kind, why = True, "", ""
-            addrs = dict(zip(plan.source_ids, plan.source_addrs))
-            # Fetches in flight at once, one stream each (kept for the next fetch from the
-            # same holder): enough to hide the round trips of many small tensors on long
-            # links (256 x 256 KiB behind 20 ms: 2.98 s with 4, 0.93 s with 16), bounded.
-            limit = asyncio.Semaphore(MAX_FETCHES_IN_FLIGHT)
-            # Per range: (bytes landed by earlier attempts, counter of the current one).
-            counters: dict[tuple[str, int], tuple[int, _core.ByteCounter]] = {}
-            report = _SyncReporter(self, progress, progress_interval, served_before,
-                                   counters, fetched,
-                                   [by_key[k].nbytes for k in plan.fetch_keys])
+            try:
+                # Shielded (here and for the outcome): a cancelled caller still needs them.
+                plan = await asyncio.shield(self._sync_plan)
+                if not in_place and plan.fetch_keys:
+                    # Back the tensors the commit will write with pages while the bytes
+                    # travel (contents untouched), so the commit is a plain copy.
+                    prefault = loop.create_task(asyncio.to_thread(
+                        _prefault_all, [by_key[k].data for k in plan.fetch_keys]))
+                ok, kind, why = True, "", ""
+                addrs = dict(zip(plan.source_ids, plan.source_addrs))
+                # Fetches in flight at once, one stream each (kept for the next fetch from the
+                # same holder): enough to hide the round trips of many small tensors on long
+                # links (256 x 256 KiB behind 20 ms: 2.98 s with 4, 0.93 s with 16), bounded.
+                limit = asyncio.Semaphore(MAX_FETCHES_IN_FLIGHT)
+                # Per range: (bytes landed by earlier attempts, counter of the current one).
+                counters: dict[tuple[str, int], tuple[int, _core.ByteCounter]] = {}
+                report = _SyncReporter(self, progress, progress_interval, served_before,
+                                       counters, fetched,
+                                       [by_key[k].nbytes for k in plan.fetch_keys])
 
-            async def fetch(key: str, want: bytes, sources: list[int]) -> None:
-                dst = by_key[key].data if in_place else None
-                fetched[key] = await self._fetch_verified(
-                    key, want, sources, addrs, dst, by_key[key].nbytes, counters, limit)
+                async def fetch(key: str, want: bytes, sources: list[int]) -> None:
+                    dst = by_key[key].data if in_place else None
+                    fetched[key] = await self._fetch_verified(
+                        key, want, sources, addrs, dst, by_key[key].nbytes, counters, limit)
 
-            async with report:
-                results = await asyncio.gather(
-                    *(fetch(k, h, s) for k, h, s in zip(plan.fetch_keys, plan.fetch_hashes,
-                                                        plan.fetch_sources)),
-                    return_exceptions=True)
-                errors = [r for r in results if isinstance(r, BaseException)]
-                for r in errors:
-                    if not isinstance(r, PCCLError):
-                        raise r
-                if errors:
-                    ok, kind, why = False, type(errors[0]).__name__, str(errors[0])
-                self._send(m.SyncDone(ok=ok, kind=kind, message=why))
-                if prefault is not None:
-                    await prefault
-                outcome = await self._sync_outcome
+                async with report:
+                    results = await asyncio.gather(
+                        *(fetch(k, h, s) for k, h, s in zip(plan.fetch_keys, plan.fetch_hashes,
+                                                            plan.fetch_sources)),
+                        return_exceptions=True)
+                    errors = [r for r in results if isinstance(r, BaseException)]
+                    for r in errors:
+                        if not isinstance(r, PCCLError):
+                            raise r
+                    if errors:
+                        ok, kind, why = False, type(errors[0]).__name__, str(errors[0])
+                    self._send(m.SyncDone(ok=ok, kind=kind, message=why))
+                    reported_ok = ok
+                    if prefault is not None:
+                        await prefault
+                    outcome = await asyncio.shield(self._sync_outcome)
+            except asyncio.CancelledError:
+                # The group must not commit what this peer will not: withdraw, and commit
+                # after all if the group had already decided to (the outcome says which).
+                decided = await self._withdraw_sync()
+                if decided is not None and decided.ok and reported_ok:
+                    self._commit_sync(state, fetched, by_key, decided)
+                raise
             if not outcome.ok:
                 raise ERROR_KINDS.get(outcome.kind, PCCLError)(outcome.message)
-            # Not awaited on purpose: the commit must not be interrupted halfway. The
-            # copy releases the GIL and runs on all cores.
-            for key, scratch in fetched.items():
-                if scratch is not by_key[key].data:
-                    _core.copy_into(by_key[key].data, scratch)
-            state.revision = outcome.revision
-            self._last_revision = int(outcome.revision)
+            self._commit_sync(state, fetched, by_key, outcome)
             rx = sum(int(a.nbytes) for a in fetched.values())
             return SyncInfo(tx_bytes=int(self._node.bytes_served() - served_before), rx_bytes=rx)
         finally:
@@ -990,6 +1028,32 @@ class Communicator:
             if self._node is not None:
                 self._node.unserve_all()
                 self._node.drop_idle_transfers()
+
+    def _commit_sync(self, state: SharedState, fetched: dict[str, np.ndarray],
+                     by_key: dict[str, RawTensor], outcome: m.SyncOutcome) -> None:
+        # Not awaited on purpose: the commit must not be interrupted halfway. The copy
+        # releases the GIL and runs on all cores.
+        for key, scratch in fetched.items():
+            if scratch is not by_key[key].data:
+                _core.copy_into(by_key[key].data, scratch)
+        state.revision = outcome.revision
+        self._last_revision = int(outcome.revision)
+
+    async def _withdraw_sync(self) -> m.SyncOutcome | None:
+        """After the caller cancelled a sync whose init went out: tells the master, and
+        waits (bounded) for the one outcome this peer gets for that sync. ``ok`` there
+        means the group had decided to commit before the withdrawal arrived."""
+        plan, outcome = self._sync_plan, self._sync_outcome
+        assert plan is not None and outcome is not None
+        try:
+            self._send(m.SyncWithdraw())
+            async with asyncio.timeout(self.timeout):
+                await plan  # raises if the outcome came first (refused or called off)
+                return await outcome
+        except (PCCLError, TimeoutError) as e:
+            log.warning("peer %s: cancelled sync_shared_state(); no outcome from the master "
+                        "(%s): nothing committed here", self.peer_id, e or "timed out")
+        return None
 
     async def _fetch_verified(self, key: str, want: bytes, sources: list[int],
                               addrs: dict[int, str], dst: np.ndarray | None, nbytes: int,

@@ -11,6 +11,7 @@ import pytest
 from reference import FLOAT_DTYPES, INT_DTYPES, OPS, random_input, ring_reference
 
 import pccl
+from pccl.protocol import messages as m
 
 try:  # imported up front: a first import inside a test would stall the event loop
     import torch
@@ -290,6 +291,36 @@ async def test_multiple_with_retry(pccl_cluster) -> None:
         for c, ts in zip(cluster.comms, data)))
     assert all(len(r) == 6 and r[0].world_size == 3 for r in results)
     assert all((t == 6).all() for ts in data for t in ts)
+
+
+async def test_cancel_after_the_group_decided_still_applies_the_result(pccl_cluster) -> None:
+    """The success outcome is on its way when the caller cancels: the output is written
+    anyway (the other peers applied it too), then CancelledError propagates."""
+    cluster = await pccl_cluster(2)
+    a, b = cluster.comms
+    held: list[m.Message] = []
+    arrived = asyncio.Event()
+    dispatch = a._dispatch
+
+    def hold_outcome(msg: m.Message) -> None:
+        if isinstance(msg, m.CollectiveOutcome) and not arrived.is_set():
+            held.append(msg)
+            arrived.set()
+        else:
+            dispatch(msg)
+
+    a._dispatch = hold_outcome  # type: ignore[method-assign]
+    x, y = np.ones(1000, dtype=np.float32), np.full(1000, 2, dtype=np.float32)
+    h = a.all_reduce_async(x, tag=5)
+    await b.all_reduce(y, tag=5)
+    async with asyncio.timeout(10):
+        await arrived.wait()
+    assert held[0].ok and (x == 1).all()
+    h.cancel()  # the task sees it before the outcome that follows
+    dispatch(held[0])
+    with pytest.raises(asyncio.CancelledError):
+        await h
+    assert (x == 3).all() and (y == 3).all()
 
 
 async def test_cancel_before_the_others_arrive_withdraws_cleanly(pccl_cluster) -> None:

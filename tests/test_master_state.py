@@ -735,6 +735,26 @@ def test_failure_after_others_finished_aborts_only_the_unreported() -> None:
         for p in (1, 2, 3)]
 
 
+def test_withdrawal_after_reporting_success_fails_the_collective_for_all() -> None:
+    """A caller cancelled after its peer reported success: the others must not apply
+    what it drops. Once the outcome went out, a withdrawal is stale."""
+    st = performed3()
+    tell(st, 1, done(0, 1))
+    cancelled = done(0, 1, ok=False, kind="CollectiveAbortedError",
+                     message="cancelled by the caller")
+    assert tell(st, 1, cancelled) == [
+        Send(p, m.CollectiveAbort(tag=0, op_id=1, message=TEXT))  # type: ignore[arg-type]
+        for p in (2, 3)]
+    tell(st, 2, done(0, 1, ok=False, kind="CollectiveAbortedError", message="x"))
+    assert tell(st, 3, done(0, 1)) == [
+        Send(p, outcome(0, 1, ok=False, kind="CollectiveAbortedError", message=TEXT))
+        for p in (1, 2, 3)]
+    st = performed3()
+    for p in (1, 2, 3):
+        tell(st, p, done(0, 1))
+    assert tell(st, 1, cancelled) == []
+
+
 def test_peer_lost_mid_collective_aborts_and_fails_it_for_the_rest() -> None:
     st = performed3()
     assert tell(st, 1, done(0, 1)) == []
@@ -925,7 +945,8 @@ STRAY: dict[str, m.Message] = {
 }
 # What the master does act on (or, for pong, deliberately ignores).
 HANDLED = {"update_topology", "p2p_report", "coll_init", "coll_done", "pending_query", "leave",
-           "pong", "sync_init", "sync_done", "optimize_topology", "probe_report"}
+           "pong", "sync_init", "sync_done", "sync_withdraw", "optimize_topology",
+           "probe_report"}
 
 
 def test_every_message_type_is_either_handled_or_refused() -> None:
@@ -1613,3 +1634,55 @@ def test_last_pending_report_lost_finishes_the_sync() -> None:
     cmds = sync_outcomes(lose(st, 3))  # the fetcher itself dies: the sources are done
     assert cmds == [Send(p, m.SyncOutcome(ok=True, kind="", message="", revision=1))
                     for p in (1, 2)]
+
+
+WITHDRAWN = "peer {} cancelled its sync_shared_state(); nothing was committed, retry"
+
+
+def test_withdrawal_before_the_plan_calls_the_sync_off_for_those_waiting() -> None:
+    st = run_with([0, 0, 0])
+    tell(st, 1, sync_init(1, b"A" * 16))
+    tell(st, 2, sync_init(1, b"A" * 16))
+    cmds = tell(st, 2, m.SyncWithdraw())
+    assert cmds == [Send(p, m.SyncOutcome(ok=False, kind="CollectiveAbortedError",
+                                          message=WITHDRAWN.format(2), revision=0))
+                    for p in (1, 2)]
+    assert not st.syncs
+    # Peer 3 was not in it; the next sync starts afresh.
+    assert not tell(st, 3, m.SyncWithdraw())
+    tell(st, 1, sync_init(1, b"A" * 16))
+    tell(st, 2, sync_init(1, b"A" * 16))
+    assert len(sync_plans(tell(st, 3, sync_init(1, b"A" * 16)))) == 3
+
+
+def sync_plans(cmds: list[Command]) -> list[Command]:
+    return [c for c in cmds if isinstance(c, Send) and isinstance(c.msg, m.SyncPlan)]
+
+
+def test_withdrawal_after_reporting_fails_the_sync_at_once_for_every_participant() -> None:
+    st = run_with([0, 0, 0, 0])
+    tell(st, 1, sync_init(1, b"A" * 16))
+    tell(st, 2, sync_init(1, b"A" * 16))
+    tell(st, 3, sync_init(0, b"", strategy=1))
+    other_size = dataclasses.replace(sync_init(1, b"B" * 16), counts=[8])
+    cmds = tell(st, 4, other_size)  # refused at the plan: not a participant
+    assert [c.peer_id for c in sync_outcomes(cmds)] == [4]
+    tell(st, 1, m.SyncDone(ok=True, kind="", message=""))
+    # Peer 1 reported success, then its caller cancelled; peer 3 is still fetching.
+    cmds = tell(st, 1, m.SyncWithdraw())
+    assert cmds == [Send(p, m.SyncOutcome(ok=False, kind="CollectiveAbortedError",
+                                          message=WITHDRAWN.format(1), revision=0))
+                    for p in (1, 2, 3)]
+    assert not st.syncs and 1 not in st.last_revision
+    # The late report of the fetcher is stale.
+    assert not tell(st, 3, m.SyncDone(ok=True, kind="", message=""))
+
+
+def test_withdrawal_after_the_outcome_is_stale() -> None:
+    st = planned3()
+    for p in (1, 2, 3):
+        cmds = tell(st, p, m.SyncDone(ok=True, kind="", message=""))
+    assert len(sync_outcomes(cmds)) == 3
+    # Its success outcome is already on the way: the peer commits it.
+    assert not tell(st, 3, m.SyncWithdraw())
+    assert st.last_revision[3] == 1

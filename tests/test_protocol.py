@@ -43,6 +43,7 @@ EXAMPLES: list[m.Message] = [
     m.SyncPlan(revision=2, fetch_keys=["w"], fetch_hashes=[b"h"], fetch_sources=[[1, 2]],
                source_ids=[1, 2], source_addrs=["a:1", "b:2"]),
     m.SyncDone(ok=True, kind="", message=""),
+    m.SyncWithdraw(),
     m.SyncOutcome(ok=False, kind="InvalidUsageError", message="x", revision=0),
     m.OptimizeTopology(),
     m.ProbeRequest(target_ids=[2], target_addrs=["a:1"], seconds=0.5),

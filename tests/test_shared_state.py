@@ -11,6 +11,7 @@ import pytest
 
 import pccl
 from pccl import _core
+from pccl.protocol import messages as m
 from pccl.testing import Cluster, LinkEmulator, free_port
 from pccl.testing.data import deterministic_tensor, digest
 
@@ -438,3 +439,82 @@ async def test_many_small_tensors_reuse_a_few_transfer_streams() -> None:
             assert emu.connections_accepted - accepted_before <= MAX_FETCHES_IN_FLIGHT < 64
             async with asyncio.timeout(10):
                 await emu.wait_for_connections(open_before)
+
+
+@pytest.mark.parametrize("who", ["fetcher", "holder"])
+async def test_cancelled_sync_is_called_off_for_the_whole_group(who: str) -> None:
+    """A caller cancels its sync while a tensor flows through a slow link: the fetcher
+    mid-transfer, or the holder after it reported success (it had nothing to fetch).
+    Nobody commits: the other peer gets CollectiveAbortedError, every tensor and
+    revision is as before, and the next sync works."""
+    n = 2 << 20  # 8 MiB of float32
+    port = free_port()
+    async with LinkEmulator(f"127.0.0.1:{port}", bandwidth=20e6, chunk_size=256 * 1024) as emu:
+        async with Cluster(0) as cluster:
+            holder = cluster.new_comm(p2p_listen_port=port, p2p_advertise_address=emu.address)
+            await cluster.admit([holder])
+            fetcher = cluster.new_comm()
+            await cluster.admit([fetcher])
+            theirs = deterministic_tensor("float32", n, 1)
+            mine = deterministic_tensor("float32", n, 2)
+            before = digest(mine)
+            states = [pccl.SharedState([pccl.TensorInfo.from_numpy(t, "w")], revision=3)
+                      for t in (theirs, mine)]
+            calls = [asyncio.create_task(holder.sync_shared_state(states[0])),
+                     asyncio.create_task(fetcher.sync_shared_state(states[1], S.RECEIVE_ONLY))]
+            if who == "holder":
+                await cluster.master.wait_for(
+                    lambda s: 0 in s.syncs and holder.peer_id in s.syncs[0].reported, timeout=10)
+            async with asyncio.timeout(30):
+                while emu.bytes_forwarded < 1 << 20:  # noqa: ASYNC110 (no event to wait on)
+                    await asyncio.sleep(0.01)
+            victim, other = calls if who == "holder" else calls[::-1]
+            victim.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await victim
+            with pytest.raises(pccl.CollectiveAbortedError, match="cancelled its sync"):
+                await other
+            assert digest(mine) == before and states[1].revision == 3
+            assert not cluster.master.state.syncs
+            infos = await asyncio.gather(
+                holder.sync_shared_state(states[0]),
+                fetcher.sync_shared_state(states[1], S.RECEIVE_ONLY))
+            assert np.array_equal(mine, theirs) and infos[1].rx_bytes == 4 * n
+            assert states[0].revision == states[1].revision == 3
+
+
+async def test_cancel_after_the_group_decided_still_commits(pccl_cluster) -> None:
+    """The outcome (success) is on its way when the caller cancels: the peer commits it
+    anyway (parity with the group, which committed), then raises CancelledError."""
+    cluster = await pccl_cluster(3)
+    pairs = [make_state(1, revision=4) for _ in range(3)]
+    stale_state, stale = pairs[2]
+    stale["weights"][5] = np.float32(123.0)
+    comm = cluster.comms[2]
+    held: list[m.Message] = []
+    arrived = asyncio.Event()
+    dispatch = comm._dispatch
+
+    def hold_outcome(msg: m.Message) -> None:
+        if isinstance(msg, m.SyncOutcome) and not arrived.is_set():
+            held.append(msg)
+            arrived.set()
+        else:
+            dispatch(msg)
+
+    comm._dispatch = hold_outcome  # type: ignore[method-assign]
+    calls = [asyncio.create_task(c.sync_shared_state(s)) for c, (s, _) in zip(cluster.comms, pairs)]
+    await asyncio.gather(*calls[:2])
+    async with asyncio.timeout(10):
+        await arrived.wait()
+    assert held[0].ok and hashes(stale) != hashes(pairs[0][1])
+    calls[2].cancel()  # the task sees it before the outcome that follows
+    dispatch(held[0])
+    with pytest.raises(asyncio.CancelledError):
+        await calls[2]
+    assert hashes(stale) == hashes(pairs[0][1]) and stale_state.revision == 4
+    # The master counts the sync as done here too: the next revision follows it.
+    for s, _ in pairs:
+        s.revision += 1
+    infos = await sync_all(cluster.comms, [p[0] for p in pairs])
+    assert all(i == pccl.SyncInfo(tx_bytes=0, rx_bytes=0) for i in infos)

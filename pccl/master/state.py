@@ -359,6 +359,8 @@ class MasterState:
             self._on_sync_init(peer, msg, out)
         elif isinstance(msg, m.SyncDone):
             self._on_sync_done(peer, msg, out)
+        elif isinstance(msg, m.SyncWithdraw):
+            self._on_sync_withdraw(peer, out)
         elif isinstance(msg, m.PendingQuery):
             out.append(Send(peer, m.PendingAnswer(req=msg.req, pending=bool(self.pending()))))
         elif isinstance(msg, m.Leave):
@@ -676,7 +678,8 @@ class MasterState:
 
     def _fail_sync(self, sync: Sync, kind: str, why: str, out: list[Command]) -> None:
         del self.syncs[sync.group]
-        for p in sorted(set(sync.inits) | set(sync.participants)):
+        # Once planned, peers refused at the plan already have their outcome.
+        for p in sorted(sync.participants if sync.planned else sync.inits):
             if p in self.peers:
                 out.append(Send(p, m.SyncOutcome(ok=False, kind=kind, message=why, revision=0)))
 
@@ -784,6 +787,17 @@ class MasterState:
         if not msg.ok and sync.error is None:
             sync.error = (msg.kind or "PeerConnectionError", f"peer {peer}: {msg.message}")
         self._maybe_finish_sync(sync, out)
+
+    def _on_sync_withdraw(self, peer: int, out: list[Command]) -> None:
+        """The peer's caller cancelled: no one may commit what it will not. Failing the
+        sync at once (not after the others report) also sends the withdrawing peer the
+        one outcome it waits for; a sync already decided has its outcome on the way."""
+        sync = self.syncs.get(self.peers[peer].peer_group)
+        if sync is None or peer not in (sync.participants if sync.planned else sync.inits):
+            return
+        self._fail_sync(sync, "CollectiveAbortedError", (
+            f"peer {peer} cancelled its sync_shared_state(); nothing was committed, retry"),
+            out)
 
     def _maybe_finish_sync(self, sync: Sync, out: list[Command]) -> None:
         if not set(sync.participants) <= sync.reported:

@@ -11,7 +11,7 @@ import dataclasses
 from typing import ClassVar
 
 #: Bumped on every incompatible change; checked in the handshake.
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -311,6 +311,16 @@ class SyncDone(Message):
     ok: bool
     kind: str
     message: str
+
+
+@message
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SyncWithdraw(Message):
+    """P->M: the caller cancelled its sync_shared_state(). The master calls the sync off
+    for the whole group unless its outcome was already decided; either way the peer
+    gets exactly one ``SyncOutcome`` for that sync (commit it if ``ok``)."""
+
+    TYPE: ClassVar[str] = "sync_withdraw"
 
 
 @message
