@@ -2,9 +2,10 @@
 
     python bench/plot_shared_state.py bench/results/shared_state.json -o docs/shared_state.png
 
-Left: joiner GB/s per kind of joiner and number of holders, next to the loopback TCP
-references of the same run. Right: one tensor over slow emulated links from 1 and from 3
-holders. Needs matplotlib (a bench-only dependency).
+Left: joiner GB/s per kind of joiner and number of holders, each next to the same steps
+done by plain threads, and the loopback TCP references of the same run. Right: one
+tensor over slow emulated links from 1 and from 3 holders. Needs matplotlib (a
+bench-only dependency).
 """
 
 from __future__ import annotations
@@ -30,7 +31,12 @@ def main() -> None:
     rows = r["joiner"]
     labels = [f"{j['joiner_tensors']}\n{'in place' if j['in_place'] else 'staged'}\n"
               f"{j['sources']} holder{'s' if j['sources'] > 1 else ''}" for j in rows]
-    left.bar(range(len(rows)), [j["GBps"] for j in rows], color="tab:blue")
+    at = list(range(len(rows)))
+    left.bar([x - 0.2 for x in at], [j["GBps"] for j in rows], width=0.4, color="tab:blue",
+             label="pccl joiner")
+    if all("plain_same_work_GBps" in j for j in rows):
+        left.bar([x + 0.2 for x in at], [j["plain_same_work_GBps"] for j in rows], width=0.4,
+                 color="tab:gray", label="same steps in plain threads and sockets")
     for value, name, style in [
             (r["loopback_1_stream_GBps"], "TCP 1 stream, hot 4 MiB buffers", "--"),
             (r["loopback_4_streams_whole_buffers_GBps"], "TCP 4 streams, 1 GiB buffers", ":"),

@@ -5,7 +5,9 @@ content-hash throughput next to memcpy.
     python bench/shared_state.py --gib 1
 
 Peers run in one process (the bytes move in Rust on tokio threads, peer to peer), and
-again with each holder in its own process (the joiner here).
+again with each holder in its own process (the joiner here). Next to each case, the
+same steps done by plain threads and sockets (:func:`plain_sync_gbps`): the limit this
+machine sets for that work.
 """
 
 from __future__ import annotations
@@ -90,6 +92,65 @@ def loopback_gbps(nbytes: int, fresh: bool = False, whole: bool = False,
     dt = time.perf_counter() - t0
     for srv in servers:
         srv.close()
+    return part * streams / dt / 1e9
+
+
+def plain_sync_gbps(nbytes: int, holders: int, *, staged: bool, touched: bool,
+                    streams: int = 4) -> float:
+    """The steps of one joiner case, done by plain threads and sockets with nothing of
+    pccl around them (no master, no asyncio, no protocol): the machine's limit for that
+    work on these cores. Every holder hashes its whole ``nbytes`` (its vote; a staged
+    joiner hashes its own tensors at the same time, to skip equal ones); then
+    ``streams`` TCP connections carry ``nbytes / streams`` each, stream i from holder
+    ``i % holders``, into the joiner's tensor memory (in place) or a fresh scratch
+    buffer (staged), the receiver hashing every 4 MiB slice as it lands; staged ends
+    with the copy from scratch into the tensors. Tensors are fresh memory unless
+    ``touched``. GB/s of ``nbytes`` over the whole."""
+    part = nbytes // streams
+    sources = [np.full(nbytes, 1 + h, dtype=np.uint8) for h in range(holders)]
+    dst = np.full(nbytes, 7, dtype=np.uint8) if touched else np.empty(nbytes, dtype=np.uint8)
+    land = np.empty(nbytes, dtype=np.uint8) if staged else dst
+    servers = [socket.create_server(("127.0.0.1", 0)) for _ in range(streams)]
+    conns = [socket.create_connection(("127.0.0.1", srv.getsockname()[1])) for srv in servers]
+    accepted = [srv.accept()[0] for srv in servers]
+    voted = threading.Barrier(holders + int(staged) + 2 * streams)
+
+    def vote(buf: np.ndarray) -> None:
+        _core.content_hash(buf)
+        voted.wait()
+
+    def send(i: int) -> None:
+        voted.wait()
+        view = memoryview(sources[i % holders])[i * part:(i + 1) * part]
+        for at in range(0, part, 4 * MiB):
+            conns[i].sendall(view[at:at + 4 * MiB])
+
+    def receive(i: int) -> None:
+        voted.wait()
+        view = memoryview(land)[i * part:(i + 1) * part]
+        got = done = 0
+        while got < part:
+            got += accepted[i].recv_into(view[got:min(got + 4 * MiB, part)])
+            while got - done >= 4 * MiB or done < got == part:
+                end = min(done + 4 * MiB, got)
+                _core.content_hash(view[done:end], threads=1)
+                done = end
+
+    threads = [threading.Thread(target=vote, args=(b,)) for b in sources]
+    if staged:
+        threads.append(threading.Thread(target=vote, args=(dst,)))
+    threads += [threading.Thread(target=f, args=(i,)) for i in range(streams)
+                for f in (send, receive)]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if staged:
+        _core.copy_into(dst, land)
+    dt = time.perf_counter() - t0
+    for sock in [*servers, *conns, *accepted]:
+        sock.close()
     return part * streams / dt / 1e9
 
 
@@ -337,12 +398,17 @@ def main() -> None:
                   for k in (1, 3)] if args.processes else []
     ref_runs: dict[str, list[float]] = {name: [] for name in references}
     runs: dict[tuple[bool, bool, int], list[dict]] = {c: [] for c in cases}
+    # The same steps in plain threads, next to each case: what this machine allows.
+    plain_runs: dict[tuple[bool, bool, int], list[float]] = {c: [] for c in cases}
     proc_runs: dict[tuple[bool, bool, int], list[dict]] = {c: [] for c in proc_cases}
     for _ in range(args.reps):
         for name, measure in references.items():
             prewarm(args.prewarm_gib)
             ref_runs[name].append(measure())
         for touched, in_place, k in cases:
+            prewarm(args.prewarm_gib)
+            plain_runs[(touched, in_place, k)].append(
+                plain_sync_gbps(total, k, staged=not in_place, touched=touched))
             prewarm(args.prewarm_gib)
             runs[(touched, in_place, k)].append(
                 asyncio.run(joiner_sync(total, k, touched=touched, in_place=in_place)))
@@ -356,11 +422,18 @@ def main() -> None:
         result[name.replace("_GBps", "_samples_GBps")] = xs
     result["hash"] = hash_vs_memcpy(total // 2)
     result["joiner"] = []
-    for (touched, in_place, _), rs in runs.items():
+    for case, rs in runs.items():
+        touched, in_place, _ = case
         rs.sort(key=lambda r: r["seconds"])
-        result["joiner"].append({**rs[len(rs) // 2], "samples_s": [r["seconds"] for r in rs],
-                                 "joiner_tensors": "touched" if touched else "fresh",
-                                 "in_place": in_place})
+        plain = sorted(plain_runs[case])
+        row = {**rs[len(rs) // 2], "samples_s": [r["seconds"] for r in rs],
+               "joiner_tensors": "touched" if touched else "fresh", "in_place": in_place,
+               "plain_same_work_GBps": plain[len(plain) // 2],
+               "plain_same_work_samples_GBps": plain_runs[case]}
+        row["vs_plain_same_work"] = row["GBps"] / row["plain_same_work_GBps"]
+        row["plain_same_work_vs_loopback"] = (row["plain_same_work_GBps"]
+                                              / result["loopback_1_stream_GBps"])
+        result["joiner"].append(row)
     result["joiner_holders_in_processes"] = []
     for rs in proc_runs.values():
         rs.sort(key=lambda r: r["seconds"])
