@@ -50,8 +50,9 @@ def main() -> None:
     left.set_title("RECEIVE_ONLY joiner, all peers on one 2-core host")
     left.legend(fontsize=8)
     slow = r["slow_links"]
-    right.bar([str(s["sources"]) for s in slow], [s["MBps"] for s in slow], color="tab:green")
-    right.set_xlabel("holders")
+    right.bar([f"{s['sources']}, {s.get('pool_size', 1)}" for s in slow],
+              [s["MBps"] for s in slow], color="tab:green")
+    right.set_xlabel("holders, streams per sync (p2p_connection_pool_size)")
     right.set_ylabel("MB/s")
     right.set_title(f"{slow[0]['bytes'] >> 20} MiB tensor, {slow[0]['link_MBps']:.0f} MB/s "
                     "per connection", fontsize=9)

@@ -282,12 +282,16 @@ async def joiner_sync_processes(total: int, sources: int, tensors: int = 4,
             "joiner_tensors": "touched" if touched else "fresh", "in_place": in_place}
 
 
-async def slow_sources(nbytes: int, sources: int, bandwidth: float) -> dict[str, float]:
+async def slow_sources(nbytes: int, sources: int, bandwidth: float,
+                       pool_size: int = 1) -> dict[str, float]:
     """A RECEIVE_ONLY joiner fetches one tensor of ``nbytes`` from ``sources`` holders,
     each behind its own LinkEmulator that caps every connection at ``bandwidth`` bytes/s
-    (a per-flow limit like a long internet path's)."""
+    (a per-flow limit like a long internet path's); ``pool_size`` is the peers'
+    ``p2p_connection_pool_size`` (the least number of streams a large tensor is
+    fetched over)."""
     emus, comms = [], []
-    async with Cluster(0, pool_size=1, master_kwargs={"heartbeat_timeout": 60.0}) as cl:
+    async with Cluster(0, pool_size=pool_size,
+                       master_kwargs={"heartbeat_timeout": 60.0}) as cl:
         try:
             for _ in range(sources):
                 port = free_port()
@@ -313,8 +317,8 @@ async def slow_sources(nbytes: int, sources: int, bandwidth: float) -> dict[str,
         finally:
             for emu in emus:
                 await emu.stop()
-    return {"sources": sources, "bytes": nbytes, "link_MBps": bandwidth / 1e6,
-            "seconds": dt, "MBps": nbytes / dt / 1e6,
+    return {"sources": sources, "pool_size": pool_size, "bytes": nbytes,
+            "link_MBps": bandwidth / 1e6, "seconds": dt, "MBps": nbytes / dt / 1e6,
             "served_by": [i.tx_bytes for i in infos[:-1]]}
 
 
@@ -441,7 +445,8 @@ def main() -> None:
             {**rs[len(rs) // 2], "samples_s": [r["seconds"] for r in rs]})
     result["many_small"] = [asyncio.run(many_small(256, 256 * 1024, lat)) for lat in (0.0, 0.02)]
     result["slow_links"] = [asyncio.run(slow_sources(args.slow_mib * MiB, k,
-                                                     args.slow_bandwidth)) for k in (1, 3)]
+                                                     args.slow_bandwidth, pool))
+                            for pool in (1, 4) for k in (1, 3)]
     lo, lo_fresh = result["loopback_1_stream_GBps"], result["loopback_1_stream_fresh_memory_GBps"]
     for r in result["joiner"] + result["joiner_holders_in_processes"]:
         r["vs_loopback"] = r["GBps"] / lo

@@ -130,6 +130,10 @@ class Communicator:
     link may go without progress before the collective fails with
     :class:`PeerConnectionError` (a stalled or dead neighbour).
 
+    ``p2p_connection_pool_size`` is the number of parallel TCP streams per ring
+    neighbour, and the least number of streams that a shared-state sync fetches its
+    tensors of 64 MiB or more over (in ranges, spread across the holders).
+
     When the connection to the master is lost (the master process died, or dropped
     this peer), calls in flight fail with :class:`MasterConnectionError` and the peer
     keeps trying to register again, with back-off, for up to ``reconnect_timeout``
@@ -988,10 +992,17 @@ class Communicator:
                                        counters, fetched,
                                        [by_key[k].nbytes for k in plan.fetch_keys])
 
+                # Large tensors are fetched in ranges, over at least
+                # p2p_connection_pool_size streams in all (one tensor alone is not stuck
+                # with one stream; many do not each open that many).
+                large = sum(by_key[k].nbytes >= 2 * RANGE_BYTES for k in plan.fetch_keys)
+                streams = -(-self.p2p_connection_pool_size // max(1, large))
+
                 async def fetch(key: str, want: bytes, sources: list[int]) -> None:
                     dst = by_key[key].data if in_place else None
                     fetched[key] = await self._fetch_verified(
-                        key, want, sources, addrs, dst, by_key[key].nbytes, counters, limit)
+                        key, want, sources, addrs, dst, by_key[key].nbytes, counters, limit,
+                        streams)
 
                 async with report:
                     results = await asyncio.gather(
@@ -1058,12 +1069,13 @@ class Communicator:
     async def _fetch_verified(self, key: str, want: bytes, sources: list[int],
                               addrs: dict[int, str], dst: np.ndarray | None, nbytes: int,
                               counters: dict[tuple[str, int], tuple[int, Any]],
-                              limit: asyncio.Semaphore) -> np.ndarray:
+                              limit: asyncio.Semaphore, streams: int = 1) -> np.ndarray:
         """Fetches ``key`` into a scratch buffer (or straight into ``dst``) and checks
-        its content hash. A large tensor is split into ranges fetched from different
-        holders at once; a range whose source fails continues from the next holder after
-        the whole hash leaves already landed. After a content mismatch, whole-tensor
-        fetches go through the holders in turn. ``counters`` count the bytes landed."""
+        its content hash. A large tensor is split into ranges fetched at once (at least
+        one per holder, and ``streams``); a range whose source fails continues from the
+        next holder after the whole hash leaves already landed. After a content
+        mismatch, whole-tensor fetches go through the holders in turn. ``counters``
+        count the bytes landed."""
         scratch = np.empty(nbytes, dtype=np.uint8) if dst is None else dst
         started = time.perf_counter()
         # Every range runs to its end before a failure is raised: nothing keeps writing
@@ -1072,7 +1084,8 @@ class Communicator:
             self._fetch_range(key, scratch, offset, length, nbytes,
                               sources[i % len(sources):] + sources[:i % len(sources)],
                               addrs, counters, limit)
-            for i, (offset, length) in enumerate(_fetch_ranges(nbytes, len(sources)))),
+            for i, (offset, length) in enumerate(
+                _fetch_ranges(nbytes, len(sources), streams))),
             return_exceptions=True)
         for r in results:
             if isinstance(r, BaseException):
@@ -1155,16 +1168,19 @@ def _prefault_all(buffers: list[np.ndarray]) -> None:
 
 #: Fetches (streams) one sync keeps in flight at once.
 MAX_FETCHES_IN_FLIGHT = 16
-#: Tensors of at least twice this size are fetched in ranges from several holders at once.
+#: Tensors of at least twice this size are fetched in ranges over several streams at once.
 RANGE_BYTES = 32 << 20
 _LEAF = 1 << 20  # ranges start on hash leaves (pccl._core's tree hash)
 
 
-def _fetch_ranges(nbytes: int, holders: int) -> list[tuple[int, int]]:
-    """(offset, length) ranges of a tensor: at most one per holder, each about
-    :data:`RANGE_BYTES` or more and starting on a hash leaf; one range for small
+def _fetch_ranges(nbytes: int, holders: int, streams: int = 1) -> list[tuple[int, int]]:
+    """(offset, length) ranges of a tensor, fetched at once (range i from holder
+    i mod ``holders``): at least ``streams`` of them, rounded up to a multiple of the
+    holders so each serves as many, and no more than leaves each about
+    :data:`RANGE_BYTES` or more; each starts on a hash leaf. One range for small
     tensors."""
-    parts = max(1, min(holders, nbytes // RANGE_BYTES))
+    want = holders * -(-max(streams, 1) // holders)
+    parts = max(1, min(want, nbytes // RANGE_BYTES))
     if parts == 1:
         return [(0, nbytes)]
     leaves = -(-nbytes // _LEAF)

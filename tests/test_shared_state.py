@@ -323,13 +323,20 @@ def test_fetch_ranges_cover_the_tensor_on_hash_leaves() -> None:
     leaf = 1 << 20
     assert _fetch_ranges(0, 3) == [(0, 0)]
     assert _fetch_ranges(2 * RANGE_BYTES - 1, 3) == [(0, 2 * RANGE_BYTES - 1)]
-    for nbytes in (2 * RANGE_BYTES, 3 * RANGE_BYTES + 12345, (256 << 20) + 7):
+    for nbytes in (2 * RANGE_BYTES, 3 * RANGE_BYTES + 12345, (256 << 20) + 7, 1 << 30):
         for holders in (1, 2, 3, 5):
-            rs = _fetch_ranges(nbytes, holders)
-            assert 1 <= len(rs) <= holders
-            assert [a for a, _ in rs] == [sum(n for _, n in rs[:i]) for i in range(len(rs))]
-            assert sum(n for _, n in rs) == nbytes and all(a % leaf == 0 for a, _ in rs)
-            assert len(rs) == 1 or all(n >= RANGE_BYTES - holders * leaf for _, n in rs)
+            for streams in (1, 4):
+                rs = _fetch_ranges(nbytes, holders, streams)
+                # As many as the holders and streams ask for, rounded up to a multiple
+                # of the holders, as long as ranges stay about RANGE_BYTES or more.
+                want = min(nbytes // RANGE_BYTES, holders * -(-streams // holders))
+                assert len(rs) == want
+                assert [a for a, _ in rs] == [sum(n for _, n in rs[:i])
+                                              for i in range(len(rs))]
+                assert sum(n for _, n in rs) == nbytes and all(a % leaf == 0 for a, _ in rs)
+                assert all(n >= RANGE_BYTES - want * leaf for _, n in rs)
+    assert len(_fetch_ranges(1 << 30, 3, 4)) == 6  # two per holder
+    assert len(_fetch_ranges(1 << 30, 1, 4)) == 4
 
 
 async def test_large_tensor_is_fetched_in_ranges_from_every_holder(pccl_cluster) -> None:
@@ -518,3 +525,32 @@ async def test_cancel_after_the_group_decided_still_commits(pccl_cluster) -> Non
         s.revision += 1
     infos = await sync_all(cluster.comms, [p[0] for p in pairs])
     assert all(i == pccl.SyncInfo(tx_bytes=0, rx_bytes=0) for i in infos)
+
+
+@pytest.mark.parametrize("pool", [1, 4])
+async def test_one_large_tensor_from_one_holder_uses_pool_size_streams(monkeypatch,
+                                                                       pool: int) -> None:
+    """A single large tensor with a single holder is fetched in ranges over
+    ``p2p_connection_pool_size`` streams (a per-connection cap, as on many internet
+    paths, then does not cap the sync), and arrives bit for bit."""
+    from pccl import communicator
+
+    monkeypatch.setattr(communicator, "RANGE_BYTES", 4 << 20)  # 16 MiB: 4 ranges
+    port = free_port()
+    async with LinkEmulator(f"127.0.0.1:{port}", bandwidth=100e6) as emu:
+        async with Cluster(0, pool_size=pool) as cluster:
+            src = cluster.new_comm(p2p_listen_port=port, p2p_advertise_address=emu.address)
+            await cluster.admit([src])
+            joiner = cluster.new_comm()
+            await cluster.admit([joiner])
+            theirs = deterministic_tensor("float32", 4 << 20, 3)
+            mine = np.zeros_like(theirs)
+            accepted_before = emu.connections_accepted
+            infos = await asyncio.gather(
+                src.sync_shared_state(pccl.SharedState([pccl.TensorInfo.from_numpy(theirs,
+                                                                                   "w")])),
+                joiner.sync_shared_state(pccl.SharedState([pccl.TensorInfo.from_numpy(mine,
+                                                                                      "w")]),
+                                         S.RECEIVE_ONLY))
+            assert np.array_equal(mine, theirs) and infos[1].rx_bytes == theirs.nbytes
+            assert emu.connections_accepted - accepted_before == pool
