@@ -52,7 +52,7 @@ def main() -> None:
     slow = r["slow_links"]
     right.bar([f"{s['sources']}, {s.get('pool_size', 1)}" for s in slow],
               [s["MBps"] for s in slow], color="tab:green")
-    right.set_xlabel("holders, streams per sync (p2p_connection_pool_size)")
+    right.set_xlabel("holders, pool size", fontsize=9)
     right.set_ylabel("MB/s")
     right.set_title(f"{slow[0]['bytes'] >> 20} MiB tensor, {slow[0]['link_MBps']:.0f} MB/s "
                     "per connection", fontsize=9)
