@@ -12,6 +12,7 @@ from reference import FLOAT_DTYPES, INT_DTYPES, OPS, random_input, ring_referenc
 
 import pccl
 from pccl.protocol import messages as m
+from pccl.testing import HeldMessage
 
 try:  # imported up front: a first import inside a test would stall the event loop
     import torch
@@ -298,26 +299,15 @@ async def test_cancel_after_the_group_decided_still_applies_the_result(pccl_clus
     anyway (the other peers applied it too), then CancelledError propagates."""
     cluster = await pccl_cluster(2)
     a, b = cluster.comms
-    held: list[m.Message] = []
-    arrived = asyncio.Event()
-    dispatch = a._dispatch
-
-    def hold_outcome(msg: m.Message) -> None:
-        if isinstance(msg, m.CollectiveOutcome) and not arrived.is_set():
-            held.append(msg)
-            arrived.set()
-        else:
-            dispatch(msg)
-
-    a._dispatch = hold_outcome  # type: ignore[method-assign]
+    held = HeldMessage(a, m.CollectiveOutcome)
     x, y = np.ones(1000, dtype=np.float32), np.full(1000, 2, dtype=np.float32)
     h = a.all_reduce_async(x, tag=5)
     await b.all_reduce(y, tag=5)
     async with asyncio.timeout(10):
-        await arrived.wait()
-    assert held[0].ok and (x == 1).all()
+        await held.arrived.wait()
+    assert held.message.ok and (x == 1).all()  # type: ignore[union-attr]
     h.cancel()  # the task sees it before the outcome that follows
-    dispatch(held[0])
+    held.release()
     with pytest.raises(asyncio.CancelledError):
         await h
     assert (x == 3).all() and (y == 3).all()

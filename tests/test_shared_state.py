@@ -12,7 +12,7 @@ import pytest
 import pccl
 from pccl import _core
 from pccl.protocol import messages as m
-from pccl.testing import Cluster, LinkEmulator, free_port
+from pccl.testing import Cluster, HeldMessage, LinkEmulator, free_port
 from pccl.testing.data import deterministic_tensor, digest
 
 try:
@@ -497,26 +497,14 @@ async def test_cancel_after_the_group_decided_still_commits(pccl_cluster) -> Non
     pairs = [make_state(1, revision=4) for _ in range(3)]
     stale_state, stale = pairs[2]
     stale["weights"][5] = np.float32(123.0)
-    comm = cluster.comms[2]
-    held: list[m.Message] = []
-    arrived = asyncio.Event()
-    dispatch = comm._dispatch
-
-    def hold_outcome(msg: m.Message) -> None:
-        if isinstance(msg, m.SyncOutcome) and not arrived.is_set():
-            held.append(msg)
-            arrived.set()
-        else:
-            dispatch(msg)
-
-    comm._dispatch = hold_outcome  # type: ignore[method-assign]
+    held = HeldMessage(cluster.comms[2], m.SyncOutcome)
     calls = [asyncio.create_task(c.sync_shared_state(s)) for c, (s, _) in zip(cluster.comms, pairs)]
     await asyncio.gather(*calls[:2])
     async with asyncio.timeout(10):
-        await arrived.wait()
-    assert held[0].ok and hashes(stale) != hashes(pairs[0][1])
+        await held.arrived.wait()
+    assert held.message.ok and hashes(stale) != hashes(pairs[0][1])  # type: ignore[union-attr]
     calls[2].cancel()  # the task sees it before the outcome that follows
-    dispatch(held[0])
+    held.release()
     with pytest.raises(asyncio.CancelledError):
         await calls[2]
     assert hashes(stale) == hashes(pairs[0][1]) and stale_state.revision == 4

@@ -4,13 +4,15 @@
 - :class:`PeerProcess`: a peer in a real subprocess, driven over stdin/stdout, that a test
   can SIGKILL or SIGSTOP.
 - :class:`LinkEmulator`: a userspace TCP proxy adding latency, bandwidth caps and faults.
+- :class:`HeldMessage`: holds back one message from the master to a communicator.
 - The pytest plugin (``pccl.testing.plugin``, auto-registered) provides fixtures.
 """
 
 from pccl.testing.cluster import Cluster, connect_all
+from pccl.testing.delivery import HeldMessage
 from pccl.testing.processes import PeerProcess, free_port, stop_process
 
-__all__ = ["Cluster", "PeerProcess", "connect_all", "free_port", "stop_process"]
+__all__ = ["Cluster", "HeldMessage", "PeerProcess", "connect_all", "free_port", "stop_process"]
 
 try:  # the emulator is optional at import time while it is being developed
     from pccl.testing.link_emulator import LinkEmulator  # noqa: F401
