@@ -325,7 +325,9 @@ async def slow_sources(nbytes: int, sources: int, bandwidth: float,
 async def many_small(count: int, each: int, latency: float) -> dict:
     """A joiner fetches ``count`` tensors of ``each`` bytes from one holder behind a
     LinkEmulator with ``latency`` seconds each way: a whole sync, and the fetches alone
-    (4 in flight) with and without reusing transfer streams."""
+    on 4 streams: one request per round trip (4 in flight) with and without reusing
+    transfer streams, and pipelined (4 batches, every request of a batch sent up
+    front, as a sync now fetches small tensors)."""
     port = free_port()
     out: dict = {"tensors": count, "bytes_each": each, "latency_ms": latency * 1e3}
     async with LinkEmulator(f"127.0.0.1:{port}", latency=latency) as emu:
@@ -359,6 +361,13 @@ async def many_small(count: int, each: int, latency: float) -> dict:
                 await asyncio.gather(*(one(k, t) for k, t in theirs.items()))
                 out[f"fetch_seconds_reuse_{reuse}"] = time.perf_counter() - t0
                 joiner._node.drop_idle_transfers()
+            keys = list(theirs)
+            t0 = time.perf_counter()
+            await asyncio.gather(*(joiner._node.fetch_many_into(
+                addr, src.peer_id, keys[i::4], [np.empty(theirs[k].nbytes, np.uint8)
+                                                for k in keys[i::4]]) for i in range(4)))
+            out["fetch_seconds_pipelined"] = time.perf_counter() - t0
+            joiner._node.drop_idle_transfers()
             src._node.unserve_all()
     return out
 

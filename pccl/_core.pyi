@@ -66,13 +66,37 @@ class P2PNode:
     def ring_ok(self) -> bool: ...
     def serve(self, key: str, buffer: Any) -> None: ...
     def unserve_all(self) -> None: ...
+    def drop_idle_transfers(self) -> None: ...
     def bytes_served(self) -> int: ...
     def fetch_into(
-        self, addr: str, peer_id: int, key: str, out: Any, io_timeout: float = 30.0
-    ) -> Awaitable[int]:
-        """Fills ``out`` with the bytes a peer serves under ``key``; resolves to their
-        content hash (as an int; ``.to_bytes(16, "big")`` is ``content_hash(out)``),
-        computed while the bytes land."""
+        self,
+        addr: str,
+        peer_id: int,
+        key: str,
+        out: Any,
+        offset: int = 0,
+        total: int | None = None,
+        io_timeout: float = 30.0,
+        counter: ByteCounter | None = None,
+        reuse: bool = True,
+    ) -> Awaitable[bytes]:
+        """Fills ``out`` with bytes ``offset..offset + len(out)`` of the tensor of
+        ``total`` bytes a peer serves under ``key``; resolves to the range's leaf
+        digests (``hash_root`` combines them), computed while the bytes land."""
+        ...
+    def fetch_many_into(
+        self,
+        addr: str,
+        peer_id: int,
+        keys: list[str],
+        outs: list[Any],
+        io_timeout: float = 30.0,
+        counter: ByteCounter | None = None,
+        reuse: bool = True,
+    ) -> Awaitable[list[bytes | BaseException]]:
+        """Fills each of ``outs`` with the whole tensor served under the matching key,
+        over one stream with every request sent up front; resolves to, per key, its
+        leaf digests or the exception its fetch failed with."""
         ...
     def probe(
         self,
@@ -83,6 +107,13 @@ class P2PNode:
         max_bytes: int = 256 << 20,
         io_timeout: float = 10.0,
     ) -> Awaitable[float]: ...
+
+class ByteCounter:
+    """Bytes landed by a fetch so far (pass as ``counter=``; read ``value`` any time)."""
+
+    def __init__(self) -> None: ...
+    @property
+    def value(self) -> int: ...
 
 class RingOp:
     """One all-reduce in flight."""
@@ -101,3 +132,12 @@ def copy_into(dst: Any, src: Any, threads: int | None = None) -> None:
     """Copies ``src`` into ``dst`` (same byte length), GIL released: destination pages
     populated in bulk first, then copied on up to ``threads`` threads (default: all
     cores for copies of at least 64 MiB)."""
+
+def prefault(buffer: Any) -> None:
+    """Backs a writable buffer with pages now (contents untouched; GIL released)."""
+
+def leaf_digests(buffer: Any, first_leaf: int) -> bytes:
+    """Leaf digests of a run of whole hash leaves starting at leaf ``first_leaf``."""
+
+def hash_root(digests: bytes, nbytes: int) -> bytes:
+    """The content hash of ``nbytes`` bytes from their leaf digests, in order."""

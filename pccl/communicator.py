@@ -992,11 +992,13 @@ class Communicator:
                                        counters, fetched,
                                        [by_key[k].nbytes for k in plan.fetch_keys])
 
+                pool = self.p2p_connection_pool_size
+                wanted = list(zip(plan.fetch_keys, plan.fetch_hashes, plan.fetch_sources))
+                big = [w for w in wanted if by_key[w[0]].nbytes >= 2 * RANGE_BYTES]
                 # Large tensors are fetched in ranges, over at least
                 # p2p_connection_pool_size streams in all (one tensor alone is not stuck
                 # with one stream; many do not each open that many).
-                large = sum(by_key[k].nbytes >= 2 * RANGE_BYTES for k in plan.fetch_keys)
-                streams = -(-self.p2p_connection_pool_size // max(1, large))
+                streams = -(-pool // max(1, len(big)))
 
                 async def fetch(key: str, want: bytes, sources: list[int]) -> None:
                     dst = by_key[key].data if in_place else None
@@ -1004,11 +1006,22 @@ class Communicator:
                         key, want, sources, addrs, dst, by_key[key].nbytes, counters, limit,
                         streams)
 
+                async def fetch_batch(n: int, batch: list[tuple[str, bytes, list[int]]]) -> None:
+                    outs = [by_key[k].data if in_place else np.empty(by_key[k].nbytes, np.uint8)
+                            for k, _, _ in batch]
+                    retry = await self._fetch_pipelined(n, batch, outs, addrs, counters, limit,
+                                                        fetched)
+                    failed = [r for r in await asyncio.gather(
+                        *(fetch(*w) for w in retry), return_exceptions=True)
+                        if isinstance(r, BaseException)]
+                    if failed:
+                        raise failed[0]
+
+                small = [w for w in wanted if by_key[w[0]].nbytes < 2 * RANGE_BYTES]
+                jobs = [fetch(*w) for w in big]
+                jobs += [fetch_batch(n, b) for n, b in enumerate(_batches(small, pool))]
                 async with report:
-                    results = await asyncio.gather(
-                        *(fetch(k, h, s) for k, h, s in zip(plan.fetch_keys, plan.fetch_hashes,
-                                                            plan.fetch_sources)),
-                        return_exceptions=True)
+                    results = await asyncio.gather(*jobs, return_exceptions=True)
                     errors = [r for r in results if isinstance(r, BaseException)]
                     for r in errors:
                         if not isinstance(r, PCCLError):
@@ -1065,6 +1078,44 @@ class Communicator:
             log.warning("peer %s: cancelled sync_shared_state(); no outcome from the master "
                         "(%s): nothing committed here", self.peer_id, e or "timed out")
         return None
+
+    async def _fetch_pipelined(self, n: int, batch: list[tuple[str, bytes, list[int]]],
+                               outs: list[np.ndarray], addrs: dict[int, str],
+                               counters: dict[tuple[str, int], tuple[int, Any]],
+                               limit: asyncio.Semaphore,
+                               fetched: dict[str, np.ndarray]) -> list[tuple[str, bytes,
+                                                                             list[int]]]:
+        """Fetches the small tensors of ``batch`` from their first source over one
+        stream into ``outs``, every request sent up front (one round trip for the batch,
+        not one per tensor). What verifies goes into ``fetched``; returns the others
+        (failed, refused, or not matching their hash) with their sources rotated so this
+        source comes last, to be fetched one by one."""
+        src = batch[0][2][0]
+        counter = _core.ByteCounter()
+        slot = ("", -1 - n)  # no tensor range has a negative offset
+        counters[slot] = (0, counter)
+        started = time.perf_counter()
+        async with limit:
+            try:
+                results = await self._node.fetch_many_into(
+                    addrs[src], src, [k for k, _, _ in batch], outs,
+                    io_timeout=self.peer_timeout, counter=counter)
+            except PCCLError as e:
+                results = [e] * len(batch)
+        retry, landed = [], 0
+        for (key, want, sources), out, r in zip(batch, outs, results):
+            if isinstance(r, bytes) and _core.hash_root(r, out.nbytes) == want:
+                fetched[key] = out
+                landed += out.nbytes
+            else:
+                why = r if isinstance(r, BaseException) else "content hash mismatch"
+                log.info("peer %s: shared state %r from peer %s: %s; fetching it alone",
+                         self.peer_id, key, src, why)
+                retry.append((key, want, sources[1:] + sources[:1]))
+        counters[slot] = (landed, _core.ByteCounter())  # the retries count afresh
+        if landed:
+            self._log_fetched(f"{len(batch) - len(retry)} tensors", landed, started, [src])
+        return retry
 
     async def _fetch_verified(self, key: str, want: bytes, sources: list[int],
                               addrs: dict[int, str], dst: np.ndarray | None, nbytes: int,
@@ -1171,6 +1222,26 @@ MAX_FETCHES_IN_FLIGHT = 16
 #: Tensors of at least twice this size are fetched in ranges over several streams at once.
 RANGE_BYTES = 32 << 20
 _LEAF = 1 << 20  # ranges start on hash leaves (pccl._core's tree hash)
+
+
+#: Small tensors fetched over one stream with their requests pipelined, at most.
+BATCH_TENSORS = 64
+
+
+def _batches(wanted: list[tuple[str, bytes, list[int]]],
+             streams: int) -> list[list[tuple[str, bytes, list[int]]]]:
+    """Groups small tensors by their first source (the master spreads those) into
+    batches of at most :data:`BATCH_TENSORS`, at least ``streams`` per source while
+    there are tensors for them (several streams keep a per-connection cap from limiting
+    the sync)."""
+    by_source: dict[int, list[tuple[str, bytes, list[int]]]] = {}
+    for w in wanted:
+        by_source.setdefault(w[2][0], []).append(w)
+    out = []
+    for ws in by_source.values():
+        count = max(-(-len(ws) // BATCH_TENSORS), min(len(ws), streams))
+        out += [ws[i::count] for i in range(count)]
+    return out
 
 
 def _fetch_ranges(nbytes: int, holders: int, streams: int = 1) -> list[tuple[int, int]]:

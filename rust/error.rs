@@ -3,7 +3,7 @@
 
 use std::io;
 
-#[derive(Debug, thiserror::Error)]
+#[derive(Debug, Clone, thiserror::Error)]
 pub enum CoreError {
     #[error("{0}")]
     InvalidArgument(String),

@@ -718,6 +718,78 @@ pub fn transfer_fetch(data: &[u8]) {
     }
 }
 
+/// Fetcher side of a pipelined batch of three whole tensors, "a", "bb" and "ccc".
+/// Knobs: the first one's length (the others: half and a third of it), the read size.
+/// The rest is the source's replies. Every request goes out, in order, whatever comes
+/// back; each item's outcome is what reading the replies in order gives (data only with
+/// the exact announced length; a refusal fails that item alone; anything else fails
+/// it and every later one); the stream is reported in step exactly when nothing broke.
+pub fn transfer_fetch_many(data: &[u8]) {
+    let Some((len, step, input)) = knobs(data) else {
+        return;
+    };
+    let keys = ["a", "bb", "ccc"];
+    let lens = [usize::from(len), usize::from(len) / 2, usize::from(len) / 3];
+    let mut dsts: Vec<Vec<u8>> = lens.iter().map(|&n| vec![0u8; n]).collect();
+    let landed = std::sync::atomic::AtomicU64::new(0);
+    let mut script = Script::new(input, read_step(step));
+    let mut items: Vec<transfer::Wanted<'_>> = keys
+        .iter()
+        .zip(dsts.iter_mut())
+        .map(|(key, dst)| transfer::Wanted { key, dst })
+        .collect();
+    let (results, in_step) = block_on(transfer::fetch_many(
+        &mut script,
+        &mut items,
+        Duration::from_secs(5),
+        &landed,
+    ));
+    drop(items);
+    let mut request = Script::new(&[], 1);
+    for (key, n) in keys.iter().zip(lens) {
+        block_on(write_frame(
+            &mut request,
+            &range_request(0, n as u64, key.as_bytes()),
+        ))
+        .unwrap();
+    }
+    assert_eq!(script.written, request.written, "all requests, in order");
+    assert_eq!(results.len(), 3);
+    let (mut at, mut broken) = (0usize, false);
+    for ((result, dst), n) in results.iter().zip(&dsts).zip(lens) {
+        if broken {
+            assert!(result.is_err(), "nothing after a broken reply");
+            continue;
+        }
+        let announced = input
+            .get(at + 1..at + 9)
+            .map(|b| u64::from_be_bytes(b.try_into().unwrap()));
+        match input.get(at) {
+            Some(1) | Some(2) => {
+                assert!(result.is_err(), "a refusal fails its item");
+                at += 1;
+            }
+            Some(0) if announced == Some(n as u64) && input.len() >= at + 9 + n => {
+                let digests = result.as_ref().expect("a whole reply is data");
+                assert_eq!(dst[..], input[at + 9..at + 9 + n]);
+                assert_eq!(
+                    crate::hash::root_of_digests(digests, n),
+                    Some(crate::hash::content_hash(dst)),
+                    "hashed while landing"
+                );
+                at += 9 + n;
+            }
+            _ => {
+                assert!(result.is_err());
+                broken = true;
+            }
+        }
+    }
+    assert_eq!(in_step, !broken);
+    let total: usize = lens.iter().sum();
+    assert!(landed.into_inner() <= total as u64);
+}
+
 /// Both ends of a bandwidth probe. Knobs: the listener's byte limit (`k * 8`), the
 /// read size. The listener counts the rest as probe data and must answer exactly that
 /// count or refuse past the limit; the prober reads the rest as the listener's answer.
@@ -767,7 +839,7 @@ pub fn probe(data: &[u8]) {
 pub type Entry = fn(&[u8]);
 
 /// Every entry point, by the name of its cargo-fuzz target.
-pub const TARGETS: [(&str, Entry); 9] = [
+pub const TARGETS: [(&str, Entry); 10] = [
     ("frames", frames),
     ("handshake_accept", handshake_accept),
     ("handshake_dial", handshake_dial),
@@ -776,6 +848,7 @@ pub const TARGETS: [(&str, Entry); 9] = [
     ("ring_receive", ring_receive),
     ("transfer_serve", transfer_serve),
     ("transfer_fetch", transfer_fetch),
+    ("transfer_fetch_many", transfer_fetch_many),
     ("probe", probe),
 ];
 
@@ -1037,6 +1110,24 @@ pub fn seeds(target: &str) -> Vec<Vec<u8>> {
             cat(&[&[9, all], &[1]]),
             cat(&[&[9, all], &[2]]),
             cat(&[&[9, all], &[7]]),
+        ],
+        "transfer_fetch_many" => vec![
+            cat(&[
+                &[6, all],
+                &[0],
+                &6u64.to_be_bytes(),
+                b"123456",
+                &[0],
+                &3u64.to_be_bytes(),
+                b"abc",
+                &[0],
+                &2u64.to_be_bytes(),
+                b"xy",
+            ]),
+            cat(&[&[6, 3], &[0], &6u64.to_be_bytes(), b"123456", &[1], &[2]]),
+            cat(&[&[9, all], &[1], &[0], &4u64.to_be_bytes(), b"abcd", &[7]]),
+            cat(&[&[9, all], &[0], &9u64.to_be_bytes(), b"abc"]),
+            cat(&[&[9, 1], &[0], &8u64.to_be_bytes()]),
         ],
         "probe" => vec![
             cat(&[&[255, all], &[0; 100]]),

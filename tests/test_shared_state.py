@@ -542,3 +542,42 @@ async def test_one_large_tensor_from_one_holder_uses_pool_size_streams(monkeypat
                                          S.RECEIVE_ONLY))
             assert np.array_equal(mine, theirs) and infos[1].rx_bytes == theirs.nbytes
             assert emu.connections_accepted - accepted_before == pool
+
+
+async def test_small_tensors_come_pipelined_and_a_liars_are_fetched_again(pccl_cluster,
+                                                                          monkeypatch) -> None:
+    """Small tensors come in batches, one stream per batch with the requests pipelined.
+    A holder whose bytes do not match the hash it announced for some of them (faked
+    here) spoils only those: each is fetched again from the other holder, and the
+    liar's bytes are never accepted."""
+    cluster = await pccl_cluster(3)
+    good = {f"t{i}": deterministic_tensor("float32", 1000 + i, i) for i in range(40)}
+    honest = {k: v.copy() for k, v in good.items()}
+    liar = {k: v.copy() for k, v in good.items()}
+    lies = list(liar)[::3]
+    for k in lies:
+        liar[k][0] = -1.0
+    real_hash = pccl.communicator._core.content_hash
+
+    def lying_hash(buf, *a, **kw):  # type: ignore[no-untyped-def]
+        for k, t in liar.items():
+            if np.shares_memory(buf, t):
+                return real_hash(good[k])
+        return real_hash(buf, *a, **kw)
+
+    monkeypatch.setattr(pccl.communicator._core, "content_hash", lying_hash)
+    mine = {k: np.zeros_like(v) for k, v in good.items()}
+
+    def state(ts: dict) -> pccl.SharedState:
+        return pccl.SharedState([pccl.TensorInfo.from_numpy(t, k) for k, t in ts.items()])
+
+    infos = await asyncio.gather(
+        cluster.comms[0].sync_shared_state(state(honest)),
+        cluster.comms[1].sync_shared_state(state(liar)),
+        cluster.comms[2].sync_shared_state(state(mine), S.RECEIVE_ONLY))
+    assert all(np.array_equal(mine[k], good[k]) for k in good)
+    total = sum(t.nbytes for t in good.values())
+    assert infos[2].rx_bytes == total
+    # Both holders served their share; the lies were served twice (once by the liar).
+    assert infos[0].tx_bytes > 0 and infos[1].tx_bytes > 0
+    assert infos[0].tx_bytes + infos[1].tx_bytes > total

@@ -93,6 +93,7 @@ fuzz_props!(
     ring_receive,
     transfer_serve,
     transfer_fetch,
+    transfer_fetch_many,
     probe,
 );
 

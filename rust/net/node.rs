@@ -515,6 +515,102 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn pipelined_fetches_answer_in_order_and_refusals_keep_the_stream() {
+        use crate::hash::{content_hash, root_of_digests};
+        use crate::net::transfer::{fetch_many, Served, Wanted};
+        let any: SocketAddr = "127.0.0.1:0".parse().unwrap();
+        let a = Node::bind(cfg(1, Some(b"k")), any).await.unwrap();
+        let b = Node::bind(cfg(2, Some(b"k")), any).await.unwrap();
+        // A large tensor first, then many small ones with long keys: the requests behind
+        // the large reply must not wait for it to be read (nor block it).
+        let mut served = vec![("big".to_string(), vec![7u8; 9 << 20])];
+        for i in 0..300u32 {
+            let key = format!("{i:0>200}");
+            served.push((key, (0..1000 + i).map(|j| (i + j) as u8).collect()));
+        }
+        for (key, data) in &served {
+            let data = data.clone();
+            let (ptr, len) = (data.as_ptr(), data.len());
+            // SAFETY: the Vec's buffer lives in the keep-alive box, unmodified.
+            b.transfers.serve(key.clone(), unsafe {
+                Served::new(ptr, len, Box::new(data))
+            });
+        }
+        let mut dsts: Vec<Vec<u8>> = served.iter().map(|(_, d)| vec![0u8; d.len()]).collect();
+        dsts.insert(2, vec![0u8; 10]);
+        let mut keys: Vec<&str> = served.iter().map(|(k, _)| k.as_str()).collect();
+        keys.insert(2, "nobody serves this");
+        let mut items: Vec<Wanted<'_>> = keys
+            .iter()
+            .zip(dsts.iter_mut())
+            .map(|(key, dst)| Wanted { key, dst })
+            .collect();
+        let landed = AtomicU64::new(0);
+        let timeout = Duration::from_secs(5);
+        let (mut s, _) = a.take_transfer(b.local_addr(), 2).await.unwrap();
+        let (results, in_step) = fetch_many(&mut s, &mut items, timeout, &landed).await;
+        drop(items);
+        assert!(in_step);
+        assert!(
+            matches!(&results[2], Err(CoreError::PeerConnection(m)) if m.contains("does not serve"))
+        );
+        let ok: Vec<&Vec<u8>> = results
+            .iter()
+            .enumerate()
+            .filter(|(i, _)| *i != 2)
+            .map(|(_, r)| r.as_ref().unwrap())
+            .collect();
+        let dsts: Vec<&Vec<u8>> = dsts
+            .iter()
+            .enumerate()
+            .filter(|(i, _)| *i != 2)
+            .map(|(_, d)| d)
+            .collect();
+        for ((digests, dst), (_, data)) in ok.iter().zip(&dsts).zip(&served) {
+            assert_eq!(*dst, data);
+            assert_eq!(
+                root_of_digests(digests, data.len()),
+                Some(content_hash(data))
+            );
+        }
+        let total: usize = served.iter().map(|(_, d)| d.len()).sum();
+        assert_eq!(landed.load(Ordering::Relaxed), total as u64);
+        // The stream is still in step: a plain fetch on it works.
+        let mut again = vec![0u8; served[1].1.len()];
+        crate::net::transfer::fetch(
+            &mut s,
+            &served[1].0,
+            0,
+            again.len() as u64,
+            &mut again,
+            timeout,
+            &landed,
+        )
+        .await
+        .unwrap();
+        assert_eq!(again, served[1].1);
+        // A source that goes away fails the items it had not delivered.
+        let (mut s2, _) = a.take_transfer(b.local_addr(), 2).await.unwrap();
+        b.close().await;
+        let mut d1 = vec![0u8; 9 << 20];
+        let mut d2 = vec![0u8; 1000];
+        let mut items = vec![
+            Wanted {
+                key: "big",
+                dst: &mut d1,
+            },
+            Wanted {
+                key: &served[1].0,
+                dst: &mut d2,
+            },
+        ];
+        let (results, in_step) = fetch_many(&mut s2, &mut items, timeout, &landed).await;
+        assert!(!in_step);
+        assert!(results.iter().all(|r| r.is_err()));
+        a.close().await;
+    }
+
+    #[tokio::test]
     async fn wrong_secret_is_refused_and_logged() {
         let any: SocketAddr = "127.0.0.1:0".parse().unwrap();
         let a = Node::bind(cfg(1, Some(b"x")), any).await.unwrap();

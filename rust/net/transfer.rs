@@ -117,6 +117,19 @@ pub async fn serve<S: AsyncRead + AsyncWrite + Unpin>(
     }
 }
 
+async fn timed_core<T>(
+    t: Duration,
+    f: impl std::future::Future<Output = CoreResult<T>>,
+) -> CoreResult<T> {
+    match tokio::time::timeout(t, f).await {
+        Ok(r) => r,
+        Err(_) => Err(CoreError::PeerConnection(format!(
+            "transfer stalled for {:.1}s",
+            t.as_secs_f64()
+        ))),
+    }
+}
+
 async fn timed<T>(
     t: Duration,
     f: impl std::future::Future<Output = std::io::Result<T>>,
@@ -180,34 +193,123 @@ pub async fn fetch<S: AsyncRead + AsyncWrite + Unpin>(
     io_timeout: Duration,
     landed: &AtomicU64,
 ) -> CoreResult<Vec<u8>> {
+    let request = request(key, offset, dst.len(), total)?;
+    write_frame(stream, &request).await?;
+    receive(stream, key, offset, total, dst, io_timeout, landed).await?
+}
+
+/// Whole tensors fetched by [`fetch_many`]: `dst` receives all of `key`.
+pub struct Wanted<'a> {
+    pub key: &'a str,
+    pub dst: &'a mut [u8],
+}
+
+/// Fetches several whole tensors over one stream, every request sent up front while the
+/// replies are read (pipelined: one round trip for the lot, not one per tensor; the
+/// server answers in order). One result per item, in order, as [`fetch`] returns: an
+/// item the source refuses (not served, another size) fails alone, the stream stays in
+/// step; an I/O error or a stall fails that item and every later one. The flag says
+/// whether the stream is still in step (fit for the next request).
+pub async fn fetch_many<S: AsyncRead + AsyncWrite + Unpin>(
+    stream: &mut S,
+    items: &mut [Wanted<'_>],
+    io_timeout: Duration,
+    landed: &AtomicU64,
+) -> (Vec<CoreResult<Vec<u8>>>, bool) {
+    let mut requests = Vec::with_capacity(items.len());
+    for w in items.iter() {
+        match request(w.key, 0, w.dst.len(), w.dst.len() as u64) {
+            Ok(r) => requests.push(r),
+            Err(e) => return (items.iter().map(|_| Err(e.clone())).collect(), true),
+        }
+    }
+    let (mut rd, mut wr) = tokio::io::split(stream);
+    // Requests go out while replies come in: a large reply cannot block the requests
+    // behind it (and them it).
+    let send = async {
+        for r in &requests {
+            timed_core(io_timeout, write_frame(&mut wr, r)).await?;
+        }
+        Ok::<(), CoreError>(())
+    };
+    let read = async {
+        let mut out = Vec::with_capacity(items.len());
+        let mut broken: Option<CoreError> = None;
+        // (Requests that never went out fail with the writer's error below.)
+        for w in items.iter_mut() {
+            if let Some(e) = &broken {
+                out.push(Err(e.clone()));
+                continue;
+            }
+            let total = w.dst.len() as u64;
+            match receive(&mut rd, w.key, 0, total, w.dst, io_timeout, landed).await {
+                Ok(r) => out.push(r), // a refusal leaves the stream in step
+                Err(e) => {
+                    broken = Some(e.clone());
+                    out.push(Err(e));
+                }
+            }
+        }
+        (out, broken.is_none())
+    };
+    let (sent, (mut out, in_step)) = tokio::join!(send, read);
+    if let Err(e) = &sent {
+        for r in out.iter_mut().filter(|r| r.is_err()) {
+            *r = Err(e.clone());
+        }
+    }
+    (out, in_step && sent.is_ok())
+}
+
+fn request(key: &str, offset: u64, len: usize, total: u64) -> CoreResult<Vec<u8>> {
     let leaf = LEAF_SIZE as u64;
-    let end = offset.checked_add(dst.len() as u64);
+    let end = offset.checked_add(len as u64);
     if !offset.is_multiple_of(leaf)
         || end.is_none_or(|e| e > total || (e < total && !e.is_multiple_of(leaf)))
     {
         return Err(CoreError::InvalidArgument(format!(
-            "fetch range {offset}+{} of {total} bytes does not lie on hash leaves",
-            dst.len()
+            "fetch range {offset}+{len} of {total} bytes does not lie on hash leaves"
+        )));
+    }
+    if 16 + key.len() > MAX_REQUEST {
+        return Err(CoreError::InvalidArgument(format!(
+            "shared state key of {} bytes is too long for a transfer request",
+            key.len()
         )));
     }
     let mut request = Vec::with_capacity(16 + key.len());
     request.extend_from_slice(&offset.to_be_bytes());
-    request.extend_from_slice(&(dst.len() as u64).to_be_bytes());
+    request.extend_from_slice(&(len as u64).to_be_bytes());
     request.extend_from_slice(key.as_bytes());
-    write_frame(stream, &request).await?;
+    Ok(request)
+}
+
+/// Reads one reply (see the module docs) into `dst`, hashing it leaf by leaf. The
+/// outer error leaves the stream out of step; the inner one is the source's refusal of
+/// this request (no payload follows).
+async fn receive<R: AsyncRead + Unpin>(
+    stream: &mut R,
+    key: &str,
+    offset: u64,
+    total: u64,
+    dst: &mut [u8],
+    io_timeout: Duration,
+    landed: &AtomicU64,
+) -> CoreResult<CoreResult<Vec<u8>>> {
+    let leaf = LEAF_SIZE as u64;
     let mut status = [0u8; 1];
     timed(io_timeout, stream.read_exact(&mut status)).await?;
     match status[0] {
         0 => {}
         1 => {
-            return Err(CoreError::PeerConnection(format!(
+            return Ok(Err(CoreError::PeerConnection(format!(
                 "the source does not serve {key:?}"
-            )))
+            ))))
         }
         2 => {
-            return Err(CoreError::InvalidUsage(format!(
+            return Ok(Err(CoreError::InvalidUsage(format!(
                 "the source's {key:?} is shorter than {total} bytes"
-            )))
+            ))))
         }
         s => return Err(CoreError::Protocol(format!("unknown transfer status {s}"))),
     }
@@ -234,7 +336,7 @@ pub async fn fetch<S: AsyncRead + AsyncWrite + Unpin>(
         }
         hasher.update(part);
     }
-    Ok(hasher.into_digests())
+    Ok(Ok(hasher.into_digests()))
 }
 
 /// Bandwidth probe, listener side: counts what the prober sends until it half-closes,

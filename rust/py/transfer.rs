@@ -170,6 +170,93 @@ impl PyP2PNode {
             Ok(Python::attach(|py| PyBytes::new(py, &digests).unbind()))
         })
     }
+
+    /// Fetches several whole tensors served by `peer_id` at `addr` into `outs`
+    /// (writable buffers, one per key) over one transfer stream, with all the requests
+    /// sent up front: one round trip for the lot instead of one per tensor. Resolves to
+    /// a list with, per key, its leaf digests (bytes, see `hash_root`) or the exception
+    /// that fetch failed with (a refused key fails alone; a broken stream fails the
+    /// keys it had not delivered). `counter` counts the bytes landed, `reuse` as for
+    /// `fetch_into`.
+    #[pyo3(signature = (addr, peer_id, keys, outs, io_timeout=30.0, counter=None, reuse=true))]
+    #[allow(clippy::too_many_arguments)]
+    fn fetch_many_into<'py>(
+        &self,
+        py: Python<'py>,
+        addr: String,
+        peer_id: u64,
+        keys: Vec<String>,
+        outs: Vec<Bound<'py, PyAny>>,
+        io_timeout: f64,
+        counter: Option<&Bound<'py, ByteCounter>>,
+        reuse: bool,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        if keys.len() != outs.len() {
+            return Err(crate::error::CoreError::InvalidArgument(format!(
+                "fetch_many_into: {} keys but {} buffers",
+                keys.len(),
+                outs.len()
+            ))
+            .into());
+        }
+        let landed = counter.map_or_else(Default::default, |c| c.get().0.clone());
+        let raws = outs
+            .iter()
+            .map(|o| raw_buffer(o, true, "a fetch buffer"))
+            .collect::<PyResult<Vec<_>>>()?;
+        let keep: Vec<KeepAlive> = outs.iter().map(|o| KeepAlive(o.clone().unbind())).collect();
+        let node = self.node.clone();
+        let timeout = Duration::from_secs_f64(io_timeout);
+        future_into_py(py, async move {
+            let _keep = keep;
+            let sock = resolve(&addr).await?;
+            // SAFETY: `_keep` holds every exporting object for the whole transfer, the
+            // caller hands us memory nobody else writes meanwhile, and distinct buffers.
+            let mut items: Vec<transfer::Wanted<'_>> = keys
+                .iter()
+                .zip(&raws)
+                .map(|(key, raw)| transfer::Wanted {
+                    key,
+                    dst: unsafe { std::slice::from_raw_parts_mut(raw.ptr as *mut u8, raw.len) },
+                })
+                .collect();
+            let (mut stream, mut reused) = if reuse {
+                node.take_transfer(sock, peer_id).await?
+            } else {
+                (node.dial_transfer(sock, peer_id).await?, false)
+            };
+            let (results, in_step) = loop {
+                let done = tokio::select! {
+                    r = transfer::fetch_many(&mut stream, &mut items, timeout, &landed) => r,
+                    _ = node.cancel_token().cancelled() => {
+                        return Err(crate::error::CoreError::Aborted(
+                            "the p2p node is closing".into()).into());
+                    }
+                };
+                if reused && !done.1 && landed.load(Ordering::Relaxed) == 0 {
+                    // An idle stream the source may have closed meanwhile: one fresh
+                    // dial before calling the source failed.
+                    stream = node.dial_transfer(sock, peer_id).await?;
+                    reused = false;
+                    continue;
+                }
+                break done;
+            };
+            if reuse && in_step {
+                node.put_transfer(sock, peer_id, stream);
+            }
+            Python::attach(|py| {
+                let out: Vec<Py<PyAny>> = results
+                    .into_iter()
+                    .map(|r| match r {
+                        Ok(d) => PyBytes::new(py, &d).into_any().unbind(),
+                        Err(e) => PyErr::from(e).into_value(py).into_any(),
+                    })
+                    .collect();
+                Ok(out)
+            })
+        })
+    }
 }
 
 /// Copies `src` into `dst` (equal byte lengths) with the GIL released: destination
