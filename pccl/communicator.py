@@ -1114,7 +1114,7 @@ class Communicator:
                 retry.append((key, want, sources[1:] + sources[:1]))
         counters[slot] = (landed, _core.ByteCounter())  # the retries count afresh
         if landed:
-            self._log_fetched(f"{len(batch) - len(retry)} tensors", landed, started, [src])
+            self._log_fetched(f"({len(batch) - len(retry)} tensors)", landed, started, [src])
         return retry
 
     async def _fetch_verified(self, key: str, want: bytes, sources: list[int],
@@ -1145,7 +1145,7 @@ class Communicator:
         got = _core.hash_root(b"".join(p for p, _ in parts), nbytes)
         used = sorted({src for _, srcs in parts for src in srcs})
         if got == want:
-            self._log_fetched(key, nbytes, started, used)
+            self._log_fetched(repr(key), nbytes, started, used)
             return scratch
         errors = [f"peers {used}: content hash mismatch (got {got.hex()[:16]}..., "
                   f"expected {want.hex()[:16]}...)"]
@@ -1161,7 +1161,7 @@ class Communicator:
                 continue
             got = _core.hash_root(digests, nbytes)
             if got == want:
-                self._log_fetched(key, nbytes, started, [src])
+                self._log_fetched(repr(key), nbytes, started, [src])
                 return scratch
             errors.append(f"peer {src}: content hash mismatch (sent {got.hex()[:16]}..., "
                           f"expected {want.hex()[:16]}...)")
@@ -1201,10 +1201,10 @@ class Communicator:
             f"could not fetch bytes {offset}..{offset + length} of shared state {key!r}: "
             f"{'; '.join(errors)}")
 
-    def _log_fetched(self, key: str, nbytes: int, started: float, sources: list[int]) -> None:
+    def _log_fetched(self, what: str, nbytes: int, started: float, sources: list[int]) -> None:
         elapsed = time.perf_counter() - started
-        log.info("peer %s: fetched shared state %r (%.1f MiB) from peer(s) %s in %.2fs "
-                 "(%.2f GB/s)", self.peer_id, key, nbytes / 2**20, sources, elapsed,
+        log.info("peer %s: fetched shared state %s (%.1f MiB) from peer(s) %s in %.2fs "
+                 "(%.2f GB/s)", self.peer_id, what, nbytes / 2**20, sources, elapsed,
                  nbytes / max(elapsed, 1e-9) / 1e9)
 
 
