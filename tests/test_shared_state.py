@@ -581,3 +581,46 @@ async def test_small_tensors_come_pipelined_and_a_liars_are_fetched_again(pccl_c
     # Both holders served their share; the lies were served twice (once by the liar).
     assert infos[0].tx_bytes > 0 and infos[1].tx_bytes > 0
     assert infos[0].tx_bytes + infos[1].tx_bytes > total
+
+
+async def test_holder_killed_mid_batch_of_small_tensors(pccl_peer_process) -> None:
+    """A holder (a process, behind a slow link) is SIGKILLed while batches of small
+    tensors flow from it: the stale peer keeps what verified, fetches the rest from the
+    other holder, and the sync succeeds, bit for bit. (A frozen holder fails a batch by
+    the same read timeout as a range: see test_source_lost_mid_transfer; here the link's
+    kernel buffers would still deliver what the frozen process had written.)"""
+    names = [f"s{i}" for i in range(48)]
+    count = 256 * 1024  # 1 MiB of float32 each, 48 MiB in all: more than links buffer
+    port = free_port()
+    async with LinkEmulator(f"127.0.0.1:{port}", bandwidth=20e6, chunk_size=256 * 1024) as emu:
+        async with Cluster(1, comm_kwargs={"peer_timeout": 3.0}) as cluster:
+            (stale,) = cluster.comms
+            src = await pccl_peer_process(cluster.master.address, extra_args=[
+                "--p2p-advertise-address", emu.address, "--p2p-port", str(port)])
+            await cluster.master.wait_for(lambda s: len(s.pending()) == 1, timeout=60)
+            other = await pccl_peer_process(cluster.master.address)
+            await cluster.master.wait_for(lambda s: len(s.pending()) == 2, timeout=60)
+            await stale.update_topology()
+            for p in (src, other):
+                await p.wait_accepted()
+                for i, name in enumerate(names):
+                    await p.call("make_tensor", name=name, dtype="float32", count=count, seed=i)
+            mine = {name: np.zeros(count, dtype=np.float32) for name in names}
+            state = pccl.SharedState([pccl.TensorInfo.from_numpy(t, k) for k, t in mine.items()])
+            calls = [asyncio.create_task(p.call("sync", names=names, revision=0))
+                     for p in (src, other)]
+            mine_sync = asyncio.create_task(stale.sync_shared_state(state, S.RECEIVE_ONLY))
+            await cluster.master.wait_for(lambda s: any(x.planned for x in s.syncs.values()))
+            async with asyncio.timeout(30):
+                while emu.bytes_forwarded < 4 << 20:  # noqa: ASYNC110 (no event to wait on)
+                    await asyncio.sleep(0.01)
+            src.kill()
+            with pytest.raises(ConnectionError):
+                await calls[0]
+            info = await mine_sync
+            theirs = await calls[1]
+            assert all(digest(mine[name]) == theirs["digests"][name] for name in names)
+            total = len(names) * count * 4
+            assert info.rx_bytes == total
+            # The other holder served its half and what the lost one had not delivered.
+            assert total // 2 < theirs["tx_bytes"] < total
