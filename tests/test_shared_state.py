@@ -176,6 +176,29 @@ async def test_torch_tensors(pccl_cluster) -> None:
     assert torch.equal(ts[0], ts[1])
 
 
+async def holder_processes(cluster: Cluster, start_process, emu: LinkEmulator, port: int,
+                           count: int) -> list:
+    """``count`` accepted holder processes; the first one is reached through ``emu``
+    (listening on ``port``), the others directly. The cluster's one peer admits them."""
+    procs = [await start_process(cluster.master.address, extra_args=[
+        "--p2p-advertise-address", emu.address, "--p2p-port", str(port)])]
+    await cluster.master.wait_for(lambda s: len(s.pending()) == 1, timeout=60)
+    for _ in range(count - 1):
+        procs.append(await start_process(cluster.master.address))
+    await cluster.master.wait_for(lambda s: len(s.pending()) == count, timeout=60)
+    await cluster.comms[0].update_topology()
+    for p in procs:
+        await p.wait_accepted()
+    return procs
+
+
+async def forwarded(emu: LinkEmulator, nbytes: int) -> None:
+    """Returns once ``emu`` forwarded ``nbytes`` (bounded)."""
+    async with asyncio.timeout(30):
+        while emu.bytes_forwarded < nbytes:  # noqa: ASYNC110 (no event to wait on)
+            await asyncio.sleep(0.01)
+
+
 @pytest.mark.parametrize(("fault", "sources"), [("kill", 1), ("kill", 2), ("stop", 2)])
 async def test_source_lost_mid_transfer(pccl_peer_process, fault: str, sources: int) -> None:
     """An up-to-date source (a process) is SIGKILLed (or SIGSTOPped: frozen with its
@@ -189,16 +212,9 @@ async def test_source_lost_mid_transfer(pccl_peer_process, fault: str, sources: 
     async with LinkEmulator(f"127.0.0.1:{port}", bandwidth=20e6, chunk_size=256 * 1024) as emu:
         async with Cluster(1, comm_kwargs={"peer_timeout": 3.0}) as cluster:
             (stale,) = cluster.comms
-            src = await pccl_peer_process(cluster.master.address, extra_args=[
-                "--p2p-advertise-address", emu.address, "--p2p-port", str(port)])
-            procs = [src]
-            await cluster.master.wait_for(lambda s: len(s.pending()) == 1, timeout=60)
-            if sources == 2:
-                procs.append(await pccl_peer_process(cluster.master.address))
-                await cluster.master.wait_for(lambda s: len(s.pending()) == 2, timeout=60)
-            await stale.update_topology()
+            procs = await holder_processes(cluster, pccl_peer_process, emu, port, sources)
+            src = procs[0]
             for p in procs:
-                await p.wait_accepted()
                 await p.call("make_tensor", name="w", dtype="float32", count=n, seed=7)
             mine = deterministic_tensor("float32", n, seed=8)
             before = digest(mine)
@@ -212,9 +228,7 @@ async def test_source_lost_mid_transfer(pccl_peer_process, fault: str, sources: 
             mine_sync = asyncio.create_task(stale.sync_shared_state(
                 state, strategy, progress=reports.append, progress_interval=0.05))
             await cluster.master.wait_for(lambda s: any(x.planned for x in s.syncs.values()))
-            async with asyncio.timeout(30):
-                while emu.bytes_forwarded < 4 << 20:  # noqa: ASYNC110 (no event to wait on)
-                    await asyncio.sleep(0.01)
+            await forwarded(emu, 4 << 20)
             if fault == "stop":
                 src.stop()
                 calls[0].cancel()  # a frozen process never answers
@@ -472,9 +486,7 @@ async def test_cancelled_sync_is_called_off_for_the_whole_group(who: str) -> Non
             if who == "holder":
                 await cluster.master.wait_for(
                     lambda s: 0 in s.syncs and holder.peer_id in s.syncs[0].reported, timeout=10)
-            async with asyncio.timeout(30):
-                while emu.bytes_forwarded < 1 << 20:  # noqa: ASYNC110 (no event to wait on)
-                    await asyncio.sleep(0.01)
+            await forwarded(emu, 1 << 20)
             victim, other = calls if who == "holder" else calls[::-1]
             victim.cancel()
             with pytest.raises(asyncio.CancelledError):
@@ -595,14 +607,8 @@ async def test_holder_killed_mid_batch_of_small_tensors(pccl_peer_process) -> No
     async with LinkEmulator(f"127.0.0.1:{port}", bandwidth=20e6, chunk_size=256 * 1024) as emu:
         async with Cluster(1, comm_kwargs={"peer_timeout": 3.0}) as cluster:
             (stale,) = cluster.comms
-            src = await pccl_peer_process(cluster.master.address, extra_args=[
-                "--p2p-advertise-address", emu.address, "--p2p-port", str(port)])
-            await cluster.master.wait_for(lambda s: len(s.pending()) == 1, timeout=60)
-            other = await pccl_peer_process(cluster.master.address)
-            await cluster.master.wait_for(lambda s: len(s.pending()) == 2, timeout=60)
-            await stale.update_topology()
+            src, other = await holder_processes(cluster, pccl_peer_process, emu, port, 2)
             for p in (src, other):
-                await p.wait_accepted()
                 for i, name in enumerate(names):
                     await p.call("make_tensor", name=name, dtype="float32", count=count, seed=i)
             mine = {name: np.zeros(count, dtype=np.float32) for name in names}
@@ -611,9 +617,7 @@ async def test_holder_killed_mid_batch_of_small_tensors(pccl_peer_process) -> No
                      for p in (src, other)]
             mine_sync = asyncio.create_task(stale.sync_shared_state(state, S.RECEIVE_ONLY))
             await cluster.master.wait_for(lambda s: any(x.planned for x in s.syncs.values()))
-            async with asyncio.timeout(30):
-                while emu.bytes_forwarded < 4 << 20:  # noqa: ASYNC110 (no event to wait on)
-                    await asyncio.sleep(0.01)
+            await forwarded(emu, 4 << 20)
             src.kill()
             with pytest.raises(ConnectionError):
                 await calls[0]
