@@ -1,14 +1,18 @@
 //! Shared-state transfer handles: serve tensors in place, fetch one into a buffer.
 
+use crate::error::{CoreError, CoreResult};
+use crate::net::node::Node;
 use crate::net::transfer::{self, Served};
 use crate::py::node::{resolve, PyP2PNode};
 use crate::py::ring::{raw_buffer, KeepAlive};
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 use pyo3_async_runtimes::tokio::future_into_py;
+use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
+use tokio::net::TcpStream;
 
 /// Bytes landed by one fetch so far: hand one to `fetch_into(counter=...)` and read
 /// `value` from Python while the fetch runs (progress reports).
@@ -140,33 +144,19 @@ impl PyP2PNode {
             // SAFETY: `_keep` holds the exporting object for the whole transfer and the
             // caller hands us memory nobody else writes meanwhile.
             let dst = unsafe { std::slice::from_raw_parts_mut(raw.ptr as *mut u8, raw.len) };
-            let (mut stream, mut reused) = if reuse {
-                node.take_transfer(sock, peer_id).await?
-            } else {
-                (node.dial_transfer(sock, peer_id).await?, false)
-            };
-            // The leaf digests, computed while the bytes land.
+            let mut f = Fetching::open(&node, sock, peer_id, reuse).await?;
+            // The leaf digests, computed while the bytes land. Only a clean end leaves
+            // the stream between requests.
             let digests = loop {
-                let fetched = tokio::select! {
-                    r = transfer::fetch(&mut stream, &key, offset, total, dst, timeout, &landed) => r,
-                    _ = node.cancel_token().cancelled() => {
-                        Err(crate::error::CoreError::Aborted("the p2p node is closing".into()))
-                    }
+                let r = tokio::select! {
+                    r = transfer::fetch(&mut f.stream, &key, offset, total, dst, timeout, &landed) => r,
+                    _ = node.cancel_token().cancelled() => return Err(closing()),
                 };
-                match fetched {
-                    Err(_) if reused && landed.load(Ordering::Relaxed) == 0 => {
-                        // An idle stream the source may have closed meanwhile: one fresh
-                        // dial before calling the source failed.
-                        stream = node.dial_transfer(sock, peer_id).await?;
-                        reused = false;
-                    }
-                    r => break r?,
+                if !f.again(r.is_ok(), &landed).await? {
+                    f.finish(r.is_ok());
+                    break r?;
                 }
             };
-            // A clean end leaves the stream between requests: keep it for the next fetch.
-            if reuse {
-                node.put_transfer(sock, peer_id, stream);
-            }
             Ok(Python::attach(|py| PyBytes::new(py, &digests).unbind()))
         })
     }
@@ -192,7 +182,7 @@ impl PyP2PNode {
         reuse: bool,
     ) -> PyResult<Bound<'py, PyAny>> {
         if keys.len() != outs.len() {
-            return Err(crate::error::CoreError::InvalidArgument(format!(
+            return Err(CoreError::InvalidArgument(format!(
                 "fetch_many_into: {} keys but {} buffers",
                 keys.len(),
                 outs.len()
@@ -220,31 +210,17 @@ impl PyP2PNode {
                     dst: unsafe { std::slice::from_raw_parts_mut(raw.ptr as *mut u8, raw.len) },
                 })
                 .collect();
-            let (mut stream, mut reused) = if reuse {
-                node.take_transfer(sock, peer_id).await?
-            } else {
-                (node.dial_transfer(sock, peer_id).await?, false)
-            };
-            let (results, in_step) = loop {
-                let done = tokio::select! {
-                    r = transfer::fetch_many(&mut stream, &mut items, timeout, &landed) => r,
-                    _ = node.cancel_token().cancelled() => {
-                        return Err(crate::error::CoreError::Aborted(
-                            "the p2p node is closing".into()).into());
-                    }
+            let mut f = Fetching::open(&node, sock, peer_id, reuse).await?;
+            let results = loop {
+                let (results, in_step) = tokio::select! {
+                    r = transfer::fetch_many(&mut f.stream, &mut items, timeout, &landed) => r,
+                    _ = node.cancel_token().cancelled() => return Err(closing()),
                 };
-                if reused && !done.1 && landed.load(Ordering::Relaxed) == 0 {
-                    // An idle stream the source may have closed meanwhile: one fresh
-                    // dial before calling the source failed.
-                    stream = node.dial_transfer(sock, peer_id).await?;
-                    reused = false;
-                    continue;
+                if !f.again(in_step, &landed).await? {
+                    f.finish(in_step);
+                    break results;
                 }
-                break done;
             };
-            if reuse && in_step {
-                node.put_transfer(sock, peer_id, stream);
-            }
             Python::attach(|py| {
                 let out: Vec<Py<PyAny>> = results
                     .into_iter()
@@ -257,6 +233,64 @@ impl PyP2PNode {
             })
         })
     }
+}
+
+/// The transfer stream of one fetch call, and what becomes of it: with `reuse`, one kept
+/// from an earlier fetch from the same source if there is one, and kept again if the
+/// fetch leaves it in step (between requests).
+struct Fetching {
+    node: Arc<Node>,
+    sock: SocketAddr,
+    peer_id: u64,
+    reuse: bool,
+    reused: bool,
+    stream: TcpStream,
+}
+
+impl Fetching {
+    async fn open(
+        node: &Arc<Node>,
+        sock: SocketAddr,
+        peer_id: u64,
+        reuse: bool,
+    ) -> CoreResult<Self> {
+        let (stream, reused) = if reuse {
+            node.take_transfer(sock, peer_id).await?
+        } else {
+            (node.dial_transfer(sock, peer_id).await?, false)
+        };
+        Ok(Self {
+            node: node.clone(),
+            sock,
+            peer_id,
+            reuse,
+            reused,
+            stream,
+        })
+    }
+
+    /// After an attempt that left the stream `in_step` or not: whether to try again on a
+    /// freshly dialed stream. Once only, and only when a kept stream failed before a byte
+    /// landed (the source may have closed it while it sat idle).
+    async fn again(&mut self, in_step: bool, landed: &AtomicU64) -> CoreResult<bool> {
+        if in_step || !self.reused || landed.load(Ordering::Relaxed) != 0 {
+            return Ok(false);
+        }
+        self.stream = self.node.dial_transfer(self.sock, self.peer_id).await?;
+        self.reused = false;
+        Ok(true)
+    }
+
+    /// Keeps the stream for the next fetch if asked to and it is `in_step`.
+    fn finish(self, in_step: bool) {
+        if self.reuse && in_step {
+            self.node.put_transfer(self.sock, self.peer_id, self.stream);
+        }
+    }
+}
+
+fn closing() -> PyErr {
+    CoreError::Aborted("the p2p node is closing".into()).into()
 }
 
 /// Copies `src` into `dst` (equal byte lengths) with the GIL released: destination
@@ -274,7 +308,7 @@ pub fn copy_into(
     let d = raw_buffer(dst, true, "the destination")?;
     let s = raw_buffer(src, false, "the source")?;
     if d.len != s.len {
-        return Err(crate::error::CoreError::InvalidArgument(format!(
+        return Err(CoreError::InvalidArgument(format!(
             "copy_into: destination has {} bytes, source {}",
             d.len, s.len
         ))
