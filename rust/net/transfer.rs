@@ -117,6 +117,7 @@ pub async fn serve<S: AsyncRead + AsyncWrite + Unpin>(
     }
 }
 
+/// `f`, failing with `PeerConnection` if it takes longer than `t`.
 async fn timed_core<T>(
     t: Duration,
     f: impl std::future::Future<Output = CoreResult<T>>,
@@ -134,13 +135,10 @@ async fn timed<T>(
     t: Duration,
     f: impl std::future::Future<Output = std::io::Result<T>>,
 ) -> CoreResult<T> {
-    match tokio::time::timeout(t, f).await {
-        Ok(r) => r.map_err(|e| CoreError::io("transfer", e)),
-        Err(_) => Err(CoreError::PeerConnection(format!(
-            "transfer stalled for {:.1}s",
-            t.as_secs_f64()
-        ))),
-    }
+    timed_core(t, async {
+        f.await.map_err(|e| CoreError::io("transfer", e))
+    })
+    .await
 }
 
 /// Asks the kernel to back `buf` with writable pages now (Linux `MADV_POPULATE_WRITE`),
