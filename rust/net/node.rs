@@ -484,17 +484,28 @@ mod tests {
         b.close().await;
     }
 
-    #[tokio::test]
-    async fn transfer_streams_are_kept_for_the_next_fetch_until_dropped() {
-        use crate::net::transfer::{fetch, Served};
+    /// Peers 1 (the fetcher) and 2 (the source), with a shared secret.
+    async fn fetcher_and_source() -> (Arc<Node>, Arc<Node>) {
         let any: SocketAddr = "127.0.0.1:0".parse().unwrap();
         let a = Node::bind(cfg(1, Some(b"k")), any).await.unwrap();
         let b = Node::bind(cfg(2, Some(b"k")), any).await.unwrap();
-        let data: Vec<u8> = (0..3000u32).map(|i| i as u8).collect();
+        (a, b)
+    }
+
+    /// Serves `data` under `key` on `node`.
+    fn serve_vec(node: &Node, key: &str, data: Vec<u8>) {
         let (ptr, len) = (data.as_ptr(), data.len());
         // SAFETY: the Vec's buffer lives in the keep-alive box, unmodified.
-        b.transfers
-            .serve("w".into(), unsafe { Served::new(ptr, len, Box::new(data)) });
+        let served = unsafe { crate::net::transfer::Served::new(ptr, len, Box::new(data)) };
+        node.transfers.serve(key.into(), served);
+    }
+
+    #[tokio::test]
+    async fn transfer_streams_are_kept_for_the_next_fetch_until_dropped() {
+        use crate::net::transfer::fetch;
+        let (a, b) = fetcher_and_source().await;
+        let len = 3000;
+        serve_vec(&b, "w", (0..len as u32).map(|i| i as u8).collect());
         let landed = AtomicU64::new(0);
         let mut dst = vec![0u8; len];
         for round in 0..3 {
@@ -517,10 +528,8 @@ mod tests {
     #[tokio::test]
     async fn pipelined_fetches_answer_in_order_and_refusals_keep_the_stream() {
         use crate::hash::{content_hash, root_of_digests};
-        use crate::net::transfer::{fetch_many, Served, Wanted};
-        let any: SocketAddr = "127.0.0.1:0".parse().unwrap();
-        let a = Node::bind(cfg(1, Some(b"k")), any).await.unwrap();
-        let b = Node::bind(cfg(2, Some(b"k")), any).await.unwrap();
+        use crate::net::transfer::{fetch_many, Wanted};
+        let (a, b) = fetcher_and_source().await;
         // A large tensor first, then many small ones with long keys: the requests behind
         // the large reply must not wait for it to be read (nor block it).
         let mut served = vec![("big".to_string(), vec![7u8; 9 << 20])];
@@ -529,12 +538,7 @@ mod tests {
             served.push((key, (0..1000 + i).map(|j| (i + j) as u8).collect()));
         }
         for (key, data) in &served {
-            let data = data.clone();
-            let (ptr, len) = (data.as_ptr(), data.len());
-            // SAFETY: the Vec's buffer lives in the keep-alive box, unmodified.
-            b.transfers.serve(key.clone(), unsafe {
-                Served::new(ptr, len, Box::new(data))
-            });
+            serve_vec(&b, key, data.clone());
         }
         let mut dsts: Vec<Vec<u8>> = served.iter().map(|(_, d)| vec![0u8; d.len()]).collect();
         dsts.insert(2, vec![0u8; 10]);
