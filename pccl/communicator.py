@@ -981,48 +981,14 @@ class Communicator:
                     prefault = loop.create_task(asyncio.to_thread(
                         _prefault_all, [by_key[k].data for k in plan.fetch_keys]))
                 ok, kind, why = True, "", ""
-                addrs = dict(zip(plan.source_ids, plan.source_addrs))
-                # Fetches in flight at once, one stream each (kept for the next fetch from the
-                # same holder): enough to hide the round trips of many small tensors on long
-                # links (256 x 256 KiB behind 20 ms: 2.98 s with 4, 0.93 s with 16), bounded.
-                limit = asyncio.Semaphore(MAX_FETCHES_IN_FLIGHT)
                 # Per range: (bytes landed by earlier attempts, counter of the current one).
                 counters: dict[tuple[str, int], tuple[int, _core.ByteCounter]] = {}
                 report = _SyncReporter(self, progress, progress_interval, served_before,
                                        counters, fetched,
                                        [by_key[k].nbytes for k in plan.fetch_keys])
-
-                pool = self.p2p_connection_pool_size
-                wanted = list(zip(plan.fetch_keys, plan.fetch_hashes, plan.fetch_sources))
-                big = [w for w in wanted if by_key[w[0]].nbytes >= 2 * RANGE_BYTES]
-                # Large tensors are fetched in ranges, over at least
-                # p2p_connection_pool_size streams in all (one tensor alone is not stuck
-                # with one stream; many do not each open that many).
-                streams = -(-pool // max(1, len(big)))
-
-                async def fetch(key: str, want: bytes, sources: list[int]) -> None:
-                    dst = by_key[key].data if in_place else None
-                    fetched[key] = await self._fetch_verified(
-                        key, want, sources, addrs, dst, by_key[key].nbytes, counters, limit,
-                        streams)
-
-                async def fetch_batch(n: int, batch: list[tuple[str, bytes, list[int]]]) -> None:
-                    outs = [by_key[k].data if in_place else np.empty(by_key[k].nbytes, np.uint8)
-                            for k, _, _ in batch]
-                    retry = await self._fetch_pipelined(n, batch, outs, addrs, counters, limit,
-                                                        fetched)
-                    failed = [r for r in await asyncio.gather(
-                        *(fetch(*w) for w in retry), return_exceptions=True)
-                        if isinstance(r, BaseException)]
-                    if failed:
-                        raise failed[0]
-
-                small = [w for w in wanted if by_key[w[0]].nbytes < 2 * RANGE_BYTES]
-                jobs = [fetch(*w) for w in big]
-                jobs += [fetch_batch(n, b) for n, b in enumerate(_batches(small, pool))]
                 async with report:
-                    results = await asyncio.gather(*jobs, return_exceptions=True)
-                    errors = [r for r in results if isinstance(r, BaseException)]
+                    errors = await self._fetch_planned(plan, by_key, in_place, counters,
+                                                       fetched)
                     for r in errors:
                         if not isinstance(r, PCCLError):
                             raise r
@@ -1052,6 +1018,46 @@ class Communicator:
             if self._node is not None:
                 self._node.unserve_all()
                 self._node.drop_idle_transfers()
+
+    async def _fetch_planned(self, plan: m.SyncPlan, by_key: dict[str, RawTensor],
+                             in_place: bool,
+                             counters: dict[tuple[str, int], tuple[int, Any]],
+                             fetched: dict[str, np.ndarray]) -> list[BaseException]:
+        """Fetches what ``plan`` says into scratch buffers (or, ``in_place``, the tensors):
+        large tensors in ranges, small ones in pipelined batches. What verifies goes into
+        ``fetched``; returns the failures (every fetch has ended by then)."""
+        addrs = dict(zip(plan.source_ids, plan.source_addrs))
+        # Fetches in flight at once (a range, a tensor or a batch of small tensors, one
+        # stream each, kept for the next fetch from the same holder), bounded.
+        limit = asyncio.Semaphore(MAX_FETCHES_IN_FLIGHT)
+        pool = self.p2p_connection_pool_size
+        wanted = list(zip(plan.fetch_keys, plan.fetch_hashes, plan.fetch_sources))
+        big = [w for w in wanted if by_key[w[0]].nbytes >= 2 * RANGE_BYTES]
+        # Large tensors are fetched in ranges, over at least p2p_connection_pool_size
+        # streams in all (one tensor alone is not stuck with one stream; many do not each
+        # open that many).
+        streams = -(-pool // max(1, len(big)))
+
+        async def fetch(key: str, want: bytes, sources: list[int]) -> None:
+            dst = by_key[key].data if in_place else None
+            fetched[key] = await self._fetch_verified(
+                key, want, sources, addrs, dst, by_key[key].nbytes, counters, limit, streams)
+
+        async def fetch_batch(n: int, batch: list[tuple[str, bytes, list[int]]]) -> None:
+            outs = [by_key[k].data if in_place else np.empty(by_key[k].nbytes, np.uint8)
+                    for k, _, _ in batch]
+            retry = await self._fetch_pipelined(n, batch, outs, addrs, counters, limit, fetched)
+            failed = [r for r in await asyncio.gather(*(fetch(*w) for w in retry),
+                                                      return_exceptions=True)
+                      if isinstance(r, BaseException)]
+            if failed:
+                raise failed[0]
+
+        small = [w for w in wanted if by_key[w[0]].nbytes < 2 * RANGE_BYTES]
+        jobs = [fetch(*w) for w in big]
+        jobs += [fetch_batch(n, b) for n, b in enumerate(_batches(small, pool))]
+        results = await asyncio.gather(*jobs, return_exceptions=True)
+        return [r for r in results if isinstance(r, BaseException)]
 
     def _commit_sync(self, state: SharedState, fetched: dict[str, np.ndarray],
                      by_key: dict[str, RawTensor], outcome: m.SyncOutcome) -> None:
