@@ -30,6 +30,17 @@ from pccl.testing.data import deterministic_tensor
 MiB = 1 << 20
 
 
+def hash_landed(view: memoryview, done: int, got: int, part: int) -> int:
+    """A receiver's check of what landed: hashes each whole 4 MiB slice of
+    ``view[done:got]`` (and the rest once all ``part`` bytes are in), on this thread;
+    returns how far it hashed."""
+    while got - done >= 4 * MiB or done < got == part:
+        end = min(done + 4 * MiB, got)
+        _core.content_hash(view[done:end], threads=1)
+        done = end
+    return done
+
+
 def loopback_gbps(nbytes: int, fresh: bool = False, whole: bool = False,
                   streams: int = 1, hashed: bool = False) -> float:
     """Plain TCP on 127.0.0.1: ``streams`` connections, each a sender and a receiver
@@ -61,10 +72,8 @@ def loopback_gbps(nbytes: int, fresh: bool = False, whole: bool = False,
             while got < part:
                 at = got if step else 0
                 got += conn.recv_into(dst[at:at + min(4 * MiB, part - got)])
-                while hashed and step and (got - done >= 4 * MiB or done < got == part):
-                    end = min(done + 4 * MiB, got)
-                    _core.content_hash(dst[done:end], threads=1)
-                    done = end
+                if hashed and step:
+                    done = hash_landed(dst, done, got, part)
 
     def send(port: int, i: int) -> None:
         with socket.create_connection(("127.0.0.1", port)) as s:
@@ -131,10 +140,7 @@ def plain_sync_gbps(nbytes: int, holders: int, *, staged: bool, touched: bool,
         got = done = 0
         while got < part:
             got += accepted[i].recv_into(view[got:min(got + 4 * MiB, part)])
-            while got - done >= 4 * MiB or done < got == part:
-                end = min(done + 4 * MiB, got)
-                _core.content_hash(view[done:end], threads=1)
-                done = end
+            done = hash_landed(view, done, got, part)
 
     threads = [threading.Thread(target=vote, args=(b,)) for b in sources]
     if staged:
