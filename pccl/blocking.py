@@ -104,6 +104,7 @@ from pccl.errors import (
     InvalidUsageError,
     MasterConnectionError,
     NoSharedStateAvailableError,
+    OperationTimeoutError,
     PCCLError,
     PeerConnectionError,
     PendingAsyncOpsError,
@@ -154,6 +155,7 @@ __all__ = [
     "InvalidUsageError",
     "MasterConnectionError",
     "NoSharedStateAvailableError",
+    "OperationTimeoutError",
     "PeerConnectionError",
     "PendingAsyncOpsError",
     "ProtocolError",
@@ -245,6 +247,8 @@ def _reports_result(fn: Callable[..., T]) -> Callable[..., T]:
 
 # Failures a new topology can fix; after them the layer updates the topology itself.
 _RETRYABLE = (PeerConnectionError, CollectiveAbortedError)
+_SYNC_ATTEMPTS = 4  # tries of sync_shared_state() after retryable failures
+_REDUCE_ROUNDS = 16  # relaunch rounds of all_reduce_multiple_with_retry()
 
 
 # --- enums ----------------------------------------------------------------------------
@@ -1024,8 +1028,6 @@ class _PeerCore(_Resource):
         self.auto_update_topology = auto_update_topology
         self.comm: _AsyncCommunicator | None = None
         self.in_flight: set[asyncio.Future[Any]] = set()  # the async API's reduce tasks
-        self.healing: asyncio.Task[None] | None = None
-        self.topology_stale = False  # a background update_topology() failed
 
     def describe(self) -> str:
         peer = self.comm.peer_id if self.comm is not None else None
@@ -1041,16 +1043,9 @@ class _PeerCore(_Resource):
         return self.comm
 
     async def settle(self) -> _AsyncCommunicator:
-        """Waits out a topology update this layer started after a failure; redoes one
-        that failed. Returns the async communicator."""
-        comm = self.require()
-        healing = self.healing
-        if healing is not None and not healing.done():
-            await _await_shielded(healing)
-        if self.topology_stale and not self.in_flight:
-            self.topology_stale = False
-            await comm.update_topology()
-        return comm
+        """Returns the async communicator. (Recovery after a lost peer needs nothing
+        here: the master rebuilds the ring on its own, the same for every peer.)"""
+        return self.require()
 
     def group_size(self, comm: _AsyncCommunicator) -> int:
         return comm.get_attribute(_enums.Attribute.PEER_GROUP_WORLD_SIZE)
@@ -1064,40 +1059,11 @@ class _PeerCore(_Resource):
 
     def launch(self, comm: _AsyncCommunicator, send: Any, out: Any, op: ReduceOp, tag: int,
                quantization: _AsyncQuantizationOptions | None) -> asyncio.Task[Any]:
-        """Starts one reduce through the async API (argument errors raise here) and
-        returns a task for its outcome that recovers the topology on failure."""
+        """Starts one reduce through the async API (argument errors raise here)."""
         raw = comm.all_reduce_async(send, out, op=op, tag=tag, quantization=quantization)
         self.in_flight.add(raw)
         raw.add_done_callback(self.in_flight.discard)
-        return asyncio.ensure_future(self.outcome(raw))
-
-    async def outcome(self, raw: Awaitable[T]) -> T:
-        try:
-            return await raw
-        except _RETRYABLE:
-            await self.recover()
-            raise
-
-    async def recover(self) -> None:
-        """PCCL drops dead peers without being asked: once this peer's other collectives
-        are done, update the topology (every surviving peer saw the same failure and does
-        the same)."""
-        if not self.auto_update_topology:
-            return
-        if self.healing is None or self.healing.done():
-            self.healing = asyncio.get_running_loop().create_task(
-                self._update_after_failure(), name="pccl-blocking-recover")
-        await _await_shielded(self.healing)
-
-    async def _update_after_failure(self) -> None:
-        while self.in_flight:
-            await asyncio.wait(set(self.in_flight))
-        try:
-            await self.require().update_topology()
-        except PCCLError as e:
-            log.warning("update_topology() after a failed collective failed (%s); the next "
-                        "call tries again", e)
-            self.topology_stale = True
+        return raw
 
 
 async def _await_shielded(task: asyncio.Future[Any]) -> None:
@@ -1153,9 +1119,9 @@ class Communicator:
 
     ``p2p_connection_pool_size=0`` means one stream per neighbour, as in PCCL. Keyword
     arguments beyond PCCL's go to :class:`pccl.Communicator` (``secret``, ``timeout``,
-    ``peer_timeout``, ...), except ``auto_update_topology`` (default True: after a
-    collective failed because a peer was lost, update the topology before returning,
-    like PCCL does).
+    ``peer_timeout``, ``collective_timeout``, ...). (``auto_update_topology`` is
+    accepted and ignored: the master now rebuilds a ring that lost a peer on its own,
+    as PCCL does, so nothing runs ``update_topology()`` behind the caller's back.)
 
     Example::
 
@@ -1320,11 +1286,7 @@ class Communicator:
             if world < 2:
                 raise InvalidUsageError(
                     f"optimize_topology() needs at least 2 peers in the run, there are {world}")
-            try:
-                await comm.optimize_topology()
-            except TopologyOptimizationFailedError:
-                await core.recover()
-                raise
+            await comm.optimize_topology()
 
         self._run(optimize)
 
@@ -1354,13 +1316,22 @@ class Communicator:
                 raise PendingAsyncOpsError(
                     f"{len(core.in_flight)} reduce(s) in flight; wait() for them before "
                     "sync_shared_state()")
-            try:
-                return await comm.sync_shared_state(shared_state._state, strategy,
-                                                    progress=progress,
-                                                    progress_interval=progress_interval)
-            except _RETRYABLE:
-                await core.recover()
-                raise
+            # PCCL's sync does not fail because a holder died or peers were still in a
+            # topology vote, and its programs do not catch that: retry here. Every peer
+            # of the sync saw the same outcome, so all retry alike.
+            for attempt in range(_SYNC_ATTEMPTS):
+                try:
+                    return await comm.sync_shared_state(shared_state._state, strategy,
+                                                        progress=progress,
+                                                        progress_interval=progress_interval)
+                except _RETRYABLE as e:
+                    if attempt + 1 == _SYNC_ATTEMPTS or isinstance(e, OperationTimeoutError):
+                        raise
+                    log.info("peer %s: sync_shared_state() failed (%s); retrying",
+                             comm.peer_id, e)
+                    if type(e) is CollectiveAbortedError:
+                        await comm.update_topology()  # the others wait for us there
+            raise AssertionError("unreachable")
 
         return self._run(sync)
 
@@ -1463,7 +1434,7 @@ async def _reduce_all_with_retry(core: _PeerCore, comm: _AsyncCommunicator,
     """PCCL's retry loop: keep up to ``max_in_flight`` reduces going, awaited in order;
     after a failure let the others finish, move to the new topology, and relaunch what
     did not succeed. Every peer sees the same outcome per tag, so all relaunch alike."""
-    tx = rx = 0
+    tx = rx = rounds = 0
     todo = collections.deque(range(len(prepared)))
     running: dict[int, asyncio.Task[Any]] = {}
     try:
@@ -1489,7 +1460,13 @@ async def _reduce_all_with_retry(core: _PeerCore, comm: _AsyncCommunicator,
                     else:
                         tx, rx = tx + done.tx_bytes, rx + done.rx_bytes
                 todo = collections.deque(sorted([*failed, *todo]))
-                if not core.auto_update_topology:
+                rounds += 1
+                if rounds > _REDUCE_ROUNDS:
+                    raise
+                # A lost peer needs nothing from us: the master rebuilds the ring and runs
+                # the relaunched reduces on it. Peers in update_topology() (the reduce was
+                # called off for them), or a ring that failed again, need our vote.
+                if type(e) is CollectiveAbortedError or rounds > 1:
                     await comm.update_topology()
                 comm = await core.settle()
                 core.require_peers(comm)

@@ -27,6 +27,7 @@ from pccl.enums import (
 from pccl.errors import (
     ERROR_KINDS,
     AuthenticationError,
+    CollectiveAbortedError,
     InvalidUsageError,
     MasterConnectionError,
     PCCLError,
@@ -106,6 +107,38 @@ def _check_quantization(q: QuantizationOptions, src: RawTensor, op: ReduceOp) ->
             f"quantization ({algorithm.name} was asked)")
 
 
+def _check_master_address(master: str) -> None:
+    """A master address without a port used to mean 48148 silently; on a shared machine
+    that joins somebody else's run. The port must be said."""
+    if not isinstance(master, str) or not master:
+        raise _core.InvalidArgumentError(f"master must be a 'host:port' string, not {master!r}")
+    host, sep, port = master.rpartition(":") if not master.startswith("[") else (
+        master.partition("]")[0] + "]", ":" if "]:" in master else "",
+        master.partition("]:")[2])
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise _core.InvalidArgumentError(
+            f"master address {master!r} has no valid port: give 'host:port' (pccl's "
+            f"default port is {DEFAULT_PORT}, e.g. '{master.rstrip(':') or '127.0.0.1'}:"
+            f"{DEFAULT_PORT}')")
+
+
+def _check_deadline(value: float | None, what: str) -> float | None:
+    if value is None:
+        return None
+    if not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+        raise _core.InvalidArgumentError(f"{what} must be a positive number of seconds or None")
+    return float(value)
+
+
+class _Default:
+    def __repr__(self) -> str:
+        return "<the Communicator's collective_timeout>"
+
+
+#: ``timeout=`` default of collective calls: the Communicator's ``collective_timeout``.
+DEFAULT_TIMEOUT: Any = _Default()
+
+
 class PeerState(enum.IntEnum):
     NEW = 0
     REGISTERED = 1  # handshake done, waiting to be admitted
@@ -125,10 +158,16 @@ class Communicator:
             await comm.all_reduce(x, op=pccl.ReduceOp.AVG)
 
     ``timeout`` bounds every wait on the master that does not depend on other peers
-    (the handshake, queries); waits on other peers (votes) are bounded by the master
-    dropping dead peers, and are cancellable. ``peer_timeout`` bounds how long a ring
-    link may go without progress before the collective fails with
-    :class:`PeerConnectionError` (a stalled or dead neighbour).
+    (the handshake, queries). ``collective_timeout`` (like torch.distributed's
+    ``timeout=``; per call: ``timeout=``) bounds how long a collective call waits for the
+    other peers to make the same call (``all_reduce``, ``sync_shared_state``,
+    ``update_topology``, ``optimize_topology``, ``are_peers_pending``): past it the
+    master calls the operation off for every peer that made it, with
+    :class:`OperationTimeoutError` and nothing written, and a retry works (``None``: no
+    limit; every wait stays cancellable). Dead peers end such waits sooner: the master
+    drops them. ``peer_timeout`` bounds how long a ring link may go without progress
+    before the collective fails with :class:`PeerConnectionError` (a stalled or dead
+    neighbour).
 
     ``p2p_connection_pool_size`` is the number of parallel TCP streams per ring
     neighbour, and the least number of streams that a shared-state sync fetches its
@@ -160,9 +199,12 @@ class Communicator:
         piece_bytes: int = 1 << 20,
         max_frame: int = MAX_FRAME,
         reconnect_timeout: float = 60.0,
+        collective_timeout: float | None = 600.0,
     ) -> None:
         if not 1 <= p2p_connection_pool_size <= 64:
             raise _core.InvalidArgumentError("p2p_connection_pool_size must be in 1..64")
+        _check_master_address(master)
+        self.collective_timeout = _check_deadline(collective_timeout, "collective_timeout")
         self.master = master
         self.peer_group = peer_group
         self.p2p_connection_pool_size = p2p_connection_pool_size
@@ -190,12 +232,15 @@ class Communicator:
         self._reader: asyncio.Task[None] | None = None
         self._accepted: asyncio.Future[None] | None = None
         self._update: asyncio.Future[None] | None = None
-        self._queries: dict[int, asyncio.Future[bool]] = {}
+        self._queries: dict[int, asyncio.Future[m.PendingAnswer]] = {}
         self._next_req = 0
         self._lost: PCCLError | None = None
         self._heartbeat_timeout = 5.0
         self._collectives: dict[int, _Collective] = {}
         self._ring_epoch = -1
+        # Ring installs under way (epoch -> task): a collective performed on a ring the
+        # master just repaired waits for its install.
+        self._installing: dict[int, asyncio.Task[None]] = {}
         self._optimizing = False
         self._sync_plan: asyncio.Future[m.SyncPlan] | None = None
         self._sync_outcome: asyncio.Future[m.SyncOutcome] | None = None
@@ -341,9 +386,20 @@ class Communicator:
 
     # --- membership -----------------------------------------------------------------
 
-    async def update_topology(self) -> None:
+    def _wire_timeout(self, timeout: Any) -> float:
+        """The deadline a collective call sends the master (0.0: none)."""
+        t = self.collective_timeout if timeout is DEFAULT_TIMEOUT else _check_deadline(
+            timeout, "timeout")
+        return 0.0 if t is None else t
+
+    async def update_topology(self, *, timeout: Any = DEFAULT_TIMEOUT) -> None:
         """Collective over all accepted peers: admits pending joiners, drops dead peers
-        and (re)builds the p2p rings. Returns when every peer's pools are up."""
+        and (re)builds the p2p rings. Returns when every peer's pools are up.
+
+        ``timeout``: seconds to wait for every accepted peer to call it too (default:
+        the Communicator's ``collective_timeout``; ``None``: no limit); past it the call
+        fails on every peer that made it with :class:`OperationTimeoutError`."""
+        wire = self._wire_timeout(timeout)
         await self._ready()
         if self._update is not None:
             raise InvalidUsageError("update_topology() is already running on this peer")
@@ -354,19 +410,21 @@ class Communicator:
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._update = fut
         try:
-            self._send(m.UpdateTopology())
+            self._send(m.UpdateTopology(timeout=wire))
             await fut
         finally:
             self._update = None
 
-    async def optimize_topology(self) -> None:
+    async def optimize_topology(self, *, timeout: Any = DEFAULT_TIMEOUT) -> None:
         """Collective over all accepted peers: measure the bandwidth between peers of
         each group (over as many parallel streams as the ring uses), solve for the ring
         with the best bottleneck link, and rebuild the rings in that order.
 
         A peer lost meanwhile fails the call on everyone with
-        :class:`TopologyOptimizationFailedError`; the previous rings stay.
+        :class:`TopologyOptimizationFailedError`; the previous rings stay. ``timeout`` as
+        in :meth:`update_topology`.
         """
+        wire = self._wire_timeout(timeout)
         await self._ready()
         if self._update is not None:
             raise InvalidUsageError("a topology operation is already running on this peer")
@@ -377,7 +435,7 @@ class Communicator:
         self._update = fut
         self._optimizing = True
         try:
-            self._send(m.OptimizeTopology())
+            self._send(m.OptimizeTopology(timeout=wire))
             await fut
         except UpdateTopologyFailedError as e:
             raise _core.TopologyOptimizationFailedError(str(e)) from None
@@ -399,22 +457,54 @@ class Communicator:
         if self._lost is None and self._conn is not None:
             self._conn.send_nowait(m.ProbeReport(target_ids=list(msg.target_ids), rates=rates))
 
-    async def are_peers_pending(self) -> bool:
-        """Whether peers are waiting to be admitted by :meth:`update_topology`."""
+    async def are_peers_pending(self, *, timeout: Any = DEFAULT_TIMEOUT) -> bool:
+        """Whether peers are waiting to be admitted by :meth:`update_topology`.
+
+        A collective over every accepted peer of the run (as in PCCL): the master
+        answers once all of them asked, and every one gets the same answer, so the
+        idiom ``if await comm.are_peers_pending(): await comm.update_topology()`` takes
+        the same branch on every peer. (While some peers are already in
+        ``update_topology()``, the askers hear ``True`` at once and join them.) Reduces
+        started earlier may keep running meanwhile. ``timeout`` as in
+        :meth:`update_topology`. For a quick look that waits for nobody, use
+        :meth:`pending_peer_count`.
+
+        Example::
+
+            if await comm.are_peers_pending():
+                await comm.update_topology()
+        """
+        answer = await self._ask_pending(True, self._wire_timeout(timeout))
+        return answer.pending
+
+    async def pending_peer_count(self) -> int:
+        """How many peers wait to be admitted, as the master sees it now. Not a
+        collective: peers asking a moment apart may get different numbers, so do not
+        branch collective calls on it (use :meth:`are_peers_pending`)."""
+        answer = await self._ask_pending(False, 0.0)
+        return answer.count
+
+    async def _ask_pending(self, collective: bool, wire: float) -> m.PendingAnswer:
         await self._ready()
         self._next_req += 1
         req = self._next_req
-        fut: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        fut: asyncio.Future[m.PendingAnswer] = asyncio.get_running_loop().create_future()
         self._queries[req] = fut
         try:
-            self._send(m.PendingQuery(req=req))
-            async with asyncio.timeout(self.timeout):
-                return await fut
+            self._send(m.PendingQuery(req=req, collective=collective, timeout=wire))
+            if collective:
+                answer = await fut  # the master bounds this wait (deadline, dead peers)
+            else:
+                async with asyncio.timeout(self.timeout):
+                    answer = await fut
         except TimeoutError:
             raise MasterConnectionError(
                 f"the master did not answer within {self.timeout}s") from None
         finally:
             self._queries.pop(req, None)
+        if not answer.ok:
+            raise ERROR_KINDS.get(answer.kind, PCCLError)(answer.message)
+        return answer
 
     def get_attribute(self, attribute: Attribute) -> int:
         """Reports the run's shape as of the last message from the master."""
@@ -590,8 +680,17 @@ class Communicator:
         elif isinstance(msg, m.WorldInfo):
             self._world = msg
         elif isinstance(msg, m.TopologyUpdated):
-            self._spawn(self._topology_updated(msg, self._conn),
-                        f"pccl-topology-{self.peer_id}")
+            task = asyncio.create_task(self._topology_updated(msg, self._conn),
+                                       name=f"pccl-topology-{self.peer_id}-{msg.epoch}")
+            self._tasks.add(task)
+            self._installing[msg.epoch] = task
+
+            def done(t: asyncio.Task[None], epoch: int = msg.epoch) -> None:
+                self._tasks.discard(t)
+                if self._installing.get(epoch) is t:
+                    del self._installing[epoch]
+
+            task.add_done_callback(done)
         elif isinstance(msg, m.CollectivePerform):
             col = self._collectives.get(msg.tag)
             if col is not None and not col.perform.done():
@@ -613,11 +712,12 @@ class Communicator:
                 col.outcome.set_result(msg)
         elif isinstance(msg, m.TopologyUpdateFailed):
             if self._update is not None and not self._update.done():
-                self._update.set_exception(UpdateTopologyFailedError(msg.message))
+                self._update.set_exception(
+                    ERROR_KINDS.get(msg.kind, UpdateTopologyFailedError)(msg.message))
         elif isinstance(msg, m.PendingAnswer):
             fut = self._queries.get(msg.req)
             if fut is not None and not fut.done():
-                fut.set_result(msg.pending)
+                fut.set_result(msg)
         elif isinstance(msg, m.ProbeRequest):
             self._spawn(self._probe(msg), f"pccl-probe-{self.peer_id}")
         elif isinstance(msg, m.OptimizeFailed):
@@ -678,7 +778,11 @@ class Communicator:
                 error = UpdateTopologyFailedError(f"could not take over the ring links: {e}")
         if conn is not self._conn:
             return  # from a master connection lost meanwhile: its round is void
-        self.epoch = msg.epoch
+        self.epoch = max(self.epoch, msg.epoch)
+        if msg.repair:
+            if error is not None:
+                log.warning("peer %s: %s", self.peer_id, error)
+            return  # the master rebuilt the ring on its own: no call waits for this
         if self.state in (PeerState.REGISTERED, PeerState.RECONNECTING):
             fut = self._accepted
             if error is None and self.state is PeerState.REGISTERED:
@@ -701,11 +805,17 @@ class Communicator:
         op: ReduceOp = ReduceOp.SUM,
         tag: int = 0,
         quantization: QuantizationOptions | None = None,
+        timeout: Any = DEFAULT_TIMEOUT,
     ) -> asyncio.Task[ReduceInfo]:
         """Starts an all-reduce now and returns an awaitable for its :class:`ReduceInfo`.
 
         Several may be in flight with distinct ``tag`` values. The tensors must not be
-        touched until the awaitable resolves. On failure nothing is written.
+        touched until the awaitable resolves. On failure nothing is written. ``timeout``
+        bounds the wait for the other peers to start the same collective (default: the
+        Communicator's ``collective_timeout``): past it, it fails on every peer with
+        :class:`OperationTimeoutError`. When a peer of the group is lost, the master
+        rebuilds the ring from the others; a collective started meanwhile waits for that
+        and runs on the new ring (``ReduceInfo.world_size`` says how many took part).
 
         Example::
 
@@ -713,6 +823,7 @@ class Communicator:
             h2 = comm.all_reduce_async(stats, op=pccl.ReduceOp.SUM, tag=2)
             info1, info2 = await h1, await h2
         """
+        wire = self._wire_timeout(timeout)
         self._require_accepted()
         if self._update is not None:
             raise InvalidUsageError("update_topology() is running on this peer")
@@ -739,7 +850,7 @@ class Communicator:
             self._send(m.CollectiveInit(tag=tag, kind="all_reduce", dtype=int(src.dtype),
                                         count=src.count, op=int(op),
                                         quant_algorithm=int(q.algorithm),
-                                        quant_dtype=int(q.dtype)))
+                                        quant_dtype=int(q.dtype), timeout=wire))
         except BaseException:
             del self._collectives[tag]
             raise
@@ -754,6 +865,7 @@ class Communicator:
         op: ReduceOp = ReduceOp.SUM,
         tag: int = 0,
         quantization: QuantizationOptions | None = None,
+        timeout: Any = DEFAULT_TIMEOUT,
     ) -> ReduceInfo:
         """All-reduces ``tensor`` across the peer group (in place, or into ``out``).
 
@@ -763,7 +875,7 @@ class Communicator:
         """
         await self._ready()
         return await self.all_reduce_async(tensor, out, op=op, tag=tag,
-                                           quantization=quantization)
+                                           quantization=quantization, timeout=timeout)
 
     async def _run_all_reduce(self, col: _Collective, src: RawTensor, dst: RawTensor,
                               op: ReduceOp) -> ReduceInfo:
@@ -781,6 +893,19 @@ class Communicator:
             ok, kind, why = True, "", ""
             if perform.world > 1:
                 try:
+                    installing = self._installing.get(perform.epoch)
+                    if installing is not None and perform.epoch != self._ring_epoch:
+                        # Performed on a ring the master just rebuilt: its links are
+                        # being taken over right now (bounded by p2p_timeout there).
+                        try:
+                            await asyncio.wait([installing])
+                        except asyncio.CancelledError:
+                            with contextlib.suppress(PCCLError):
+                                self._send(m.CollectiveDone(
+                                    tag=col.tag, op_id=perform.op_id, ok=False,
+                                    kind="CollectiveAbortedError",
+                                    message="cancelled by the caller"))
+                            raise
                     if perform.epoch != self._ring_epoch:
                         raise _core.PeerConnectionError(
                             f"ring epoch {perform.epoch} is not installed here "
@@ -862,8 +987,12 @@ class Communicator:
         some fail for reasons a new topology can fix (a peer died, a link broke), runs
         ``update_topology()`` and retries those, up to ``max_attempts`` rounds.
 
-        All peers see the same outcome per tag, so they retry the same set. Returns the
-        infos in the order of ``descriptors``.
+        All peers see the same outcome per tag, so they retry the same set and make
+        the same choices. A collective that failed because a peer was lost is retried
+        at once: the master rebuilds the ring from the peers left and runs the retry on
+        it (if the ring still fails, the next round calls ``update_topology()`` first);
+        one called off because peers of the group are in ``update_topology()`` joins
+        them first. Returns the infos in the order of ``descriptors``.
         """
         if max_in_flight < 1:
             raise _core.InvalidArgumentError("max_in_flight must be at least 1")
@@ -892,10 +1021,12 @@ class Communicator:
             todo = [i for i in todo if i not in results]
             if not todo:
                 return [results[i] for i in range(len(descriptors))]
-            log.info("peer %s: %d all-reduce(s) failed (%s); updating the topology "
-                     "(attempt %d/%d)", self.peer_id, len(todo), failures[0], attempt + 1,
-                     max_attempts)
-            await self.update_topology()
+            vote = attempt > 0 or any(type(f) is CollectiveAbortedError for f in failures)
+            log.info("peer %s: %d all-reduce(s) failed (%s); retrying%s (attempt %d/%d)",
+                     self.peer_id, len(todo), failures[0],
+                     " after update_topology()" if vote else "", attempt + 1, max_attempts)
+            if vote:
+                await self.update_topology()
         raise _core.PeerConnectionError(
             f"{len(todo)} all-reduce(s) still failing after {max_attempts} attempts")
 
@@ -909,6 +1040,7 @@ class Communicator:
         in_place: bool = False,
         progress: Callable[[SyncProgress], object] | None = None,
         progress_interval: float = 1.0,
+        timeout: Any = DEFAULT_TIMEOUT,
     ) -> SyncInfo:
         """Brings ``state`` to the content most peers of the group hold (collective).
 
@@ -939,11 +1071,21 @@ class Communicator:
         one it already decided to commit is committed here too before ``CancelledError``
         propagates, so the group stays in parity either way.
 
+        Peers that never completed a sync in this run (fresh joiners) do not vote while a
+        peer that did is present: they take the running state and revision, so joiners
+        can never roll a running group back to their initial tensors.
+
+        ``timeout`` bounds the wait for the other peers of the group to call it too
+        (default: the Communicator's ``collective_timeout``): past it, the sync is called
+        off for every peer that called it (:class:`OperationTimeoutError`, nothing
+        written). Once the transfers run, ``peer_timeout`` bounds each of them instead.
+
         Example::
 
             state.revision += 1
             info = await comm.sync_shared_state(state)
         """
+        wire = self._wire_timeout(timeout)
         await self._ready()
         if self._sync_plan is not None:
             raise InvalidUsageError("sync_shared_state() is already running on this peer")
@@ -971,7 +1113,8 @@ class Communicator:
                 revision=int(state.revision), strategy=int(strategy),
                 keys=[i.name for i in state.infos], dtypes=[int(r.dtype) for r in raws],
                 counts=[r.count for r in raws], hashes=list(hashes),
-                unequal=[bool(i.allow_content_inequality) for i in state.infos]))
+                unequal=[bool(i.allow_content_inequality) for i in state.infos],
+                timeout=wire))
             try:
                 # Shielded (here and for the outcome): a cancelled caller still needs them.
                 plan = await asyncio.shield(self._sync_plan)

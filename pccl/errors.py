@@ -26,6 +26,15 @@ from pccl._core import (
     UpdateTopologyFailedError,
 )
 
+
+class OperationTimeoutError(CollectiveAbortedError, TimeoutError):
+    """The other peers did not make the same collective call within its deadline
+    (``Communicator(collective_timeout=...)`` or the call's ``timeout=``). The master
+    called the operation off for every peer that made it; nothing was written. Retry; if
+    it keeps happening, some peer is not running the same sequence of collective calls
+    (or is stuck outside pccl)."""
+
+
 __all__ = [
     "AuthenticationError",
     "CollectiveAbortedError",
@@ -33,6 +42,7 @@ __all__ = [
     "InvalidUsageError",
     "MasterConnectionError",
     "NoSharedStateAvailableError",
+    "OperationTimeoutError",
     "PCCLError",
     "PeerConnectionError",
     "PendingAsyncOpsError",

@@ -25,8 +25,10 @@ from hypothesis.stateful import (
 )
 
 from pccl.master.state import (
+    ArmDeadline,
     ArmRecoveryTimer,
     Command,
+    DeadlineExpired,
     Disconnect,
     Event,
     MasterState,
@@ -140,13 +142,13 @@ def report_all(st: MasterState) -> list[Command]:
     return out
 
 
-def run_with(groups: Sequence[int], **kwargs: int) -> MasterState:
+def run_with(groups: Sequence[int], **kwargs: int | bool) -> MasterState:
     """A run where peers 1..n (peer i in ``groups[i-1]``) are all accepted.
 
     Peer 1 is admitted alone (epoch 1), the rest join and are admitted by one vote of
     peer 1 (epoch 2).
     """
-    st = MasterState(**kwargs)
+    st = MasterState(**kwargs)  # type: ignore[arg-type]
     join(st, 1, groups[0])
     report_all(st)
     for pid, g in enumerate(groups[1:], start=2):
@@ -159,9 +161,9 @@ def run_with(groups: Sequence[int], **kwargs: int) -> MasterState:
     return st
 
 
-def performed3(tag: int = 0) -> MasterState:
+def performed3(tag: int = 0, repair_rings: bool = True) -> MasterState:
     """Three accepted peers in one group, collective ``tag`` performed as op 1."""
-    st = run_with([0, 0, 0])
+    st = run_with([0, 0, 0], repair_rings=repair_rings)
     tell(st, 1, coll_init(tag))
     tell(st, 2, coll_init(tag))
     cmds = tell(st, 3, coll_init(tag))
@@ -250,7 +252,8 @@ def test_second_peer_waits_for_a_vote_of_the_accepted_peer() -> None:
     assert st.pending() == [2] and st.accepted() == [1]
     assert st.phase is Phase.IDLE
 
-    assert tell(st, 1, m.PendingQuery(req=7)) == [Send(1, m.PendingAnswer(req=7, pending=True))]
+    assert tell(st, 1, m.PendingQuery(req=7)) == [
+        Send(1, m.PendingAnswer(req=7, pending=True, count=1))]
 
     assert vote(st, 1) == [
         Send(1, m.EstablishP2P(epoch=2, ring=[1, 2], next_id=2, next_addr=addr(2))),
@@ -267,7 +270,10 @@ def test_second_peer_waits_for_a_vote_of_the_accepted_peer() -> None:
     ]
     assert st.accepted() == [1, 2] and st.pending() == []
     assert st.rings == {0: [1, 2]} and st.ring_epoch == 2
-    assert tell(st, 2, m.PendingQuery(req=8)) == [Send(2, m.PendingAnswer(req=8, pending=False))]
+    # A collective query: answered once every accepted peer asked, to all at once.
+    assert tell(st, 2, m.PendingQuery(req=8)) == []
+    assert tell(st, 1, m.PendingQuery(req=9)) == [Send(1, m.PendingAnswer(req=9, pending=False)),
+                                                  Send(2, m.PendingAnswer(req=8, pending=False))]
 
 
 def test_ring_follows_join_order() -> None:
@@ -564,7 +570,7 @@ def test_only_member_of_the_first_round_lost() -> None:
 
 
 def test_leave_disconnects_and_tells_the_rest() -> None:
-    st = run_with([0, 0, 0])
+    st = run_with([0, 0, 0], repair_rings=False)
     assert tell(st, 2, m.Leave()) == [
         Disconnect(2, TEXT),
         Send(1, world(2, [1, 3], 2, 2, 1, 2)),
@@ -578,7 +584,7 @@ def test_leave_disconnects_and_tells_the_rest() -> None:
 
 
 def test_leave_with_groups_updates_each_view() -> None:
-    st = run_with([0, 1, 0])
+    st = run_with([0, 1, 0], repair_rings=False)
     assert tell(st, 3, m.Leave()) == [
         Disconnect(3, TEXT),
         Send(1, world(2, [1], 2, 1, 2, 1)),
@@ -670,7 +676,7 @@ def test_collective_from_a_registered_peer_is_refused() -> None:
 
 
 def test_failed_collective_aborts_the_rest_and_marks_the_rings_stale() -> None:
-    st = performed3()
+    st = performed3(repair_rings=False)
     assert tell(st, 2, done(0, 1, ok=False, kind="PeerConnectionError", message="link reset")) == [
         Send(1, m.CollectiveAbort(tag=0, op_id=1, message=TEXT)),  # type: ignore[arg-type]
         Send(3, m.CollectiveAbort(tag=0, op_id=1, message=TEXT)),  # type: ignore[arg-type]
@@ -688,7 +694,7 @@ def test_failed_collective_aborts_the_rest_and_marks_the_rings_stale() -> None:
 
 
 def test_failed_collective_breaks_only_its_group_until_the_next_round() -> None:
-    st = run_with([0, 1, 0, 1])
+    st = run_with([0, 1, 0, 1], repair_rings=False)
     tell(st, 1, coll_init(0))
     tell(st, 3, coll_init(0))  # op 1 on group 0
     tell(st, 1, done(0, 1, ok=False, kind="PeerConnectionError", message="reset"))
@@ -716,7 +722,7 @@ def test_failed_collective_breaks_only_its_group_until_the_next_round() -> None:
 
 
 def test_failure_without_a_kind_counts_as_a_connection_error() -> None:
-    st = performed3()
+    st = performed3(repair_rings=False)
     tell(st, 1, done(0, 1, ok=False))
     tell(st, 2, done(0, 1, ok=False))
     assert tell(st, 3, done(0, 1, ok=False)) == [
@@ -725,7 +731,7 @@ def test_failure_without_a_kind_counts_as_a_connection_error() -> None:
 
 
 def test_failure_after_others_finished_aborts_only_the_unreported() -> None:
-    st = performed3()
+    st = performed3(repair_rings=False)
     assert tell(st, 1, done(0, 1)) == []
     assert tell(st, 3, done(0, 1, ok=False, kind="PeerConnectionError", message="x")) == [
         Send(2, m.CollectiveAbort(tag=0, op_id=1, message=TEXT))]  # type: ignore[arg-type]
@@ -738,7 +744,7 @@ def test_failure_after_others_finished_aborts_only_the_unreported() -> None:
 def test_withdrawal_after_reporting_success_fails_the_collective_for_all() -> None:
     """A caller cancelled after its peer reported success: the others must not apply
     what it drops. Once the outcome went out, a withdrawal is stale."""
-    st = performed3()
+    st = performed3(repair_rings=False)
     tell(st, 1, done(0, 1))
     cancelled = done(0, 1, ok=False, kind="CollectiveAbortedError",
                      message="cancelled by the caller")
@@ -756,7 +762,7 @@ def test_withdrawal_after_reporting_success_fails_the_collective_for_all() -> No
 
 
 def test_peer_lost_mid_collective_aborts_and_fails_it_for_the_rest() -> None:
-    st = performed3()
+    st = performed3(repair_rings=False)
     assert tell(st, 1, done(0, 1)) == []
     assert lose(st, 2) == [
         Disconnect(2, TEXT),
@@ -770,7 +776,7 @@ def test_peer_lost_mid_collective_aborts_and_fails_it_for_the_rest() -> None:
 
 
 def test_peer_lost_after_everyone_else_reported_finishes_the_collective() -> None:
-    st = performed3()
+    st = performed3(repair_rings=False)
     tell(st, 1, done(0, 1))
     tell(st, 3, done(0, 1))
     assert lose(st, 2) == [
@@ -783,7 +789,7 @@ def test_peer_lost_after_everyone_else_reported_finishes_the_collective() -> Non
 
 
 def test_peer_lost_before_the_collective_ran_fails_it_for_the_askers() -> None:
-    st = run_with([0, 0, 0])
+    st = run_with([0, 0, 0], repair_rings=False)
     tell(st, 1, coll_init(0))
     tell(st, 2, coll_init(0))
     assert lose(st, 3) == [
@@ -797,7 +803,7 @@ def test_peer_lost_before_the_collective_ran_fails_it_for_the_askers() -> None:
 
 
 def test_asker_lost_before_the_collective_ran_fails_it_for_the_other_askers() -> None:
-    st = run_with([0, 0, 0])
+    st = run_with([0, 0, 0], repair_rings=False)
     tell(st, 1, coll_init(0))
     tell(st, 3, coll_init(0))
     cmds = tell(st, 3, m.Leave())
@@ -864,7 +870,7 @@ def test_withdrawal_by_a_peer_that_never_asked_is_ignored() -> None:
 
 
 def test_withdrawal_after_perform_counts_as_that_peer_failing() -> None:
-    st = performed3()
+    st = performed3(repair_rings=False)
     assert tell(st, 1, done(0, -1, ok=False, kind="CollectiveAbortedError",
                             message="cancelled")) == [
         Send(2, m.CollectiveAbort(tag=0, op_id=1, message=TEXT)),  # type: ignore[arg-type]
@@ -1052,12 +1058,15 @@ SCRIPT: list[Event] = [
 ]
 
 
-def test_same_events_give_the_same_commands() -> None:
-    a, b = MasterState(), MasterState()
+@pytest.mark.parametrize("repair_rings", [False, True])
+def test_same_events_give_the_same_commands(repair_rings: bool) -> None:
+    a, b = MasterState(repair_rings=repair_rings), MasterState(repair_rings=repair_rings)
     out_a = [a.handle(e) for e in SCRIPT]
     out_b = [b.handle(e) for e in SCRIPT]
     assert out_a == out_b
     assert vars(a) == vars(b)
+    if repair_rings:
+        return  # the script's epochs are written for explicit update_topology() rounds
     assert a.accepted() == [1, 3, 6] and a.phase is Phase.IDLE
     # The script does exercise the interesting paths.
     flat = [c for cmds in out_a for c in cmds]
@@ -1084,7 +1093,7 @@ def test_joiner_is_admitted_after_every_member_of_the_round_was_unreachable() ->
 
 
 def test_ring_forgets_an_accepted_peer_dropped_as_unreachable() -> None:
-    st = run_with([0, 0, 0], max_establish_attempts=1)
+    st = run_with([0, 0, 0], max_establish_attempts=1, repair_rings=False)
     join(st, 4)
     for p in (1, 2, 3):
         vote(st, p)
@@ -1120,7 +1129,7 @@ def test_collective_fails_when_a_participant_is_dropped_as_unreachable() -> None
 
 
 def test_collective_on_a_ring_that_lost_a_peer_is_refused_until_the_next_vote() -> None:
-    st = run_with([0, 0, 0])
+    st = run_with([0, 0, 0], repair_rings=False)
     lose(st, 3)
     assert st.rings_stale
     # Refused at once, each caller on its own: waiting for the rest could wait forever.
@@ -1164,6 +1173,7 @@ class _Peer:
     group: int
     accepted: bool = False
     voting: bool = False
+    asking: int = 0  # request id of its collective are_peers_pending() (0: none)
     unanswered: dict[int, int] = dataclasses.field(default_factory=dict)  # epoch -> next_id
     calls: dict[int, _Call] = dataclasses.field(default_factory=dict)  # tag -> call
     world: m.WorldInfo | None = None
@@ -1183,11 +1193,12 @@ class MasterPopulation(RuleBasedStateMachine):
     events checks determinism along the way."""
 
     MAX_PEERS = 7
+    REPAIR = False  # the subclass below plays the same rules with ring repair on
 
     def __init__(self) -> None:
         super().__init__()
-        self.st = MasterState()
-        self.twin = MasterState()
+        self.st = MasterState(repair_rings=self.REPAIR)
+        self.twin = MasterState(repair_rings=self.REPAIR)
         self.model: dict[int, _Peer] = {}
         self.next_pid = 1
         self.next_req = 1
@@ -1216,6 +1227,10 @@ class MasterPopulation(RuleBasedStateMachine):
                 assert cmd.peer_id in after, f"{cmd} targets a peer the master does not know"
                 self.deliver(self.model[cmd.peer_id], cmd.msg)
         assert set(self.model) == after, "a peer vanished without a Disconnect"
+        # A collective are_peers_pending() answers everyone at once, with one value.
+        answers = {c.msg.pending for c in cmds
+                   if isinstance(c, Send) and isinstance(c.msg, m.PendingAnswer)}
+        assert len(answers) <= 1, cmds
         self.mismatch_possible = False
         self.protocol_error_expected = False
         return cmds
@@ -1238,7 +1253,8 @@ class MasterPopulation(RuleBasedStateMachine):
         elif isinstance(msg, m.WorldInfo):
             assert st.peers[peer.pid].status is PeerStatus.ACCEPTED
             sizes = st.group_sizes()
-            assert msg.epoch == st.epoch
+            # With repairs, the same event may also have started the next round.
+            assert msg.epoch == st.epoch or self.REPAIR and msg.epoch < st.epoch
             # Exactly the group's accepted peers, in join order (the ring as built, minus
             # those gone since: nobody joins a ring without a round).
             group_now = [q for q in st.accepted() if st.peers[q].peer_group == peer.group]
@@ -1251,9 +1267,12 @@ class MasterPopulation(RuleBasedStateMachine):
             peer.world = msg
         elif isinstance(msg, m.TopologyUpdated):
             assert st.peers[peer.pid].status is PeerStatus.ACCEPTED
-            assert msg.epoch == st.ring_epoch == st.epoch
+            assert msg.epoch == st.ring_epochs[peer.group]
+            assert msg.epoch == st.epoch or self.REPAIR and msg.epoch < st.epoch
             assert msg.epoch not in peer.unanswered, "round ended before this peer reported"
-            if peer.accepted:
+            if msg.repair:
+                assert self.REPAIR and peer.accepted
+            elif peer.accepted:
                 assert peer.voting, "TopologyUpdated for a vote never cast"
                 peer.voting = False
             else:
@@ -1263,7 +1282,10 @@ class MasterPopulation(RuleBasedStateMachine):
             assert peer.voting, "TopologyUpdateFailed for a vote never cast"
             peer.voting = False
         elif isinstance(msg, m.PendingAnswer):
-            pass  # checked by the rule that asked
+            assert peer.asking == msg.req and msg.ok, msg
+            peer.asking = 0
+            assert msg.count == len(st.pending())
+            assert msg.pending == (msg.count > 0 or bool(st.votes))
         elif isinstance(msg, m.ErrorReply):
             assert self.protocol_error_expected and msg.kind == "ProtocolError", (
                 f"a well-behaved peer was refused: {msg}")
@@ -1275,7 +1297,7 @@ class MasterPopulation(RuleBasedStateMachine):
             key = (peer.group, msg.tag)
             assert self.op_keys.setdefault(msg.op_id, key) == key, "op id handed out twice"
             ring = st.rings[peer.group]
-            assert msg.epoch == st.ring_epoch
+            assert msg.epoch == st.ring_epochs[peer.group]
             assert msg.world == len(ring) and ring[msg.rank] == peer.pid
             call.stage, call.op_id = "running", msg.op_id
         elif isinstance(msg, m.CollectiveAbort):
@@ -1301,7 +1323,7 @@ class MasterPopulation(RuleBasedStateMachine):
 
     def voters(self) -> list[int]:
         return sorted(p.pid for p in self.model.values()
-                      if p.accepted and not p.voting and not p.calls)
+                      if p.accepted and not p.voting and not p.calls and not p.asking)
 
     def callers(self) -> list[tuple[int, int]]:
         return sorted((p.pid, tag) for p in self.model.values() if p.accepted and not p.voting
@@ -1330,8 +1352,8 @@ class MasterPopulation(RuleBasedStateMachine):
         """Most runs start from an established population, so the rules below spend
         their steps on the interesting parts rather than on getting there."""
         assert not self.st.peers
-        self.st = MasterState(max_establish_attempts=attempts)
-        self.twin = MasterState(max_establish_attempts=attempts)
+        self.st = MasterState(max_establish_attempts=attempts, repair_rings=self.REPAIR)
+        self.twin = MasterState(max_establish_attempts=attempts, repair_rings=self.REPAIR)
         for g in groups:
             self.register(g)
         self.settle()
@@ -1447,12 +1469,15 @@ class MasterPopulation(RuleBasedStateMachine):
     @precondition(lambda self: any(p.accepted for p in self.model.values()))
     @rule(pick=PICK)
     def ask_pending(self, pick: int) -> None:
-        pid = _pick(sorted(p.pid for p in self.model.values() if p.accepted), pick)
+        askers = sorted(p.pid for p in self.model.values()
+                        if p.accepted and not p.voting and not p.asking)
+        if not askers:
+            return
+        pid = _pick(askers, pick)
         req = self.next_req
         self.next_req += 1
-        expected = bool(self.st.pending())
-        assert self.feed(Received(pid, m.PendingQuery(req=req))) == [
-            Send(pid, m.PendingAnswer(req=req, pending=expected))]
+        self.model[pid].asking = req
+        self.feed(Received(pid, m.PendingQuery(req=req)))
 
     @precondition(lambda self: self.model)
     @rule(pick=PICK, pong=hs.booleans())
@@ -1485,10 +1510,13 @@ class MasterPopulation(RuleBasedStateMachine):
             assert not st.votes
         assert st.votes <= set(st.accepted())
         assert st.votes == {p.pid for p in self.model.values() if p.voting}
+        assert {p: r for p, r in st.pending_votes.items()} == {
+            p.pid: p.asking for p in self.model.values() if p.asking}
         if st.round is not None:
             assert st.round.epoch == st.epoch
             assert set(st.round.members) <= set(st.peers)
-            assert set(st.accepted()) <= set(st.round.members)
+            if not st.round.repair:
+                assert set(st.accepted()) <= set(st.round.members)
             assert st.round.reported <= set(st.round.members)
 
     @invariant()
@@ -1545,6 +1573,10 @@ class MasterPopulation(RuleBasedStateMachine):
                 self.finish_collective(0, True)
             elif self.unanswered():
                 self.report_p2p(0, False)
+            elif any(p.asking for p in self.model.values()) and any(
+                    p.accepted and not p.asking and not p.voting for p in self.model.values()):
+                # Everyone else asks too, as a training loop's are_peers_pending() does.
+                self.ask_pending(0)
             elif (st.pending() or st.rings_stale or st.phase is Phase.VOTE_ACCEPT_NEW_PEERS) \
                     and st.phase is not Phase.ESTABLISH_P2P and self.voters():
                 self.vote(0)
@@ -1572,13 +1604,24 @@ class MasterPopulation(RuleBasedStateMachine):
         assert st.rings == by_group
         sizes = st.group_sizes()
         for p in self.model.values():
-            assert p.world == world(st.epoch, by_group[p.group], len(st.peers), sizes[p.group],
+            # A repair tells only the repaired groups (with the epoch of its round).
+            epoch = p.world.epoch if self.REPAIR and p.world is not None else st.epoch
+            assert p.world == world(epoch, by_group[p.group], len(st.peers), sizes[p.group],
                                     len(sizes), max(sizes.values()))
 
 
 TestMasterPopulation = MasterPopulation.TestCase
 TestMasterPopulation.settings = settings(max_examples=150, stateful_step_count=40,
                                          deadline=None)
+
+
+class RepairingPopulation(MasterPopulation):
+    REPAIR = True
+
+
+TestRepairingPopulation = RepairingPopulation.TestCase
+TestRepairingPopulation.settings = settings(max_examples=150, stateful_step_count=40,
+                                            deadline=None)
 
 
 # --- shared-state sync ----------------------------------------------------------------
@@ -1686,3 +1729,208 @@ def test_withdrawal_after_the_outcome_is_stale() -> None:
     # Its success outcome is already on the way: the peer commits it.
     assert not tell(st, 3, m.SyncWithdraw())
     assert st.last_revision[3] == 1
+
+
+# --- liveness (issue 16): collective are_peers_pending(), ring repair, deadlines, joiners --
+
+
+def sends(cmds: list[Command], kind: type[m.Message]) -> list[tuple[int, m.Message]]:
+    return [(c.peer_id, c.msg) for c in cmds if isinstance(c, Send) and isinstance(c.msg, kind)]
+
+
+def test_are_peers_pending_is_answered_to_every_asker_at_once_with_one_value() -> None:
+    """Regression for issue 16, item 1: B asked before C knocked, A after; with a per-peer
+    answer B heard False and A True, and they branched apart for good."""
+    st = run_with([0, 0])
+    assert tell(st, 2, m.PendingQuery(req=5)) == []  # B asks first: it waits for A
+    join(st, 3)  # C knocks meanwhile
+    assert tell(st, 1, m.PendingQuery(req=9)) == [
+        Send(1, m.PendingAnswer(req=9, pending=True, count=1)),
+        Send(2, m.PendingAnswer(req=5, pending=True, count=1))]
+    # Both now take the same branch: update_topology() admits C.
+    vote(st, 1)
+    vote(st, 2)
+    report_all(st)
+    assert st.accepted() == [1, 2, 3]
+
+
+def test_pending_hint_is_answered_at_once_and_a_lost_peer_completes_the_question() -> None:
+    st = run_with([0, 0, 0])
+    assert tell(st, 1, m.PendingQuery(req=1, collective=False)) == [
+        Send(1, m.PendingAnswer(req=1, pending=False, count=0))]
+    assert tell(st, 1, m.PendingQuery(req=2)) == []
+    assert tell(st, 2, m.PendingQuery(req=3)) == []
+    out = lose(st, 3)  # the one that never asked dies: the others hear at once
+    assert sends(out, m.PendingAnswer) == [(1, m.PendingAnswer(req=2, pending=False)),
+                                          (2, m.PendingAnswer(req=3, pending=False))]
+
+
+def test_askers_hear_true_while_others_vote_for_a_topology_update() -> None:
+    st = run_with([0, 0, 0])
+    join(st, 4)
+    assert tell(st, 1, m.PendingQuery(req=1)) == []
+    assert vote(st, 2) == []  # B already decided to update: A must not wait for B's question
+    out = tell(st, 3, m.PendingQuery(req=2))
+    assert sends(out, m.PendingAnswer) == [(1, m.PendingAnswer(req=1, pending=True, count=1)),
+                                          (3, m.PendingAnswer(req=2, pending=True, count=1))]
+    vote(st, 1)
+    assert sends(vote(st, 3), m.EstablishP2P)  # everybody voted: the round starts
+
+
+def test_a_lost_peer_is_dropped_from_the_ring_without_a_vote() -> None:
+    """Regression for issue 16, item 2: survivors relaunch a failed reduce without calling
+    update_topology(); the master rebuilds the ring and runs the relaunch on it."""
+    st = performed3()
+    out = lose(st, 3)
+    # The running collective fails for the survivors...
+    assert sends(out, m.CollectiveAbort) == [(1, m.CollectiveAbort(tag=0, op_id=1, message=TEXT)),
+                                            (2, m.CollectiveAbort(tag=0, op_id=1, message=TEXT))]
+    assert not sends(out, m.EstablishP2P)  # ...and the ring is not touched while it runs
+    tell(st, 1, done(0, 1, ok=False, kind="PeerConnectionError", message="x"))
+    out = tell(st, 2, done(0, 1, ok=False, kind="PeerConnectionError", message="x"))
+    assert [p for p, msg in sends(out, m.CollectiveOutcome)] == [1, 2]
+    # Once nothing runs on the ring, the master rebuilds it from the survivors.
+    assert sends(out, m.EstablishP2P) == [
+        (1, m.EstablishP2P(epoch=3, ring=[1, 2], next_id=2, next_addr=addr(2))),
+        (2, m.EstablishP2P(epoch=3, ring=[1, 2], next_id=1, next_addr=addr(1)))]
+    assert st.round is not None and st.round.repair
+    # A relaunch called while the repair runs waits for it, then runs on the new ring.
+    assert tell(st, 1, coll_init(0)) == []
+    assert tell(st, 2, coll_init(0)) == []
+    report(st, 1, 3)
+    out = report(st, 2, 3)
+    assert sends(out, m.TopologyUpdated) == [(1, m.TopologyUpdated(epoch=3, repair=True)),
+                                            (2, m.TopologyUpdated(epoch=3, repair=True))]
+    assert sends(out, m.CollectivePerform) == [
+        (1, m.CollectivePerform(tag=0, op_id=2, epoch=3, rank=0, world=2)),
+        (2, m.CollectivePerform(tag=0, op_id=2, epoch=3, rank=1, world=2))]
+    assert st.accepted() == [1, 2] and st.rings == {0: [1, 2]}
+
+
+def test_a_collective_waiting_for_a_peer_that_dies_runs_without_it() -> None:
+    st = run_with([0, 0, 0])
+    tell(st, 1, coll_init(4))
+    tell(st, 2, coll_init(4))
+    out = lose(st, 3)
+    assert not sends(out, m.CollectiveOutcome)  # not failed: held for the repair
+    out = report_all(st)
+    assert [p for p, _ in sends(out, m.CollectivePerform)] == [1, 2]
+    assert st.collectives[(0, 4)].op_id == 1 and st.collectives[(0, 4)].participants == [1, 2]
+
+
+def test_votes_cast_during_a_repair_are_counted_when_it_ends() -> None:
+    st = run_with([0, 0, 0])
+    join(st, 4)
+    lose(st, 3)
+    assert st.round is not None and st.round.repair
+    assert vote(st, 1) == []
+    assert vote(st, 2) == []
+    out = report_all(st)  # the repair ends; the vote is complete: a full round admits 4
+    assert sends(out, m.TopologyUpdated) == [(1, m.TopologyUpdated(epoch=3, repair=True)),
+                                            (2, m.TopologyUpdated(epoch=3, repair=True))]
+    assert [p for p, _ in sends(out, m.EstablishP2P)] == [1, 2, 4]
+    out = report_all(st)
+    assert [p for p, _ in sends(out, m.TopologyUpdated)] == [1, 2, 4]
+    assert st.accepted() == [1, 2, 4] and not st.votes
+
+
+def test_failed_repair_fails_what_waited_and_later_calls_fast() -> None:
+    st = run_with([0, 0, 0, 0], max_establish_attempts=1)
+    lose(st, 4)
+    tell(st, 1, coll_init(0))
+    tell(st, 2, coll_init(0))
+    tell(st, 3, coll_init(0))
+    out = report(st, 1, 3, failed=[2]) + report(st, 2, 3) + report(st, 3, 3)
+    assert sorted((p, msg.kind) for p, msg in sends(out, m.CollectiveOutcome)) == [
+        (1, "PeerConnectionError"), (3, "PeerConnectionError")]
+    assert st.repair_failed == {0} and st.round is None
+    assert sends(tell(st, 1, coll_init(1)), m.CollectiveOutcome)[0][1].kind == \
+        "PeerConnectionError"  # fails fast until update_topology() succeeds
+    vote(st, 1)
+    vote(st, 3)
+    report_all(st)
+    assert st.repair_failed == set() and st.rings == {0: [1, 3]}
+
+
+def test_collective_deadline_calls_it_off_for_everyone_who_joined() -> None:
+    """A live peer that never calls the collective must not hang the others."""
+    st = run_with([0, 0, 0])
+    out = tell(st, 1, m.CollectiveInit(tag=2, kind="all_reduce", dtype=1, count=4, op=0,
+                                       quant_algorithm=0, quant_dtype=0, timeout=30.0))
+    [arm] = [c for c in out if isinstance(c, ArmDeadline)]
+    assert arm.seconds == 30.0 and arm.deadline_id in st.deadlines
+    tell(st, 2, coll_init(2))
+    out = st.handle(DeadlineExpired(arm.deadline_id))
+    assert [(p, msg.kind) for p, msg in sends(out, m.CollectiveOutcome)] == [
+        (1, "OperationTimeoutError"), (2, "OperationTimeoutError")]
+    assert "[3]" in sends(out, m.CollectiveOutcome)[0][1].message  # names the late peer
+    assert st.collectives == {} and st.deadlines == {}
+    # A retry works: everybody calls it this time.
+    for p in (1, 2):
+        tell(st, p, coll_init(2))
+    assert len(sends(tell(st, 3, coll_init(2)), m.CollectivePerform)) == 3
+
+
+def test_deadline_of_a_collective_that_ran_is_dropped() -> None:
+    st = run_with([0, 0])
+    out = tell(st, 1, dataclasses.replace(coll_init(0), timeout=5.0))
+    [arm] = [c for c in out if isinstance(c, ArmDeadline)]
+    tell(st, 2, coll_init(0))
+    assert arm.deadline_id not in st.deadlines
+    assert st.handle(DeadlineExpired(arm.deadline_id)) == []  # stale: nothing happens
+
+
+@pytest.mark.parametrize("what", ["sync", "vote", "pending", "optimize"])
+def test_every_wait_for_other_peers_has_a_deadline(what: str) -> None:
+    st = run_with([0, 0, 0])
+    msg: m.Message = {
+        "sync": dataclasses.replace(sync_init(1, b"h"), timeout=9.0),
+        "vote": m.UpdateTopology(timeout=9.0),
+        "pending": m.PendingQuery(req=1, timeout=9.0),
+        "optimize": m.OptimizeTopology(timeout=9.0),
+    }[what]
+    out = tell(st, 1, msg) + tell(st, 2, msg if what != "pending" else
+                                  m.PendingQuery(req=2, timeout=9.0))
+    [arm] = [c for c in out if isinstance(c, ArmDeadline)]
+    out = st.handle(DeadlineExpired(arm.deadline_id))
+    told = {c.peer_id: c.msg for c in out if isinstance(c, Send)}
+    assert sorted(told) == [1, 2]
+    for reply in told.values():
+        if isinstance(reply, m.OptimizeFailed):
+            assert "[3]" in reply.message
+        else:
+            assert reply.kind == "OperationTimeoutError", reply  # type: ignore[attr-defined]
+            assert "[3]" in reply.message  # type: ignore[attr-defined]
+    assert st.phase is Phase.IDLE and not st.votes and not st.pending_votes
+    assert not st.syncs and not st.opt_votes
+
+
+def test_fresh_joiners_do_not_outvote_a_peer_that_synced() -> None:
+    """Regression for issue 16, item 4: A trained alone to revision 20; B and C join with
+    their step-0 state and all sync with ENFORCE_POPULAR. A must not be rolled back."""
+    st = run_with([0])
+    for rev in range(1, 21):
+        tell(st, 1, sync_init(rev, b"a%d" % rev))
+        tell(st, 1, m.SyncDone(ok=True, kind="", message=""))
+    assert st.last_revision == {1: 20}
+    for p in (2, 3):
+        join(st, p)
+    vote(st, 1)
+    report_all(st)
+    tell(st, 1, sync_init(21, b"a21"))
+    tell(st, 2, sync_init(0, b"fresh"))
+    out = tell(st, 3, sync_init(0, b"fresh"))
+    plans = dict(sends(out, m.SyncPlan))
+    assert plans[1].fetch_keys == [] and plans[1].revision == 21  # type: ignore[attr-defined]
+    for p in (2, 3):
+        assert plans[p].fetch_keys == ["w"]  # type: ignore[attr-defined]
+        assert plans[p].fetch_hashes == [b"a21"]  # type: ignore[attr-defined]
+        assert plans[p].fetch_sources == [[1]]  # type: ignore[attr-defined]
+
+
+def test_cold_start_keeps_the_popularity_rule() -> None:
+    st = run_with([0, 0, 0])
+    tell(st, 1, sync_init(0, b"x"))
+    tell(st, 2, sync_init(0, b"y"))
+    plans = dict(sends(tell(st, 3, sync_init(0, b"y")), m.SyncPlan))
+    assert plans[1].fetch_hashes == [b"y"]  # type: ignore[attr-defined]

@@ -69,6 +69,7 @@ class MasterNode:
         max_establish_attempts: int = 3,
         recovery_grace: float = 5.0,
         establish_timeout: float = 60.0,
+        repair_rings: bool = True,
     ) -> None:
         if heartbeat_timeout <= heartbeat_interval:
             raise ValueError("heartbeat_timeout must exceed heartbeat_interval")
@@ -86,7 +87,12 @@ class MasterNode:
         self.establish_timeout = establish_timeout
         self._timed_epoch = -1
         self._round_timer_task: asyncio.Task[Any] | None = None
-        self.state = st.MasterState(max_establish_attempts=max_establish_attempts)
+        # True (PCCL's behaviour): a ring that lost a peer is rebuilt by the master on its
+        # own and collectives called meanwhile run on the new ring; False: they fail until
+        # the peers call update_topology().
+        self.state = st.MasterState(max_establish_attempts=max_establish_attempts,
+                                    repair_rings=repair_rings)
+        self._deadlines: dict[int, asyncio.TimerHandle] = {}
         self._server: asyncio.Server | None = None
         self._conns: dict[int, FramedConnection] = {}
         self._handlers: set[asyncio.Task[None]] = set()
@@ -130,6 +136,9 @@ class MasterNode:
             self._heartbeat.cancel()
         for conn in list(self._conns.values()):
             conn.abort()
+        for handle in self._deadlines.values():
+            handle.cancel()
+        self._deadlines.clear()
         for task in list(self._handlers):
             task.cancel()
         await asyncio.gather(*self._handlers, return_exceptions=True)
@@ -298,12 +307,18 @@ class MasterNode:
                 self._own(self._solve(cmd), "pccl-master-solve")
             elif isinstance(cmd, st.ArmRecoveryTimer):
                 self._own(self._recovery_timer(cmd.recovery_id), "pccl-master-recovery")
+            elif isinstance(cmd, st.ArmDeadline):
+                self._deadlines[cmd.deadline_id] = asyncio.get_running_loop().call_later(
+                    cmd.seconds, self._deadline_expired, cmd.deadline_id)
             else:
                 conn = self._conns.pop(cmd.peer_id, None)
                 if conn is not None:
                     log.info("peer %d disconnected: %s", cmd.peer_id, cmd.reason)
                     # close() flushes what is queued (e.g. a final error) before closing.
                     conn.writer.close()
+        # Operations that ended took their deadlines with them: drop those timers.
+        for did in [d for d in self._deadlines if d not in self.state.deadlines]:
+            self._deadlines.pop(did).cancel()
         rnd = self.state.round
         if rnd is None or rnd.epoch != self._timed_epoch:
             if self._round_timer_task is not None:
@@ -314,6 +329,12 @@ class MasterNode:
                 self._round_timer_task = self._own(self._round_timer(rnd.epoch),
                                                    "pccl-master-round-timer")
         self._changed.set()
+
+    def _deadline_expired(self, deadline_id: int) -> None:
+        if self._deadlines.pop(deadline_id, None) is not None and self._server is not None:
+            log.warning("deadline %d expired: %s", deadline_id,
+                        self.state.deadlines.get(deadline_id))
+            self._feed(st.DeadlineExpired(deadline_id))
 
     def _own(self, coro: Any, name: str) -> asyncio.Task[Any]:
         task = asyncio.create_task(coro, name=name)

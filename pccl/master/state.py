@@ -111,6 +111,13 @@ class BetterRing:
 
 
 @dataclasses.dataclass(frozen=True)
+class DeadlineExpired:
+    """The deadline armed by :class:`ArmDeadline` with this id passed."""
+
+    deadline_id: int
+
+
+@dataclasses.dataclass(frozen=True)
 class RoundTimeout:
     """The round of ``epoch`` has been establishing p2p links for too long (the server
     times every round). Members that have not reported by now count as unreachable: a
@@ -120,7 +127,7 @@ class RoundTimeout:
 
 
 Event = (PeerRegistered | PeerLost | Received | Solved | BetterRing | RecoveryTimeout
-         | RoundTimeout)
+         | RoundTimeout | DeadlineExpired)
 
 
 # --- commands -----------------------------------------------------------------------
@@ -159,7 +166,19 @@ class ArmRecoveryTimer:
     recovery_id: int
 
 
-Command = Send | Disconnect | Solve | ArmRecoveryTimer
+@dataclasses.dataclass(frozen=True)
+class ArmDeadline:
+    """Feed :class:`DeadlineExpired` with this id after ``seconds``, unless the id has
+    left :attr:`MasterState.deadlines` by then (the operation ended: drop the timer)."""
+
+    deadline_id: int
+    seconds: float
+
+
+Command = Send | Disconnect | Solve | ArmRecoveryTimer | ArmDeadline
+
+# Longest deadline a peer may ask for (a garbage value must not overflow a timer).
+MAX_DEADLINE = 7 * 24 * 3600.0
 
 
 @dataclasses.dataclass
@@ -178,6 +197,10 @@ class Round:
     members: list[int]
     reported: set[int] = dataclasses.field(default_factory=set)
     unreachable: set[int] = dataclasses.field(default_factory=set)
+    # A repair: the master rebuilds the rings of groups that lost a peer or whose links
+    # failed, on its own (no votes, nobody admitted); only those groups take part.
+    repair: bool = False
+    groups: set[int] = dataclasses.field(default_factory=set)
 
 
 @dataclasses.dataclass
@@ -191,6 +214,7 @@ class Collective:
     participants: list[int] = dataclasses.field(default_factory=list)
     reported: set[int] = dataclasses.field(default_factory=set)
     error: tuple[str, str] | None = None  # (error class name, message)
+    deadline: int = 0  # id of the deadline on the wait for every member's init
 
 
 def _describe(init: m.CollectiveInit) -> tuple[object, ...]:
@@ -212,13 +236,17 @@ class Sync:
     participants: list[int] = dataclasses.field(default_factory=list)
     reported: set[int] = dataclasses.field(default_factory=set)
     error: tuple[str, str] | None = None
+    deadline: int = 0  # id of the deadline on the wait for every member's init
 
 
 class MasterState:
     """The master's whole state. Feed it events with :meth:`handle`."""
 
-    def __init__(self, *, max_establish_attempts: int = 3) -> None:
+    def __init__(self, *, max_establish_attempts: int = 3, repair_rings: bool = True) -> None:
         self.max_establish_attempts = max_establish_attempts
+        # False: a ring that lost a peer stays broken until update_topology() (collectives
+        # there fail at once); True: the master rebuilds it on its own (see _maybe_repair).
+        self.repair_rings = repair_rings
         self.peers: dict[int, PeerRecord] = {}  # insertion order is join order
         self.phase = Phase.IDLE
         self.votes: set[int] = set()
@@ -228,7 +256,19 @@ class MasterState:
         # True when the accepted set changed (a peer left) since the rings were built.
         self.rings_stale = False
         self.rings: dict[int, list[int]] = {}
-        self.ring_epoch = 0
+        self.ring_epochs: dict[int, int] = {}  # per group: the epoch its ring was built in
+        # Collective are_peers_pending(): voter -> request id, answered all at once.
+        self.pending_votes: dict[int, int] = {}
+        # Deadlines of waits for other peers: id -> what waits ("collective", group, tag),
+        # ("sync", group), ("vote",), ("optimize",), ("pending",). See ArmDeadline.
+        self.deadlines: dict[int, tuple[object, ...]] = {}
+        self.next_deadline = 1
+        self.vote_deadline = 0
+        self.opt_deadline = 0
+        self.pending_deadline = 0
+        # Groups whose repair round failed: no new repair until a voted round succeeds
+        # (collectives there fail fast meanwhile instead of waiting for a repair).
+        self.repair_failed: set[int] = set()
         self.collectives: dict[tuple[int, int], Collective] = {}
         # Groups whose ring links failed in a collective: unusable until the next round.
         self.broken_groups: set[int] = set()
@@ -258,6 +298,11 @@ class MasterState:
 
     def pending(self) -> list[int]:
         return [p for p, r in self.peers.items() if r.status is PeerStatus.REGISTERED]
+
+    @property
+    def ring_epoch(self) -> int:
+        """The newest epoch any group's ring was built in."""
+        return max(self.ring_epochs.values(), default=0)
 
     def group_sizes(self) -> dict[int, int]:
         sizes: dict[int, int] = {}
@@ -296,8 +341,11 @@ class MasterState:
             if event.recovery_id == self.recovery_id and self.recovery_awaiting:
                 self.recovery_awaiting.clear()
                 self._admit_if_nobody_accepted(out)
+        elif isinstance(event, DeadlineExpired):
+            self._on_deadline(event.deadline_id, out)
         else:  # pragma: no cover - the type union is closed
             raise TypeError(event)
+        self._maybe_repair(out)
         return out
 
     # --- transitions ----------------------------------------------------------------
@@ -330,17 +378,24 @@ class MasterState:
                 out.append(Send(peer, m.ErrorReply(
                     kind="InvalidUsageError",
                     message="update_topology() before this peer was accepted")))
-            elif self.phase in (Phase.ESTABLISH_P2P, Phase.OPTIMIZE_TOPOLOGY) or peer in self.votes:
+            elif peer in self.votes or self.phase is Phase.OPTIMIZE_TOPOLOGY or (
+                    self.phase is Phase.ESTABLISH_P2P and not self._repairing()):
                 out.append(Send(peer, m.ErrorReply(
                     kind="InvalidUsageError",
                     message="update_topology() is already in progress for this peer")))
             else:
+                if not self.votes:
+                    self.vote_deadline = self._arm(("vote",), msg.timeout, out)
                 self.votes.add(peer)
-                self.phase = Phase.VOTE_ACCEPT_NEW_PEERS
                 # Peers of this group that wait in a collective would wait forever for
                 # this voter, and it for them: call their collectives off.
                 self._call_off_waiting_ops(peer, rec.peer_group, "update_topology()", out)
+                if self.phase is Phase.ESTABLISH_P2P:
+                    self._maybe_answer_pending(out)
+                    return  # a repair is running: the vote is counted when it ends
+                self.phase = Phase.VOTE_ACCEPT_NEW_PEERS
                 self._maybe_finish_vote(out)
+                self._maybe_answer_pending(out)
         elif isinstance(msg, m.P2PReport):
             rnd = self.round
             if rnd is not None and msg.epoch == rnd.epoch and peer in rnd.members:
@@ -352,7 +407,7 @@ class MasterState:
         elif isinstance(msg, m.CollectiveDone):
             self._on_collective_done(peer, msg, out)
         elif isinstance(msg, m.OptimizeTopology):
-            self._on_optimize_vote(peer, rec, out)
+            self._on_optimize_vote(peer, rec, msg, out)
         elif isinstance(msg, m.ProbeReport):
             self._on_probe_report(peer, msg, out)
         elif isinstance(msg, m.SyncInit):
@@ -362,7 +417,7 @@ class MasterState:
         elif isinstance(msg, m.SyncWithdraw):
             self._on_sync_withdraw(peer, out)
         elif isinstance(msg, m.PendingQuery):
-            out.append(Send(peer, m.PendingAnswer(req=msg.req, pending=bool(self.pending()))))
+            self._on_pending_query(peer, rec, msg, out)
         elif isinstance(msg, m.Leave):
             self._remove(peer, out, reason="left gracefully")
         elif isinstance(msg, m.Pong):
@@ -371,11 +426,138 @@ class MasterState:
             out.append(Send(peer, m.ErrorReply(
                 kind="ProtocolError", message=f"unexpected message {msg.TYPE!r} at the master")))
 
+    # --- are_peers_pending() and deadlines -------------------------------------------
+
+    def _on_pending_query(self, peer: int, rec: PeerRecord, msg: m.PendingQuery,
+                          out: list[Command]) -> None:
+        if not msg.collective or rec.status is not PeerStatus.ACCEPTED:
+            n = len(self.pending())
+            out.append(Send(peer, m.PendingAnswer(req=msg.req, pending=n > 0, count=n)))
+            return
+        if peer in self.pending_votes:
+            out.append(Send(peer, m.PendingAnswer(
+                req=msg.req, pending=False, ok=False, kind="InvalidUsageError",
+                message="are_peers_pending() is already waiting on this peer")))
+            return
+        if not self.pending_votes:
+            self.pending_deadline = self._arm(("pending",), msg.timeout, out)
+        self.pending_votes[peer] = msg.req
+        self._maybe_answer_pending(out)
+
+    def _maybe_answer_pending(self, out: list[Command]) -> None:
+        """Answers the collective are_peers_pending() once every accepted peer asked, or
+        is in a topology vote itself: those would wait for the askers forever, so the
+        askers hear True ("call update_topology()") and join the vote."""
+        if not self.pending_votes:
+            return
+        busy = set(self.pending_votes) | self.votes | self.opt_votes
+        if not set(self.accepted()) <= busy:
+            return
+        n = len(self.pending())
+        pending = n > 0 or bool(self.votes)
+        voters, self.pending_votes = self.pending_votes, {}
+        self._disarm(self.pending_deadline)
+        for p, req in sorted(voters.items()):
+            out.append(Send(p, m.PendingAnswer(req=req, pending=pending, count=n)))
+
+    def _arm(self, what: tuple[object, ...], timeout: float, out: list[Command]) -> int:
+        """Starts the deadline of a wait for other peers (0 = none asked for)."""
+        if not 0.0 < timeout <= MAX_DEADLINE:  # also refuses NaN
+            return 0
+        did = self.next_deadline
+        self.next_deadline += 1
+        self.deadlines[did] = what
+        out.append(ArmDeadline(did, float(timeout)))
+        return did
+
+    def _disarm(self, did: int) -> None:
+        self.deadlines.pop(did, None)
+
+    def _missing(self, members: list[int], present: object) -> list[int]:
+        return [p for p in members if p not in present]  # type: ignore[operator]
+
+    def _on_deadline(self, did: int, out: list[Command]) -> None:
+        what = self.deadlines.pop(did, None)
+        if what is None:
+            return
+        advice = ("nothing was changed; retry (a peer that never makes the same call "
+                  "holds everyone up: check that every peer runs the same sequence of "
+                  "collective calls)")
+        if what[0] == "collective":
+            _, group, tag = what
+            col = self.collectives.get((group, tag))  # type: ignore[call-overload]
+            if col is not None and col.deadline == did and col.op_id < 0:
+                late = self._missing(self._members(col.group), col.inits)
+                self._fail_unperformed(col, "OperationTimeoutError", (
+                    f"collective tag {col.tag}: peers {late} did not join it in time; "
+                    f"{advice}"), out)
+        elif what[0] == "sync":
+            sync = self.syncs.get(what[1])  # type: ignore[call-overload]
+            if sync is not None and sync.deadline == did and not sync.planned:
+                late = self._missing(self._members(sync.group), sync.inits)
+                self._fail_sync(sync, "OperationTimeoutError", (
+                    f"sync_shared_state(): peers {late} did not join it in time; {advice}"),
+                    out)
+        elif what[0] == "vote":
+            if did == self.vote_deadline and self.votes and (
+                    self.phase is Phase.VOTE_ACCEPT_NEW_PEERS or self._repairing()):
+                late = self._missing(self.accepted(), self.votes)
+                voters = sorted(self.votes)
+                self.votes.clear()
+                if self.phase is Phase.VOTE_ACCEPT_NEW_PEERS:
+                    self.phase = Phase.IDLE
+                for p in voters:
+                    out.append(Send(p, m.TopologyUpdateFailed(
+                        kind="OperationTimeoutError",
+                        message=f"update_topology(): peers {late} did not vote in time; "
+                                f"{advice}")))
+        elif what[0] == "optimize":
+            if did == self.opt_deadline and self.opt_votes and not self.opt_probers \
+                    and not self.opt_solving:
+                late = self._missing(self.accepted(), self.opt_votes)
+                self._fail_optimize(f"optimize_topology(): peers {late} did not vote in "
+                                    f"time; {advice}", out)
+        elif what[0] == "pending" and did == self.pending_deadline:
+            late = self._missing(self.accepted(), self.pending_votes)
+            voters, self.pending_votes = self.pending_votes, {}
+            for p, req in sorted(voters.items()):
+                out.append(Send(p, m.PendingAnswer(
+                    req=req, pending=False, ok=False, kind="OperationTimeoutError",
+                    message=f"are_peers_pending(): peers {late} did not ask in time; "
+                            f"{advice}")))
+
+    # --- ring repair --------------------------------------------------------------------
+
+    def _repairing(self) -> bool:
+        return self.round is not None and self.round.repair
+
+    def _broken(self) -> list[int]:
+        """Groups whose ring cannot carry collectives until it is rebuilt."""
+        return sorted(g for g, ms in self._groups().items()
+                      if g not in self.repair_failed and self._ring_broken(g))
+
+    def _maybe_repair(self, out: list[Command]) -> None:
+        """PCCL drops a dead peer without anyone calling update_topology(): once no ring
+        operation runs in a group whose ring lost a peer (or whose links failed), and no
+        topology operation is under way, rebuild that group's ring from the peers left.
+        Collectives called meanwhile wait for it and then run on the new ring."""
+        if not self.repair_rings or self.phase is not Phase.IDLE or self.votes \
+                or self.opt_votes or self.recovery_awaiting:
+            return
+        running = {c.group for c in self.collectives.values() if c.op_id >= 0}
+        groups = [g for g in self._broken() if g not in running]
+        if not groups:
+            return
+        members = [p for p in self.accepted() if self.peers[p].peer_group in groups]
+        self.attempts = 0
+        self._start_round(members, out, repair=True)
+
     def _forget(self, peer: int, reason: str, out: list[Command]) -> PeerRecord:
         """Drops ``peer`` everywhere except the round/vote bookkeeping of the caller."""
         rec = self.peers.pop(peer)
         out.append(Disconnect(peer, reason))
         self.votes.discard(peer)
+        self.pending_votes.pop(peer, None)
         if rec.status is PeerStatus.ACCEPTED:
             # The links of its group's ring are broken until the next round. The ring
             # itself is kept as built: it describes the links peers actually hold.
@@ -395,12 +577,13 @@ class MasterState:
         if rnd is not None and peer in rnd.members:
             # The ring that was being built contains a dead peer: build it again.
             remaining = [p for p in rnd.members if p != peer]
-            self._start_round(remaining, out)
+            self._start_round(remaining, out, repair=rnd.repair)
         elif self.phase is Phase.VOTE_ACCEPT_NEW_PEERS:
             self._maybe_finish_vote(out)
         if rec.status is PeerStatus.ACCEPTED and self.phase is not Phase.ESTABLISH_P2P:
             self._broadcast_world(self.accepted(), out)
         self._admit_if_nobody_accepted(out)
+        self._maybe_answer_pending(out)
 
     def _admit_if_nobody_accepted(self, out: list[Command]) -> None:
         if self.recovery_awaiting:
@@ -417,6 +600,7 @@ class MasterState:
             return
         if not set(accepted) <= self.votes:
             return
+        self._disarm(self.vote_deadline)
         pending = self.pending()
         if not pending and not self.rings_stale:
             # Nothing changed: the rings in place are still right.
@@ -424,23 +608,28 @@ class MasterState:
             self.votes.clear()
             self.phase = Phase.IDLE
             for p in voters:
-                out.append(Send(p, m.TopologyUpdated(epoch=self.epoch)))
+                out.append(Send(p, m.TopologyUpdated(
+                    epoch=self.ring_epochs.get(self.peers[p].peer_group, self.epoch))))
             return
         self.attempts = 0
         self._start_round(accepted + pending, out)
 
-    def _start_round(self, members: list[int], out: list[Command]) -> None:
+    def _start_round(self, members: list[int], out: list[Command], *,
+                     repair: bool = False) -> None:
         if not members:
             self.round = None
             self.phase = Phase.IDLE
-            self.votes.clear()
+            if not repair:
+                self.votes.clear()
             # Peers that registered meanwhile have nobody left to vote them in.
             self._admit_if_nobody_accepted(out)
+            self._after_repair(out)
             return
         self.epoch += 1
         self.phase = Phase.ESTABLISH_P2P
         members = sorted(members)  # join order: peer ids are handed out increasingly
-        self.round = Round(self.epoch, members)
+        self.round = Round(self.epoch, members, repair=repair,
+                           groups={self.peers[p].peer_group for p in members})
         for ring in self._rings_of(members).values():
             for i, p in enumerate(ring):
                 nxt = ring[(i + 1) % len(ring)] if len(ring) > 1 else -1
@@ -474,10 +663,24 @@ class MasterState:
                 dropped_accepted |= rec.status is PeerStatus.ACCEPTED
             remaining = [p for p in rnd.members if p not in rnd.unreachable]
             if self.attempts < self.max_establish_attempts:
-                self._start_round(remaining, out)
+                self._start_round(remaining, out, repair=rnd.repair)
                 return
             self.round = None
             self.phase = Phase.IDLE
+            if rnd.repair:
+                # Stop repairing these groups until a voted round succeeds, and fail what
+                # waited for the repair instead of holding it.
+                self.repair_failed |= rnd.groups
+                if dropped_accepted:
+                    self._broadcast_world(self.accepted(), out)
+                for col in list(self.collectives.values()):
+                    if col.group in rnd.groups and col.op_id < 0:
+                        self._fail_unperformed(col, "PeerConnectionError", (
+                            f"the ring of peer group {col.group} could not be rebuilt after "
+                            f"a peer was lost ({self.attempts} attempts); call "
+                            "update_topology() and retry"), out)
+                self._after_repair(out)
+                return
             voters = sorted(self.votes)
             self.votes.clear()
             self.rings_stale = True
@@ -489,18 +692,47 @@ class MasterState:
                     message=f"p2p rings could not be formed after {self.attempts} attempts")))
             self._admit_if_nobody_accepted(out)
             return
+        if rnd.repair:
+            rings = self._rings_of(rnd.members)
+            for g in rnd.groups:
+                if g in rings:
+                    self.rings[g] = rings[g]
+                    self.ring_epochs[g] = rnd.epoch
+                else:
+                    self.rings.pop(g, None)
+                    self.ring_epochs.pop(g, None)
+                self.broken_groups.discard(g)
+            self.round = None
+            self.phase = Phase.IDLE
+            self._broadcast_world(rnd.members, out)
+            for p in rnd.members:
+                out.append(Send(p, m.TopologyUpdated(epoch=rnd.epoch, repair=True)))
+            self._after_repair(out)
+            return
         for p in rnd.members:
             self.peers[p].status = PeerStatus.ACCEPTED
         self.rings = self._rings_of(rnd.members)
-        self.ring_epoch = rnd.epoch
+        self.ring_epochs = dict.fromkeys(self.rings, rnd.epoch)
         self.rings_stale = False
         self.broken_groups.clear()
+        self.repair_failed.clear()
         self.round = None
         self.phase = Phase.IDLE
         self.votes.clear()
         self._broadcast_world(rnd.members, out)
         for p in rnd.members:
             out.append(Send(p, m.TopologyUpdated(epoch=rnd.epoch)))
+
+    def _after_repair(self, out: list[Command]) -> None:
+        """A repair ended: count the votes cast meanwhile, run what waited for it."""
+        if self.votes:
+            self.phase = Phase.VOTE_ACCEPT_NEW_PEERS
+            self._maybe_finish_vote(out)
+            self._maybe_answer_pending(out)
+            return
+        for col in list(self.collectives.values()):
+            if col.op_id < 0 and (col.group, col.tag) in self.collectives:
+                self._maybe_perform(col, out)
 
     def _broadcast_world(self, targets: list[int], out: list[Command]) -> None:
         sizes = self.group_sizes()
@@ -540,18 +772,19 @@ class MasterState:
             return
         if col is None:
             col = self.collectives[key] = Collective(rec.peer_group, msg.tag)
+            col.deadline = self._arm(("collective", col.group, col.tag), msg.timeout, out)
         col.inits[peer] = msg
-        if self._ring_broken(rec.peer_group):
-            # Fail fast: waiting for every member to arrive could wait forever.
-            self._fail_unperformed(col, "PeerConnectionError", (
-                f"the ring of peer group {col.group} is broken (a peer left or a link "
-                "failed since the last update_topology()); call update_topology() and retry"),
-                out)
-            return
         if any(p in self.votes or p in self.opt_votes for p in self._members(rec.peer_group)):
             self._fail_unperformed(col, "CollectiveAbortedError", (
                 "other peers of the group are in update_topology(); call update_topology() "
                 "and retry"), out)
+            return
+        if (rec.peer_group in self.repair_failed or not self.repair_rings) \
+                and self._ring_broken(rec.peer_group):
+            # Fail fast: no repair is coming, waiting could wait forever.
+            self._fail_unperformed(col, "PeerConnectionError", (
+                f"the ring of peer group {col.group} is broken and could not be rebuilt; "
+                "call update_topology() and retry"), out)
             return
         self._maybe_perform(col, out)
 
@@ -559,6 +792,11 @@ class MasterState:
         members = self._members(col.group)
         if not set(members) <= set(col.inits):
             return
+        rnd = self.round
+        if self._ring_broken(col.group) or (rnd is not None and rnd.repair
+                                            and col.group in rnd.groups):
+            return  # held until the master repaired the ring (see _maybe_repair)
+        self._disarm(col.deadline)
         first = col.inits[members[0]]
         odd = [p for p in members if _describe(col.inits[p]) != _describe(first)]
         if odd:
@@ -575,7 +813,8 @@ class MasterState:
         col.participants = list(ring)
         for rank, p in enumerate(ring):
             out.append(Send(p, m.CollectivePerform(tag=col.tag, op_id=col.op_id,
-                                                   epoch=self.ring_epoch, rank=rank,
+                                                   epoch=self.ring_epochs.get(col.group, 0),
+                                                   rank=rank,
                                                    world=len(ring))))
 
     def _ring_broken(self, group: int) -> bool:
@@ -586,6 +825,7 @@ class MasterState:
     def _fail_unperformed(self, col: Collective, kind: str, why: str, out: list[Command],
                           skip: int | None = None) -> None:
         del self.collectives[(col.group, col.tag)]
+        self._disarm(col.deadline)
         for p in col.inits:
             if p == skip:
                 continue
@@ -637,10 +877,17 @@ class MasterState:
         for col in list(self.collectives.values()):
             if col.group != group:
                 continue
-            if col.op_id < 0:
+            if col.op_id < 0 and not self.repair_rings:
                 col.inits.pop(peer, None)
                 self._fail_unperformed(col, "PeerConnectionError", (
                     f"peer {peer} left the group; call update_topology() and retry"), out)
+            elif col.op_id < 0:
+                # As in PCCL, the others go on without it: the collective runs once the
+                # master repaired the ring (or at once, if the rest already joined).
+                col.inits.pop(peer, None)
+                if not col.inits:
+                    del self.collectives[(col.group, col.tag)]
+                    self._disarm(col.deadline)
             elif peer in col.participants:
                 col.participants.remove(peer)
                 col.reported.discard(peer)
@@ -664,7 +911,10 @@ class MasterState:
                 and len(set(msg.keys)) == n and msg.strategy in (0, 1, 2)):
             refuse("ProtocolError", "malformed shared-state description")
             return
-        sync = self.syncs.setdefault(rec.peer_group, Sync(rec.peer_group))
+        sync = self.syncs.get(rec.peer_group)
+        if sync is None:
+            sync = self.syncs[rec.peer_group] = Sync(rec.peer_group)
+            sync.deadline = self._arm(("sync", sync.group), msg.timeout, out)
         if sync.planned or peer in sync.inits:
             refuse("InvalidUsageError", "a shared-state sync is already running in this group")
             return
@@ -678,6 +928,7 @@ class MasterState:
 
     def _fail_sync(self, sync: Sync, kind: str, why: str, out: list[Command]) -> None:
         del self.syncs[sync.group]
+        self._disarm(sync.deadline)
         # Once planned, peers refused at the plan already have their outcome.
         for p in sorted(sync.participants if sync.planned else sync.inits):
             if p in self.peers:
@@ -687,6 +938,7 @@ class MasterState:
         members = self._members(sync.group)
         if not set(members) <= set(sync.inits):
             return
+        self._disarm(sync.deadline)
         inits = {p: sync.inits[p] for p in members}
         excluded: dict[int, tuple[str, str]] = {}
         # 1. Revisions must advance by exactly one (fresh peers and receivers excepted).
@@ -697,6 +949,12 @@ class MasterState:
                     f"revision {i.revision} does not follow this peer's last synced revision "
                     f"{last}; increment state.revision by exactly one per sync"))
         voters = [p for p in members if p not in excluded and inits[p].strategy != RECEIVE_ONLY]
+        # Peers that never completed a sync in this run (fresh joiners) do not vote while
+        # a peer that did is present: they would outvote the running state with their
+        # step-0 tensors and roll it back. They receive the running state instead.
+        veterans = [p for p in voters if p in self.last_revision]
+        fresh = {p for p in voters if p not in self.last_revision} if veterans else set()
+        voters = veterans or voters
         if not voters:
             for p in members:
                 excluded.setdefault(p, ("NoSharedStateAvailableError", (
@@ -740,12 +998,13 @@ class MasterState:
         for k, by_hash in holders.items():
             popular[k] = max(by_hash, key=lambda h: (len(by_hash[h]), -min(by_hash[h])))
         self._finish_plan(sync, members, excluded, popular, revision, out,
-                          holders=holders, inits=inits)
+                          holders=holders, inits=inits, fresh=fresh)
 
     def _finish_plan(self, sync: Sync, members: list[int], excluded: dict[int, tuple[str, str]],
                      popular: dict[str, bytes], revision: int, out: list[Command], *,
                      holders: dict[str, dict[bytes, list[int]]] | None = None,
-                     inits: dict[int, m.SyncInit] | None = None) -> None:
+                     inits: dict[int, m.SyncInit] | None = None,
+                     fresh: set[int] = frozenset()) -> None:  # type: ignore[assignment]
         for p, (kind, why) in excluded.items():
             out.append(Send(p, m.SyncOutcome(ok=False, kind=kind, message=why, revision=0)))
         participants = [p for p in members if p not in excluded]
@@ -765,7 +1024,7 @@ class MasterState:
                 for k in sorted(popular):
                     if mine[k] == popular[k]:
                         continue
-                    if unequal[k] and i.strategy != RECEIVE_ONLY:
+                    if unequal[k] and i.strategy != RECEIVE_ONLY and p not in fresh:
                         continue  # allowed to differ; only fresh receivers take it
                     srcs = holders[k][popular[k]]
                     # Rotate per fetcher and per key so the load spreads over sources.
@@ -818,6 +1077,7 @@ class MasterState:
         if not sync.planned:
             if not sync.inits:
                 del self.syncs[group]
+                self._disarm(sync.deadline)
             else:
                 self._maybe_plan_sync(sync, out)
         elif peer in sync.participants:
@@ -831,7 +1091,8 @@ class MasterState:
 
     # --- topology optimization ------------------------------------------------------
 
-    def _on_optimize_vote(self, peer: int, rec: PeerRecord, out: list[Command]) -> None:
+    def _on_optimize_vote(self, peer: int, rec: PeerRecord, msg: m.OptimizeTopology,
+                          out: list[Command]) -> None:
         if rec.status is not PeerStatus.ACCEPTED:
             out.append(Send(peer, m.OptimizeFailed(
                 message="optimize_topology() before this peer was accepted")))
@@ -842,10 +1103,14 @@ class MasterState:
                 message="another topology operation is in progress; retry after it")))
             return
         self.phase = Phase.OPTIMIZE_TOPOLOGY
+        if not self.opt_votes:
+            self.opt_deadline = self._arm(("optimize",), msg.timeout, out)
         self.opt_votes.add(peer)
         self._call_off_waiting_ops(peer, rec.peer_group, "optimize_topology()", out)
         if not set(self.accepted()) <= self.opt_votes:
+            self._maybe_answer_pending(out)
             return
+        self._disarm(self.opt_deadline)
         self.opt_round += 1
         # Measure every ordered pair inside a group that is unknown or too old.
         plan: dict[int, list[int]] = {}
@@ -922,6 +1187,7 @@ class MasterState:
         self.opt_votes = set()
         self.opt_probers = set()
         self.opt_solving = set()
+        self._disarm(self.opt_deadline)
         self.phase = Phase.IDLE
 
     def _call_off_waiting_ops(self, peer: int, group: int, what: str,

@@ -11,7 +11,7 @@ import dataclasses
 from typing import ClassVar
 
 #: Bumped on every incompatible change; checked in the handshake.
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -110,9 +110,11 @@ class Pong(Message):
 @message
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class UpdateTopology(Message):
-    """P->M: this accepted peer votes to admit joiners and re-form the rings."""
+    """P->M: this accepted peer votes to admit joiners and re-form the rings.
+    ``timeout``: seconds the master waits for the other peers' votes (0 = no limit)."""
 
     TYPE: ClassVar[str] = "update_topology"
+    timeout: float = 0.0
 
 
 @message
@@ -157,10 +159,13 @@ class WorldInfo(Message):
 @message
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class TopologyUpdated(Message):
-    """M->P: the vote is done; the peer is accepted and its pools are up."""
+    """M->P: the vote is done; the peer is accepted and its pools are up. ``repair``:
+    the master rebuilt the rings on its own after a peer was lost or a collective failed
+    (nobody voted; no call waits for this)."""
 
     TYPE: ClassVar[str] = "topology_updated"
     epoch: int
+    repair: bool = False
 
 
 @message
@@ -168,21 +173,35 @@ class TopologyUpdated(Message):
 class TopologyUpdateFailed(Message):
     TYPE: ClassVar[str] = "topology_update_failed"
     message: str
+    kind: str = "UpdateTopologyFailedError"
 
 
 @message
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class PendingQuery(Message):
+    """P->M. ``collective``: a vote of every accepted peer, answered to all of them at
+    once with the same value; else answered at once (a hint). ``timeout`` as in
+    :class:`UpdateTopology`."""
+
     TYPE: ClassVar[str] = "pending_query"
     req: int
+    collective: bool = True
+    timeout: float = 0.0
 
 
 @message
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class PendingAnswer(Message):
+    """M->P. ``count``: peers waiting to be admitted; ``ok=False``: the query failed
+    (``kind`` names the error class)."""
+
     TYPE: ClassVar[str] = "pending_answer"
     req: int
     pending: bool
+    count: int = 0
+    ok: bool = True
+    kind: str = ""
+    message: str = ""
 
 
 @message
@@ -219,6 +238,7 @@ class CollectiveInit(Message):
     op: int
     quant_algorithm: int
     quant_dtype: int
+    timeout: float = 0.0  # seconds the master waits for the others to join (0: no limit)
 
 
 @message
@@ -287,6 +307,7 @@ class SyncInit(Message):
     counts: list[int]
     hashes: list[bytes]
     unequal: list[bool]
+    timeout: float = 0.0  # seconds the master waits for the others to join (0: no limit)
 
 
 @message
@@ -344,6 +365,7 @@ class OptimizeTopology(Message):
     """P->M: this accepted peer votes to measure links and re-order the rings."""
 
     TYPE: ClassVar[str] = "optimize_topology"
+    timeout: float = 0.0  # as in UpdateTopology
 
 
 @message
