@@ -265,8 +265,27 @@ async def test_reduce_against_a_voting_peer_is_called_off(pccl_cluster) -> None:
     await vote
 
 
-async def test_peer_leaving_before_the_reduce_fails_it_for_the_rest(pccl_cluster) -> None:
+async def test_peer_leaving_before_the_reduce_runs_it_on_the_repaired_ring(pccl_cluster) -> None:
+    """Two of three peers started a reduce when the third leaves: the master rebuilds the
+    ring without it, and the held reduce runs on the two survivors."""
     cluster = await pccl_cluster(3)
+    a, b, c = cluster.comms
+    xa, xb = np.ones(100, dtype=np.float32), np.full(100, 2, dtype=np.float32)
+    ha, hb = a.all_reduce_async(xa), b.all_reduce_async(xb)
+    await cluster.master.wait_for(lambda s: len(s.collectives) == 1
+                                  and len(next(iter(s.collectives.values())).inits) == 2)
+    await c.close()
+    infos = await asyncio.gather(ha, hb)
+    assert [i.world_size for i in infos] == [2, 2]
+    assert (xa == 3).all() and (xb == 3).all()
+    assert a.ring == b.ring == sorted([a.peer_id, b.peer_id])
+    assert a.get_attribute(pccl.Attribute.GLOBAL_WORLD_SIZE) == 2
+
+
+async def test_peer_leaving_before_the_reduce_fails_it_without_ring_repair(pccl_cluster) -> None:
+    """With ``MasterNode(repair_rings=False)`` the held reduce fails for the survivors
+    (nothing written) until they call update_topology()."""
+    cluster = await pccl_cluster(3, master_kwargs={"repair_rings": False})
     a, b, c = cluster.comms
     xa, xb = np.ones(100, dtype=np.float32), np.ones(100, dtype=np.float32)
     ha, hb = a.all_reduce_async(xa), b.all_reduce_async(xb)

@@ -51,8 +51,11 @@ async def test_late_joiner_waits_while_others_keep_working(pccl_cluster) -> None
     join = asyncio.create_task(late.connect())
     await cluster.master.wait_for(lambda s: len(s.pending()) == 1)
     # The run goes on: queries are answered, the world is unchanged, the joiner waits.
+    # (are_peers_pending() is a collective: every accepted peer asks, all hear one answer;
+    # pending_peer_count() is a plain query that waits for nobody.)
     for _ in range(3):
-        assert await a.are_peers_pending() and await b.are_peers_pending()
+        assert await asyncio.gather(a.are_peers_pending(), b.are_peers_pending()) == [True] * 2
+        assert await a.pending_peer_count() == 1
     assert attrs(a) == (2, 2, 1, 2)
     assert not join.done()
     await asyncio.gather(a.update_topology(), b.update_topology())
@@ -60,7 +63,8 @@ async def test_late_joiner_waits_while_others_keep_working(pccl_cluster) -> None
     for c in (a, b, late):
         assert attrs(c) == (3, 3, 1, 3)
         assert c.ring_lanes() == (2, 2)
-    assert not await a.are_peers_pending()
+    assert await asyncio.gather(*(c.are_peers_pending() for c in (a, b, late))) == [False] * 3
+    assert await a.pending_peer_count() == 0
 
 
 async def test_graceful_leave_shrinks_the_world_and_rings_reform(pccl_cluster) -> None:
@@ -239,7 +243,8 @@ async def test_half_open_peer_is_dropped_by_heartbeat() -> None:
         await cluster.master.wait_for(lambda s: len(s.pending()) == 1)
         await cluster.master.wait_for(lambda s: not s.pending(), timeout=10)
         await _expect_closed(reader, writer)
-        assert not await cluster.comms[0].are_peers_pending()
+        assert await cluster.comms[0].pending_peer_count() == 0
+        assert await asyncio.gather(*(c.are_peers_pending() for c in cluster.comms)) == [False] * 2
 
 
 async def test_peers_notice_a_dead_master() -> None:
