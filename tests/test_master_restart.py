@@ -60,12 +60,15 @@ async def test_peers_reform_the_group_with_a_restarted_master(pccl_cluster) -> N
         assert isinstance(res, pccl.MasterConnectionError), res
     assert all(np.array_equal(a, b) for a, b in zip(x, before))  # nothing written
 
-    # Calls made while there is no master wait for one instead of failing.
-    waiting = asyncio.create_task(comms[2].are_peers_pending())
+    # Calls made while there is no master wait for one instead of failing: a plain query
+    # and the collective are_peers_pending() that every peer makes.
+    count = asyncio.create_task(comms[2].pending_peer_count())
+    waiting = [asyncio.create_task(c.are_peers_pending()) for c in comms]
     cluster.master = pccl.MasterNode(listen=address, **FAST_MASTER)
     await cluster.master.start()
     async with asyncio.timeout(30):
-        assert await waiting is False
+        assert await count == 0
+        assert await asyncio.gather(*waiting) == [False] * 3
     await cluster.master.wait_for(lambda s: len(s.accepted()) == 3, timeout=30)
     # The run goes on: topology, reduce, shared state (revision continues at 2).
     await asyncio.gather(*(c.update_topology() for c in comms))
@@ -166,7 +169,8 @@ async def _master_process(port: int) -> asyncio.subprocess.Process:
 async def _admit_one(accepted: list, newcomer) -> None:
     """Votes ``newcomer`` (a peer process) in with every accepted peer process."""
     async with asyncio.timeout(60):
-        while not await accepted[0].call("are_peers_pending"):  # noqa: ASYNC110
+        # A bounded poll of the plain query (are_peers_pending() is a collective).
+        while not await accepted[0].call("pending_peer_count"):  # noqa: ASYNC110
             await asyncio.sleep(0.05)
     await asyncio.gather(*(p.call("update_topology") for p in accepted))
     await newcomer.wait_accepted()

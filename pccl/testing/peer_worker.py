@@ -66,8 +66,14 @@ class Worker:
     async def cmd_update_topology(self) -> None:
         await self.comm.update_topology()
 
-    async def cmd_are_peers_pending(self) -> bool:
-        return await self.comm.are_peers_pending()
+    async def cmd_are_peers_pending(self, **kwargs: Any) -> bool:
+        """The collective query: every accepted peer of the run must ask (``timeout=``
+        as in :meth:`pccl.Communicator.are_peers_pending`)."""
+        return await self.comm.are_peers_pending(**kwargs)
+
+    async def cmd_pending_peer_count(self) -> int:
+        """The plain query: answered at once, waits for nobody (a hint)."""
+        return await self.comm.pending_peer_count()
 
     async def cmd_attributes(self) -> dict[str, int]:
         return {a.name: self.comm.get_attribute(a) for a in pccl.Attribute}
