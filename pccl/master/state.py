@@ -580,7 +580,9 @@ class MasterState:
             self._start_round(remaining, out, repair=rnd.repair)
         elif self.phase is Phase.VOTE_ACCEPT_NEW_PEERS:
             self._maybe_finish_vote(out)
-        if rec.status is PeerStatus.ACCEPTED and self.phase is not Phase.ESTABLISH_P2P:
+        if rec.status is PeerStatus.ACCEPTED and (self.phase is not Phase.ESTABLISH_P2P
+                                                  or self._repairing()):
+            # (A repair rebuilds only some groups: the others must hear of the loss now.)
             self._broadcast_world(self.accepted(), out)
         self._admit_if_nobody_accepted(out)
         self._maybe_answer_pending(out)
