@@ -1066,17 +1066,6 @@ class _PeerCore(_Resource):
         return raw
 
 
-async def _await_shielded(task: asyncio.Future[Any]) -> None:
-    """Awaits ``task`` without letting our cancellation cancel it; its own cancellation
-    (the loop shutting down) is not an error of the waiter."""
-    try:
-        await asyncio.shield(task)
-    except asyncio.CancelledError:
-        current = asyncio.current_task()
-        if current is not None and current.cancelling():
-            raise
-
-
 class AsyncReduceHandle:
     """A reduce in flight, from :meth:`Communicator.all_reduce_async`."""
 
