@@ -227,7 +227,9 @@ async def _pccl_peer(rank: int, k: int, master: str, pool: int, advertise: str |
             # port is known (whoever dials it through an emulator needs that port).
             for j in range(rank + 1, k):
                 await _until(lambda j=j: ports[j] != 0)
-                while not await comm.are_peers_pending():
+                # A poll of the plain query (are_peers_pending() is a collective); the
+                # count stays up until the vote below, which every accepted peer joins.
+                while not await comm.pending_peer_count():
                     await asyncio.sleep(0.01)
                 await comm.update_topology()
                 await _until(lambda j=j: admitted.value > j)
