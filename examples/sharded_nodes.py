@@ -22,10 +22,10 @@ Nodes join and die as a whole and the run goes on. Three rules make that work
   every group, and the ranks of a node also wait on each other inside torch.distributed.
   So after every pccl call the node's ranks agree (a one-element gloo all-reduce) on
   whether it worked; if any failed, all of them call ``update_topology()`` together and
-  restart the step from its sync. Each group's outcome is the same on every node
-  (pccl is all-or-nothing per group), so every node restarts together; a node that
-  went ahead has its next pccl call refused or called off because the others vote, and
-  joins the vote.
+  restart the step (from its ``are_peers_pending()``). Each group's outcome is the same
+  on every node (pccl is all-or-nothing per group), so every node restarts together; a
+  node that went ahead has its next pccl call refused or called off because the others
+  vote, and joins the vote.
 - **Nothing changes before the step succeeded.** Parameters and momentum change only
   after both slices' all-reduces succeeded on every rank of the node, so a restarted
   step recomputes the same gradients from the same parameters.
@@ -40,8 +40,17 @@ Nodes join and die as a whole and the run goes on. Three rules make that work
   that look whole for a moment; that case is not handled here (the node's
   torch.distributed timeout ends it).
 
-Every step starts with ``sync_shared_state`` of the rank's slice (parameters, momentum,
-step counter): cheap while every node agrees, and the point where joiners catch up.
+Every attempt of a step starts with ``are_peers_pending()``, asked by every accepted rank
+of every node: it is a collective over the whole run (one answer for all, given once all
+of them asked), so all ranks ask it at that one point, which every join and every vote
+leads back to; while it says yes, the nodes vote. Then ``sync_shared_state`` of the
+rank's slice (parameters, momentum, step counter): cheap while every node agrees, and
+the point where joiners catch up.
+
+When a node dies, the master rebuilds each group's ring from the peers left on its own,
+and the survivors' collectives that waited for the dead node run on the new rings;
+only a collective already moving bytes fails (typed error, vote, restart). With
+``MasterNode(repair_rings=False)`` every collective fails until the nodes voted.
 
 This script starts an in-process ``pccl.MasterNode`` and every rank as a process of its
 own (this file with ``--worker``), drives them over stdin (``join``, ``allow N``: run up
@@ -318,6 +327,20 @@ class NodeRank:
                 return
         raise RuntimeError(f"update_topology() kept failing ({MAX_RESTARTS} attempts)")
 
+    async def _admit_pending(self) -> None:
+        """Votes with the whole run until ``are_peers_pending()`` says nobody waits.
+
+        ``are_peers_pending()`` is a collective over every accepted peer of every group:
+        it is answered once all of them asked (or are voting), with one answer for all.
+        So every rank of every node asks it at the same point: here, at the top of every
+        attempt of a step, which is also where every vote and every join leads."""
+        assert self.comm is not None
+        deadline = asyncio.get_running_loop().time() + JOIN_TIMEOUT
+        while await self._node_any(await self.comm.are_peers_pending()):
+            if asyncio.get_running_loop().time() > deadline:
+                raise TimeoutError(f"peers were still pending after {JOIN_TIMEOUT}s")
+            await self._vote()
+
     async def _sync(self) -> None:
         """This rank's slice (parameters, momentum, step) in its group's shared state."""
         assert self.comm is not None
@@ -352,13 +375,13 @@ class NodeRank:
                 restarts = 0
                 if not await self.gate.reach(self.step_no):
                     return
-                pending = await self.comm.are_peers_pending()
-                if await self._node_any(pending):
-                    await self._vote()
             elif restarts > MAX_RESTARTS:
                 raise RuntimeError(f"step {self.step_no} failed {restarts} times")
             restart = True
             restarts += 1
+            # 0. Admit joiners: every accepted rank of the run asks here, after a join,
+            # after a vote and at every step (a collective: all hear one answer).
+            await self._admit_pending()
             # 1. Shared state: a no-op while the nodes agree; joiners catch up here.
             ok = await self._attempt("sync_shared_state", self._sync())
             if not await self._node_all(ok):
@@ -573,12 +596,13 @@ class ShardedRun:
 
     def __init__(self, *, backend: str = "gloo", local_world: int = LOCAL_WORLD,
                  peer_timeout: float = 5.0, log_level: str = "ERROR",
-                 log_dir: Path | None = None, wait_timeout: float = 60.0) -> None:
+                 log_dir: Path | None = None, wait_timeout: float = 60.0,
+                 master_options: dict[str, Any] | None = None) -> None:
         self.backend, self.local_world = backend, local_world
         self.peer_timeout, self.log_level, self.log_dir = peer_timeout, log_level, log_dir
         self.wait_timeout = wait_timeout
-        self.master = pccl.MasterNode(listen="127.0.0.1:0", heartbeat_interval=0.25,
-                                      heartbeat_timeout=3.0)
+        self.master = pccl.MasterNode(listen="127.0.0.1:0", **{
+            "heartbeat_interval": 0.25, "heartbeat_timeout": 3.0, **(master_options or {})})
         self.nodes: list[Node] = []
         self.events: list[dict[str, Any]] = []
         self.failure: str | None = None
@@ -739,8 +763,12 @@ async def story(args: argparse.Namespace) -> int:
         run.allow([b, c], 8)
         await run.wait_steps([b, c], 8)
         kinds = sorted({f["kind"] for f in run.failures() if f["step"] == 6})
-        say(f"nodes 1 and 2 saw {kinds} at step 6, called update_topology() as a node "
-            "and retried")
+        if kinds:
+            say(f"nodes 1 and 2 saw {kinds} at step 6, called update_topology() as a node "
+                "and retried")
+        else:
+            say("step 6 cost nodes 1 and 2 no error: the master dropped node 0, rebuilt "
+                "both groups' rings from nodes 1 and 2, and step 6 ran on them")
         for step in (6, 7, 8):
             say("  " + describe_step(run, step))
 

@@ -3,12 +3,15 @@
 
 Two nodes (4 processes) train 3 steps, a third node joins (both ranks, admitted by the
 others' update_topology(), caught up by a RECEIVE_ONLY sync per group), then both
-processes of the first node are SIGKILLed while the others wait for it inside step 6;
-they get a typed pccl error, call update_topology() as nodes and train on. Every step
-of every slice is checked bit for bit from the workers' reports: the same bytes on
-every node, the reduced gradient equal to the average of the nodes' gradients computed
-in the ring's order (``tests/reference.py``), and the optimizer update replayed in
-numpy from the seeded initial weights.
+processes of the first node are SIGKILLed while the others wait for it at the start of
+step 6 (in the run-wide collective are_peers_pending()). With the master repairing
+rings (the default) the others' step 6 then runs on the rebuilt rings at the first
+try; with ``MasterNode(repair_rings=False)`` their reduce fails with a typed pccl error,
+they call update_topology() as nodes and train on. Every step of every slice is checked
+bit for bit from the workers' reports: the same bytes on every node, the reduced
+gradient equal to the average of the nodes' gradients computed in the ring's order
+(``tests/reference.py``), and the optimizer update replayed in numpy from the seeded
+initial weights.
 """
 
 from __future__ import annotations
@@ -41,10 +44,13 @@ def _f32(hex_bytes: str) -> np.ndarray:
     return np.frombuffer(bytes.fromhex(hex_bytes), dtype=np.float32)
 
 
-async def test_sharded_nodes_join_die_and_stay_bit_identical(tmp_path: Path) -> None:
+@pytest.mark.parametrize("repair_rings", [True, False], ids=["repair", "no-repair"])
+async def test_sharded_nodes_join_die_and_stay_bit_identical(tmp_path: Path,
+                                                             repair_rings: bool) -> None:
     pytest.importorskip("torch")
     sn = _load_example()
-    async with sn.ShardedRun(backend="gloo", log_dir=tmp_path, wait_timeout=60.0) as run:
+    async with sn.ShardedRun(backend="gloo", log_dir=tmp_path, wait_timeout=60.0,
+                             master_options={"repair_rings": repair_rings}) as run:
         a, b, c = await run.start_nodes(3)  # c's processes wait until told to join
         await run.join(a)  # an empty run admits node a
         await run.join(b)  # b's rank 0 waits; a admits it at the start of step 1
@@ -55,12 +61,11 @@ async def test_sharded_nodes_join_die_and_stay_bit_identical(tmp_path: Path) -> 
         run.allow([a, b, c], 5)
         await run.wait_steps([a, b, c], 5)
 
-        # Nodes b and c start step 6 and wait in its sync for node a, held before it.
+        # Nodes b and c start step 6 and wait for node a, held before it, in the run-wide
+        # are_peers_pending() that opens every step.
         run.allow([b, c], 6)
-        waiting = {g: {b.peer_ids[g], c.peer_ids[g]} for g in range(run.local_world)}
-        await run.master.wait_for(
-            lambda s: all(g in s.syncs and ids <= set(s.syncs[g].inits)
-                          for g, ids in waiting.items()), timeout=60)
+        waiting = set(b.peer_ids) | set(c.peer_ids)
+        await run.master.wait_for(lambda s: waiting <= set(s.pending_votes), timeout=60)
         await run.kill(a)
         run.allow([b, c], 8)
         await run.wait_steps([b, c], 8)
@@ -121,9 +126,15 @@ async def test_sharded_nodes_join_die_and_stay_bit_identical(tmp_path: Path) -> 
             assert e["sync"]["rx_bytes"] == 0, (e["node"], e["rank"], e["step"])
     assert min(e["step"] for e in run.reports() if e["node"] == c.id) == 4
 
-    # Node a's death: every survivor rank's step 6 failed with a typed pccl error at
-    # least once (the group's ring lost a member), then went through.
     failures = run.failures()
+    if repair_rings:
+        # Node a's death cost the others nothing: once the master dropped it, it rebuilt
+        # both groups' rings from b and c, and step 6 ran on them at the first try.
+        assert [f for f in failures if f["step"] in (6, 7, 8)] == []
+        assert all(e["restarts"] == 0 for s in (6, 7, 8) for e in run.reports(s))
+        return
+    # Without ring repair, node a's death: every survivor rank's step 6 failed with a
+    # typed pccl error at least once (the group's ring lost a member), then went through.
     assert {f["kind"] for f in failures} <= {
         "PeerConnectionError", "CollectiveAbortedError", "UpdateTopologyFailedError",
         "NoSharedStateAvailableError"}
