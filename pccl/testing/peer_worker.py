@@ -66,10 +66,9 @@ class Worker:
     async def cmd_update_topology(self) -> None:
         await self.comm.update_topology()
 
-    async def cmd_are_peers_pending(self, **kwargs: Any) -> bool:
-        """The collective query: every accepted peer of the run must ask (``timeout=``
-        as in :meth:`pccl.Communicator.are_peers_pending`)."""
-        return await self.comm.are_peers_pending(**kwargs)
+    async def cmd_are_peers_pending(self) -> bool:
+        """The collective query: answered once every accepted peer of the run asked."""
+        return await self.comm.are_peers_pending()
 
     async def cmd_pending_peer_count(self) -> int:
         """The plain query: answered at once, waits for nobody (a hint)."""
