@@ -1208,6 +1208,9 @@ class MasterPopulation(RuleBasedStateMachine):
         self.high_op = 0
         self.op_keys: dict[int, tuple[int, int]] = {}
         self.mismatch_possible = False
+        # (group, tag) whose waiting calls disagreed: a collective held for a repair is
+        # checked (and refused) only when the repair ends, in a later event.
+        self.mismatched: set[tuple[int, int]] = set()
         self.protocol_error_expected = False
 
     # --- plumbing ------------------------------------------------------------------------
@@ -1310,7 +1313,8 @@ class MasterPopulation(RuleBasedStateMachine):
             if msg.op_id < 0:
                 assert call.stage == "waiting" and not msg.ok
                 assert msg.kind in ("CollectiveAbortedError", "PeerConnectionError") or (
-                    msg.kind == "InvalidUsageError" and self.mismatch_possible), msg
+                    msg.kind == "InvalidUsageError" and (
+                        self.mismatch_possible or (peer.group, msg.tag) in self.mismatched)), msg
             else:
                 assert call.stage == "reported" and call.op_id == msg.op_id, (call, msg)
                 assert not (msg.ok and call.aborted)
@@ -1405,6 +1409,8 @@ class MasterPopulation(RuleBasedStateMachine):
                             if q.group == group and tag in q.calls
                             and q.calls[tag].stage == "waiting"}
         self.mismatch_possible = len(counts) > 1
+        if self.mismatch_possible:
+            self.mismatched.add((group, tag))
         self.model[pid].calls[tag] = _Call(count, "waiting")
         self.feed(Received(pid, coll_init(tag, count=count)))
 
@@ -1934,3 +1940,21 @@ def test_cold_start_keeps_the_popularity_rule() -> None:
     tell(st, 2, sync_init(0, b"y"))
     plans = dict(sends(tell(st, 3, sync_init(0, b"y")), m.SyncPlan))
     assert plans[1].fetch_hashes == [b"y"]  # type: ignore[attr-defined]
+
+
+def test_a_question_meets_peers_that_already_wait_for_the_asker_in_a_collective() -> None:
+    """A loop that starts with are_peers_pending(): a joiner's first question comes while
+    the members, past their update_topology(), already wait for it in a reduce (or a
+    sync). The question is answered (the members never ask it this iteration) and the
+    joiner goes on to meet them."""
+    st = run_with([0, 0])
+    join(st, 3)
+    for p in (1, 2):
+        tell(st, p, m.PendingQuery(req=p))
+    vote(st, 1)
+    vote(st, 2)
+    report_all(st)  # 3 is in
+    tell(st, 1, coll_init(0))
+    assert tell(st, 3, m.PendingQuery(req=7)) == []  # 2 has not said what it does yet
+    out = tell(st, 2, sync_init(1, b"h"))  # 2 waits in a sync: everyone else is parked
+    assert sends(out, m.PendingAnswer) == [(3, m.PendingAnswer(req=7, pending=False))]

@@ -446,11 +446,21 @@ class MasterState:
 
     def _maybe_answer_pending(self, out: list[Command]) -> None:
         """Answers the collective are_peers_pending() once every accepted peer asked, or
-        is in a topology vote itself: those would wait for the askers forever, so the
-        askers hear True ("call update_topology()") and join the vote."""
+        waits in another operation that waits for the askers: a topology vote (then the
+        askers hear True, "call update_topology()", and join it), or a collective or sync
+        that the askers have not joined yet. The latter is how a loop that starts with
+        the question meets its peers: a joiner's first question comes while the others,
+        past their update_topology(), already wait for it in a reduce or a sync. Every
+        asker of one question gets the same answer."""
         if not self.pending_votes:
             return
         busy = set(self.pending_votes) | self.votes | self.opt_votes
+        for col in self.collectives.values():
+            if col.op_id < 0:
+                busy |= set(col.inits)
+        for sync in self.syncs.values():
+            if not sync.planned:
+                busy |= set(sync.inits)
         if not set(self.accepted()) <= busy:
             return
         n = len(self.pending())
@@ -789,6 +799,7 @@ class MasterState:
                 "call update_topology() and retry"), out)
             return
         self._maybe_perform(col, out)
+        self._maybe_answer_pending(out)
 
     def _maybe_perform(self, col: Collective, out: list[Command]) -> None:
         members = self._members(col.group)
@@ -927,6 +938,7 @@ class MasterState:
                 "and retry"), out)
             return
         self._maybe_plan_sync(sync, out)
+        self._maybe_answer_pending(out)
 
     def _fail_sync(self, sync: Sync, kind: str, why: str, out: list[Command]) -> None:
         del self.syncs[sync.group]
