@@ -156,7 +156,9 @@ class Worker:
         return 0
 
     async def admit_founders(self) -> None:
-        """Every founding peer runs this until all ``--peers`` are in the run."""
+        """Every founding peer runs this until all ``--peers`` are in the run.
+        (``are_peers_pending()`` is a collective: every accepted founder asks it here,
+        once per round, and all get the same answer, so all vote or none does.)"""
         import pccl
 
         while self.comm.get_attribute(pccl.Attribute.GLOBAL_WORLD_SIZE) < self.a.peers:
