@@ -1259,11 +1259,21 @@ class Communicator:
 
     @_reports_result
     def are_peers_pending(self) -> bool:
-        """Whether peers wait for ``update_topology()`` to admit them."""
+        """Whether peers wait for ``update_topology()`` to admit them. A collective, as
+        in PCCL: returns once every accepted peer asked, the same answer on all."""
         async def pending(core: _PeerCore) -> bool:
             return await (await core.settle()).are_peers_pending()
 
         return self._run(pending)
+
+    @_reports_result
+    def pending_peer_count(self) -> int:
+        """How many peers wait to be admitted, as the master sees it now (an extension;
+        not a collective: do not branch collective calls on it)."""
+        async def count(core: _PeerCore) -> int:
+            return await (await core.settle()).pending_peer_count()
+
+        return self._run(count)
 
     @_reports_result
     def optimize_topology(self) -> None:

@@ -222,3 +222,19 @@ async def test_repair_off_keeps_the_explicit_update_topology_semantics() -> None
             infos = await asyncio.gather(a.all_reduce(np.ones(8, np.float32)),
                                          b.all_reduce(np.ones(8, np.float32)))
         assert [i.world_size for i in infos] == [2, 2]
+
+
+async def test_pending_peer_count_is_a_plain_query_in_both_apis() -> None:
+    async with Cluster(1) as cluster:
+        (a,) = cluster.comms
+        joiner = pb.Communicator(cluster.master.address, 0, 1)
+        try:
+            async with asyncio.timeout(BOUND):
+                joins = asyncio.create_task(asyncio.to_thread(joiner.connect))
+                await cluster.master.wait_for(lambda s: len(s.pending()) == 1, timeout=BOUND)
+                assert await a.pending_peer_count() == 1  # answered at once, no vote needed
+                await asyncio.gather(a.update_topology(), joins)
+                assert await a.pending_peer_count() == 0
+                assert await asyncio.to_thread(joiner.pending_peer_count) == 0
+        finally:
+            await asyncio.to_thread(joiner.close)
