@@ -529,10 +529,12 @@ class Orchestrator:
         live = self.live()
         synced = [p for p in live if p.synced >= 0]
         a = self.args
-        can_kill = len(synced) > 2
+        # Any peer may die (joiners mid-join or mid-sync too), as long as two peers
+        # that hold the state are left: losing every holder is a lost run, not a hang.
+        victims = live if len(synced) > 2 else [p for p in live if p.synced < 0]
         can_spawn = len(live) < a.max_peers
-        if can_kill and (not can_spawn or self.rng.random() < 0.5):
-            victim = self.rng.choice(synced)
+        if victims and (not can_spawn or self.rng.random() < 0.5):
+            victim = self.rng.choice(victims)
             victim.killed = True
             victim.proc.kill()
             self.fig["kills"] += 1

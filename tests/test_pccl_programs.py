@@ -1,0 +1,54 @@
+"""PCCL's own loops under churn (issue 16), bounded for CI: each idiom through
+pccl.blocking and through the asyncio API for ~30 s of SIGKILLs and spawns every
+0.5-2 s. Long runs by hand: ``python -m pccl.testing.pccl_programs --minutes 10``
+(figures in docs/reliability.md)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+
+import numpy as np
+import pytest
+
+from pccl.testing import pccl_programs
+
+
+def test_replay_is_the_sum_of_the_gradients() -> None:
+    replay = pccl_programs.Replay(1000)
+    state = pccl_programs.initial_state(1000)
+    for k in (1, 2, 3):
+        state = state + pccl_programs.gradient(k, 1000)
+    assert replay.digest(3) == pccl_programs.digest(state)
+    assert replay.digest(0) != replay.digest(1)
+    g = pccl_programs.gradient(5, 1000, salt=3)
+    assert np.all(g != 0) and np.all(np.abs(g) <= 8) and np.all(g == np.round(g))
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("api", pccl_programs.APIS)
+@pytest.mark.parametrize("idiom", pccl_programs.IDIOMS)
+async def test_pccl_idiom_survives_churn(idiom: str, api: str, tmp_path) -> None:
+    out = tmp_path / "fig.json"
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "pccl.testing.pccl_programs", "--idiom", idiom, "--api", api,
+        "--seconds", "30", "--seed", "3", "--run-dir", str(tmp_path / "logs"),
+        "--json", str(out), stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+    try:
+        async with asyncio.timeout(270):
+            stdout, _ = await proc.communicate()
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+    text = stdout.decode(errors="replace")
+    fig = json.loads(out.read_text())
+    logs = "\n".join(p.read_text(errors="replace")[-2000:]
+                     for p in sorted((tmp_path / "logs").glob("*.log"))) \
+        if proc.returncode else ""
+    assert proc.returncode == 0, f"{text[-3000:]}\n{logs[-6000:]}"
+    assert fig["hangs"] == fig["crashes"] == fig["parity_violations"] == 0
+    assert fig["rollbacks"] == fig["reduce_violations"] == 0
+    assert fig["steps"] >= 20 and fig["syncs_checked"] >= 4 and fig["kills"] >= 2
