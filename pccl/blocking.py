@@ -1468,7 +1468,9 @@ async def _reduce_all_with_retry(core: _PeerCore, comm: _AsyncCommunicator,
                 if type(e) is CollectiveAbortedError or rounds > 1:
                     await comm.update_topology()
                 comm = await core.settle()
-                core.require_peers(comm)
+                # Down to this peer alone: the relaunch is a reduce over a world of one
+                # (the input, unchanged), and the info says world 1, as PCCL's loop
+                # expects ("all peers have left except this peer"); no TooFewPeersError.
                 continue
             del running[i]
             tx, rx = tx + info.tx_bytes, rx + info.rx_bytes
