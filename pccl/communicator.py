@@ -233,6 +233,7 @@ class Communicator:
         self._accepted: asyncio.Future[None] | None = None
         self._update: asyncio.Future[None] | None = None
         self._queries: dict[int, asyncio.Future[m.PendingAnswer]] = {}
+        self._asking = False  # a collective are_peers_pending() is waiting
         self._next_req = 0
         self._lost: PCCLError | None = None
         self._heartbeat_timeout = 5.0
@@ -486,6 +487,8 @@ class Communicator:
 
     async def _ask_pending(self, collective: bool, wire: float) -> m.PendingAnswer:
         await self._ready()
+        if collective and self._asking:
+            raise InvalidUsageError("are_peers_pending() is already running on this peer")
         self._next_req += 1
         req = self._next_req
         fut: asyncio.Future[m.PendingAnswer] = asyncio.get_running_loop().create_future()
@@ -493,7 +496,13 @@ class Communicator:
         try:
             self._send(m.PendingQuery(req=req, collective=collective, timeout=wire))
             if collective:
-                answer = await fut  # the master bounds this wait (deadline, dead peers)
+                # The master bounds this wait (deadline, dead peers). A caller that gives
+                # up leaves the question standing there; the next one replaces it.
+                self._asking = True
+                try:
+                    answer = await fut
+                finally:
+                    self._asking = False
             else:
                 async with asyncio.timeout(self.timeout):
                     answer = await fut

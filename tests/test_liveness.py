@@ -238,3 +238,15 @@ async def test_pending_peer_count_is_a_plain_query_in_both_apis() -> None:
                 assert await asyncio.to_thread(joiner.pending_peer_count) == 0
         finally:
             await asyncio.to_thread(joiner.close)
+
+
+async def test_a_cancelled_question_does_not_spoil_the_next() -> None:
+    async with Cluster(2) as cluster:
+        a, b = cluster.comms
+        async with asyncio.timeout(BOUND):
+            asking = asyncio.create_task(a.are_peers_pending())
+            await cluster.master.wait_for(lambda s: a.peer_id in s.pending_votes, timeout=BOUND)
+            asking.cancel()
+            await asyncio.gather(asking, return_exceptions=True)
+            assert await asyncio.gather(a.are_peers_pending(), b.are_peers_pending()) == [
+                False, False]

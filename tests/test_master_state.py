@@ -1958,3 +1958,11 @@ def test_a_question_meets_peers_that_already_wait_for_the_asker_in_a_collective(
     assert tell(st, 3, m.PendingQuery(req=7)) == []  # 2 has not said what it does yet
     out = tell(st, 2, sync_init(1, b"h"))  # 2 waits in a sync: everyone else is parked
     assert sends(out, m.PendingAnswer) == [(3, m.PendingAnswer(req=7, pending=False))]
+
+
+def test_a_question_asked_again_replaces_the_abandoned_one() -> None:
+    st = run_with([0, 0])
+    assert tell(st, 1, m.PendingQuery(req=1)) == []  # its caller gives up (cancelled)
+    assert tell(st, 1, m.PendingQuery(req=2)) == []
+    assert sends(tell(st, 2, m.PendingQuery(req=3)), m.PendingAnswer) == [
+        (1, m.PendingAnswer(req=2, pending=False)), (2, m.PendingAnswer(req=3, pending=False))]

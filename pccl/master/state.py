@@ -435,9 +435,8 @@ class MasterState:
             out.append(Send(peer, m.PendingAnswer(req=msg.req, pending=n > 0, count=n)))
             return
         if peer in self.pending_votes:
-            out.append(Send(peer, m.PendingAnswer(
-                req=msg.req, pending=False, ok=False, kind="InvalidUsageError",
-                message="are_peers_pending() is already waiting on this peer")))
+            # Its earlier question was given up (a cancelled caller): this one replaces it.
+            self.pending_votes[peer] = msg.req
             return
         if not self.pending_votes:
             self.pending_deadline = self._arm(("pending",), msg.timeout, out)
