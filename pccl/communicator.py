@@ -158,8 +158,9 @@ class Communicator:
             await comm.all_reduce(x, op=pccl.ReduceOp.AVG)
 
     ``timeout`` bounds every wait on the master that does not depend on other peers
-    (the handshake, queries). ``collective_timeout`` (like torch.distributed's
-    ``timeout=``; per call: ``timeout=``) bounds how long a collective call waits for the
+    (the handshake, queries). ``collective_timeout`` (30 minutes, like
+    torch.distributed's default ``timeout=``: peers of a DiLoCo run may reach the outer
+    step minutes apart; per call: ``timeout=``) bounds how long a collective call waits for the
     other peers to make the same call (``all_reduce``, ``sync_shared_state``,
     ``update_topology``, ``optimize_topology``, ``are_peers_pending``): past it the
     master calls the operation off for every peer that made it, with
@@ -199,7 +200,7 @@ class Communicator:
         piece_bytes: int = 1 << 20,
         max_frame: int = MAX_FRAME,
         reconnect_timeout: float = 60.0,
-        collective_timeout: float | None = 600.0,
+        collective_timeout: float | None = 1800.0,
     ) -> None:
         if not 1 <= p2p_connection_pool_size <= 64:
             raise _core.InvalidArgumentError("p2p_connection_pool_size must be in 1..64")
