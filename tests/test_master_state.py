@@ -1947,17 +1947,65 @@ def test_a_question_meets_peers_that_already_wait_for_the_asker_in_a_collective(
     the members, past their update_topology(), already wait for it in a reduce (or a
     sync). The question is answered (the members never ask it this iteration) and the
     joiner goes on to meet them."""
+    for second in (coll_init(0), sync_init(1, b"h")):
+        st = run_with([0, 0])
+        join(st, 3)
+        for p in (1, 2):
+            tell(st, p, m.PendingQuery(req=p))
+        vote(st, 1)
+        vote(st, 2)
+        report_all(st)  # 3 is in
+        first = coll_init(0) if isinstance(second, m.CollectiveInit) else sync_init(1, b"h")
+        tell(st, 1, first)
+        assert tell(st, 3, m.PendingQuery(req=7)) == []  # 2 has not said what it does yet
+        out = tell(st, 2, second)  # 2 waits for the joiner too: everyone else is parked
+        assert sends(out, m.PendingAnswer) == [(3, m.PendingAnswer(req=7, pending=False))]
+
+
+def test_a_question_waits_for_a_member_parked_in_a_collective_of_an_older_asker() -> None:
+    """PCCL's cross-step loop: each peer asks are_peers_pending() from its main thread
+    while its reduce thread still runs the previous step. A member parked in a collective
+    that waits for an asker that is not a fresh joiner is not an answer: the asker's
+    other thread will join that collective, and the parked member asks next. Answering
+    early would pair its question with the asker's next one, and their loops would part
+    (one in a sync, the other in a reduce, waiting for each other)."""
+    st = run_with([0, 0])
+    reduce_once(st, [1, 2])  # both have been training: neither is a fresh joiner
+    assert tell(st, 1, m.PendingQuery(req=1)) == []
+    assert tell(st, 2, coll_init(8)) == []  # 2's reduce thread waits for 1's tag 8
+    join(st, 3)  # somebody knocks meanwhile
+    assert sends(tell(st, 1, coll_init(8)), m.PendingAnswer) == []  # 1's thread delivers
+    assert sends(tell(st, 2, m.PendingQuery(req=2)), m.PendingAnswer) == [
+        (1, m.PendingAnswer(req=1, pending=True, count=1)),
+        (2, m.PendingAnswer(req=2, pending=True, count=1))]
+
+
+def reduce_once(st: MasterState, peers: list[int], tag: int = 99) -> None:
+    """One successful collective of ``peers`` (the whole group)."""
+    out: list[Command] = []
+    for p in peers:
+        out += tell(st, p, coll_init(tag))
+    (op_id,) = {msg.op_id for _, msg in sends(out, m.CollectivePerform)}
+    for p in peers:
+        tell(st, p, done(tag, op_id))
+    assert not st.collectives
+
+
+def test_a_joiner_is_fresh_only_until_its_first_operation() -> None:
+    """Once the joiner made a call of its own, a question of it is an ordinary one."""
     st = run_with([0, 0])
     join(st, 3)
     for p in (1, 2):
         tell(st, p, m.PendingQuery(req=p))
     vote(st, 1)
     vote(st, 2)
-    report_all(st)  # 3 is in
+    report_all(st)
+    for p in (1, 2, 3):
+        tell(st, p, sync_init(1 if p != 3 else 0, b"h"))
+    assert 3 not in st.fresh
     tell(st, 1, coll_init(0))
-    assert tell(st, 3, m.PendingQuery(req=7)) == []  # 2 has not said what it does yet
-    out = tell(st, 2, sync_init(1, b"h"))  # 2 waits in a sync: everyone else is parked
-    assert sends(out, m.PendingAnswer) == [(3, m.PendingAnswer(req=7, pending=False))]
+    tell(st, 2, coll_init(0))
+    assert tell(st, 3, m.PendingQuery(req=7)) == []  # 1 and 2 wait for it: no answer
 
 
 def test_a_question_asked_again_replaces_the_abandoned_one() -> None:

@@ -259,6 +259,9 @@ class MasterState:
         self.ring_epochs: dict[int, int] = {}  # per group: the epoch its ring was built in
         # Collective are_peers_pending(): voter -> request id, answered all at once.
         self.pending_votes: dict[int, int] = {}
+        # Peers admitted by the last round that have not called a collective, a sync or
+        # are_peers_pending() since: the only askers others may be parked waiting for.
+        self.fresh: set[int] = set()
         # Deadlines of waits for other peers: id -> what waits ("collective", group, tag),
         # ("sync", group), ("vote",), ("optimize",), ("pending",). See ArmDeadline.
         self.deadlines: dict[int, tuple[object, ...]] = {}
@@ -447,24 +450,33 @@ class MasterState:
         """Answers the collective are_peers_pending() once every accepted peer asked, or
         waits in another operation that waits for the askers: a topology vote (then the
         askers hear True, "call update_topology()", and join it), or a collective or sync
-        that the askers have not joined yet. The latter is how a loop that starts with
-        the question meets its peers: a joiner's first question comes while the others,
-        past their update_topology(), already wait for it in a reduce or a sync. Every
-        asker of one question gets the same answer."""
+        that waits only for askers that were just admitted. The latter is how a loop that
+        starts with the question meets its peers: a joiner's first question comes while
+        the others, past their update_topology(), already wait for it in a reduce or a
+        sync. A peer parked in a collective that waits for an older member is not taken
+        for an answer: that member may be asking from one thread while its collective
+        comes from another (PCCL's cross-step reduce), and answering early would pair
+        this question with the parked peer's next one. Every asker gets the same answer."""
         if not self.pending_votes:
             return
-        busy = set(self.pending_votes) | self.votes | self.opt_votes
-        for col in self.collectives.values():
-            if col.op_id < 0:
-                busy |= set(col.inits)
-        for sync in self.syncs.values():
-            if not sync.planned:
-                busy |= set(sync.inits)
+        askers = set(self.pending_votes)
+        busy = askers | self.votes | self.opt_votes
+        joiners = askers & self.fresh
+        if joiners:
+            waiting = [(col.group, col.inits) for col in self.collectives.values()
+                       if col.op_id < 0]
+            waiting += [(sync.group, sync.inits) for sync in self.syncs.values()
+                        if not sync.planned]
+            for group, inits in waiting:
+                missing = set(self._members(group)) - set(inits)
+                if missing and missing <= joiners:
+                    busy |= set(inits)
         if not set(self.accepted()) <= busy:
             return
         n = len(self.pending())
         pending = n > 0 or bool(self.votes)
         voters, self.pending_votes = self.pending_votes, {}
+        self.fresh -= set(voters)
         self._disarm(self.pending_deadline)
         for p, req in sorted(voters.items()):
             out.append(Send(p, m.PendingAnswer(req=req, pending=pending, count=n)))
@@ -567,6 +579,7 @@ class MasterState:
         out.append(Disconnect(peer, reason))
         self.votes.discard(peer)
         self.pending_votes.pop(peer, None)
+        self.fresh.discard(peer)
         if rec.status is PeerStatus.ACCEPTED:
             # The links of its group's ring are broken until the next round. The ring
             # itself is kept as built: it describes the links peers actually hold.
@@ -721,6 +734,8 @@ class MasterState:
             self._after_repair(out)
             return
         for p in rnd.members:
+            if self.peers[p].status is not PeerStatus.ACCEPTED:
+                self.fresh.add(p)
             self.peers[p].status = PeerStatus.ACCEPTED
         self.rings = self._rings_of(rnd.members)
         self.ring_epochs = dict.fromkeys(self.rings, rnd.epoch)
@@ -785,6 +800,7 @@ class MasterState:
             col = self.collectives[key] = Collective(rec.peer_group, msg.tag)
             col.deadline = self._arm(("collective", col.group, col.tag), msg.timeout, out)
         col.inits[peer] = msg
+        self.fresh.discard(peer)
         if any(p in self.votes or p in self.opt_votes for p in self._members(rec.peer_group)):
             self._fail_unperformed(col, "CollectiveAbortedError", (
                 "other peers of the group are in update_topology(); call update_topology() "
@@ -931,6 +947,7 @@ class MasterState:
             refuse("InvalidUsageError", "a shared-state sync is already running in this group")
             return
         sync.inits[peer] = msg
+        self.fresh.discard(peer)
         if any(p in self.votes or p in self.opt_votes for p in self._members(rec.peer_group)):
             self._fail_sync(sync, "CollectiveAbortedError", (
                 "other peers of the group are in update_topology(); call update_topology() "
