@@ -10,6 +10,9 @@ from collections.abc import AsyncIterator, Iterator
 import pytest
 import pytest_asyncio
 
+# pccl's fixtures (pccl_master, pccl_cluster, ...): the plugin is opt-in, as for any user.
+pytest_plugins = ["pccl.testing.plugin"]
+
 
 def _sockets() -> set[str]:
     out = set()

@@ -5,7 +5,8 @@
   can SIGKILL or SIGSTOP.
 - :class:`LinkEmulator`: a userspace TCP proxy adding latency, bandwidth caps and faults.
 - :class:`HeldMessage`: holds back one message from the master to a communicator.
-- The pytest plugin (``pccl.testing.plugin``, auto-registered) provides fixtures.
+- The pytest plugin ``pccl.testing.plugin`` provides fixtures; it is opt-in
+  (``pytest -p pccl.testing.plugin`` or ``pytest_plugins = ["pccl.testing.plugin"]``).
 """
 
 from pccl.testing.cluster import Cluster, connect_all

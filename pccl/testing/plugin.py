@@ -1,4 +1,10 @@
-"""pytest plugin (registered through the ``pytest11`` entry point): pccl fixtures.
+"""pytest plugin with pccl fixtures. It is opt-in: installing pccl changes nothing in
+anyone's pytest runs. Turn it on with ``pytest -p pccl.testing.plugin``, or with one line
+in a ``conftest.py``::
+
+    pytest_plugins = ["pccl.testing.plugin"]
+
+It needs pytest-asyncio (``pip install "pccl[test]"``, or pytest-asyncio alone).
 
 - ``pccl_master``: a started in-process :class:`~pccl.MasterNode` on 127.0.0.1:0 with
   fast heartbeats, stopped after the test.
@@ -18,7 +24,13 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import pytest
-import pytest_asyncio
+
+try:
+    import pytest_asyncio
+except ImportError as e:  # a clear message instead of a bare ModuleNotFoundError
+    raise ImportError(
+        "pccl.testing.plugin needs pytest-asyncio: pip install pytest-asyncio "
+        "(or pip install \"pccl[test]\")") from e
 
 from pccl.master.server import MasterNode
 from pccl.testing.cluster import Cluster
