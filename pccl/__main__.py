@@ -7,33 +7,78 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.metadata
 import logging
 import signal
 import sys
 from pathlib import Path
 
+from pccl.errors import InvalidArgumentError, PCCLError
 from pccl.master.server import DEFAULT_PORT, MasterNode
 
 
+def _version() -> str:
+    try:
+        return importlib.metadata.version("pccl")
+    except importlib.metadata.PackageNotFoundError:  # pragma: no cover - a source tree
+        return "unknown"
+
+
 def _add_master_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--listen", default=f"0.0.0.0:{DEFAULT_PORT}",
-                   help="host:port to listen on (port 0: ephemeral)")
-    p.add_argument("--secret-file", type=Path, default=None,
-                   help="file holding the shared secret peers must prove they know")
-    p.add_argument("--heartbeat-interval", type=float, default=1.0)
-    p.add_argument("--heartbeat-timeout", type=float, default=5.0)
-    p.add_argument("--recovery-grace", type=float, default=5.0,
-                   help="after a restart: seconds to wait for the rest of an old group")
-    p.add_argument("--log-level", default="INFO",
+    d = MasterNode.__init__.__kwdefaults__ or {}
+    p.add_argument("--listen", default=f"0.0.0.0:{DEFAULT_PORT}", metavar="HOST:PORT",
+                   help="address to listen on (port 0: a free one; default %(default)s)")
+    p.add_argument("--secret-file", type=Path, default=None, metavar="FILE",
+                   help="file holding the shared secret peers must prove they know "
+                        "(surrounding whitespace is ignored)")
+    p.add_argument("--heartbeat-interval", type=float, default=d["heartbeat_interval"],
+                   metavar="S", help="seconds between pings to each peer (%(default)s)")
+    p.add_argument("--heartbeat-timeout", type=float, default=d["heartbeat_timeout"],
+                   metavar="S", help="a peer silent this long is dropped (%(default)s)")
+    p.add_argument("--handshake-timeout", type=float, default=d["handshake_timeout"],
+                   metavar="S", help="seconds a connecting peer has to say hello (%(default)s)")
+    p.add_argument("--establish-timeout", type=float, default=d["establish_timeout"],
+                   metavar="S", help="seconds the peers of a topology round have to report "
+                                     "their p2p links (%(default)s)")
+    p.add_argument("--max-establish-attempts", type=int,
+                   default=d["max_establish_attempts"], metavar="N",
+                   help="attempts at building the rings before a round fails (%(default)s)")
+    p.add_argument("--recovery-grace", type=float, default=d["recovery_grace"], metavar="S",
+                   help="after a restart: seconds to wait for the rest of an old group "
+                        "(%(default)s)")
+    p.add_argument("--repair-rings", action=argparse.BooleanOptionalAction,
+                   default=d["repair_rings"],
+                   help="rebuild a ring that lost a peer without waiting for "
+                        "update_topology() (default: on, as in PCCL)")
+    p.add_argument("--log-level", default="INFO", type=str.upper,
                    choices=["DEBUG", "INFO", "WARNING", "ERROR"])
 
 
+def _read_secret(path: Path | None) -> bytes | None:
+    if path is None:
+        return None
+    try:
+        secret = path.read_bytes().strip()
+    except OSError as e:
+        raise _UserError(f"cannot read the secret file {str(path)!r}: {e.strerror}") from None
+    if not secret:
+        raise _UserError(f"the secret file {str(path)!r} is empty")
+    return secret
+
+
+class _UserError(Exception):
+    """A mistake on the command line: printed as one line, exit status 2 (as argparse)."""
+
+
 async def _run_master(args: argparse.Namespace) -> None:
-    secret = args.secret_file.read_bytes().strip() if args.secret_file else None
-    master = MasterNode(listen=args.listen, secret=secret,
+    master = MasterNode(listen=args.listen, secret=_read_secret(args.secret_file),
                         heartbeat_interval=args.heartbeat_interval,
                         heartbeat_timeout=args.heartbeat_timeout,
-                        recovery_grace=args.recovery_grace)
+                        handshake_timeout=args.handshake_timeout,
+                        establish_timeout=args.establish_timeout,
+                        max_establish_attempts=args.max_establish_attempts,
+                        recovery_grace=args.recovery_grace,
+                        repair_rings=args.repair_rings)
     await master.start()
     print(f"pccl master listening on {master.address}", flush=True)
     loop = asyncio.get_running_loop()
@@ -44,28 +89,46 @@ async def _run_master(args: argparse.Namespace) -> None:
     await master.stop()
 
 
+def _serve(prog: str, args: argparse.Namespace) -> int:
+    """Runs the master; a user error is one line on stderr and a non-zero exit status."""
+    try:
+        asyncio.run(_run_master(args))
+    except (_UserError, InvalidArgumentError) as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 2
+    except (PCCLError, OSError) as e:
+        text = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+        print(f"{prog}: error: {text}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def master_main(argv: list[str] | None = None) -> None:
     """Entry point of the ``pccl-master`` console script."""
     p = argparse.ArgumentParser(prog="pccl-master", description="Run a pccl master node.")
+    p.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     _add_master_args(p)
     args = p.parse_args(argv)
     logging.basicConfig(level=args.log_level,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    asyncio.run(_run_master(args))
+    sys.exit(_serve(p.prog, args))
 
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m pccl")
+    p.add_argument("--version", action="version", version=f"pccl {_version()}")
     sub = p.add_subparsers(dest="command", required=True)
     _add_master_args(sub.add_parser("master", help="run a master node"))
     demo = sub.add_parser("demo", help="run a local demo cluster and narrate it")
-    demo.add_argument("--peers", type=int, default=4)
-    demo.add_argument("--log-level", default="WARNING")
+    demo.add_argument("--peers", type=int, default=4, choices=range(2, 17), metavar="N",
+                      help="peer processes to start, 2..16 (%(default)s)")
+    demo.add_argument("--log-level", default="WARNING", type=str.upper,
+                      choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     args = p.parse_args(argv)
     logging.basicConfig(level=args.log_level,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.command == "master":
-        asyncio.run(_run_master(args))
+        sys.exit(_serve("python -m pccl master", args))
     else:
         from pccl.demo import run_demo
 

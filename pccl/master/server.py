@@ -8,14 +8,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import hmac
 import logging
+import os
 import secrets as _secrets
+import socket
 from collections.abc import Callable
 from types import TracebackType
 from typing import Any
 
-from pccl.errors import ProtocolError
+from pccl.errors import InvalidArgumentError, ProtocolError
 from pccl.master import state as st
 from pccl.protocol import MAX_FRAME, PROTOCOL_VERSION
 from pccl.protocol import messages as m
@@ -29,14 +32,30 @@ MAX_WRITE_BACKLOG = 64 * 1024 * 1024
 
 
 def split_host_port(address: str, default_port: int = DEFAULT_PORT) -> tuple[str, int]:
-    """ "host:port", "[v6]:port", "host" -> (host, port)."""
+    """ "host:port", "[v6]:port", "host" -> (host, port). InvalidArgumentError for
+    anything else (a port that is not a number in 0..65535, an empty address)."""
+    if not isinstance(address, str) or not address.strip():
+        raise InvalidArgumentError(f"expected an address 'host:port', got {address!r}")
     if address.startswith("["):
         host, _, rest = address[1:].partition("]")
-        return host, int(rest[1:]) if rest.startswith(":") else default_port
-    host, sep, port = address.rpartition(":")
-    if not sep:
-        return address, default_port
+        port = rest[1:] if rest.startswith(":") else str(default_port)
+    else:
+        host, sep, port = address.rpartition(":")
+        if not sep:
+            host, port = address, str(default_port)
+    if not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise InvalidArgumentError(
+            f"bad address {address!r}: the port must be a number in 0..65535 "
+            f"(e.g. 0.0.0.0:{DEFAULT_PORT}; port 0 picks a free one)")
     return host, int(port)
+
+
+def _positive(name: str, value: float) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) \
+            or not 0.0 < float(value) < float("inf"):
+        raise InvalidArgumentError(f"MasterNode({name}=...) must be a positive number of "
+                                   f"seconds, got {value!r}")
+    return float(value)
 
 
 def peer_mac(secret: bytes, master_nonce: bytes, peer_nonce: bytes) -> bytes:
@@ -71,8 +90,22 @@ class MasterNode:
         establish_timeout: float = 60.0,
         repair_rings: bool = True,
     ) -> None:
+        for name, value in (("heartbeat_interval", heartbeat_interval),
+                            ("heartbeat_timeout", heartbeat_timeout),
+                            ("handshake_timeout", handshake_timeout),
+                            ("recovery_grace", recovery_grace),
+                            ("establish_timeout", establish_timeout)):
+            _positive(name, value)
         if heartbeat_timeout <= heartbeat_interval:
-            raise ValueError("heartbeat_timeout must exceed heartbeat_interval")
+            raise InvalidArgumentError(
+                f"MasterNode(heartbeat_timeout={heartbeat_timeout}) must exceed "
+                f"heartbeat_interval={heartbeat_interval}")
+        if isinstance(max_establish_attempts, bool) or not isinstance(
+                max_establish_attempts, int) or max_establish_attempts < 1:
+            raise InvalidArgumentError(
+                f"MasterNode(max_establish_attempts=...) must be an integer >= 1, got "
+                f"{max_establish_attempts!r}")
+        split_host_port(listen)  # a malformed address fails here, not at start()
         self.listen = listen
         self.secret = secret.encode() if isinstance(secret, str) else secret
         self.heartbeat_interval = heartbeat_interval
@@ -111,8 +144,20 @@ class MasterNode:
         if self._server is not None:
             return
         host, port = split_host_port(self.listen)
-        # Hundreds of peers may connect at once; the default backlog of 100 drops SYNs.
-        self._server = await asyncio.start_server(self._handle, host, port, backlog=4096)
+        try:
+            # Hundreds of peers may connect at once; the default backlog of 100 drops SYNs.
+            self._server = await asyncio.start_server(self._handle, host, port, backlog=4096)
+        except socket.gaierror as e:
+            raise InvalidArgumentError(
+                f"MasterNode cannot listen on {self.listen!r}: unknown host {host!r} "
+                f"({e.strerror}); give a local address, e.g. 0.0.0.0:{DEFAULT_PORT}") from None
+        except OSError as e:
+            hint = {errno.EADDRINUSE: " (another master, or another program, uses that port)",
+                    errno.EACCES: " (ports below 1024 need privileges)",
+                    errno.EADDRNOTAVAIL: " (that address is not one of this machine's)"}
+            why = os.strerror(e.errno) if e.errno else str(e)
+            raise OSError(e.errno, f"MasterNode cannot listen on {self.listen!r}: "
+                                   f"{why}{hint.get(e.errno or 0, '')}") from None
         sock = self._server.sockets[0].getsockname()
         shown = sock[0] if host not in ("", "0.0.0.0", "::") else host or "0.0.0.0"
         self._address = f"[{shown}]:{sock[1]}" if ":" in shown else f"{shown}:{sock[1]}"
