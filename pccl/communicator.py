@@ -860,7 +860,8 @@ class Communicator:
             self._send(m.CollectiveInit(tag=tag, kind="all_reduce", dtype=int(src.dtype),
                                         count=src.count, op=int(op),
                                         quant_algorithm=int(q.algorithm),
-                                        quant_dtype=int(q.dtype), timeout=wire))
+                                        quant_dtype=int(q.dtype), timeout=wire,
+                                        shape=list(src.shape)))
         except BaseException:
             del self._collectives[tag]
             raise

@@ -42,6 +42,7 @@ class RawTensor:
     dtype: DataType
     count: int
     owner: Any
+    shape: tuple[int, ...] = ()  # the caller's shape (peers compare it); () when unknown
 
     @property
     def nbytes(self) -> int:
@@ -73,6 +74,7 @@ def as_raw(obj: Any, *, writable: bool, what: str = "tensor") -> RawTensor:
     not a C-contiguous tensor of a supported dtype (or is read-only when ``writable``)."""
     if _is_torch(obj):
         data, name = _from_torch(obj, what)
+        shape = tuple(int(d) for d in obj.shape)
         # torch tensors have no read-only flag; numpy's view of them is writable.
     else:
         if isinstance(obj, np.ndarray):
@@ -97,5 +99,7 @@ def as_raw(obj: Any, *, writable: bool, what: str = "tensor") -> RawTensor:
         if writable and not arr.flags.writeable:
             raise InvalidArgumentError(f"{what} is read-only")
         data = arr.reshape(-1).view(np.uint8)
+        shape = tuple(int(d) for d in arr.shape)
     dtype = _NUMPY_DTYPES[name]
-    return RawTensor(data=data, dtype=dtype, count=data.nbytes // ELEMENT_SIZE[dtype], owner=obj)
+    return RawTensor(data=data, dtype=dtype, count=data.nbytes // ELEMENT_SIZE[dtype], owner=obj,
+                     shape=shape)

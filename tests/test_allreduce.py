@@ -216,8 +216,13 @@ async def test_reused_in_flight_tag_is_invalid_usage(pccl_cluster) -> None:
     assert (x == 2).all()
 
 
-@pytest.mark.parametrize("field", ["count", "dtype", "op"])
-async def test_peers_disagreeing_all_get_invalid_usage(pccl_cluster, field) -> None:
+@pytest.mark.parametrize(("field", "words"), [
+    ("count", ["10 x FLOAT32 (shape 10)", "11 x FLOAT32 (shape 11)"]),
+    ("dtype", ["10 x FLOAT32", "10 x FLOAT64"]),
+    ("op", ["op SUM", "op MAX"]),
+    ("shape", ["10 x FLOAT32 (shape 2x5)", "10 x FLOAT32 (shape 5x2)"]),
+])
+async def test_peers_disagreeing_all_get_invalid_usage(pccl_cluster, field, words) -> None:
     cluster = await pccl_cluster(3)
     xs = [np.ones(10, dtype=np.float32) for _ in range(3)]
     ops = [pccl.ReduceOp.SUM] * 3
@@ -225,6 +230,9 @@ async def test_peers_disagreeing_all_get_invalid_usage(pccl_cluster, field) -> N
         xs[2] = np.ones(11, dtype=np.float32)
     elif field == "dtype":
         xs[2] = np.ones(10, dtype=np.float64)
+    elif field == "shape":  # equal counts, different shapes: a transposed tensor
+        xs = [np.ones((2, 5), dtype=np.float32) for _ in range(2)] + [
+            np.ones((5, 2), dtype=np.float32)]
     else:
         ops[2] = pccl.ReduceOp.MAX
     before = [x.copy() for x in xs]
@@ -232,6 +240,8 @@ async def test_peers_disagreeing_all_get_invalid_usage(pccl_cluster, field) -> N
                                      zip(cluster.comms, xs, ops)), return_exceptions=True)
     assert all(isinstance(r, pccl.InvalidUsageError) for r in results), results
     assert "disagree" in str(results[0])
+    for w in words:  # enum names and shapes, in the API's words
+        assert w in str(results[0]), str(results[0])
     for x, b in zip(xs, before):
         np.testing.assert_array_equal(x, b)
     # The group is still usable.

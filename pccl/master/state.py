@@ -33,6 +33,7 @@ import dataclasses
 import enum
 from collections import Counter
 
+from pccl.enums import DataType, QuantizationAlgorithm, ReduceOp
 from pccl.protocol import messages as m
 
 
@@ -219,6 +220,23 @@ class Collective:
 
 def _describe(init: m.CollectiveInit) -> tuple[object, ...]:
     return (init.kind, init.dtype, init.count, init.op, init.quant_algorithm, init.quant_dtype)
+
+
+def _name(enum_type: type[enum.IntEnum], code: int) -> str:
+    try:
+        return enum_type(code).name
+    except ValueError:
+        return f"unknown ({code})"
+
+
+def _explain(init: m.CollectiveInit) -> str:
+    """A collective's description in the words of the API (enum names, the shape)."""
+    shape = "x".join(map(str, init.shape)) if init.shape else "?"
+    quant = _name(QuantizationAlgorithm, init.quant_algorithm)
+    if init.quant_algorithm:
+        quant += f" to {_name(DataType, init.quant_dtype)}"
+    return (f"{init.count} x {_name(DataType, init.dtype)} (shape {shape}), op "
+            f"{_name(ReduceOp, init.op)}, quantization {quant}")
 
 
 # Values of pccl.SharedStateSyncStrategy (kept numeric on the wire).
@@ -826,12 +844,13 @@ class MasterState:
             return  # held until the master repaired the ring (see _maybe_repair)
         self._disarm(col.deadline)
         first = col.inits[members[0]]
-        odd = [p for p in members if _describe(col.inits[p]) != _describe(first)]
+        # Shapes are compared where both peers know theirs (a raw buffer has none).
+        ref = next((tuple(col.inits[p].shape) for p in members if col.inits[p].shape), ())
+        odd = [p for p in members if _describe(col.inits[p]) != _describe(first)
+               or col.inits[p].shape and tuple(col.inits[p].shape) != ref]
         if odd:
-            detail = "; ".join(
-                f"peer {p}: dtype {col.inits[p].dtype}, count {col.inits[p].count}, "
-                f"op {col.inits[p].op}, quantization {col.inits[p].quant_algorithm}/"
-                f"{col.inits[p].quant_dtype}" for p in [members[0], *odd])
+            detail = "; ".join(f"peer {p}: {_explain(col.inits[p])}"
+                               for p in [members[0], *odd])
             self._fail_unperformed(col, "InvalidUsageError", (
                 f"peers disagree on collective tag {col.tag}: {detail}"), out)
             return

@@ -239,6 +239,9 @@ class CollectiveInit(Message):
     quant_algorithm: int
     quant_dtype: int
     timeout: float = 0.0  # seconds the master waits for the others to join (0: no limit)
+    # The caller's tensor shape where it has one (empty: unknown, e.g. a raw buffer):
+    # peers whose shapes both are known must agree, not only on the element count.
+    shape: list[int] = dataclasses.field(default_factory=list)
 
 
 @message
