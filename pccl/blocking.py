@@ -995,6 +995,12 @@ class SharedState:
     def __init__(self, tensor_infos: list[TensorInfo]) -> None:
         if not tensor_infos:
             raise ArgumentAssertionError("At least one tensor info must be provided")
+        for i, info in enumerate(tensor_infos):
+            if not isinstance(info, TensorInfo):
+                raise ArgumentValueError(
+                    f"SharedState entry {i} is a {type(info).__module__}."
+                    f"{type(info).__qualname__}, not a pccl.TensorInfo: name each tensor, "
+                    f"e.g. pccl.TensorInfo.from_torch(tensor, 'layer1.weight')")
         self.tensor_infos = list(tensor_infos)
         self._state = _AsyncSharedState(
             [_AsyncTensorInfo(i.name, i._memory(), bool(i.allow_content_inequality))

@@ -232,6 +232,10 @@ class Communicator:
         self._tasks: set[asyncio.Task[Any]] = set()
         self._reader: asyncio.Task[None] | None = None
         self._accepted: asyncio.Future[None] | None = None
+        # The event loop connect() ran in: every call must come from it (see _check_loop).
+        # all_reduce_async() handles not finished yet (close() settles them).
+        self._handles: set[asyncio.Task[Any]] = set()
+        self._home_loop: asyncio.AbstractEventLoop | None = None
         self._update: asyncio.Future[None] | None = None
         self._queries: dict[int, asyncio.Future[m.PendingAnswer]] = {}
         self._asking = False  # a collective are_peers_pending() is waiting
@@ -263,6 +267,7 @@ class Communicator:
             raise InvalidUsageError(f"connect() called on a communicator that is {self.state.name}")
         if n_attempts < 1:
             raise _core.InvalidArgumentError("n_attempts must be at least 1")
+        self._home_loop = asyncio.get_running_loop()
         try:
             await self._open(n_attempts)
             assert self._accepted is not None
@@ -354,6 +359,8 @@ class Communicator:
         """Leaves the run gracefully (the master drops this peer at once). Idempotent."""
         if self.state is PeerState.CLOSED:
             return
+        self._check_loop("close()")
+        handles = list(self._handles)
         self.state = PeerState.CLOSED
         conn, self._conn = self._conn, None
         if conn is not None:
@@ -373,6 +380,14 @@ class Communicator:
         if self._rejoined is not None and not self._rejoined.done():
             self._rejoined.set_exception(MasterConnectionError("the communicator was closed"))
             self._rejoined.exception()
+        if handles:
+            # all_reduce_async() handles still pending fail with MasterConnectionError
+            # ("closed"). A caller may still await them and get that; one that dropped
+            # them gets no "Task exception was never retrieved" noise at exit.
+            await asyncio.wait(handles, timeout=self.timeout)
+            for h in handles:
+                if h.done() and not h.cancelled():
+                    h.exception()
 
     async def __aenter__(self) -> Communicator:
         await self.connect()
@@ -544,7 +559,26 @@ class Communicator:
 
     # --- internals ------------------------------------------------------------------
 
+    def _check_loop(self, what: str = "this call") -> None:
+        """A Communicator lives in the event loop it connected in: its futures and
+        sockets belong to that loop, and a call from another loop (another thread's
+        asyncio.run) would wait forever for events that loop never sees."""
+        home = self._home_loop
+        if home is None:
+            return
+        try:
+            running: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is not home:
+            raise InvalidUsageError(
+                f"{what} came from another event loop than the one this Communicator "
+                "connected in; use it only from that loop (from another thread: "
+                "asyncio.run_coroutine_threadsafe(coro, loop)), or use pccl.blocking, "
+                "which may be called from any thread")
+
     def _require_accepted(self) -> None:
+        self._check_loop()
         if self._lost is not None:
             raise type(self._lost)(str(self._lost))
         if self.state is PeerState.RECONNECTING:
@@ -865,8 +899,11 @@ class Communicator:
         except BaseException:
             del self._collectives[tag]
             raise
-        return asyncio.create_task(self._run_all_reduce(col, src, dst, op),
-                                   name=f"pccl-all-reduce-{self.peer_id}-{tag}")
+        handle = asyncio.create_task(self._run_all_reduce(col, src, dst, op),
+                                     name=f"pccl-all-reduce-{self.peer_id}-{tag}")
+        self._handles.add(handle)
+        handle.add_done_callback(self._handles.discard)
+        return handle
 
     async def all_reduce(
         self,

@@ -46,6 +46,21 @@ class SharedState:
     """Tensors plus a revision that advances by exactly one between syncs."""
 
     def __init__(self, infos: list[TensorInfo], revision: int = 0) -> None:
+        if isinstance(infos, (str, bytes, dict)) or not hasattr(infos, "__iter__"):
+            raise InvalidArgumentError(
+                f"SharedState takes a list of pccl.TensorInfo, got {type(infos).__name__}")
+        infos = list(infos)
+        for i, info in enumerate(infos):
+            if not isinstance(info, TensorInfo):
+                raise InvalidArgumentError(
+                    f"SharedState entry {i} is a {type(info).__module__}."
+                    f"{type(info).__qualname__}, not a pccl.TensorInfo: name each tensor, "
+                    f"e.g. pccl.TensorInfo.from_numpy(array, 'weights') or "
+                    f"pccl.TensorInfo.from_torch(tensor, 'layer1.weight')")
+            if not isinstance(info.name, str) or not info.name:
+                raise InvalidArgumentError(
+                    f"SharedState entry {i}: the name must be a non-empty string, got "
+                    f"{info.name!r}")
         names = [i.name for i in infos]
         if len(set(names)) != len(names):
             raise InvalidArgumentError(f"shared state names must be unique: {names}")

@@ -82,5 +82,10 @@ def parse_length(prefix: bytes, max_frame: int) -> int:
     """Reads a length prefix, refusing anything over ``max_frame`` before allocating."""
     (n,) = _LEN.unpack(prefix)
     if n > max_frame:
+        if all(32 <= b < 127 for b in prefix):
+            # Text where a length belongs: another protocol (HTTP, SSH, a port scanner).
+            raise ProtocolError(
+                f"the other side is not speaking pccl (it sent {prefix.decode()!r} where a "
+                f"frame length belongs): check the address and port")
         raise ProtocolError(f"frame of {n} bytes exceeds the limit of {max_frame} bytes")
     return n

@@ -1,0 +1,130 @@
+"""What a new user gets wrong, and the clear, typed error each mistake must give."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import logging
+import threading
+
+import numpy as np
+import pytest
+
+import pccl
+import pccl.blocking
+
+
+async def test_a_peer_dialing_a_web_server_is_told_it_is_not_pccl() -> None:
+    async def http(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\n\r\n")
+        await writer.drain()
+        await reader.read()  # until the peer hangs up
+        writer.close()
+
+    server = await asyncio.start_server(http, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        comm = pccl.Communicator(f"127.0.0.1:{port}", p2p_listen_host="127.0.0.1")
+        with pytest.raises(pccl.ProtocolError, match=r"not speaking pccl \(it sent 'HTTP'"):
+            await comm.connect(n_attempts=1)
+    finally:
+        server.close()
+        await server.wait_closed()
+
+
+async def test_a_web_client_at_the_master_is_logged_as_not_pccl(caplog) -> None:
+    caplog.set_level(logging.WARNING, logger="pccl.master.server")
+    async with pccl.MasterNode("127.0.0.1:0") as master:
+        host, port = master.address.rsplit(":", 1)
+        reader, writer = await asyncio.open_connection(host, int(port))
+        writer.write(b"GET / HTTP/1.1\r\nHost: example\r\n\r\n")
+        await writer.drain()
+        async with asyncio.timeout(10):
+            while await reader.read(4096):  # the master's challenge, then it hangs up
+                pass
+        writer.close()
+        await writer.wait_closed()
+    assert any("not speaking pccl (it sent 'GET '" in r.getMessage() for r in caplog.records), \
+        [r.getMessage() for r in caplog.records]
+
+
+@pytest.mark.parametrize("listen", ["garbage:port", "127.0.0.1:99999", "", "[::1]:x"])
+def test_master_node_refuses_a_malformed_listen_address(listen: str) -> None:
+    with pytest.raises(pccl.InvalidArgumentError, match="port must be a number|address"):
+        pccl.MasterNode(listen)
+
+
+async def test_master_node_with_an_unknown_host_says_so() -> None:
+    master = pccl.MasterNode("no-such-host.invalid:0")
+    with pytest.raises(pccl.InvalidArgumentError, match="unknown host 'no-such-host.invalid'"):
+        await master.start()
+
+
+@pytest.mark.parametrize("kwargs", [{"heartbeat_interval": -1.0},
+                                    {"heartbeat_timeout": float("nan")},
+                                    {"establish_timeout": 0},
+                                    {"max_establish_attempts": 0}])
+def test_master_node_refuses_bad_numbers(kwargs: dict[str, float]) -> None:
+    with pytest.raises(pccl.InvalidArgumentError, match=next(iter(kwargs))):
+        pccl.MasterNode("127.0.0.1:0", **kwargs)  # type: ignore[arg-type]
+
+
+def test_shared_state_of_bare_arrays_says_to_name_them() -> None:
+    w = np.zeros(4, np.float32)
+    with pytest.raises(pccl.InvalidArgumentError, match=r"entry 0 is a numpy.ndarray, not a "
+                                                        r"pccl.TensorInfo.*from_numpy"):
+        pccl.SharedState([w])
+    with pytest.raises(pccl.InvalidArgumentError, match="list of pccl.TensorInfo"):
+        pccl.SharedState({"w": w})  # type: ignore[arg-type]
+    with pytest.raises(pccl.InvalidArgumentError, match="name must be a non-empty string"):
+        pccl.SharedState([pccl.TensorInfo(None, w)])  # type: ignore[arg-type]
+    with pytest.raises(pccl.blocking.ArgumentValueError, match="not a pccl.TensorInfo"):
+        pccl.blocking.SharedState([w])
+
+
+async def test_a_communicator_called_from_another_event_loop_raises(pccl_cluster) -> None:
+    cluster = await pccl_cluster(2)
+    a, _ = cluster.comms
+    caught: list[BaseException] = []
+
+    def other_thread() -> None:
+        async def use() -> None:
+            for call in (lambda: a.all_reduce(np.ones(4, np.float32)),
+                         a.are_peers_pending, a.update_topology, a.close):
+                with pytest.raises(pccl.InvalidUsageError, match="another event loop"):
+                    await call()
+
+        try:
+            asyncio.run(use())
+        except BaseException as e:  # noqa: BLE001 - reported to the test below
+            caught.append(e)
+
+    t = threading.Thread(target=other_thread, daemon=True)  # a regression hangs in it
+    t.start()
+    await asyncio.to_thread(t.join, 30)
+    assert not t.is_alive() and caught == []
+    # The communicator is untouched and still works from its own loop.
+    x, y = np.ones(4, np.float32), np.ones(4, np.float32)
+    await asyncio.gather(a.all_reduce(x), cluster.comms[1].all_reduce(y))
+    assert (x == 2).all()
+
+
+async def test_close_with_a_handle_pending_settles_it_quietly(pccl_cluster) -> None:
+    cluster = await pccl_cluster(2)
+    a, _ = cluster.comms
+    loop = asyncio.get_running_loop()
+    reports: list[dict[str, object]] = []
+    old = loop.get_exception_handler()
+    loop.set_exception_handler(lambda _loop, ctx: reports.append(ctx))
+    try:
+        kept = a.all_reduce_async(np.ones(4, np.float32), tag=1)  # b never joins
+        dropped = a.all_reduce_async(np.ones(4, np.float32), tag=2)
+        await a.close()
+        assert kept.done() and dropped.done()
+        with pytest.raises(pccl.MasterConnectionError, match="closed"):
+            await kept  # a caller who keeps the handle still hears what happened
+        del dropped
+        gc.collect()
+        assert reports == []  # no "Task exception was never retrieved"
+    finally:
+        loop.set_exception_handler(old)
