@@ -1254,6 +1254,32 @@ class Communicator:
 
         return self._run(get)
 
+    @property
+    def rank(self) -> int:
+        """This peer's rank in its peer group (``0 .. world_size - 1``, join order; see
+        :attr:`pccl.Communicator.rank`). A pccl extension: PCCL has no ranks."""
+        async def get(core: _PeerCore) -> int:
+            return (await core.settle()).rank
+
+        return self._run(get)
+
+    @property
+    def world_size(self) -> int:
+        """How many peers the peer group has (``get_attribute(LOCAL_WORLD_SIZE)``)."""
+        async def get(core: _PeerCore) -> int:
+            return (await core.settle()).world_size
+
+        return self._run(get)
+
+    @property
+    def last_synced_revision(self) -> int | None:
+        """The shared-state revision of the last successful ``sync_shared_state()``
+        (``None`` before the first one)."""
+        async def get(core: _PeerCore) -> int | None:
+            return (await core.settle()).last_synced_revision
+
+        return self._run(get)
+
     @_reports_result
     def update_topology(self) -> None:
         """Collective over all accepted peers: admits pending peers, drops dead ones,

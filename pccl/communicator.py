@@ -544,6 +544,30 @@ class Communicator:
         }[Attribute(attribute)]
 
     @property
+    def rank(self) -> int:
+        """This peer's rank in its peer group, ``0 .. world_size - 1``: its place in
+        join order among the group's peers. ``optimize_topology()`` does not change it;
+        when an earlier peer leaves, the later ranks move down by one. Use it to shard
+        data, e.g. ``batches[comm.rank::comm.world_size]``. As of the last membership
+        news from the master: read it right after ``update_topology()`` (or a reduce),
+        when every peer holds the same view."""
+        w = self._world
+        if w is None or self.peer_id not in w.ring:
+            raise InvalidUsageError("the rank is known once the peer is accepted")
+        return sorted(w.ring).index(self.peer_id)
+
+    @property
+    def world_size(self) -> int:
+        """How many peers the peer group has (``get_attribute(PEER_GROUP_WORLD_SIZE)``)."""
+        return self.get_attribute(Attribute.PEER_GROUP_WORLD_SIZE)
+
+    @property
+    def last_synced_revision(self) -> int | None:
+        """The shared-state revision of this peer's last successful
+        :meth:`sync_shared_state` (``None`` before the first one)."""
+        return None if self._last_revision < 0 else self._last_revision
+
+    @property
     def p2p_port(self) -> int:
         if self._node is None:
             raise InvalidUsageError("the p2p listener is not running")

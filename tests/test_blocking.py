@@ -683,3 +683,21 @@ def test_ctrl_c_calls_a_blocked_reduce_off(master: pb.MasterNode) -> None:
     finally:
         a.close()
         b.close()
+
+
+def test_blocking_rank_world_size_and_last_synced_revision(master: pb.MasterNode) -> None:
+    a, b = pb.Communicator(master.address, 0), pb.Communicator(master.address, 0)
+    try:
+        _admit(master, a, b)
+        assert (a.rank, b.rank) == (0, 1) and a.world_size == b.world_size == 2
+        assert a.last_synced_revision is None
+        wa, wb = np.ones(8, np.float32), np.ones(8, np.float32)
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            other = pool.submit(b.sync_shared_state,
+                                pb.SharedState([pb.TensorInfo.from_numpy(wb, "w")]))
+            a.sync_shared_state(pb.SharedState([pb.TensorInfo.from_numpy(wa, "w")]))
+            other.result(timeout=WAIT)
+        assert a.last_synced_revision == b.last_synced_revision == 0
+    finally:
+        a.close()
+        b.close()

@@ -291,3 +291,28 @@ async def test_peer_that_never_reports_its_links_cannot_stall_a_round() -> None:
             writer.close()
             with contextlib.suppress(ConnectionError):
                 await writer.wait_closed()
+
+
+async def test_rank_and_world_size_shard_the_group_in_join_order(pccl_cluster) -> None:
+    cluster = await pccl_cluster(3)
+    comms = sorted(cluster.comms, key=lambda c: c.peer_id)
+    assert [c.rank for c in comms] == [0, 1, 2]
+    assert [c.world_size for c in comms] == [3, 3, 3]
+    # An earlier peer leaves: the later ranks move down, still dense.
+    await comms[0].close()
+    await cluster.master.wait_for(lambda s: len(s.accepted()) == 2)
+    await asyncio.gather(*(c.update_topology() for c in comms[1:]))
+    assert [c.rank for c in comms[1:]] == [0, 1]
+    assert [c.world_size for c in comms[1:]] == [2, 2]
+    with pytest.raises(pccl.InvalidUsageError):
+        cluster.new_comm().rank  # noqa: B018 - not accepted yet
+
+
+async def test_last_synced_revision(pccl_cluster) -> None:
+    cluster = await pccl_cluster(2)
+    arrays = [np.full(8, 3.0, np.float32) for _ in cluster.comms]
+    states = [pccl.SharedState([pccl.TensorInfo.from_numpy(a, "w")], revision=4)
+              for a in arrays]
+    assert [c.last_synced_revision for c in cluster.comms] == [None, None]
+    await asyncio.gather(*(c.sync_shared_state(s) for c, s in zip(cluster.comms, states)))
+    assert [c.last_synced_revision for c in cluster.comms] == [4, 4]
