@@ -1033,9 +1033,12 @@ class MasterState:
                 extra = sorted(set(mine) - set(shape))
                 differ = sorted(k for k in set(mine) & set(shape) if mine[k] != shape[k])
                 key = (missing or extra or differ)[0]
+                hint = (" (optimizer state that torch creates at the first step() is a "
+                        "common cause: see 'Optimizer state' in docs/training.md)"
+                        if missing or extra else "")
                 excluded[p] = ("InvalidUsageError", (
                     f"shared state key {key!r} does not match the group's: missing {missing}, "
-                    f"unexpected {extra}, different dtype/size {differ}"))
+                    f"unexpected {extra}, different dtype/size {differ}{hint}"))
         voters = [p for p in voters if p not in excluded]
         # 4. Popular content per key (ties: the content of the earliest-joined holder).
         holders: dict[str, dict[bytes, list[int]]] = {}
