@@ -17,7 +17,7 @@ from reference import ring_reference
 import pccl
 from pccl import _core
 from pccl.diloco import DiLoCo, OuterStepFailedError
-from pccl.testing import LinkEmulator
+from pccl.testing import LinkEmulator, crash
 
 torch = pytest.importorskip("torch")
 nn = torch.nn
@@ -138,12 +138,6 @@ def assert_parity(peers: list[Peer]) -> None:
 
 async def start_all(peers: list[Peer]) -> None:
     await asyncio.gather(*(p.d.start() for p in peers))
-
-
-async def crash(comm: pccl.Communicator) -> None:
-    """What a crashed process looks like to the others: its connections drop, no Leave."""
-    comm._conn.abort()
-    await comm.close()
 
 
 async def cluster_with_slow_peer(pccl_cluster, emu: LinkEmulator, **peer_kw):
