@@ -14,7 +14,10 @@ group. See ``README.md`` and ``docs/`` for the full picture::
     asyncio.run(main())
 """
 
-from pccl import _shutdown  # noqa: F401  (atexit hook: see the module)
+from pccl import (
+    _logging,  # noqa: F401  (PCCL_LOG_LEVEL, Rust records into logging: see the module)
+    _shutdown,  # noqa: F401  (atexit hook: see the module)
+)
 from pccl._core import __version__ as _core_version
 from pccl.communicator import (
     Communicator,
@@ -48,6 +51,7 @@ from pccl.errors import (
 )
 from pccl.master import MasterNode
 from pccl.shared_state import SharedState, SyncInfo, SyncProgress, TensorInfo
+from pccl.tensors import content_hash
 
 __version__ = _core_version
 
@@ -82,4 +86,5 @@ __all__ = [
     "TopologyOptimizationFailedError",
     "UpdateTopologyFailedError",
     "__version__",
+    "content_hash",
 ]

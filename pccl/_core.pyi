@@ -39,7 +39,6 @@ class P2PNode:
     def set_peer_id(self, peer_id: int) -> None: ...
     def connect_pool(self, addr: str, to: int, epoch: int, pool_size: int) -> Awaitable[None]: ...
     def retain_from_epoch(self, epoch: int) -> None: ...
-    def drain_log(self) -> list[str]: ...
     def close(self) -> Awaitable[None]: ...
     def install_ring(
         self,
@@ -141,3 +140,10 @@ def leaf_digests(buffer: Any, first_leaf: int) -> bytes:
 
 def hash_root(digests: bytes, nbytes: int) -> bytes:
     """The content hash of ``nbytes`` bytes from their leaf digests, in order."""
+
+def reset_log_cache() -> None:
+    """Forgets the Python loggers and levels the Rust side cached (after a level change;
+    ``pccl._logging`` calls it on every one)."""
+
+def close_log_bridge() -> None:
+    """Stops forwarding Rust log records to Python for good (interpreter exit)."""

@@ -649,7 +649,6 @@ class Communicator:
                     raise MasterConnectionError(
                         f"lost the connection to the master ({e})") from None
                 self._dispatch(msg)
-                self._drain_p2p_log()
         except PCCLError as e:
             if self.state is not PeerState.CLOSED:
                 log.warning("peer %s: %s", self.peer_id, e)
@@ -734,11 +733,6 @@ class Communicator:
         if self.state is PeerState.RECONNECTING and rejoined is not None:
             await asyncio.shield(rejoined)
         self._require_accepted()
-
-    def _drain_p2p_log(self) -> None:
-        if self._node is not None:
-            for line in self._node.drain_log():
-                log.warning("peer %s p2p: %s", self.peer_id, line)
 
     def _dispatch(self, msg: m.Message) -> None:
         if isinstance(msg, m.Ping):

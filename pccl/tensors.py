@@ -103,3 +103,63 @@ def as_raw(obj: Any, *, writable: bool, what: str = "tensor") -> RawTensor:
     dtype = _NUMPY_DTYPES[name]
     return RawTensor(data=data, dtype=dtype, count=data.nbytes // ELEMENT_SIZE[dtype], owner=obj,
                      shape=shape)
+
+
+def content_hash(tensor: Any) -> str:
+    """The bit-exact content hash of ``tensor`` as 32 lowercase hex digits: the hash
+    :meth:`Communicator.sync_shared_state` compares across peers (it hashes each
+    tensor's bytes the same way), so equal hex means equal bytes, bit for bit.
+
+    ``tensor`` is a numpy array, a torch tensor, or any object with DLPack or the buffer
+    protocol. Only the elements' bytes count (in memory order of a C-contiguous copy),
+    not the shape or the dtype: a non-contiguous view hashes like
+    ``np.ascontiguousarray(view)`` (copied first), and a numpy array and a torch tensor
+    with the same bytes give the same hex. A torch tensor on another device (CUDA) is
+    copied to the CPU first, which waits for the work queued on it. torch is imported
+    only for torch tensors. Raises :class:`InvalidArgumentError` for anything else
+    (Python objects in an ``object`` array have no bytes to hash)::
+
+        assert pccl.content_hash(model.weight) == pccl.content_hash(reference_weight)
+    """
+    from pccl import _core
+
+    return _core.content_hash_hex(_logical_bytes(tensor))
+
+
+def _logical_bytes(obj: Any) -> np.ndarray:
+    """A flat uint8 array of ``obj``'s elements in C order: a view when they already lie
+    that way, a contiguous copy otherwise."""
+    if _is_torch(obj):
+        import torch
+
+        t = obj.detach()
+        if t.layout != torch.strided:
+            raise InvalidArgumentError(f"content_hash needs a dense tensor, not {t.layout}")
+        if t.device.type != "cpu":
+            t = t.cpu()
+        # Lazily conjugated/negated views hold other bytes than they show.
+        t = t.resolve_conj().resolve_neg().contiguous().reshape(-1)
+        if t.numel() == 0:
+            return np.zeros(0, dtype=np.uint8)
+        try:
+            return t.view(torch.uint8).numpy()
+        except (RuntimeError, TypeError) as e:
+            raise InvalidArgumentError(
+                f"content_hash cannot read a {t.dtype} tensor: {e}") from None
+    if isinstance(obj, np.ndarray):
+        arr = obj
+    elif hasattr(obj, "__dlpack__"):
+        try:
+            arr = np.from_dlpack(obj)
+        except Exception as e:
+            raise InvalidArgumentError(f"content_hash: DLPack import failed: {e}") from None
+    else:
+        try:
+            arr = np.asarray(memoryview(obj))
+        except TypeError:
+            raise InvalidArgumentError(
+                "content_hash needs a numpy array, a torch tensor, or an object with DLPack "
+                f"or the buffer protocol; got {type(obj).__name__}") from None
+    if arr.dtype.hasobject:
+        raise InvalidArgumentError("content_hash cannot hash an array of Python objects")
+    return np.ascontiguousarray(arr).reshape(-1).view(np.uint8)

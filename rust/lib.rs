@@ -18,6 +18,8 @@ use pyo3::prelude::*;
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    // First, so that everything after it may log.
+    py::logging::register(m)?;
     py::errors::register(m)?;
     py::hash::register(m)?;
     py::transfer::register(m)?;

@@ -28,6 +28,14 @@ pub async fn read_frame<R: AsyncRead + Unpin>(
         .map_err(|e| CoreError::io("reading frame header", e))?;
     let len = u32::from_be_bytes(len_bytes) as usize;
     if len > max_len {
+        if len_bytes.iter().all(|b| (32..127).contains(b)) {
+            // Text where a length belongs: another protocol (HTTP, SSH, a port scanner).
+            return Err(CoreError::Protocol(format!(
+                "the other side is not speaking pccl (it sent {:?} where a frame length \
+                 belongs): check the address and port",
+                String::from_utf8_lossy(&len_bytes)
+            )));
+        }
         return Err(CoreError::Protocol(format!(
             "frame of {len} bytes exceeds the limit of {max_len} bytes"
         )));
@@ -97,6 +105,17 @@ mod tests {
         let err = read_frame(&mut b, &mut buf, 1024).await.unwrap_err();
         assert!(matches!(err, CoreError::Protocol(_)));
         assert_eq!(buf.capacity(), 0);
+    }
+
+    #[tokio::test]
+    async fn text_where_a_length_belongs_is_named_as_another_protocol() {
+        let (mut a, mut b) = tokio::io::duplex(64);
+        a.write_all(b"GET / HTTP/1.1\r\n").await.unwrap();
+        let mut buf = Vec::new();
+        match read_frame(&mut b, &mut buf, 1024).await.unwrap_err() {
+            CoreError::Protocol(m) => assert!(m.contains("not speaking pccl (it sent \"GET \""), "{m}"),
+            other => panic!("{other:?}"),
+        }
     }
 
     #[tokio::test]

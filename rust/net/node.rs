@@ -5,7 +5,7 @@
 
 use crate::error::{CoreError, CoreResult};
 use crate::net::handshake::{self, Purpose, StreamHello};
-use std::collections::{HashMap, VecDeque};
+use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -17,7 +17,6 @@ use tokio_util::task::TaskTracker;
 
 /// Most streams a single pool may have; more is a misuse (or an attack).
 pub const MAX_POOL: u16 = 64;
-const MAX_LOG: usize = 256;
 /// Most bytes one bandwidth probe stream may send (a bound, not a target).
 pub const MAX_PROBE_BYTES: u64 = 1 << 30;
 
@@ -69,7 +68,6 @@ pub struct Node {
     inbound_changed: Notify,
     cancel: CancellationToken,
     tracker: TaskTracker,
-    log: Mutex<VecDeque<String>>,
     /// Tensors this peer serves to others during a shared-state sync.
     pub transfers: crate::net::transfer::TransferRegistry,
     /// Transfer streams this peer dialed that finished a fetch cleanly, by source, for
@@ -100,7 +98,6 @@ impl Node {
             inbound_changed: Notify::new(),
             cancel: CancellationToken::new(),
             tracker: TaskTracker::new(),
-            log: Mutex::new(VecDeque::new()),
             transfers: Default::default(),
             idle_transfers: Mutex::new(HashMap::new()),
         });
@@ -120,7 +117,7 @@ impl Node {
                             .spawn(async move { n.handle_incoming(stream, remote).await });
                     }
                     Err(e) => {
-                        node.note(format!("p2p accept failed: {e}"));
+                        log::warn!("peer {}: p2p accept failed: {e}", node.peer_id());
                         // Out of file descriptors and similar: back off instead of spinning.
                         tokio::select! {
                             _ = cancel.cancelled() => break,
@@ -173,19 +170,6 @@ impl Node {
         &self.tracker
     }
 
-    /// Remembers something worth logging; Python drains these into its logger.
-    pub fn note(&self, msg: String) {
-        let mut log = self.log.lock().unwrap();
-        if log.len() == MAX_LOG {
-            log.pop_front();
-        }
-        log.push_back(msg);
-    }
-
-    pub fn drain_log(&self) -> Vec<String> {
-        self.log.lock().unwrap().drain(..).collect()
-    }
-
     async fn handle_incoming(self: Arc<Self>, mut stream: TcpStream, remote: SocketAddr) {
         let _ = stream.set_nodelay(true);
         let secret = self.cfg.secret.clone();
@@ -199,13 +183,29 @@ impl Node {
         let hello = match result {
             Ok(Ok(h)) => h,
             Ok(Err(e)) => {
-                self.note(format!("p2p connection from {remote} refused: {e}"));
+                // A wrong secret or bytes that are no pccl handshake (a port scanner,
+                // a misdirected client) are worth a warning; a dialer that went away
+                // mid-handshake is not.
+                let (level, hint) = match e {
+                    CoreError::Authentication(_) => (
+                        log::Level::Warn,
+                        " (do all peers use the same secret as this one?)",
+                    ),
+                    CoreError::Protocol(_) => (log::Level::Warn, ""),
+                    _ => (log::Level::Info, ""),
+                };
+                log::log!(
+                    level,
+                    "peer {}: p2p connection from {remote} refused: {e}{hint}",
+                    self.peer_id()
+                );
                 return;
             }
             Err(_) => {
-                self.note(format!(
-                    "p2p connection from {remote} refused: handshake timed out"
-                ));
+                log::info!(
+                    "peer {}: p2p connection from {remote} refused: handshake timed out",
+                    self.peer_id()
+                );
                 return;
             }
         };
@@ -216,10 +216,11 @@ impl Node {
                 r = crate::net::transfer::absorb_probe(stream, MAX_PROBE_BYTES, timeout) => r,
             };
             if let Err(e) = absorbed {
-                self.note(format!(
-                    "bandwidth probe from peer {} failed: {e}",
+                log::info!(
+                    "peer {}: bandwidth probe from peer {} failed: {e}",
+                    self.peer_id(),
                     hello.from
-                ));
+                );
             }
             return;
         }
@@ -230,24 +231,40 @@ impl Node {
                 r = crate::net::transfer::serve(&self.transfers, stream, timeout) => r,
             };
             if let Err(e) = served {
-                self.note(format!(
-                    "serving a transfer to peer {} failed: {e}",
+                log::info!(
+                    "peer {}: serving a transfer to peer {} failed: {e}",
+                    self.peer_id(),
                     hello.from
-                ));
+                );
             }
             return;
         }
-        if let Err(msg) = self.file_inbound(hello, stream) {
-            self.note(format!("p2p stream from {remote} dropped: {msg}"));
+        let (from, epoch, index, pool) = (hello.from, hello.epoch, hello.stream, hello.pool);
+        match self.file_inbound(hello, stream) {
+            Ok(()) => log::debug!(
+                "peer {}: accepted p2p stream {index} of {pool} from peer {from} (epoch {epoch})",
+                self.peer_id()
+            ),
+            Err((level, msg)) => log::log!(
+                level,
+                "peer {}: p2p stream from {remote} dropped: {msg}",
+                self.peer_id()
+            ),
         }
     }
 
-    fn file_inbound(&self, h: StreamHello, stream: TcpStream) -> Result<(), String> {
+    /// Files an accepted stream; on refusal, why and how loudly to say so (the lock is
+    /// released by then: never log under it).
+    fn file_inbound(&self, h: StreamHello, stream: TcpStream) -> Result<(), (log::Level, String)> {
         if h.pool == 0 || h.pool > MAX_POOL || h.stream >= h.pool {
-            return Err(format!("bad stream index {} of pool {}", h.stream, h.pool));
+            return Err((
+                log::Level::Warn,
+                format!("bad stream index {} of pool {}", h.stream, h.pool),
+            ));
         }
         if h.epoch < *self.min_epoch.lock().unwrap() {
-            return Err(format!("stale epoch {}", h.epoch));
+            // A neighbour still dialing for a ring the group has moved past: routine.
+            return Err((log::Level::Debug, format!("stale epoch {}", h.epoch)));
         }
         let key = PoolKey {
             peer: h.from,
@@ -257,9 +274,9 @@ impl Node {
         let mut inbound = self.inbound.lock().unwrap();
         let pool = inbound.entry(key).or_insert_with(|| Pool::new(h.pool));
         if pool.size != h.pool {
-            return Err(format!(
-                "pool size {} disagrees with earlier {}",
-                h.pool, pool.size
+            return Err((
+                log::Level::Warn,
+                format!("pool size {} disagrees with earlier {}", h.pool, pool.size),
             ));
         }
         // A re-dial of the same slot replaces the old stream (the dialer gave up on it).
@@ -308,6 +325,10 @@ impl Node {
                 purpose,
             },
             streams,
+        );
+        log::debug!(
+            "peer {}: {n} p2p stream(s) open to peer {to} at {addr} ({purpose:?}, epoch {epoch})",
+            self.peer_id()
         );
         Ok(())
     }
@@ -614,18 +635,40 @@ mod tests {
         a.close().await;
     }
 
+    /// Waits (bounded) for captured records containing `needle` (they are logged by the
+    /// listener's tasks, a moment after the dialer saw the outcome).
+    async fn logged(needle: &str) -> Vec<crate::py::logging::capture::Entry> {
+        for _ in 0..200 {
+            let got = crate::py::logging::capture::matching(needle);
+            if !got.is_empty() {
+                return got;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        panic!("nothing was logged containing {needle:?}");
+    }
+
     #[tokio::test]
     async fn wrong_secret_is_refused_and_logged() {
+        crate::py::logging::capture::install();
         let any: SocketAddr = "127.0.0.1:0".parse().unwrap();
-        let a = Node::bind(cfg(1, Some(b"x")), any).await.unwrap();
-        let b = Node::bind(cfg(2, Some(b"y")), any).await.unwrap();
+        // Peer ids no other test uses: the captured records are process-wide.
+        let a = Node::bind(cfg(7101, Some(b"x")), any).await.unwrap();
+        let b = Node::bind(cfg(7102, Some(b"y")), any).await.unwrap();
         let err = a
-            .connect_pool(b.local_addr(), 2, 1, 2, Purpose::Ring)
+            .connect_pool(b.local_addr(), 7102, 1, 2, Purpose::Ring)
             .await
             .unwrap_err();
         assert!(matches!(err, CoreError::Authentication(_)));
+        // (Of a pool of two, the other stream may just see the dialer hang up.)
+        let records = logged("claimed peer 7101 failed authentication").await;
+        assert!(records
+            .iter()
+            .all(|(level, target, msg)| *level == log::Level::Warn
+                && target == "_core::net::node"
+                && msg.starts_with("peer 7102: p2p connection from 127.0.0.1:")
+                && msg.contains("same secret")));
         b.close().await;
-        assert!(b.drain_log().iter().any(|l| l.contains("authentication")));
         a.close().await;
     }
 
@@ -633,18 +676,19 @@ mod tests {
     async fn garbage_and_huge_prefix_do_not_disturb_the_listener() {
         use tokio::io::AsyncWriteExt;
         let any: SocketAddr = "127.0.0.1:0".parse().unwrap();
-        let a = Node::bind(cfg(1, None), any).await.unwrap();
-        let b = Node::bind(cfg(2, None), any).await.unwrap();
+        crate::py::logging::capture::install();
+        let a = Node::bind(cfg(7201, None), any).await.unwrap();
+        let b = Node::bind(cfg(7202, None), any).await.unwrap();
         let mut s = TcpStream::connect(b.local_addr()).await.unwrap();
         s.write_all(&u32::MAX.to_be_bytes()).await.unwrap();
         let mut s2 = TcpStream::connect(b.local_addr()).await.unwrap();
         s2.write_all(b"GET / HTTP/1.1\r\n\r\n").await.unwrap();
-        a.connect_pool(b.local_addr(), 2, 1, 2, Purpose::Ring)
+        a.connect_pool(b.local_addr(), 7202, 1, 2, Purpose::Ring)
             .await
             .unwrap();
         b.take_inbound(
             PoolKey {
-                peer: 1,
+                peer: 7201,
                 epoch: 1,
                 purpose: Purpose::Ring,
             },
@@ -652,6 +696,15 @@ mod tests {
         )
         .await
         .unwrap();
+        // Both strangers were refused out loud, the real streams noted quietly.
+        let refused = logged("peer 7202: p2p connection from").await;
+        assert!(refused
+            .iter()
+            .all(|(level, _, _)| *level == log::Level::Warn));
+        let accepted = logged("peer 7202: accepted p2p stream").await;
+        assert!(accepted
+            .iter()
+            .all(|(level, _, _)| *level == log::Level::Debug));
         a.close().await;
         b.close().await;
     }

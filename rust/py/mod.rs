@@ -2,6 +2,7 @@
 
 pub mod errors;
 pub mod hash;
+pub mod logging;
 pub mod node;
 pub mod ring;
 pub mod transfer;

@@ -1,7 +1,7 @@
 //! `P2PNode`: the Python handle of a peer's p2p endpoint. Every network method returns
 //! an awaitable that runs on tokio with the GIL released.
 
-use crate::error::CoreError;
+use crate::error::{CoreError, CoreResult};
 use crate::net::handshake::Purpose;
 use crate::net::{Node, NodeConfig};
 use pyo3::prelude::*;
@@ -30,10 +30,20 @@ pub(crate) async fn resolve(addr: &str) -> Result<SocketAddr, CoreError> {
         .ok_or_else(|| CoreError::InvalidArgument(format!("{addr:?} resolves to no address")))
 }
 
-fn seconds(name: &str, v: f64) -> PyResult<Duration> {
-    Duration::try_from_secs_f64(v).map_err(|_| {
-        CoreError::InvalidArgument(format!("{name} must be a positive number of seconds")).into()
-    })
+/// Longest span of seconds taken from Python (about 31 years: "never" for any run),
+/// far below where deadline arithmetic (`Instant + Duration`) would overflow.
+pub(crate) const MAX_SECONDS: f64 = 1e9;
+
+/// A span of seconds from Python: finite, non-negative and at most `MAX_SECONDS`, or an
+/// `InvalidArgumentError` (`Duration::from_secs_f64` would panic on the rest).
+pub(crate) fn seconds(name: &str, v: f64) -> CoreResult<Duration> {
+    // Written so that NaN fails too.
+    if !(0.0..=MAX_SECONDS).contains(&v) {
+        return Err(CoreError::InvalidArgument(format!(
+            "{name} must be a number of seconds between 0 and {MAX_SECONDS:e}, got {v}"
+        )));
+    }
+    Ok(Duration::from_secs_f64(v))
 }
 
 #[pymethods]
@@ -108,11 +118,6 @@ impl PyP2PNode {
         self.node.retain_from_epoch(epoch)
     }
 
-    /// Takes the log lines the node collected (refused connections and the like).
-    fn drain_log(&self) -> Vec<String> {
-        self.node.drain_log()
-    }
-
     /// Stops the listener and all tasks and drops every stream. Idempotent.
     fn close<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
         let node = self.node.clone();
@@ -131,5 +136,39 @@ impl Drop for PyP2PNode {
     fn drop(&mut self) {
         // A node dropped without close() must not keep listening.
         self.node.cancel_token().cancel();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn seconds_refuses_what_duration_would_panic_on() {
+        assert_eq!(seconds("t", 0.0).unwrap(), Duration::ZERO);
+        assert_eq!(seconds("t", -0.0).unwrap(), Duration::ZERO);
+        assert_eq!(seconds("t", 2.5).unwrap(), Duration::from_millis(2500));
+        assert_eq!(
+            seconds("t", MAX_SECONDS).unwrap(),
+            Duration::from_secs(MAX_SECONDS as u64)
+        );
+        for bad in [
+            -1.0,
+            -1e-9,
+            f64::NAN,
+            f64::INFINITY,
+            f64::NEG_INFINITY,
+            MAX_SECONDS * 1.5,
+            1e300,
+        ] {
+            match seconds("io_timeout", bad) {
+                Err(CoreError::InvalidArgument(msg)) => {
+                    assert!(msg.starts_with("io_timeout must be"), "{msg}")
+                }
+                other => panic!("{bad}: {other:?}"),
+            }
+        }
+        // The largest accepted span still makes a deadline without overflowing.
+        let _ = std::time::Instant::now() + seconds("t", MAX_SECONDS).unwrap();
     }
 }

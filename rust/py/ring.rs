@@ -4,7 +4,7 @@
 use crate::error::CoreError;
 use crate::net::handshake::Purpose;
 use crate::net::node::PoolKey;
-use crate::py::node::PyP2PNode;
+use crate::py::node::{seconds, PyP2PNode};
 use crate::quant::{QuantAlgorithm, WireType};
 use crate::reduce::{DType, ReduceOp};
 use crate::ring::allreduce::OpMemory;
@@ -13,7 +13,6 @@ use pyo3::buffer::PyBuffer;
 use pyo3::prelude::*;
 use pyo3_async_runtimes::tokio::future_into_py;
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 
 /// Raw view of a contiguous byte buffer exported by a Python object.
@@ -64,8 +63,8 @@ impl PyP2PNode {
     ) -> PyResult<Bound<'py, PyAny>> {
         let node = self.node.clone();
         let slot = self.ring.clone();
-        let pool_timeout = Duration::from_secs_f64(pool_timeout);
-        let io_timeout = Duration::from_secs_f64(io_timeout);
+        let pool_timeout = seconds("pool_timeout", pool_timeout)?;
+        let io_timeout = seconds("io_timeout", io_timeout)?;
         future_into_py(py, async move {
             let old = slot.lock().unwrap().take();
             if let Some(old) = old {
@@ -97,6 +96,10 @@ impl PyP2PNode {
             let links =
                 RingLinks::new(epoch, next, prev, to_next, from_prev, max_piece, io_timeout);
             *slot.lock().unwrap() = Some(links);
+            log::debug!(
+                "peer {}: ring of epoch {epoch} installed (next peer {next}, previous {prev})",
+                node.peer_id()
+            );
             Ok(())
         })
     }

@@ -3,7 +3,7 @@
 use crate::error::{CoreError, CoreResult};
 use crate::net::node::Node;
 use crate::net::transfer::{self, Served};
-use crate::py::node::{resolve, PyP2PNode};
+use crate::py::node::{resolve, seconds as checked_seconds, PyP2PNode};
 use crate::py::ring::{raw_buffer, KeepAlive};
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
@@ -11,7 +11,6 @@ use pyo3_async_runtimes::tokio::future_into_py;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
 use tokio::net::TcpStream;
 
 /// Bytes landed by one fetch so far: hand one to `fetch_into(counter=...)` and read
@@ -52,8 +51,8 @@ impl PyP2PNode {
         io_timeout: f64,
     ) -> PyResult<Bound<'py, PyAny>> {
         let node = self.node.clone();
-        let duration = Duration::from_secs_f64(seconds);
-        let timeout = Duration::from_secs_f64(io_timeout);
+        let duration = checked_seconds("seconds", seconds)?;
+        let timeout = checked_seconds("io_timeout", io_timeout)?;
         let max_bytes = max_bytes.min(crate::net::node::MAX_PROBE_BYTES);
         future_into_py(py, async move {
             let sock = resolve(&addr).await?;
@@ -137,7 +136,7 @@ impl PyP2PNode {
         let total = total.unwrap_or(offset.saturating_add(raw.len as u64));
         let keep = KeepAlive(out.clone().unbind());
         let node = self.node.clone();
-        let timeout = Duration::from_secs_f64(io_timeout);
+        let timeout = checked_seconds("io_timeout", io_timeout)?;
         future_into_py(py, async move {
             let _keep = keep;
             let sock = resolve(&addr).await?;
@@ -196,7 +195,7 @@ impl PyP2PNode {
             .collect::<PyResult<Vec<_>>>()?;
         let keep: Vec<KeepAlive> = outs.iter().map(|o| KeepAlive(o.clone().unbind())).collect();
         let node = self.node.clone();
-        let timeout = Duration::from_secs_f64(io_timeout);
+        let timeout = checked_seconds("io_timeout", io_timeout)?;
         future_into_py(py, async move {
             let _keep = keep;
             let sock = resolve(&addr).await?;

@@ -1,0 +1,308 @@
+"""What a new user trips over (issue 17): Rust log records reach ``logging`` at their own
+level as they happen, ``PCCL_LOG_LEVEL`` works, bad timeouts are typed errors (never a
+``PanicException``), and ``pccl.content_hash`` hashes any tensor like the sync does."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import pccl
+from pccl import _core, _logging
+from pccl.protocol import messages as m
+
+RUST = "pccl._core"
+
+
+async def _records(caplog: pytest.LogCaptureFixture, needle: str, within: float = 5.0
+                   ) -> list[logging.LogRecord]:
+    """Records from the Rust core whose message contains ``needle``, waiting (bounded)
+    for them: the listener logs from a tokio thread while the dialer's call returns."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + within
+    while True:
+        got = [r for r in caplog.records
+               if r.name.startswith(RUST) and needle in r.getMessage()]
+        if got or loop.time() > deadline:
+            return got
+        await asyncio.sleep(0.01)
+
+
+# --- Rust records in Python's logging ----------------------------------------------------
+
+async def test_wrong_secret_is_logged_at_warning_as_it_happens(caplog) -> None:
+    caplog.set_level(logging.DEBUG, logger="pccl")
+    a = await _core.P2PNode.bind(8101, secret=b"one secret")
+    b = await _core.P2PNode.bind(8102, secret=b"another secret")
+    try:
+        with pytest.raises(pccl.AuthenticationError):
+            await a.connect_pool(f"127.0.0.1:{b.port}", 8102, 1, 2)
+        # No Communicator, no read loop, nothing drains: the records come by themselves.
+        # (Of a pool of two, the other stream may just see the dialer hang up: INFO.)
+        refused = await _records(caplog, "failed authentication")
+        assert refused, "the refusal was never logged"
+        for r in refused:
+            assert r.name == "pccl._core.net.node"
+            assert r.levelno == logging.WARNING
+            assert r.getMessage().startswith("peer 8102: p2p connection from 127.0.0.1:")
+            assert "same secret" in r.getMessage()
+    finally:
+        await a.close()
+        await b.close()
+
+
+async def test_garbage_is_a_warning_and_a_good_stream_a_debug_record(caplog) -> None:
+    caplog.set_level(logging.DEBUG, logger="pccl")
+    a = await _core.P2PNode.bind(8201)
+    b = await _core.P2PNode.bind(8202)
+    try:
+        _, w = await asyncio.open_connection("127.0.0.1", b.port)
+        w.write(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+        await w.drain()
+        refused = await _records(caplog, "peer 8202: p2p connection from")
+        w.close()
+        with contextlib.suppress(ConnectionError):  # the listener hung up on us
+            await w.wait_closed()
+        assert refused and all(r.levelno == logging.WARNING for r in refused)
+        await a.connect_pool(f"127.0.0.1:{b.port}", 8202, 1, 2)
+        accepted = await _records(caplog, "peer 8202: accepted p2p stream")
+        assert accepted and all(r.levelno == logging.DEBUG for r in accepted)
+        assert {r.name for r in accepted} == {"pccl._core.net.node"}
+    finally:
+        await a.close()
+        await b.close()
+
+
+async def test_level_changes_at_run_time_apply_to_rust_records(caplog) -> None:
+    """The Rust side caches each logger's level; a later setLevel must still count."""
+    caplog.set_level(logging.WARNING, logger="pccl")
+    a = await _core.P2PNode.bind(8301)
+    b = await _core.P2PNode.bind(8302)
+    try:
+        await a.connect_pool(f"127.0.0.1:{b.port}", 8302, 1, 1)
+        await asyncio.sleep(0.2)  # the debug record, disabled, is dropped (and cached so)
+        assert not await _records(caplog, "peer 8302: accepted", within=0.0)
+        caplog.set_level(logging.DEBUG, logger="pccl")
+        await a.connect_pool(f"127.0.0.1:{b.port}", 8302, 2, 1)
+        assert await _records(caplog, "peer 8302: accepted p2p stream 0 of 1 from peer 8301 "
+                                      "(epoch 2)")
+        logging.getLogger("pccl").setLevel(logging.ERROR)
+        caplog.clear()
+        await a.connect_pool(f"127.0.0.1:{b.port}", 8302, 3, 1)
+        await asyncio.sleep(0.2)
+        assert not await _records(caplog, "peer 8302: accepted", within=0.0)
+    finally:
+        await a.close()
+        await b.close()
+
+
+def _python(code: str, level: str | None) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k != _logging.ENV_VAR}
+    if level is not None:
+        env[_logging.ENV_VAR] = level
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                          text=True, timeout=60)
+
+
+@pytest.mark.parametrize(("value", "want"), [("debug", 10), ("INFO", 20), (" warning ", 30),
+                                             ("error", 40), ("15", 15), (None, 0), ("", 0)])
+def test_pccl_log_level_sets_the_pccl_logger(value, want) -> None:
+    p = _python("import pccl, logging; print(logging.getLogger('pccl').level)", value)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.strip() == str(want)
+    assert "Warning" not in p.stderr
+
+
+@pytest.mark.parametrize("value", ["verbose", "-3", "debugg"])
+def test_a_bogus_pccl_log_level_warns_and_changes_nothing(value) -> None:
+    p = _python("import pccl, logging; print(logging.getLogger('pccl').level)", value)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.strip() == "0"
+    assert "RuntimeWarning" in p.stderr and f"PCCL_LOG_LEVEL={value!r}" in p.stderr
+
+
+def test_bogus_value_in_process_warns() -> None:
+    before = logging.getLogger("pccl").level
+    with pytest.warns(RuntimeWarning, match="is not a log level"):
+        _logging.configure_from_env({_logging.ENV_VAR: "loud"})
+    assert logging.getLogger("pccl").level == before
+
+
+_REFUSED_SCRIPT = """
+import asyncio, pccl
+from pccl import _core
+async def main():
+    a = await _core.P2PNode.bind(1, secret=b"x")
+    b = await _core.P2PNode.bind(2, secret=b"y")
+    try:
+        await a.connect_pool(f"127.0.0.1:{b.port}", 2, 1, 1)
+    except pccl.AuthenticationError:
+        pass
+    await asyncio.sleep(0.5)
+    await a.close(); await b.close()
+asyncio.run(main())
+"""
+
+
+def test_pccl_log_level_prints_rust_records_to_stderr() -> None:
+    """A program that configured no logging still sees pccl's records when asked to."""
+    p = _python(_REFUSED_SCRIPT, "debug")
+    assert p.returncode == 0, p.stderr
+    assert "WARNING pccl._core.net.node: peer 2: p2p connection from" in p.stderr
+    quiet = _python(_REFUSED_SCRIPT, None)
+    assert quiet.returncode == 0, quiet.stderr
+    # Python's last-resort handler still shows warnings, once each, without our format.
+    assert "WARNING pccl._core" not in quiet.stderr
+
+
+# --- timeouts from Python are checked, never a panic -------------------------------------
+
+BAD_SECONDS = [-1.0, -1e-9, math.nan, math.inf, -math.inf, 1e300, 1e10]
+
+
+async def _node_pair():
+    a = await _core.P2PNode.bind(8401)
+    b = await _core.P2PNode.bind(8402)
+    return a, b
+
+
+@pytest.mark.parametrize("bad", BAD_SECONDS)
+async def test_bad_timeouts_raise_invalid_argument(bad) -> None:
+    a, b = await _node_pair()
+    addr = f"127.0.0.1:{b.port}"
+    out = np.zeros(16, dtype=np.uint8)
+    calls = [
+        lambda: _core.P2PNode.bind(1, handshake_timeout=bad),
+        lambda: _core.P2PNode.bind(1, connect_timeout=bad),
+        lambda: a.install_ring(1, 8402, 8402, pool_timeout=bad),
+        lambda: a.install_ring(1, 8402, 8402, io_timeout=bad),
+        lambda: a.probe(addr, 8402, seconds=bad),
+        lambda: a.probe(addr, 8402, io_timeout=bad),
+        lambda: a.fetch_into(addr, 8402, "k", out, io_timeout=bad),
+        lambda: a.fetch_many_into(addr, 8402, ["k"], [out], io_timeout=bad),
+    ]
+    try:
+        for call in calls:
+            # Refused at the call, before anything is scheduled (so nothing to await).
+            with pytest.raises(pccl.InvalidArgumentError, match="must be a number of seconds"):
+                call()
+    finally:
+        await a.close()
+        await b.close()
+
+
+async def test_good_edge_timeouts_are_accepted() -> None:
+    a, b = await _node_pair()
+    try:
+        await a.install_ring(1, -1, -1, pool_timeout=0.0, io_timeout=1e9)  # ring of one
+        node = await _core.P2PNode.bind(1, handshake_timeout=1e9, connect_timeout=0.5)
+        await node.close()
+    finally:
+        await a.close()
+        await b.close()
+
+
+# --- pccl.content_hash -------------------------------------------------------------------
+
+def _sample(shape=(64, 33), dtype=np.float32) -> np.ndarray:
+    return np.random.default_rng(7).standard_normal(shape).astype(dtype)
+
+
+def test_content_hash_is_the_core_hash_of_the_bytes() -> None:
+    x = _sample()
+    h = pccl.content_hash(x)
+    assert isinstance(h, str) and len(h) == 32 and int(h, 16) >= 0
+    assert h == _core.content_hash(x.tobytes()).hex()
+    assert "content_hash" in pccl.__all__
+
+
+def test_one_flipped_bit_changes_the_hash() -> None:
+    x = _sample()
+    h = pccl.content_hash(x)
+    raw = x.reshape(-1).view(np.uint8)
+    for i in (0, raw.size // 2, raw.size - 1):
+        raw[i] ^= 1 << (i % 8)
+        assert pccl.content_hash(x) != h
+        raw[i] ^= 1 << (i % 8)
+    assert pccl.content_hash(x) == h
+
+
+def test_non_contiguous_views_hash_their_logical_contents() -> None:
+    x = _sample((40, 50))
+    for view in (x.T, x[:, ::3], x[::-1], x[5:9, 7]):
+        assert not view.flags.c_contiguous
+        assert pccl.content_hash(view) == pccl.content_hash(np.ascontiguousarray(view))
+    assert pccl.content_hash(x.T) != pccl.content_hash(x)
+
+
+def test_other_inputs() -> None:
+    assert pccl.content_hash(b"abc") == _core.content_hash_hex(b"abc")
+    assert pccl.content_hash(np.zeros(0, np.float32)) == _core.content_hash_hex(b"")
+    assert pccl.content_hash(np.float64(1.5)) == _core.content_hash_hex(np.float64(1.5).tobytes())
+    with pytest.raises(pccl.InvalidArgumentError):
+        pccl.content_hash(np.array([object()]))
+    with pytest.raises(pccl.InvalidArgumentError):
+        pccl.content_hash([1, 2, 3])
+
+
+def test_numpy_input_does_not_import_torch() -> None:
+    code = ("import sys, numpy as np, pccl; pccl.content_hash(np.arange(9.0)[::2]); "
+            "print('torch' in sys.modules)")
+    p = _python(code, None)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.strip() == "False"
+
+
+def test_numpy_and_torch_agree() -> None:
+    torch = pytest.importorskip("torch")
+    x = _sample((30, 20))
+    t = torch.from_numpy(x.copy())
+    assert pccl.content_hash(t) == pccl.content_hash(x)
+    assert pccl.content_hash(t.T) == pccl.content_hash(x.T)  # non-contiguous
+    assert pccl.content_hash(t[:, 1::2]) == pccl.content_hash(x[:, 1::2])
+    assert pccl.content_hash(t.requires_grad_()) == pccl.content_hash(x)
+    b = torch.arange(10, dtype=torch.bfloat16)
+    assert pccl.content_hash(b) == _core.content_hash_hex(b.view(torch.uint8).numpy())
+    t2 = torch.from_numpy(x.copy())
+    t2.view(torch.int32).view(-1)[3] ^= 1
+    assert pccl.content_hash(t2) != pccl.content_hash(x)
+
+
+async def test_content_hash_is_what_the_sync_compares(pccl_cluster) -> None:
+    """The hashes a peer announces in its sync are pccl.content_hash's, and after a
+    sync every peer's tensors have the same pccl.content_hash."""
+    cluster = await pccl_cluster(2)
+    good = _sample((100, 10))
+    bad = good.copy()
+    bad[3, 3] += 1.0
+    bad_copy = bad.copy()
+    tensors = [{"w": good.copy(), "n": np.arange(5, dtype=np.int64)},
+               {"w": bad, "n": np.arange(5, dtype=np.int64)}]
+    sent: list[m.SyncInit] = []
+    comm = cluster.comms[0]
+    send = comm._send
+
+    def spy(msg: m.Message) -> None:
+        if isinstance(msg, m.SyncInit):
+            sent.append(msg)
+        send(msg)
+
+    comm._send = spy  # type: ignore[method-assign]
+    before = {k: pccl.content_hash(v) for k, v in tensors[0].items()}
+    states = [pccl.SharedState([pccl.TensorInfo.from_numpy(v, k) for k, v in t.items()])
+              for t in tensors]
+    await asyncio.gather(*(c.sync_shared_state(s) for c, s in zip(cluster.comms, states)))
+    assert len(sent) == 1
+    assert [h.hex() for h in sent[0].hashes] == [before[k] for k in sent[0].keys]
+    # One of the two "w" won; either way both peers now hash the same.
+    for k in ("w", "n"):
+        assert pccl.content_hash(tensors[1][k]) == pccl.content_hash(tensors[0][k])
+    assert pccl.content_hash(tensors[0]["w"]) in {before["w"], pccl.content_hash(bad_copy)}
