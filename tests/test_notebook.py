@@ -86,3 +86,15 @@ async def test_quickstart_notebook_runs_and_shows_every_step(
     assert len(images) == 1, "the plot cell should show exactly one inline figure"
     assert "peers: ['CLOSED', 'CLOSED', 'CLOSED'] | master stopped" in out
     assert not list(work.iterdir()), "the notebook wrote files"
+
+
+def test_quickstart_uses_only_the_public_api() -> None:
+    """A new user copies from the notebook: no private modules or attributes in it."""
+    import re
+
+    private = re.compile(r"(?:\bfrom\s+pccl\S*\s+import\s+_\w|\bpccl\.\w*\._|\._[a-z]\w*)")
+    for cell in json.loads(NOTEBOOK.read_text())["cells"]:
+        if cell["cell_type"] != "code":
+            continue
+        for line in "".join(cell["source"]).splitlines():
+            assert not private.search(line.split("#")[0]), line
