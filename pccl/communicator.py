@@ -122,11 +122,27 @@ def _check_master_address(master: str) -> None:
             f"{DEFAULT_PORT}')")
 
 
+_MAX_SECONDS = 7 * 24 * 3600.0  # a week: longer is a mistake (and past the master's cap)
+
+
 def _check_deadline(value: float | None, what: str) -> float | None:
     if value is None:
         return None
-    if not isinstance(value, (int, float)) or not 0 < value < float("inf"):
-        raise _core.InvalidArgumentError(f"{what} must be a positive number of seconds or None")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) \
+            or not 0 < value <= _MAX_SECONDS:
+        raise _core.InvalidArgumentError(
+            f"{what} must be a positive number of seconds up to a week ({_MAX_SECONDS:.0f}) "
+            f"or None, got {value!r}")
+    return float(value)
+
+
+def _check_seconds(value: float, what: str, zero_ok: bool = False) -> float:
+    low_ok = (lambda v: v >= 0) if zero_ok else (lambda v: v > 0)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) \
+            or not (low_ok(value) and value <= _MAX_SECONDS):
+        raise _core.InvalidArgumentError(
+            f"{what} must be a {'non-negative' if zero_ok else 'positive'} number of seconds "
+            f"up to a week, got {value!r}")
     return float(value)
 
 
@@ -206,6 +222,10 @@ class Communicator:
             raise _core.InvalidArgumentError("p2p_connection_pool_size must be in 1..64")
         _check_master_address(master)
         self.collective_timeout = _check_deadline(collective_timeout, "collective_timeout")
+        for name, value in (("timeout", timeout), ("p2p_timeout", p2p_timeout),
+                            ("peer_timeout", peer_timeout)):
+            _check_seconds(value, name)
+        _check_seconds(reconnect_timeout, "reconnect_timeout", zero_ok=True)
         self.master = master
         self.peer_group = peer_group
         self.p2p_connection_pool_size = p2p_connection_pool_size

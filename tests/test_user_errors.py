@@ -128,3 +128,22 @@ async def test_close_with_a_handle_pending_settles_it_quietly(pccl_cluster) -> N
         assert reports == []  # no "Task exception was never retrieved"
     finally:
         loop.set_exception_handler(old)
+
+
+@pytest.mark.parametrize("option", ["timeout", "p2p_timeout", "peer_timeout",
+                                    "reconnect_timeout", "collective_timeout"])
+@pytest.mark.parametrize("value", [-1.0, float("nan"), float("inf"), 1e300, True])
+def test_communicator_refuses_bad_timeouts_at_construction(option: str, value: float) -> None:
+    with pytest.raises(pccl.InvalidArgumentError, match=option):
+        pccl.Communicator("127.0.0.1:1", **{option: value})
+
+
+async def test_a_bad_per_call_timeout_is_refused_before_anything_is_sent(pccl_cluster) -> None:
+    cluster = await pccl_cluster(1)
+    (c,) = cluster.comms
+    for value in (-1.0, 0.0, float("nan"), 1e12):
+        with pytest.raises(pccl.InvalidArgumentError, match="timeout"):
+            await c.all_reduce(np.ones(4, np.float32), timeout=value)
+        with pytest.raises(pccl.InvalidArgumentError, match="timeout"):
+            await c.update_topology(timeout=value)
+    assert await c.pending_peer_count() == 0  # still healthy
