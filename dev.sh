@@ -1,21 +1,55 @@
 #!/usr/bin/env bash
 # One entry point for a fresh machine:
-#   ./dev.sh demo   set everything up, then run a local demo cluster
-#   ./dev.sh test   set everything up, then run every test (cargo + pytest)
-#   ./dev.sh setup  only set up (.venv with pccl built in release mode, test deps, torch)
+#   ./dev.sh demo   install pccl (no test deps, no torch), then run a local demo cluster
+#   ./dev.sh test   set everything up, then run every test (cargo + pytest), then build
+#                   the documentation strictly (what CI runs)
+#   ./dev.sh docs   install the docs tools only, then build the documentation strictly
+#                   (mkdocs + mkdocstrings read the sources: no Rust build needed)
+#   ./dev.sh setup  only set up (.venv with pccl built in release mode, test and docs
+#                   deps, torch)
 set -euo pipefail
 cd "$(dirname "$0")"
 
 PY=${PYTHON:-python3}
 VENV=.venv
 
-setup() {
+venv() {
     if [ ! -x "$VENV/bin/python" ]; then
         "$PY" -m venv "$VENV"
     fi
     "$VENV/bin/python" -m pip install -q --upgrade pip
+}
+
+# The demo (python -m pccl demo) needs only pccl's own dependencies (numpy, msgpack).
+setup_demo() {
+    venv
+    "$VENV/bin/python" -m pip install -q -e .
+}
+
+# The pinned requirements of one optional extra in pyproject.toml, installed without
+# (re)building pccl itself: the docs build reads the sources, it never imports them.
+install_extra_requirements() {
+    local reqs
+    mapfile -t reqs < <("$VENV/bin/python" - "$1" <<'PYEOF'
+import sys, tomllib
+with open("pyproject.toml", "rb") as f:
+    print("\n".join(tomllib.load(f)["project"]["optional-dependencies"][sys.argv[1]]))
+PYEOF
+    )
+    [ "${#reqs[@]}" -gt 0 ] || { echo "no extra '$1' in pyproject.toml" >&2; exit 1; }
+    "$VENV/bin/python" -m pip install -q "${reqs[@]}"
+}
+
+docs() {
+    # strict: a broken link, a missing page or a docstring griffe cannot parse fails it
+    "$VENV/bin/mkdocs" build --strict -d "${PCCL_DOCS_DIR:-site}"
+    echo "docs built into ${PCCL_DOCS_DIR:-site}/"
+}
+
+setup() {
+    venv
     # torch is optional for users; the tests that use it run whenever it installs.
-    "$VENV/bin/python" -m pip install -q -e ".[test]"
+    "$VENV/bin/python" -m pip install -q -e ".[test,docs]"
     if [ "${PCCL_SKIP_TORCH:-0}" != "1" ]; then
         "$VENV/bin/python" -m pip install -q -e ".[torch]" \
             || echo "torch did not install: its tests will be skipped" >&2
@@ -27,7 +61,7 @@ case "${1:-}" in
         setup
         ;;
     demo)
-        setup
+        setup_demo
         shift
         "$VENV/bin/python" -m pccl demo "$@"
         ;;
@@ -36,9 +70,15 @@ case "${1:-}" in
         shift
         cargo test --locked
         "$VENV/bin/python" -m pytest "$@"
+        docs
+        ;;
+    docs)
+        venv
+        install_extra_requirements docs
+        docs
         ;;
     *)
-        echo "usage: $0 {demo|test|setup}" >&2
+        echo "usage: $0 {demo|test|docs|setup}" >&2
         exit 2
         ;;
 esac

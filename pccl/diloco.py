@@ -39,33 +39,33 @@ Example (one peer; every peer of the run runs the same code)::
 
 API
 ---
-``DiLoCo(model, inner_optimizer, comm, *, inner_steps=500, outer_lr=0.7,
-outer_momentum=0.9, nesterov=True, async_mode=False, quantization=None, max_retries=8,
-tag=DEFAULT_TAG)``
-    ``model``: an ``nn.Module`` (its ``named_parameters()``), a mapping name -> tensor, or
-    a sequence of tensors (torch CPU / CUDA tensors or numpy arrays; float16, bfloat16,
-    float32, float64). ``inner_optimizer`` may be None if you only call :meth:`step`.
-    ``comm`` is a connected :class:`pccl.Communicator`; DiLoCo never closes it.
-    ``tag`` and ``tag + 1`` are the all-reduce tags it uses.
-``await start(strategy=None)``
-    The first sync, before any inner step (``async with`` calls it). A peer joining a
-    running group syncs ``RECEIVE_ONLY`` and adopts the group's global parameters,
-    momentum and outer-step count; when nobody offers state yet (the first peers of a
-    run) every peer retries with ``ENFORCE_POPULAR``, so founders with the same seed
-    start from their common initialisation (different seeds: the earliest joiner's).
-``await step() -> OuterStepInfo | None``
-    Call after each inner optimizer step; every H-th call takes the outer step.
-``await inner_step(loss_fn) -> float``
-    ``zero_grad``, ``loss = loss_fn()``, ``backward``, ``inner_optimizer.step()`` in a
-    worker thread, then :meth:`step`; returns the loss.
-``await flush()``
-    Async mode: wait for the reduce in flight and apply it now (collective: every peer
-    calls it at the same point, e.g. right after the last outer step of a run).
-``await close()``
-    Cancel a reduce in flight (the others see it fail and retry without this peer).
-Properties: ``outer_step``, ``inner_step_count``, ``reduce_in_flight``,
-``global_parameters`` / ``momentum_buffers`` (name -> float32 numpy views),
-``shared_state``, ``last_info``.
+- ``DiLoCo(model, inner_optimizer, comm, *, inner_steps=500, outer_lr=0.7,
+  outer_momentum=0.9, nesterov=True, async_mode=False, quantization=None, max_retries=8,
+  tag=DEFAULT_TAG)``:
+  ``model`` is an ``nn.Module`` (its ``named_parameters()``), a mapping name -> tensor, or
+  a sequence of tensors (torch CPU / CUDA tensors or numpy arrays; float16, bfloat16,
+  float32, float64). ``inner_optimizer`` may be None if you only call :meth:`step`.
+  ``comm`` is a connected :class:`pccl.Communicator`; DiLoCo never closes it.
+  ``tag`` and ``tag + 1`` are the all-reduce tags it uses.
+- ``await start(strategy=None)``:
+  the first sync, before any inner step (``async with`` calls it). A peer joining a
+  running group syncs ``RECEIVE_ONLY`` and adopts the group's global parameters,
+  momentum and outer-step count; when nobody offers state yet (the first peers of a
+  run) every peer retries with ``ENFORCE_POPULAR``, so founders with the same seed
+  start from their common initialisation (different seeds: the earliest joiner's).
+- ``await step() -> OuterStepInfo | None``:
+  call after each inner optimizer step; every H-th call takes the outer step.
+- ``await inner_step(loss_fn) -> float``:
+  ``zero_grad``, ``loss = loss_fn()``, ``backward``, ``inner_optimizer.step()`` in a
+  worker thread, then :meth:`step`; returns the loss.
+- ``await flush()``:
+  async mode: wait for the reduce in flight and apply it now (collective: every peer
+  calls it at the same point, e.g. right after the last outer step of a run).
+- ``await close()``:
+  cancel a reduce in flight (the others see it fail and retry without this peer).
+- Properties: ``outer_step``, ``inner_step_count``, ``reduce_in_flight``,
+  ``global_parameters`` / ``momentum_buffers`` (name -> float32 numpy views),
+  ``shared_state``, ``last_info``.
 
 Churn
 -----
