@@ -5,20 +5,49 @@ from typing import Any
 
 __version__: str
 
-class PCCLError(Exception): ...
-class InvalidArgumentError(PCCLError): ...
-class InvalidUsageError(PCCLError): ...
-class TooFewPeersError(PCCLError): ...
-class MasterConnectionError(PCCLError): ...
-class PeerConnectionError(PCCLError): ...
-class NoSharedStateAvailableError(PCCLError): ...
-class PendingAsyncOpsError(PCCLError): ...
-class UpdateTopologyFailedError(PCCLError): ...
-class TopologyOptimizationFailedError(PCCLError): ...
-class RevisionIncrementViolationError(PCCLError): ...
-class AuthenticationError(PCCLError): ...
-class ProtocolError(PCCLError): ...
-class CollectiveAbortedError(PCCLError): ...
+class PCCLError(Exception):
+    """Base class of every pccl error."""
+
+class InvalidArgumentError(PCCLError):
+    """An argument is invalid (dtype, layout, size, value)."""
+
+class InvalidUsageError(PCCLError):
+    """The call is not valid in the current state (or disagrees with other peers)."""
+
+class TooFewPeersError(PCCLError):
+    """The operation cannot run with this few peers."""
+
+class MasterConnectionError(PCCLError):
+    """The master could not be reached or the connection to it was lost."""
+
+class PeerConnectionError(PCCLError):
+    """A peer-to-peer link failed, timed out or the peer died."""
+
+class NoSharedStateAvailableError(PCCLError):
+    """No peer holds the requested shared state."""
+
+class PendingAsyncOpsError(PCCLError):
+    """Asynchronous operations are still in flight."""
+
+class UpdateTopologyFailedError(PCCLError):
+    """update_topology() could not complete."""
+
+class TopologyOptimizationFailedError(PCCLError):
+    """optimize_topology() could not complete."""
+
+class RevisionIncrementViolationError(PCCLError):
+    """A shared-state revision did not advance by exactly one."""
+
+class AuthenticationError(PCCLError):
+    """The shared secrets differ (or one side has none)."""
+
+class ProtocolError(PCCLError):
+    """The remote end sent something that is not valid pccl protocol."""
+
+class CollectiveAbortedError(PCCLError):
+    """The collective was called off before it ran (other peers of the group voted on
+    the topology, or a deadline passed); nothing was written: retry."""
+
 
 class P2PNode:
     """A peer's p2p endpoint: listener, pools and ring links (all I/O on tokio)."""

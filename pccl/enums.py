@@ -44,12 +44,21 @@ class DataType(enum.IntEnum):
 
 
 class QuantizationAlgorithm(enum.IntEnum):
+    """How an all-reduce quantizes what it sends (see docs/semantics.md): ``NONE``
+    sends the dtype as is; ``MIN_MAX`` maps each piece's [min, max] onto the quantized
+    type; ``ZERO_POINT_SCALE`` uses a zero point and a scale per piece."""
+
     NONE = 0
     MIN_MAX = 1
     ZERO_POINT_SCALE = 2
 
 
 class SharedStateSyncStrategy(enum.IntEnum):
+    """A peer's role in :meth:`pccl.Communicator.sync_shared_state`: ``ENFORCE_POPULAR``
+    votes with its state and adopts the group's most popular one; ``RECEIVE_ONLY``
+    takes the group's state without voting (a joiner); ``SEND_ONLY`` votes and serves
+    its state but never changes its own tensors."""
+
     ENFORCE_POPULAR = 0
     RECEIVE_ONLY = 1
     SEND_ONLY = 2

@@ -34,11 +34,13 @@ class TensorInfo:
     @classmethod
     def from_numpy(cls, array: Any, name: str, allow_content_inequality: bool = False
                    ) -> TensorInfo:
+        """A numpy array (C-contiguous) under ``name``; syncs write into it in place."""
         return cls(name, array, allow_content_inequality)
 
     @classmethod
     def from_torch(cls, tensor: Any, name: str, allow_content_inequality: bool = False
                    ) -> TensorInfo:
+        """A torch CPU tensor (contiguous) under ``name``; syncs write into it in place."""
         return cls(name, tensor, allow_content_inequality)
 
 
