@@ -1,4 +1,5 @@
-"""mkdocs hook (mkdocs.yml ``hooks:``): links from a docs page to repository files outside docs/.
+"""mkdocs hooks (mkdocs.yml ``hooks:``): links from a docs page to repository files outside
+docs/, and Sphinx roles in docstrings.
 
 In the repository (on a forge, in an editor) a link such as ``../bench/results/history.md``
 opens the file; the built site has no page for it, so ``mkdocs build --strict`` would
@@ -34,3 +35,12 @@ def on_page_markdown(markdown: str, page: Any, config: Any, files: Any) -> str:
         return f"{text} (`{path}` in the repository)"
 
     return _OUTSIDE_LINK.sub(replace, markdown)
+
+
+# Docstrings use Sphinx roles (:class:`X`, :meth:`x`); mkdocstrings renders the role's
+# name as text in front of the code span. Keep only the code span on the site.
+_ROLE = re.compile(r":(?:class|meth|func|attr|exc|mod|obj|data|const):(<code>)")
+
+
+def on_page_content(html: str, page: Any, config: Any, files: Any) -> str:
+    return _ROLE.sub(r"\1", html)
