@@ -69,6 +69,23 @@ def _from_torch(t: Any, what: str) -> tuple[np.ndarray, str]:
     return flat.view(torch.uint8).numpy(), name
 
 
+def _as_array(obj: Any, what: str) -> np.ndarray:
+    """A numpy view of a numpy array, a DLPack object or a buffer-protocol object."""
+    if isinstance(obj, np.ndarray):
+        return obj
+    if hasattr(obj, "__dlpack__"):
+        try:
+            return np.from_dlpack(obj)
+        except Exception as e:
+            raise InvalidArgumentError(f"{what}: DLPack import failed: {e}") from None
+    try:
+        return np.asarray(memoryview(obj))
+    except TypeError:
+        raise InvalidArgumentError(
+            f"{what} must be a numpy array, a torch CPU tensor, or expose DLPack or "
+            f"the buffer protocol; got {type(obj).__name__}") from None
+
+
 def as_raw(obj: Any, *, writable: bool, what: str = "tensor") -> RawTensor:
     """Views ``obj``'s memory as bytes. Raises InvalidArgumentError for anything that is
     not a C-contiguous tensor of a supported dtype (or is read-only when ``writable``)."""
@@ -77,20 +94,7 @@ def as_raw(obj: Any, *, writable: bool, what: str = "tensor") -> RawTensor:
         shape = tuple(int(d) for d in obj.shape)
         # torch tensors have no read-only flag; numpy's view of them is writable.
     else:
-        if isinstance(obj, np.ndarray):
-            arr = obj
-        elif hasattr(obj, "__dlpack__"):
-            try:
-                arr = np.from_dlpack(obj)
-            except Exception as e:
-                raise InvalidArgumentError(f"{what}: DLPack import failed: {e}") from None
-        else:
-            try:
-                arr = np.asarray(memoryview(obj))
-            except TypeError:
-                raise InvalidArgumentError(
-                    f"{what} must be a numpy array, a torch CPU tensor, or expose DLPack or "
-                    f"the buffer protocol; got {type(obj).__name__}") from None
+        arr = _as_array(obj, what)
         if not arr.flags.c_contiguous:
             raise InvalidArgumentError(f"{what} is not C-contiguous; pass np.ascontiguousarray(x)")
         name = arr.dtype.name
@@ -146,20 +150,7 @@ def _logical_bytes(obj: Any) -> np.ndarray:
         except (RuntimeError, TypeError) as e:
             raise InvalidArgumentError(
                 f"content_hash cannot read a {t.dtype} tensor: {e}") from None
-    if isinstance(obj, np.ndarray):
-        arr = obj
-    elif hasattr(obj, "__dlpack__"):
-        try:
-            arr = np.from_dlpack(obj)
-        except Exception as e:
-            raise InvalidArgumentError(f"content_hash: DLPack import failed: {e}") from None
-    else:
-        try:
-            arr = np.asarray(memoryview(obj))
-        except TypeError:
-            raise InvalidArgumentError(
-                "content_hash needs a numpy array, a torch tensor, or an object with DLPack "
-                f"or the buffer protocol; got {type(obj).__name__}") from None
+    arr = _as_array(obj, "content_hash's tensor")
     if arr.dtype.hasobject:
         raise InvalidArgumentError("content_hash cannot hash an array of Python objects")
     return np.ascontiguousarray(arr).reshape(-1).view(np.uint8)

@@ -1942,19 +1942,26 @@ def test_cold_start_keeps_the_popularity_rule() -> None:
     assert plans[1].fetch_hashes == [b"y"]  # type: ignore[attr-defined]
 
 
+def admitted_joiner() -> MasterState:
+    """Peers 1 and 2 ask are_peers_pending(), hear True and admit joiner 3."""
+    st = run_with([0, 0])
+    join(st, 3)
+    for p in (1, 2):
+        tell(st, p, m.PendingQuery(req=p))
+    vote(st, 1)
+    vote(st, 2)
+    report_all(st)
+    assert st.accepted() == [1, 2, 3]
+    return st
+
+
 def test_a_question_meets_peers_that_already_wait_for_the_asker_in_a_collective() -> None:
     """A loop that starts with are_peers_pending(): a joiner's first question comes while
     the members, past their update_topology(), already wait for it in a reduce (or a
     sync). The question is answered (the members never ask it this iteration) and the
     joiner goes on to meet them."""
     for second in (coll_init(0), sync_init(1, b"h")):
-        st = run_with([0, 0])
-        join(st, 3)
-        for p in (1, 2):
-            tell(st, p, m.PendingQuery(req=p))
-        vote(st, 1)
-        vote(st, 2)
-        report_all(st)  # 3 is in
+        st = admitted_joiner()
         first = coll_init(0) if isinstance(second, m.CollectiveInit) else sync_init(1, b"h")
         tell(st, 1, first)
         assert tell(st, 3, m.PendingQuery(req=7)) == []  # 2 has not said what it does yet
@@ -1993,13 +2000,7 @@ def reduce_once(st: MasterState, peers: list[int], tag: int = 99) -> None:
 
 def test_a_joiner_is_fresh_only_until_its_first_operation() -> None:
     """Once the joiner made a call of its own, a question of it is an ordinary one."""
-    st = run_with([0, 0])
-    join(st, 3)
-    for p in (1, 2):
-        tell(st, p, m.PendingQuery(req=p))
-    vote(st, 1)
-    vote(st, 2)
-    report_all(st)
+    st = admitted_joiner()
     for p in (1, 2, 3):
         tell(st, p, sync_init(1 if p != 3 else 0, b"h"))
     assert 3 not in st.fresh
