@@ -20,10 +20,10 @@ venv() {
     "$VENV/bin/python" -m pip install -q --upgrade pip
 }
 
-# The demo (python -m pccl demo) needs only pccl's own dependencies (numpy, msgpack).
+# The demo (python -m pccl demo) needs only pccl and numpy (no torch).
 setup_demo() {
     venv
-    "$VENV/bin/python" -m pip install -q -e .
+    "$VENV/bin/python" -m pip install -q -e ".[numpy]"
 }
 
 # The pinned requirements of one optional extra in pyproject.toml, installed without

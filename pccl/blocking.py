@@ -91,7 +91,10 @@ import types
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
-import numpy as np
+try:
+    import numpy as np
+except ImportError:  # torch-only programs (see pccl.tensors)
+    np = None  # type: ignore[assignment]
 
 from pccl import enums as _enums
 from pccl.communicator import Communicator as _AsyncCommunicator
@@ -118,6 +121,7 @@ from pccl.master.server import MasterNode as _AsyncMasterNode
 from pccl.shared_state import SharedState as _AsyncSharedState
 from pccl.shared_state import SyncInfo, SyncProgress
 from pccl.shared_state import TensorInfo as _AsyncTensorInfo
+from pccl.tensors import ELEMENT_SIZE, need_numpy
 
 log = logging.getLogger(__name__)
 
@@ -290,8 +294,9 @@ class DataType(enum.Enum):
         return getattr(torch, name)
 
     @_reports_result
-    def to_numpy_dtype(self) -> np.dtype[Any]:
+    def to_numpy_dtype(self) -> Any:
         """The numpy dtype of this type (``BFLOAT16`` needs ``ml_dtypes``)."""
+        need_numpy("DataType.to_numpy_dtype()")
         name = _ELEMENT_NAMES.get(self)
         if name is None:
             raise ArgumentValueError(f"{self.name} has no numpy dtype")
@@ -317,6 +322,7 @@ class DataType(enum.Enum):
     @_reports_result
     def from_numpy_dtype(cls, dtype: Any) -> DataType:
         """The DataType of a numpy dtype; fails PCCL's assertion if unsupported."""
+        need_numpy("DataType.from_numpy_dtype()")
         found = _BY_ELEMENT_NAME.get(np.dtype(dtype).name)
         if found is None:
             raise ArgumentAssertionError(f"Unsupported dtype: {dtype}")
@@ -578,15 +584,17 @@ def _view_memory(address: int, count: int, dtype: DataType) -> Any:
         raise ArgumentValueError("Invalid data pointer: nullptr")
     if dtype not in _ELEMENT_NAMES:
         raise InvalidArgumentError(f"{dtype.name} is not an element type of tensors")
-    itemsize = np.dtype("uint16" if dtype is DataType.BFLOAT16 else _ELEMENT_NAMES[dtype]
-                        ).itemsize
+    itemsize = ELEMENT_SIZE[_CORE_DTYPE[dtype]]
     memory = (ctypes.c_uint8 * (int(count) * itemsize)).from_address(int(address))
-    if dtype is DataType.BFLOAT16:
+    if dtype is DataType.BFLOAT16 or np is None:
         torch = _torch_module()
         if torch is None:
+            if np is None:
+                need_numpy("memory given by a raw pointer (without torch)")
             raise InvalidArgumentError("raw bfloat16 memory needs torch to be imported")
-        return torch.frombuffer(memory, dtype=torch.bfloat16) if count else \
-            torch.empty(0, dtype=torch.bfloat16)
+        tdtype = getattr(torch, _ELEMENT_NAMES[dtype])
+        return torch.frombuffer(memory, dtype=tdtype) if count else \
+            torch.empty(0, dtype=tdtype)
     return np.frombuffer(memory, dtype=_ELEMENT_NAMES[dtype])
 
 
@@ -599,7 +607,7 @@ def _reduce_arguments(send: Any, recv: Any, op: Any,
     in place, op, quantization)."""
     if _is_torch_tensor(send) and _is_torch_tensor(recv):
         _check_torch_pair(send, recv)
-    elif isinstance(send, np.ndarray) and isinstance(recv, np.ndarray):
+    elif np is not None and isinstance(send, np.ndarray) and isinstance(recv, np.ndarray):
         _check_numpy_pair(send, recv)
     else:
         raise ArgumentValueError(

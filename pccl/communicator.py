@@ -14,8 +14,6 @@ from collections.abc import Callable
 from types import TracebackType
 from typing import Any
 
-import numpy as np
-
 from pccl import _core
 from pccl.enums import (
     Attribute,
@@ -39,7 +37,7 @@ from pccl.protocol import MAX_FRAME, PROTOCOL_VERSION
 from pccl.protocol import messages as m
 from pccl.protocol.transport import ConnectionClosed, FramedConnection
 from pccl.shared_state import SharedState, SyncInfo, SyncProgress
-from pccl.tensors import RawTensor, as_raw
+from pccl.tensors import RawTensor, as_raw, byte_buffer
 
 log = logging.getLogger(__name__)
 
@@ -1042,7 +1040,7 @@ class Communicator:
     def _apply_reduce(world: int, col: _Collective, src: RawTensor, dst: RawTensor) -> None:
         if world == 1:
             if dst.data is not src.data:
-                np.copyto(dst.data, src.data)
+                _core.copy_into(dst.data, src.data)
         else:
             col.ring_op.commit(dst.data)
 
@@ -1190,7 +1188,7 @@ class Communicator:
         self._sync_plan, self._sync_outcome = loop.create_future(), loop.create_future()
         served_before = self._node.bytes_served()
         prefault: asyncio.Task[None] | None = None
-        fetched: dict[str, np.ndarray] = {}
+        fetched: dict[str, Any] = {}
         reported_ok = False
         try:
             for info, raw in zip(state.infos, raws):
@@ -1251,7 +1249,7 @@ class Communicator:
     async def _fetch_planned(self, plan: m.SyncPlan, by_key: dict[str, RawTensor],
                              in_place: bool,
                              counters: dict[tuple[str, int], tuple[int, Any]],
-                             fetched: dict[str, np.ndarray]) -> list[BaseException]:
+                             fetched: dict[str, Any]) -> list[BaseException]:
         """Fetches what ``plan`` says into scratch buffers (or, ``in_place``, the tensors):
         large tensors in ranges, small ones in pipelined batches. What verifies goes into
         ``fetched``; returns the failures (every fetch has ended by then)."""
@@ -1273,7 +1271,7 @@ class Communicator:
                 key, want, sources, addrs, dst, by_key[key].nbytes, counters, limit, streams)
 
         async def fetch_batch(n: int, batch: list[tuple[str, bytes, list[int]]]) -> None:
-            outs = [by_key[k].data if in_place else np.empty(by_key[k].nbytes, np.uint8)
+            outs = [by_key[k].data if in_place else byte_buffer(by_key[k].nbytes)
                     for k, _, _ in batch]
             retry = await self._fetch_pipelined(n, batch, outs, addrs, counters, limit, fetched)
             failed = [r for r in await asyncio.gather(*(fetch(*w) for w in retry),
@@ -1288,7 +1286,7 @@ class Communicator:
         results = await asyncio.gather(*jobs, return_exceptions=True)
         return [r for r in results if isinstance(r, BaseException)]
 
-    def _commit_sync(self, state: SharedState, fetched: dict[str, np.ndarray],
+    def _commit_sync(self, state: SharedState, fetched: dict[str, Any],
                      by_key: dict[str, RawTensor], outcome: m.SyncOutcome) -> None:
         # Not awaited on purpose: the commit must not be interrupted halfway. The copy
         # releases the GIL and runs on all cores.
@@ -1315,10 +1313,10 @@ class Communicator:
         return None
 
     async def _fetch_pipelined(self, n: int, batch: list[tuple[str, bytes, list[int]]],
-                               outs: list[np.ndarray], addrs: dict[int, str],
+                               outs: list[Any], addrs: dict[int, str],
                                counters: dict[tuple[str, int], tuple[int, Any]],
                                limit: asyncio.Semaphore,
-                               fetched: dict[str, np.ndarray]) -> list[tuple[str, bytes,
+                               fetched: dict[str, Any]) -> list[tuple[str, bytes,
                                                                              list[int]]]:
         """Fetches the small tensors of ``batch`` from their first source over one
         stream into ``outs``, every request sent up front (one round trip for the batch,
@@ -1353,16 +1351,16 @@ class Communicator:
         return retry
 
     async def _fetch_verified(self, key: str, want: bytes, sources: list[int],
-                              addrs: dict[int, str], dst: np.ndarray | None, nbytes: int,
+                              addrs: dict[int, str], dst: Any | None, nbytes: int,
                               counters: dict[tuple[str, int], tuple[int, Any]],
-                              limit: asyncio.Semaphore, streams: int = 1) -> np.ndarray:
+                              limit: asyncio.Semaphore, streams: int = 1) -> Any:
         """Fetches ``key`` into a scratch buffer (or straight into ``dst``) and checks
         its content hash. A large tensor is split into ranges fetched at once (at least
         one per holder, and ``streams``); a range whose source fails continues from the
         next holder after the whole hash leaves already landed. After a content
         mismatch, whole-tensor fetches go through the holders in turn. ``counters``
         count the bytes landed."""
-        scratch = np.empty(nbytes, dtype=np.uint8) if dst is None else dst
+        scratch = byte_buffer(nbytes) if dst is None else dst
         started = time.perf_counter()
         # Every range runs to its end before a failure is raised: nothing keeps writing
         # into the buffer after this returns.
@@ -1403,7 +1401,7 @@ class Communicator:
         raise _core.PeerConnectionError(
             f"could not fetch shared state {key!r} from any source: {'; '.join(errors)}")
 
-    async def _fetch_range(self, key: str, scratch: np.ndarray, offset: int, length: int,
+    async def _fetch_range(self, key: str, scratch: Any, offset: int, length: int,
                            total: int, order: list[int], addrs: dict[int, str],
                            counters: dict[tuple[str, int], tuple[int, Any]],
                            limit: asyncio.Semaphore) -> tuple[bytes, list[int]]:
@@ -1443,7 +1441,7 @@ class Communicator:
                  nbytes / max(elapsed, 1e-9) / 1e9)
 
 
-def _prefault_all(buffers: list[np.ndarray]) -> None:
+def _prefault_all(buffers: list[Any]) -> None:
     """Best effort: an optimization must never fail a sync."""
     for b in buffers:
         try:
@@ -1503,7 +1501,7 @@ class _SyncReporter:
     def __init__(self, comm: Communicator, callback: Callable[[SyncProgress], object] | None,
                  interval: float, served_before: int,
                  counters: dict[tuple[str, int], tuple[int, Any]],
-                 fetched: dict[str, np.ndarray], sizes: list[int]) -> None:
+                 fetched: dict[str, Any], sizes: list[int]) -> None:
         self._comm, self._callback = comm, callback
         self._interval = max(float(interval), 0.01)
         self._served_before = served_before

@@ -1,13 +1,22 @@
 """Tensors in, raw bytes out: numpy arrays, torch CPU tensors, DLPack and buffer-protocol
-objects become a flat ``uint8`` numpy view of the same memory (zero-copy), plus the
-element type and count the Rust core needs."""
+objects become a flat ``uint8`` view of the same memory (zero-copy), plus the element
+type and count the Rust core needs.
+
+numpy is optional: torch-only programs work without it. Then a torch tensor's bytes are
+a ``memoryview`` over its storage instead of a numpy view, and scratch buffers are
+``bytearray`` objects; numpy arrays, DLPack and buffer-protocol objects need numpy.
+"""
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 from typing import Any
 
-import numpy as np
+try:
+    import numpy as np
+except ImportError:  # torch-only: see the module docstring
+    np = None  # type: ignore[assignment]
 
 from pccl.enums import DataType
 from pccl.errors import InvalidArgumentError
@@ -38,7 +47,7 @@ ELEMENT_SIZE: dict[DataType, int] = {
 class RawTensor:
     """A tensor's memory as flat bytes. ``owner`` keeps the original object alive."""
 
-    data: np.ndarray  # 1-D uint8 view of the tensor's memory
+    data: Any  # 1-D uint8 view of the tensor's memory (numpy array or memoryview)
     dtype: DataType
     count: int
     owner: Any
@@ -53,7 +62,35 @@ def _is_torch(obj: Any) -> bool:
     return type(obj).__module__.split(".")[0] == "torch"
 
 
-def _from_torch(t: Any, what: str) -> tuple[np.ndarray, str]:
+def need_numpy(what: str) -> None:
+    """InvalidArgumentError naming what needs numpy when it is not installed."""
+    if np is None:
+        raise InvalidArgumentError(
+            f"{what} needs numpy, which is not installed: pip install numpy (or "
+            f"\"pccl[numpy]\"); without it pccl takes torch tensors only")
+
+
+def byte_buffer(nbytes: int) -> Any:
+    """A writable scratch buffer of ``nbytes`` bytes (uninitialised where numpy is)."""
+    return np.empty(nbytes, dtype=np.uint8) if np is not None else memoryview(bytearray(nbytes))
+
+
+def _torch_bytes(flat: Any) -> Any:
+    """A writable uint8 view of a contiguous torch CPU tensor's memory. It keeps the
+    tensor alive (the tensor may be a temporary copy)."""
+    import torch
+
+    if flat.numel() == 0:
+        return np.zeros(0, dtype=np.uint8) if np is not None else memoryview(bytearray(0))
+    raw = flat.view(torch.uint8)
+    if np is not None:
+        return raw.numpy()
+    buf = (ctypes.c_uint8 * raw.numel()).from_address(raw.data_ptr())
+    buf._pccl_owner = raw  # type: ignore[attr-defined]  # the memory's owner lives on
+    return memoryview(buf).cast("B")
+
+
+def _from_torch(t: Any, what: str) -> tuple[Any, str]:
     if t.device.type != "cpu":
         raise InvalidArgumentError(f"{what} is on {t.device}; pass a CPU tensor")
     if not t.is_contiguous():
@@ -61,16 +98,12 @@ def _from_torch(t: Any, what: str) -> tuple[np.ndarray, str]:
     name = str(t.dtype).removeprefix("torch.")
     if name not in _NUMPY_DTYPES:
         raise InvalidArgumentError(f"{what} has unsupported dtype {t.dtype}")
-    import torch
-
-    flat = t.detach().reshape(-1)
-    if flat.numel() == 0:
-        return np.zeros(0, dtype=np.uint8), name
-    return flat.view(torch.uint8).numpy(), name
+    return _torch_bytes(t.detach().reshape(-1)), name
 
 
-def _as_array(obj: Any, what: str) -> np.ndarray:
+def _as_array(obj: Any, what: str) -> Any:
     """A numpy view of a numpy array, a DLPack object or a buffer-protocol object."""
+    need_numpy(f"{what} ({type(obj).__name__})")
     if isinstance(obj, np.ndarray):
         return obj
     if hasattr(obj, "__dlpack__"):
@@ -130,7 +163,7 @@ def content_hash(tensor: Any) -> str:
     return _core.content_hash_hex(_logical_bytes(tensor))
 
 
-def _logical_bytes(obj: Any) -> np.ndarray:
+def _logical_bytes(obj: Any) -> Any:
     """A flat uint8 array of ``obj``'s elements in C order: a view when they already lie
     that way, a contiguous copy otherwise."""
     if _is_torch(obj):
@@ -143,10 +176,8 @@ def _logical_bytes(obj: Any) -> np.ndarray:
             t = t.cpu()
         # Lazily conjugated/negated views hold other bytes than they show.
         t = t.resolve_conj().resolve_neg().contiguous().reshape(-1)
-        if t.numel() == 0:
-            return np.zeros(0, dtype=np.uint8)
         try:
-            return t.view(torch.uint8).numpy()
+            return _torch_bytes(t)
         except (RuntimeError, TypeError) as e:
             raise InvalidArgumentError(
                 f"content_hash cannot read a {t.dtype} tensor: {e}") from None

@@ -8,51 +8,16 @@ installed metadata (entry points included), and, where a test says so, pytest-as
 from __future__ import annotations
 
 import importlib.metadata
-import os
 import subprocess
 import sys
 from pathlib import Path
 
+import bare_env
 import pytest
-
-import pccl
-
-
-def _closure(names: list[str]) -> list[importlib.metadata.Distribution]:
-    """The distributions ``names`` need to run (their requirements, recursively)."""
-    from packaging.requirements import Requirement
-
-    seen: dict[str, importlib.metadata.Distribution] = {}
-    todo = list(names)
-    while todo:
-        dist = importlib.metadata.distribution(todo.pop())
-        key = dist.metadata["Name"].lower().replace("_", "-")
-        if key in seen:
-            continue
-        seen[key] = dist
-        for text in dist.requires or []:
-            req = Requirement(text)
-            if req.marker is None or req.marker.evaluate({"extra": ""}):
-                todo.append(req.name)
-    return list(seen.values())
 
 
 def _environment(tmp: Path, extra: list[str]) -> dict[str, str]:
-    """An import path with pytest, pccl (and ``extra``) and exactly what they require."""
-    site = tmp / "site"
-    site.mkdir()
-    for dist in _closure(["pytest", "pccl", *extra]):
-        tops = {Path(str(f)).parts[0] for f in dist.files or []}
-        for top in sorted(tops):
-            src = Path(str(dist.locate_file(top)))
-            if top in ("..", "__pycache__") or top.endswith(".pth") or not src.exists() \
-                    or (site / top).exists():
-                continue  # scripts, caches, the editable path hook, shared dirs
-            (site / top).symlink_to(src)
-        if dist.metadata["Name"] == "pccl" and not (site / "pccl").exists():
-            (site / "pccl").symlink_to(Path(pccl.__file__).parent)  # an editable install
-    return {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "PYTHONPATH": str(site),
-            "HOME": str(tmp), "PYTHONDONTWRITEBYTECODE": "1"}
+    return bare_env.environment(tmp, ["pytest", "pccl", *extra])
 
 
 def _pytest(tmp: Path, env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:

@@ -407,7 +407,14 @@ class MasterNode:
 
     async def _solve(self, cmd: st.Solve) -> None:
         """Runs the ring solver off the event loop and feeds its answer back."""
-        import numpy as np
+        try:
+            import numpy as np
+        except ImportError:
+            # The solver is numpy's; without it the run goes on with the ring it has.
+            log.warning("optimize_topology(): the master has no numpy (pip install numpy), "
+                        "so group %d keeps its ring order %s", cmd.group, cmd.members)
+            self._feed(st.Solved(cmd.round_id, cmd.group, list(cmd.members)))
+            return
 
         from pccl.topology import RingImprover, solve
 
