@@ -1998,6 +1998,23 @@ def reduce_once(st: MasterState, peers: list[int], tag: int = 99) -> None:
     assert not st.collectives
 
 
+def test_a_voter_back_at_the_question_meets_a_member_parked_in_a_reduce() -> None:
+    """A single-threaded loop whose step failed on one peer only (its sync lost a
+    source): that peer calls update_topology() from its error handling, the other
+    joins it through are_peers_pending() and goes on to the reduce, and the first goes
+    back to the top of its loop, the question. Both are fresh out of the round: the
+    question is answered (the parked peer never asks it) and the loops meet again."""
+    st = run_with([0, 0])
+    reduce_once(st, [1, 2])
+    vote(st, 1)  # 1's error handling
+    assert sends(tell(st, 2, m.PendingQuery(req=5)), m.PendingAnswer) == [
+        (2, m.PendingAnswer(req=5, pending=True))]
+    vote(st, 2)  # nothing changed: no round, both hear TopologyUpdated at once
+    tell(st, 2, coll_init(0))  # 2 goes on to the step's reduce
+    assert sends(tell(st, 1, m.PendingQuery(req=6)), m.PendingAnswer) == [
+        (1, m.PendingAnswer(req=6, pending=False))]
+
+
 def test_a_joiner_is_fresh_only_until_its_first_operation() -> None:
     """Once the joiner made a call of its own, a question of it is an ordinary one."""
     st = admitted_joiner()

@@ -277,8 +277,9 @@ class MasterState:
         self.ring_epochs: dict[int, int] = {}  # per group: the epoch its ring was built in
         # Collective are_peers_pending(): voter -> request id, answered all at once.
         self.pending_votes: dict[int, int] = {}
-        # Peers admitted by the last round that have not called a collective, a sync or
-        # are_peers_pending() since: the only askers others may be parked waiting for.
+        # Members of the last voted round (joiners and voters alike) that have not called
+        # a collective, a sync or are_peers_pending() since: the only askers others may be
+        # parked waiting for (see _maybe_answer_pending).
         self.fresh: set[int] = set()
         # Deadlines of waits for other peers: id -> what waits ("collective", group, tag),
         # ("sync", group), ("vote",), ("optimize",), ("pending",). See ArmDeadline.
@@ -468,13 +469,16 @@ class MasterState:
         """Answers the collective are_peers_pending() once every accepted peer asked, or
         waits in another operation that waits for the askers: a topology vote (then the
         askers hear True, "call update_topology()", and join it), or a collective or sync
-        that waits only for askers that were just admitted. The latter is how a loop that
-        starts with the question meets its peers: a joiner's first question comes while
-        the others, past their update_topology(), already wait for it in a reduce or a
-        sync. A peer parked in a collective that waits for an older member is not taken
-        for an answer: that member may be asking from one thread while its collective
-        comes from another (PCCL's cross-step reduce), and answering early would pair
-        this question with the parked peer's next one. Every asker gets the same answer."""
+        that waits only for askers fresh out of the last topology round (members or
+        joiners that have made no other call since). That is how loops meet after a
+        round: a joiner's first question (or a voter's, whose loop went back to the
+        question after an update_topology() of its own error handling) comes while the
+        others, past update_topology(), already wait for it in a reduce or a sync. A
+        peer parked in a collective that waits for a peer that has made calls since
+        the round is not taken for an answer: that peer may be asking from one thread
+        while its collective comes from another (PCCL's cross-step reduce), and
+        answering early would pair this question with the parked peer's next one.
+        Every asker gets the same answer."""
         if not self.pending_votes:
             return
         askers = set(self.pending_votes)
@@ -649,6 +653,7 @@ class MasterState:
             voters = sorted(self.votes)
             self.votes.clear()
             self.phase = Phase.IDLE
+            self.fresh |= set(voters)
             for p in voters:
                 out.append(Send(p, m.TopologyUpdated(
                     epoch=self.ring_epochs.get(self.peers[p].peer_group, self.epoch))))
@@ -752,9 +757,9 @@ class MasterState:
             self._after_repair(out)
             return
         for p in rnd.members:
-            if self.peers[p].status is not PeerStatus.ACCEPTED:
-                self.fresh.add(p)
             self.peers[p].status = PeerStatus.ACCEPTED
+        # Every member has just come out of update_topology() (or was admitted by it).
+        self.fresh |= set(rnd.members)
         self.rings = self._rings_of(rnd.members)
         self.ring_epochs = dict.fromkeys(self.rings, rnd.epoch)
         self.rings_stale = False

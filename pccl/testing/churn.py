@@ -693,7 +693,8 @@ class Orchestrator:
             await asyncio.sleep(0.2)  # bounded poll of the peers' reported progress
         for p in self.live():
             if p.steps <= marks.get(p.name, -1) + 1:
-                self.hangs.append(f"{p.name} made no progress after the faults stopped")
+                self.hangs.append(f"{p.name} made no progress after the faults stopped "
+                                  f"(last phase: {p.phase})")
                 self._dump(p)
 
     async def _shutdown(self) -> None:
