@@ -128,7 +128,12 @@ import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-import numpy as np
+try:
+    import numpy as np
+except ImportError as e:  # numpy is optional for pccl (torch-only programs), not here
+    raise ModuleNotFoundError(
+        'pccl.diloco needs numpy, which is not installed: pip install numpy '
+        '(or "pccl[numpy]")', name="numpy") from e
 
 from pccl.communicator import Communicator, QuantizationOptions, ReduceInfo
 from pccl.enums import ReduceOp, SharedStateSyncStrategy

@@ -88,7 +88,12 @@ import math
 import time
 from collections.abc import Sequence
 
-import numpy as np
+try:
+    import numpy as np
+except ImportError as e:  # numpy is optional for pccl (torch-only programs), not here
+    raise ModuleNotFoundError(
+        'pccl.topology (the ring solver of optimize_topology()) needs numpy, which is not '
+        'installed: pip install numpy (or "pccl[numpy]")', name="numpy") from e
 
 log = logging.getLogger(__name__)
 

@@ -5,7 +5,12 @@ from __future__ import annotations
 
 import hashlib
 
-import numpy as np
+try:
+    import numpy as np
+except ImportError as e:  # numpy is optional for pccl (torch-only programs), not here
+    raise ModuleNotFoundError(
+        'pccl.testing.data needs numpy, which is not installed: pip install numpy '
+        '(or "pccl[numpy]")', name="numpy") from e
 
 INT_DTYPES = ("int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64")
 
