@@ -124,23 +124,17 @@ _MAX_SECONDS = 7 * 24 * 3600.0  # a week: longer is a mistake (and past the mast
 
 
 def _check_deadline(value: float | None, what: str) -> float | None:
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) \
-            or not 0 < value <= _MAX_SECONDS:
-        raise _core.InvalidArgumentError(
-            f"{what} must be a positive number of seconds up to a week ({_MAX_SECONDS:.0f}) "
-            f"or None, got {value!r}")
-    return float(value)
+    return None if value is None else _check_seconds(value, what, none_ok=True)
 
 
-def _check_seconds(value: float, what: str, zero_ok: bool = False) -> float:
-    low_ok = (lambda v: v >= 0) if zero_ok else (lambda v: v > 0)
+def _check_seconds(value: float, what: str, zero_ok: bool = False,
+                   none_ok: bool = False) -> float:
+    """A number of seconds in (0, a week] ([0, a week] with ``zero_ok``), as a float."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) \
-            or not (low_ok(value) and value <= _MAX_SECONDS):
+            or not (0 <= value if zero_ok else 0 < value) or not value <= _MAX_SECONDS:
         raise _core.InvalidArgumentError(
             f"{what} must be a {'non-negative' if zero_ok else 'positive'} number of seconds "
-            f"up to a week, got {value!r}")
+            f"up to a week ({_MAX_SECONDS:.0f}){' or None' if none_ok else ''}, got {value!r}")
     return float(value)
 
 
