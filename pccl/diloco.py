@@ -135,18 +135,15 @@ except ImportError as e:  # numpy is optional for pccl (torch-only programs), no
         'pccl.diloco needs numpy, which is not installed: pip install numpy '
         '(or "pccl[numpy]")', name="numpy") from e
 
+from pccl import recovery
 from pccl.communicator import Communicator, QuantizationOptions, ReduceInfo
 from pccl.enums import ReduceOp, SharedStateSyncStrategy
 from pccl.errors import (
-    CollectiveAbortedError,
     InvalidArgumentError,
     InvalidUsageError,
     NoSharedStateAvailableError,
     PCCLError,
-    PeerConnectionError,
     RevisionIncrementViolationError,
-    TopologyOptimizationFailedError,
-    UpdateTopologyFailedError,
 )
 from pccl.shared_state import SharedState, SyncInfo, TensorInfo
 
@@ -158,9 +155,10 @@ log = logging.getLogger(__name__)
 #: ``DEFAULT_TAG + 1`` (contributor weights). Pick another ``tag`` if yours collide.
 DEFAULT_TAG = 0xD1_10C0
 
-# Errors that a new topology can fix: retry after update_topology().
-_RETRYABLE = (PeerConnectionError, CollectiveAbortedError, UpdateTopologyFailedError,
-              TopologyOptimizationFailedError)
+# What a retry can fix (pccl.recovery, one policy for every layer). DiLoCo always
+# votes before it retries: a joiner must be admitted by that vote to take part in the
+# re-sync that follows, which tells it where the group stands.
+_RETRYABLE = recovery.RETRYABLE
 
 # What the group does right after a sync, recorded in the shared state so that a peer
 # joining at that sync knows where it lands.
@@ -642,6 +640,8 @@ class DiLoCo:
                 return r.infos
             except _RETRYABLE as e:
                 r.task = None
+                if not recovery.retryable(e):
+                    raise
                 failures += 1
                 self._retries += 1
                 if failures > self.max_retries:
@@ -686,6 +686,8 @@ class DiLoCo:
                 await self.comm.update_topology()
                 return
             except _RETRYABLE as e:
+                if not recovery.retryable(e):
+                    raise
                 failures += 1
                 self._retries += 1
                 if failures > self.max_retries:
@@ -704,6 +706,8 @@ class DiLoCo:
                 info = await self.comm.sync_shared_state(self._state, strategy)
                 break
             except _RETRYABLE as e:
+                if not recovery.retryable(e):
+                    raise
                 failures += 1
                 self._retries += 1
                 if failures > self.max_retries:

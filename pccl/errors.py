@@ -9,6 +9,10 @@ and re-exported here; ``pccl.PCCLError`` is the base of all of them::
         await comm.update_topology()   # drop the dead peer, then retry
 """
 
+from __future__ import annotations
+
+import enum
+
 from pccl._core import (
     AuthenticationError,
     CollectiveAbortedError,
@@ -35,24 +39,59 @@ class OperationTimeoutError(CollectiveAbortedError, TimeoutError):
     (or is stuck outside pccl)."""
 
 
-__all__ = [
-    "AuthenticationError",
-    "CollectiveAbortedError",
-    "InvalidArgumentError",
-    "InvalidUsageError",
-    "MasterConnectionError",
-    "NoSharedStateAvailableError",
-    "OperationTimeoutError",
-    "PCCLError",
-    "PeerConnectionError",
-    "PendingAsyncOpsError",
-    "ProtocolError",
-    "RevisionIncrementViolationError",
-    "TooFewPeersError",
-    "TopologyOptimizationFailedError",
-    "UpdateTopologyFailedError",
-]
+class ErrorKind(enum.StrEnum):
+    """Every pccl error, by name: the one list. Control-plane messages carry an error as
+    its kind (``kind`` fields; ``NONE`` where nothing failed), decoding refuses any
+    other value, and :meth:`exception` gives the class to raise. The classes themselves
+    are created in the Rust extension (so Rust raises them directly);
+    ``tests/test_errors.py`` checks that this list and the extension's agree."""
 
-#: Error kinds as they travel in control-plane messages (``ErrorReply.kind``).
-ERROR_KINDS: dict[str, type[PCCLError]] = {cls.__name__: cls for cls in
-                                           (globals()[n] for n in __all__)}
+    NONE = ""
+    PCCLError = "PCCLError"
+    AuthenticationError = "AuthenticationError"
+    CollectiveAbortedError = "CollectiveAbortedError"
+    InvalidArgumentError = "InvalidArgumentError"
+    InvalidUsageError = "InvalidUsageError"
+    MasterConnectionError = "MasterConnectionError"
+    NoSharedStateAvailableError = "NoSharedStateAvailableError"
+    OperationTimeoutError = "OperationTimeoutError"
+    PeerConnectionError = "PeerConnectionError"
+    PendingAsyncOpsError = "PendingAsyncOpsError"
+    ProtocolError = "ProtocolError"
+    RevisionIncrementViolationError = "RevisionIncrementViolationError"
+    TooFewPeersError = "TooFewPeersError"
+    TopologyOptimizationFailedError = "TopologyOptimizationFailedError"
+    UpdateTopologyFailedError = "UpdateTopologyFailedError"
+
+    @classmethod
+    def parse(cls, value: str, default: ErrorKind | None = None) -> ErrorKind:
+        """The kind named ``value``; ``default`` (else ``PCCLError``) for an empty or
+        unknown name."""
+        try:
+            kind = cls(value)
+        except ValueError:
+            kind = cls.NONE
+        return kind if kind is not cls.NONE else (default or cls.PCCLError)
+
+    @classmethod
+    def of(cls, error: BaseException) -> ErrorKind:
+        """The kind of ``error``: its own class, else the nearest pccl base class."""
+        for c in type(error).__mro__:
+            if c.__name__ in cls.__members__ and c.__name__ != "NONE":
+                return cls[c.__name__]
+        return cls.PCCLError
+
+    def exception(self) -> type[PCCLError]:
+        """The class to raise for this kind (``PCCLError`` for ``NONE``)."""
+        return ERROR_KINDS.get(self.value, PCCLError)
+
+    def error(self, message: str) -> PCCLError:
+        """An exception of this kind."""
+        return self.exception()(message)
+
+
+__all__ = [m.value for m in ErrorKind if m is not ErrorKind.NONE] + ["ErrorKind"]
+
+#: Error classes by name (the values of :class:`ErrorKind`).
+ERROR_KINDS: dict[str, type[PCCLError]] = {
+    k.value: globals()[k.value] for k in ErrorKind if k is not ErrorKind.NONE}

@@ -31,7 +31,7 @@ from hypothesis import strategies as hs
 import pccl
 from pccl.errors import ProtocolError
 from pccl.master import state as st
-from pccl.master.server import peer_mac
+from pccl.protocol.auth import peer_mac
 from pccl.protocol import PROTOCOL_VERSION, codec
 from pccl.protocol import messages as m
 from pccl.protocol.transport import ConnectionClosed, FramedConnection

@@ -332,7 +332,7 @@ async def test_progress_reports_and_a_failing_callback(pccl_cluster, caplog) -> 
 
 
 def test_fetch_ranges_cover_the_tensor_on_hash_leaves() -> None:
-    from pccl.communicator import RANGE_BYTES, _fetch_ranges
+    from pccl.peer.fetch import RANGE_BYTES, _fetch_ranges
 
     leaf = 1 << 20
     assert _fetch_ranges(0, 3) == [(0, 0)]
@@ -456,7 +456,7 @@ async def test_many_small_tensors_reuse_a_few_transfer_streams() -> None:
                     S.RECEIVE_ONLY))
             assert all(np.array_equal(mine[k], theirs[k]) for k in theirs)
             # At most one stream per fetch in flight, not one per tensor.
-            from pccl.communicator import MAX_FETCHES_IN_FLIGHT
+            from pccl.peer.fetch import MAX_FETCHES_IN_FLIGHT
             assert emu.connections_accepted - accepted_before <= MAX_FETCHES_IN_FLIGHT < 64
             async with asyncio.timeout(10):
                 await emu.wait_for_connections(open_before)
@@ -533,9 +533,9 @@ async def test_one_large_tensor_from_one_holder_uses_pool_size_streams(monkeypat
     """A single large tensor with a single holder is fetched in ranges over
     ``p2p_connection_pool_size`` streams (a per-connection cap, as on many internet
     paths, then does not cap the sync), and arrives bit for bit."""
-    from pccl import communicator
+    from pccl.peer import fetch
 
-    monkeypatch.setattr(communicator, "RANGE_BYTES", 4 << 20)  # 16 MiB: 4 ranges
+    monkeypatch.setattr(fetch, "RANGE_BYTES", 4 << 20)  # 16 MiB: 4 ranges
     port = free_port()
     async with LinkEmulator(f"127.0.0.1:{port}", bandwidth=100e6) as emu:
         async with Cluster(0, pool_size=pool) as cluster:

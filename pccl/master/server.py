@@ -21,33 +21,15 @@ from typing import Any
 from pccl.errors import InvalidArgumentError, ProtocolError
 from pccl.master import state as st
 from pccl.protocol import MAX_FRAME, PROTOCOL_VERSION
+from pccl.protocol.auth import DEFAULT_PORT, master_mac, peer_mac, split_host_port
+from pccl.errors import ErrorKind
 from pccl.protocol import messages as m
 from pccl.protocol.transport import ConnectionClosed, FramedConnection
 
 log = logging.getLogger(__name__)
 
-DEFAULT_PORT = 48148
 # A peer that does not read its control messages is dropped past this much backlog.
 MAX_WRITE_BACKLOG = 64 * 1024 * 1024
-
-
-def split_host_port(address: str, default_port: int = DEFAULT_PORT) -> tuple[str, int]:
-    """ "host:port", "[v6]:port", "host" -> (host, port). InvalidArgumentError for
-    anything else (a port that is not a number in 0..65535, an empty address)."""
-    if not isinstance(address, str) or not address.strip():
-        raise InvalidArgumentError(f"expected an address 'host:port', got {address!r}")
-    if address.startswith("["):
-        host, _, rest = address[1:].partition("]")
-        port = rest[1:] if rest.startswith(":") else str(default_port)
-    else:
-        host, sep, port = address.rpartition(":")
-        if not sep:
-            host, port = address, str(default_port)
-    if not port.isdigit() or not 0 <= int(port) <= 65535:
-        raise InvalidArgumentError(
-            f"bad address {address!r}: the port must be a number in 0..65535 "
-            f"(e.g. 0.0.0.0:{DEFAULT_PORT}; port 0 picks a free one)")
-    return host, int(port)
 
 
 def _positive(name: str, value: float) -> float:
@@ -56,14 +38,6 @@ def _positive(name: str, value: float) -> float:
         raise InvalidArgumentError(f"MasterNode({name}=...) must be a positive number of "
                                    f"seconds, got {value!r}")
     return float(value)
-
-
-def peer_mac(secret: bytes, master_nonce: bytes, peer_nonce: bytes) -> bytes:
-    return hmac.digest(secret, b"pccl-peer" + master_nonce + peer_nonce, "sha256")
-
-
-def master_mac(secret: bytes, master_nonce: bytes, peer_nonce: bytes) -> bytes:
-    return hmac.digest(secret, b"pccl-master" + peer_nonce + master_nonce, "sha256")
 
 
 class MasterNode:
@@ -267,7 +241,7 @@ class MasterNode:
             log.warning("connection from %s dropped: expected hello, got %s", remote, hello.TYPE)
             return None
         if hello.version != PROTOCOL_VERSION:
-            await self._reject(conn, "ProtocolError",
+            await self._reject(conn, ErrorKind.ProtocolError,
                                f"protocol version {hello.version} is not supported "
                                f"(master speaks {PROTOCOL_VERSION})")
             log.warning("peer at %s rejected: protocol version %d", remote, hello.version)
@@ -276,17 +250,17 @@ class MasterNode:
         if self.secret is not None:
             if not hmac.compare_digest(hello.mac, peer_mac(self.secret, nonce, hello.nonce)):
                 log.warning("peer at %s rejected: wrong or missing shared secret", remote)
-                await self._reject(conn, "AuthenticationError",
+                await self._reject(conn, ErrorKind.AuthenticationError,
                                    "the master rejected this peer's shared secret")
                 return None
             server_mac = master_mac(self.secret, nonce, hello.nonce)
         if not (0 < hello.p2p_port < 65536):
-            await self._reject(conn, "ProtocolError", f"invalid p2p port {hello.p2p_port}")
+            await self._reject(conn, ErrorKind.ProtocolError, f"invalid p2p port {hello.p2p_port}")
             return None
         # The state adopts a resumed epoch and counts up from it: keep it far below the
         # largest integer a message can carry.
         if not (0 <= hello.resume_epoch < 1 << 48):
-            await self._reject(conn, "ProtocolError",
+            await self._reject(conn, ErrorKind.ProtocolError,
                                f"invalid resume epoch {hello.resume_epoch}")
             return None
         peer_id = self._next_peer_id
@@ -312,7 +286,7 @@ class MasterNode:
         self._feed(st.PeerRegistered(peer_id, hello.peer_group, p2p_addr, resume))
         return peer_id
 
-    async def _reject(self, conn: FramedConnection, kind: str, message: str) -> None:
+    async def _reject(self, conn: FramedConnection, kind: ErrorKind, message: str) -> None:
         with contextlib.suppress(ConnectionClosed, OSError):
             await conn.send(m.Reject(kind=kind, message=message))
         await conn.close()

@@ -32,8 +32,10 @@ from __future__ import annotations
 import dataclasses
 import enum
 from collections import Counter
+from collections.abc import Collection
 
 from pccl.enums import DataType, QuantizationAlgorithm, ReduceOp
+from pccl.errors import ErrorKind
 from pccl.protocol import messages as m
 
 
@@ -214,7 +216,7 @@ class Collective:
     op_id: int = -1  # assigned when every member agreed and the ring runs
     participants: list[int] = dataclasses.field(default_factory=list)
     reported: set[int] = dataclasses.field(default_factory=set)
-    error: tuple[str, str] | None = None  # (error class name, message)
+    error: tuple[ErrorKind, str] | None = None  # (error class name, message)
     deadline: int = 0  # id of the deadline on the wait for every member's init
 
 
@@ -253,7 +255,7 @@ class Sync:
     revision: int = 0
     participants: list[int] = dataclasses.field(default_factory=list)
     reported: set[int] = dataclasses.field(default_factory=set)
-    error: tuple[str, str] | None = None
+    error: tuple[ErrorKind, str] | None = None
     deadline: int = 0  # id of the deadline on the wait for every member's init
 
 
@@ -398,12 +400,12 @@ class MasterState:
         if isinstance(msg, m.UpdateTopology):
             if rec.status is not PeerStatus.ACCEPTED:
                 out.append(Send(peer, m.ErrorReply(
-                    kind="InvalidUsageError",
+                    kind=ErrorKind.InvalidUsageError,
                     message="update_topology() before this peer was accepted")))
             elif peer in self.votes or self.phase is Phase.OPTIMIZE_TOPOLOGY or (
                     self.phase is Phase.ESTABLISH_P2P and not self._repairing()):
                 out.append(Send(peer, m.ErrorReply(
-                    kind="InvalidUsageError",
+                    kind=ErrorKind.InvalidUsageError,
                     message="update_topology() is already in progress for this peer")))
             else:
                 if not self.votes:
@@ -446,7 +448,7 @@ class MasterState:
             pass  # liveness is the server's business
         else:
             out.append(Send(peer, m.ErrorReply(
-                kind="ProtocolError", message=f"unexpected message {msg.TYPE!r} at the master")))
+                kind=ErrorKind.ProtocolError, message=f"unexpected message {msg.TYPE!r} at the master")))
 
     # --- are_peers_pending() and deadlines -------------------------------------------
 
@@ -485,8 +487,8 @@ class MasterState:
         busy = askers | self.votes | self.opt_votes
         joiners = askers & self.fresh
         if joiners:
-            waiting = [(col.group, col.inits) for col in self.collectives.values()
-                       if col.op_id < 0]
+            waiting: list[tuple[int, Collection[int]]] = [
+                (col.group, col.inits) for col in self.collectives.values() if col.op_id < 0]
             waiting += [(sync.group, sync.inits) for sync in self.syncs.values()
                         if not sync.planned]
             for group, inits in waiting:
@@ -528,17 +530,17 @@ class MasterState:
                   "collective calls)")
         if what[0] == "collective":
             _, group, tag = what
-            col = self.collectives.get((group, tag))  # type: ignore[call-overload]
+            col = self.collectives.get((group, tag))  # type: ignore[arg-type]
             if col is not None and col.deadline == did and col.op_id < 0:
                 late = self._missing(self._members(col.group), col.inits)
-                self._fail_unperformed(col, "OperationTimeoutError", (
+                self._fail_unperformed(col, ErrorKind.OperationTimeoutError, (
                     f"collective tag {col.tag}: peers {late} did not join it in time; "
                     f"{advice}"), out)
         elif what[0] == "sync":
             sync = self.syncs.get(what[1])  # type: ignore[call-overload]
             if sync is not None and sync.deadline == did and not sync.planned:
                 late = self._missing(self._members(sync.group), sync.inits)
-                self._fail_sync(sync, "OperationTimeoutError", (
+                self._fail_sync(sync, ErrorKind.OperationTimeoutError, (
                     f"sync_shared_state(): peers {late} did not join it in time; {advice}"),
                     out)
         elif what[0] == "vote":
@@ -551,7 +553,7 @@ class MasterState:
                     self.phase = Phase.IDLE
                 for p in voters:
                     out.append(Send(p, m.TopologyUpdateFailed(
-                        kind="OperationTimeoutError",
+                        kind=ErrorKind.OperationTimeoutError,
                         message=f"update_topology(): peers {late} did not vote in time; "
                                 f"{advice}")))
         elif what[0] == "optimize":
@@ -562,10 +564,10 @@ class MasterState:
                                     f"time; {advice}", out)
         elif what[0] == "pending" and did == self.pending_deadline:
             late = self._missing(self.accepted(), self.pending_votes)
-            voters, self.pending_votes = self.pending_votes, {}
-            for p, req in sorted(voters.items()):
+            askers, self.pending_votes = self.pending_votes, {}
+            for p, req in sorted(askers.items()):
                 out.append(Send(p, m.PendingAnswer(
-                    req=req, pending=False, ok=False, kind="OperationTimeoutError",
+                    req=req, pending=False, ok=False, kind=ErrorKind.OperationTimeoutError,
                     message=f"are_peers_pending(): peers {late} did not ask in time; "
                             f"{advice}")))
 
@@ -722,7 +724,7 @@ class MasterState:
                     self._broadcast_world(self.accepted(), out)
                 for col in list(self.collectives.values()):
                     if col.group in rnd.groups and col.op_id < 0:
-                        self._fail_unperformed(col, "PeerConnectionError", (
+                        self._fail_unperformed(col, ErrorKind.PeerConnectionError, (
                             f"the ring of peer group {col.group} could not be rebuilt after "
                             f"a peer was lost ({self.attempts} attempts); call "
                             "update_topology() and retry"), out)
@@ -807,17 +809,17 @@ class MasterState:
     def _on_collective_init(self, peer: int, msg: m.CollectiveInit, out: list[Command]) -> None:
         rec = self.peers[peer]
 
-        def refuse(kind: str, why: str) -> None:
+        def refuse(kind: ErrorKind, why: str) -> None:
             out.append(Send(peer, m.CollectiveOutcome(tag=msg.tag, op_id=-1, ok=False,
                                                       kind=kind, message=why)))
 
         if rec.status is not PeerStatus.ACCEPTED:
-            refuse("InvalidUsageError", "collectives need an accepted peer; call connect() first")
+            refuse(ErrorKind.InvalidUsageError, "collectives need an accepted peer; call connect() first")
             return
         key = (rec.peer_group, msg.tag)
         col = self.collectives.get(key)
         if col is not None and (peer in col.inits or col.op_id >= 0):
-            refuse("InvalidUsageError", f"tag {msg.tag} is already in flight on this peer group")
+            refuse(ErrorKind.InvalidUsageError, f"tag {msg.tag} is already in flight on this peer group")
             return
         if col is None:
             col = self.collectives[key] = Collective(rec.peer_group, msg.tag)
@@ -825,14 +827,14 @@ class MasterState:
         col.inits[peer] = msg
         self.fresh.discard(peer)
         if any(p in self.votes or p in self.opt_votes for p in self._members(rec.peer_group)):
-            self._fail_unperformed(col, "CollectiveAbortedError", (
+            self._fail_unperformed(col, ErrorKind.CollectiveAbortedError, (
                 "other peers of the group are in update_topology(); call update_topology() "
                 "and retry"), out)
             return
         if (rec.peer_group in self.repair_failed or not self.repair_rings) \
                 and self._ring_broken(rec.peer_group):
             # Fail fast: no repair is coming, waiting could wait forever.
-            self._fail_unperformed(col, "PeerConnectionError", (
+            self._fail_unperformed(col, ErrorKind.PeerConnectionError, (
                 f"the ring of peer group {col.group} is broken and could not be rebuilt; "
                 "call update_topology() and retry"), out)
             return
@@ -856,7 +858,7 @@ class MasterState:
         if odd:
             detail = "; ".join(f"peer {p}: {_explain(col.inits[p])}"
                                for p in [members[0], *odd])
-            self._fail_unperformed(col, "InvalidUsageError", (
+            self._fail_unperformed(col, ErrorKind.InvalidUsageError, (
                 f"peers disagree on collective tag {col.tag}: {detail}"), out)
             return
         ring = self.rings.get(col.group, [])
@@ -874,7 +876,7 @@ class MasterState:
         ring = self.rings.get(group, [])
         return group in self.broken_groups or sorted(ring) != sorted(self._members(group))
 
-    def _fail_unperformed(self, col: Collective, kind: str, why: str, out: list[Command],
+    def _fail_unperformed(self, col: Collective, kind: ErrorKind, why: str, out: list[Command],
                           skip: int | None = None) -> None:
         del self.collectives[(col.group, col.tag)]
         self._disarm(col.deadline)
@@ -889,7 +891,7 @@ class MasterState:
         if col is not None and msg.op_id < 0 and col.op_id < 0 and peer in col.inits:
             # The peer gave up before the collective ran: call it off for everyone.
             # The withdrawing peer hears nothing: it may already reuse the tag.
-            self._fail_unperformed(col, "CollectiveAbortedError",
+            self._fail_unperformed(col, ErrorKind.CollectiveAbortedError,
                                    f"peer {peer} withdrew from collective tag {msg.tag}", out,
                                    skip=peer)
             return
@@ -900,11 +902,11 @@ class MasterState:
             return  # stale: the collective already ended
         col.reported.add(peer)
         if not msg.ok:
-            self._collective_failed(col, msg.kind or "PeerConnectionError",
+            self._collective_failed(col, msg.kind or ErrorKind.PeerConnectionError,
                                     f"peer {peer}: {msg.message}", out)
         self._maybe_finish_collective(col, out)
 
-    def _collective_failed(self, col: Collective, kind: str, why: str, out: list[Command]) -> None:
+    def _collective_failed(self, col: Collective, kind: ErrorKind, why: str, out: list[Command]) -> None:
         if col.error is not None:
             return
         col.error = (kind, why)
@@ -931,7 +933,7 @@ class MasterState:
                 continue
             if col.op_id < 0 and not self.repair_rings:
                 col.inits.pop(peer, None)
-                self._fail_unperformed(col, "PeerConnectionError", (
+                self._fail_unperformed(col, ErrorKind.PeerConnectionError, (
                     f"peer {peer} left the group; call update_topology() and retry"), out)
             elif col.op_id < 0:
                 # As in PCCL, the others go on without it: the collective runs once the
@@ -943,7 +945,7 @@ class MasterState:
             elif peer in col.participants:
                 col.participants.remove(peer)
                 col.reported.discard(peer)
-                self._collective_failed(col, "PeerConnectionError",
+                self._collective_failed(col, ErrorKind.PeerConnectionError,
                                         f"peer {peer} was lost during the collective", out)
                 self._maybe_finish_collective(col, out)
 
@@ -952,35 +954,35 @@ class MasterState:
     def _on_sync_init(self, peer: int, msg: m.SyncInit, out: list[Command]) -> None:
         rec = self.peers[peer]
 
-        def refuse(kind: str, why: str) -> None:
+        def refuse(kind: ErrorKind, why: str) -> None:
             out.append(Send(peer, m.SyncOutcome(ok=False, kind=kind, message=why, revision=0)))
 
         if rec.status is not PeerStatus.ACCEPTED:
-            refuse("InvalidUsageError", "sync_shared_state() needs an accepted peer")
+            refuse(ErrorKind.InvalidUsageError, "sync_shared_state() needs an accepted peer")
             return
         n = len(msg.keys)
         if not (len(msg.dtypes) == len(msg.counts) == len(msg.hashes) == len(msg.unequal) == n
                 and len(set(msg.keys)) == n and msg.strategy in (0, 1, 2)):
-            refuse("ProtocolError", "malformed shared-state description")
+            refuse(ErrorKind.ProtocolError, "malformed shared-state description")
             return
         sync = self.syncs.get(rec.peer_group)
         if sync is None:
             sync = self.syncs[rec.peer_group] = Sync(rec.peer_group)
             sync.deadline = self._arm(("sync", sync.group), msg.timeout, out)
         if sync.planned or peer in sync.inits:
-            refuse("InvalidUsageError", "a shared-state sync is already running in this group")
+            refuse(ErrorKind.InvalidUsageError, "a shared-state sync is already running in this group")
             return
         sync.inits[peer] = msg
         self.fresh.discard(peer)
         if any(p in self.votes or p in self.opt_votes for p in self._members(rec.peer_group)):
-            self._fail_sync(sync, "CollectiveAbortedError", (
+            self._fail_sync(sync, ErrorKind.CollectiveAbortedError, (
                 "other peers of the group are in update_topology(); call update_topology() "
                 "and retry"), out)
             return
         self._maybe_plan_sync(sync, out)
         self._maybe_answer_pending(out)
 
-    def _fail_sync(self, sync: Sync, kind: str, why: str, out: list[Command]) -> None:
+    def _fail_sync(self, sync: Sync, kind: ErrorKind, why: str, out: list[Command]) -> None:
         del self.syncs[sync.group]
         self._disarm(sync.deadline)
         # Once planned, peers refused at the plan already have their outcome.
@@ -994,12 +996,12 @@ class MasterState:
             return
         self._disarm(sync.deadline)
         inits = {p: sync.inits[p] for p in members}
-        excluded: dict[int, tuple[str, str]] = {}
+        excluded: dict[int, tuple[ErrorKind, str]] = {}
         # 1. Revisions must advance by exactly one (fresh peers and receivers excepted).
         for p, i in inits.items():
             last = self.last_revision.get(p)
             if i.strategy != RECEIVE_ONLY and last is not None and i.revision != last + 1:
-                excluded[p] = ("RevisionIncrementViolationError", (
+                excluded[p] = (ErrorKind.RevisionIncrementViolationError, (
                     f"revision {i.revision} does not follow this peer's last synced revision "
                     f"{last}; increment state.revision by exactly one per sync"))
         voters = [p for p in members if p not in excluded and inits[p].strategy != RECEIVE_ONLY]
@@ -1011,7 +1013,7 @@ class MasterState:
         voters = veterans or voters
         if not voters:
             for p in members:
-                excluded.setdefault(p, ("NoSharedStateAvailableError", (
+                excluded.setdefault(p, (ErrorKind.NoSharedStateAvailableError, (
                     "no peer of the group offers shared state (all are RECEIVE_ONLY or "
                     "were refused)")))
             self._finish_plan(sync, members, excluded, {}, 0, out)
@@ -1041,7 +1043,7 @@ class MasterState:
                 hint = (" (optimizer state that torch creates at the first step() is a "
                         "common cause: see 'Optimizer state' in docs/training.md)"
                         if missing or extra else "")
-                excluded[p] = ("InvalidUsageError", (
+                excluded[p] = (ErrorKind.InvalidUsageError, (
                     f"shared state key {key!r} does not match the group's: missing {missing}, "
                     f"unexpected {extra}, different dtype/size {differ}{hint}"))
         voters = [p for p in voters if p not in excluded]
@@ -1057,7 +1059,7 @@ class MasterState:
         self._finish_plan(sync, members, excluded, popular, revision, out,
                           holders=holders, inits=inits, fresh=fresh)
 
-    def _finish_plan(self, sync: Sync, members: list[int], excluded: dict[int, tuple[str, str]],
+    def _finish_plan(self, sync: Sync, members: list[int], excluded: dict[int, tuple[ErrorKind, str]],
                      popular: dict[str, bytes], revision: int, out: list[Command], *,
                      holders: dict[str, dict[bytes, list[int]]] | None = None,
                      inits: dict[int, m.SyncInit] | None = None,
@@ -1076,7 +1078,9 @@ class MasterState:
             i = inits[p]
             mine = dict(zip(i.keys, i.hashes))
             unequal = dict(zip(i.keys, i.unequal))
-            keys, hashes, sources = [], [], []
+            keys: list[str] = []
+            hashes: list[bytes] = []
+            sources: list[list[int]] = []
             if i.strategy != SEND_ONLY:
                 for k in sorted(popular):
                     if mine[k] == popular[k]:
@@ -1101,7 +1105,7 @@ class MasterState:
             return
         sync.reported.add(peer)
         if not msg.ok and sync.error is None:
-            sync.error = (msg.kind or "PeerConnectionError", f"peer {peer}: {msg.message}")
+            sync.error = (msg.kind or ErrorKind.PeerConnectionError, f"peer {peer}: {msg.message}")
         self._maybe_finish_sync(sync, out)
 
     def _on_sync_withdraw(self, peer: int, out: list[Command]) -> None:
@@ -1111,7 +1115,7 @@ class MasterState:
         sync = self.syncs.get(self.peers[peer].peer_group)
         if sync is None or peer not in (sync.participants if sync.planned else sync.inits):
             return
-        self._fail_sync(sync, "CollectiveAbortedError", (
+        self._fail_sync(sync, ErrorKind.CollectiveAbortedError, (
             f"peer {peer} cancelled its sync_shared_state(); nothing was committed, retry"),
             out)
 
@@ -1253,11 +1257,11 @@ class MasterState:
         waiting in them will not vote: call those off (retryable) instead of waiting."""
         sync = self.syncs.get(group)
         if sync is not None and not sync.planned:
-            self._fail_sync(sync, "CollectiveAbortedError", (
+            self._fail_sync(sync, ErrorKind.CollectiveAbortedError, (
                 f"peer {peer} called {what} while this peer called sync_shared_state(); "
                 f"call {what} and retry"), out)
         for col in list(self.collectives.values()):
             if col.group == group and col.op_id < 0:
-                self._fail_unperformed(col, "CollectiveAbortedError", (
+                self._fail_unperformed(col, ErrorKind.CollectiveAbortedError, (
                     f"peer {peer} called {what} while this peer called a collective "
                     f"(tag {col.tag}); call {what} and retry"), out)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import enum
 import struct
 import typing
 
@@ -22,12 +23,16 @@ _Check = typing.Callable[[object], bool]
 
 def _checker(tp: object) -> _Check:
     origin = typing.get_origin(tp)
+    if isinstance(tp, type) and issubclass(tp, enum.StrEnum):
+        # An enum travels as its value; only the enum's own values decode.
+        values = frozenset(str(v.value) for v in tp)
+        return lambda v: isinstance(v, str) and v in values
     if tp is int:
         return lambda v: isinstance(v, int) and not isinstance(v, bool)
     if tp is float:
         return lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)
     if tp in (str, bytes, bool):
-        return lambda v: isinstance(v, tp)  # type: ignore[arg-type]
+        return lambda v: isinstance(v, tp)
     if origin is list:
         (inner,) = typing.get_args(tp)
         check = _checker(inner)
@@ -36,16 +41,24 @@ def _checker(tp: object) -> _Check:
 
 
 _FIELDS: dict[type[Message], dict[str, _Check]] = {}
+# Fields decoded into an enum (message class -> field name -> enum class).
+_ENUMS: dict[type[Message], dict[str, type[enum.StrEnum]]] = {}
 for _cls in REGISTRY.values():
     _hints = typing.get_type_hints(_cls)
     _FIELDS[_cls] = {f.name: _checker(_hints[f.name]) for f in dataclasses.fields(_cls)}
+    _ENUMS[_cls] = {f.name: _hints[f.name] for f in dataclasses.fields(_cls)
+                    if isinstance(_hints[f.name], type)
+                    and issubclass(_hints[f.name], enum.StrEnum)}
 
 
 def encode(msg: Message) -> bytes:
     body = {"t": msg.TYPE}
     for name in _FIELDS[type(msg)]:
-        body[name] = getattr(msg, name)
-    return msgpack.packb(body, use_bin_type=True)
+        value = getattr(msg, name)
+        # Enum fields travel as their plain value.
+        body[name] = str(value) if isinstance(value, enum.StrEnum) else value
+    packed: bytes = msgpack.packb(body, use_bin_type=True)
+    return packed
 
 
 def frame(msg: Message) -> bytes:
@@ -74,12 +87,15 @@ def decode(data: bytes) -> Message:
         )
     for name, check in fields.items():
         if not check(body[name]):
-            raise ProtocolError(f"{cls.TYPE}.{name} has the wrong type")
+            raise ProtocolError(f"{cls.TYPE}.{name} has the wrong type or an unknown value")
+    for name, enum_type in _ENUMS[cls].items():
+        body[name] = enum_type(body[name])
     return cls(**body)
 
 
 def parse_length(prefix: bytes, max_frame: int) -> int:
     """Reads a length prefix, refusing anything over ``max_frame`` before allocating."""
+    n: int
     (n,) = _LEN.unpack(prefix)
     if n > max_frame:
         if all(32 <= b < 127 for b in prefix):

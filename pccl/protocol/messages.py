@@ -10,6 +10,8 @@ from __future__ import annotations
 import dataclasses
 from typing import ClassVar
 
+from pccl.errors import ErrorKind
+
 #: Bumped on every incompatible change; checked in the handshake.
 PROTOCOL_VERSION = 4
 
@@ -80,10 +82,10 @@ class Welcome(Message):
 @message
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Reject(Message):
-    """M->P, then the master closes the connection. ``kind`` names a pccl error class."""
+    """M->P, then the master closes the connection. ``kind`` names a pccl error class (:class:`ErrorKind`)."""
 
     TYPE: ClassVar[str] = "reject"
-    kind: str
+    kind: ErrorKind
     message: str
 
 
@@ -173,7 +175,7 @@ class TopologyUpdated(Message):
 class TopologyUpdateFailed(Message):
     TYPE: ClassVar[str] = "topology_update_failed"
     message: str
-    kind: str = "UpdateTopologyFailedError"
+    kind: ErrorKind = ErrorKind.UpdateTopologyFailedError
 
 
 @message
@@ -200,7 +202,7 @@ class PendingAnswer(Message):
     pending: bool
     count: int = 0
     ok: bool = True
-    kind: str = ""
+    kind: ErrorKind = ErrorKind.NONE
     message: str = ""
 
 
@@ -215,10 +217,10 @@ class Leave(Message):
 @message
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ErrorReply(Message):
-    """M->P: a request was refused. ``kind`` names a pccl error class."""
+    """M->P: a request was refused. ``kind`` names a pccl error class (:class:`ErrorKind`)."""
 
     TYPE: ClassVar[str] = "error"
-    kind: str
+    kind: ErrorKind
     message: str
 
 
@@ -266,7 +268,7 @@ class CollectiveDone(Message):
     tag: int
     op_id: int
     ok: bool
-    kind: str
+    kind: ErrorKind
     message: str
 
 
@@ -290,7 +292,7 @@ class CollectiveOutcome(Message):
     tag: int
     op_id: int
     ok: bool
-    kind: str
+    kind: ErrorKind
     message: str
 
 
@@ -333,7 +335,7 @@ class SyncPlan(Message):
 class SyncDone(Message):
     TYPE: ClassVar[str] = "sync_done"
     ok: bool
-    kind: str
+    kind: ErrorKind
     message: str
 
 
@@ -354,7 +356,7 @@ class SyncOutcome(Message):
 
     TYPE: ClassVar[str] = "sync_outcome"
     ok: bool
-    kind: str
+    kind: ErrorKind
     message: str
     revision: int
 

@@ -1,0 +1,104 @@
+"""The arguments of a peer's calls: their types, defaults and checks at the edge (every
+duration, size and option is checked here, before anything reaches the master or the
+Rust data plane, with :class:`InvalidArgumentError` naming the argument)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from pccl import _core
+from pccl.enums import DataType, QuantizationAlgorithm, ReduceOp
+from pccl.protocol.auth import DEFAULT_PORT
+from pccl.tensors import RawTensor
+
+@dataclasses.dataclass(frozen=True)
+class ReduceInfo:
+    """What one all-reduce cost this peer."""
+
+    tx_bytes: int  #: bytes this peer put on the wire (headers included)
+    rx_bytes: int  #: bytes this peer received
+    world_size: int  #: peers that took part
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantizationOptions:
+    """How values travel on the wire (``NONE``: as they are)."""
+
+    algorithm: QuantizationAlgorithm = QuantizationAlgorithm.NONE
+    dtype: DataType = DataType.UINT8
+
+
+@dataclasses.dataclass
+class ReduceDescriptor:
+    """One all-reduce for :meth:`Communicator.all_reduce_multiple_with_retry`."""
+
+    tensor: Any
+    out: Any = None
+    op: ReduceOp = ReduceOp.SUM
+    tag: int = 0
+    quantization: QuantizationOptions | None = None
+
+
+_WIRE_TYPES = (DataType.UINT8, DataType.INT8, DataType.FLOAT8_E4M3, DataType.FLOAT8_E5M2)
+_FLOAT_TYPES = (DataType.FLOAT16, DataType.BFLOAT16, DataType.FLOAT32, DataType.FLOAT64)
+
+
+def check_quantization(q: QuantizationOptions, src: RawTensor, op: ReduceOp) -> None:
+    try:
+        algorithm, wire = QuantizationAlgorithm(q.algorithm), DataType(q.dtype)
+    except ValueError:
+        raise _core.InvalidArgumentError(f"invalid quantization options {q}") from None
+    if wire not in _WIRE_TYPES:
+        raise _core.InvalidArgumentError(
+            f"{wire.name} cannot carry quantized values; use UINT8, INT8, FLOAT8_E4M3 or "
+            "FLOAT8_E5M2")
+    if src.dtype not in _FLOAT_TYPES:
+        raise _core.InvalidArgumentError(
+            f"quantization applies to float tensors, not {src.dtype.name}")
+    if op not in (ReduceOp.SUM, ReduceOp.AVG):
+        raise _core.InvalidArgumentError(
+            f"quantized {op.name} is not exact on the wire; use SUM or AVG, or no "
+            f"quantization ({algorithm.name} was asked)")
+
+
+def check_master_address(master: str) -> None:
+    """A master address without a port used to mean 48148 silently; on a shared machine
+    that joins somebody else's run. The port must be said."""
+    if not isinstance(master, str) or not master:
+        raise _core.InvalidArgumentError(f"master must be a 'host:port' string, not {master!r}")
+    host, sep, port = master.rpartition(":") if not master.startswith("[") else (
+        master.partition("]")[0] + "]", ":" if "]:" in master else "",
+        master.partition("]:")[2])
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise _core.InvalidArgumentError(
+            f"master address {master!r} has no valid port: give 'host:port' (pccl's "
+            f"default port is {DEFAULT_PORT}, e.g. '{master.rstrip(':') or '127.0.0.1'}:"
+            f"{DEFAULT_PORT}')")
+
+
+_MAX_SECONDS = 7 * 24 * 3600.0  # a week: longer is a mistake (and past the master's cap)
+
+
+def check_deadline(value: float | None, what: str) -> float | None:
+    return None if value is None else check_seconds(value, what, none_ok=True)
+
+
+def check_seconds(value: float, what: str, zero_ok: bool = False,
+                   none_ok: bool = False) -> float:
+    """A number of seconds in (0, a week] ([0, a week] with ``zero_ok``), as a float."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) \
+            or not (0 <= value if zero_ok else 0 < value) or not value <= _MAX_SECONDS:
+        raise _core.InvalidArgumentError(
+            f"{what} must be a {'non-negative' if zero_ok else 'positive'} number of seconds "
+            f"up to a week ({_MAX_SECONDS:.0f}){' or None' if none_ok else ''}, got {value!r}")
+    return float(value)
+
+
+class _Default:
+    def __repr__(self) -> str:
+        return "<the Communicator's collective_timeout>"
+
+
+#: ``timeout=`` default of collective calls: the Communicator's ``collective_timeout``.
+DEFAULT_TIMEOUT: Any = _Default()

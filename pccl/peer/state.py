@@ -1,0 +1,748 @@
+"""The peer's side of the protocol as a sans-IO state machine: events in, commands out.
+
+The same discipline as :mod:`pccl.master.state`: no sockets, no clocks, no tasks. The
+asyncio driver (:class:`pccl.communicator.Communicator`) turns master messages, results
+of the Rust data plane (ring installed, ring op finished, fetch finished) and user calls
+into events, and carries out the commands (send a message, install a ring, run a ring
+op, resolve or fail a waiting call). The deterministic simulation
+(:mod:`pccl.testing.sim`) drives the same machine with a virtual clock.
+
+Sub-machines, one per kind of call that waits on the master:
+
+* membership (:class:`Status`)::
+
+      NEW ─Welcomed─▶ REGISTERED ─TopologyUpdated+ring installed─▶ ACCEPTED ─Leave─▶ CLOSED
+                                                                       │  ▲
+                                                    MasterLost ────────┘  │ accepted again
+                                                                 RECONNECTING
+
+* a topology call (``update_topology`` / ``optimize_topology``), one at a time:
+  waiting for ``TopologyUpdated`` (then its ring install) or a failure;
+* an ``are_peers_pending`` question per request id;
+* one collective per tag (:class:`CollectivePhase`)::
+
+      WAIT_PERFORM ──Perform──▶ (WAIT_INSTALL) ──▶ RUNNING ──RingDone──▶ WAIT_OUTCOME ──▶ gone
+            └──────────── Outcome before Perform: refused / called off ──────────────▶ gone
+
+* one shared-state sync (:class:`SyncPhase`): WAIT_PLAN ─Plan─▶ FETCHING ─Fetched─▶
+  WAIT_OUTCOME.
+
+A waiting call is a :data:`Waiter` key. The machine answers each key at most once with
+:class:`Resolve` or :class:`Fail` (an error *kind*, not an exception object: see
+:class:`pccl.errors.ErrorKind`), and only while the key is in :attr:`PeerMachine.waiting`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import Any
+
+from pccl.errors import ErrorKind
+from pccl.protocol import messages as m
+
+#: A call waiting on the master: ``("accept",)``, ``("rejoin",)``, ``("update",)``,
+#: ``("query", req)``, ``("perform", tag)``, ``("outcome", tag)``, ``("plan",)``,
+#: ``("sync",)``.
+Waiter = tuple[Any, ...]
+
+ACCEPT: Waiter = ("accept",)
+REJOIN: Waiter = ("rejoin",)
+UPDATE: Waiter = ("update",)
+PLAN: Waiter = ("plan",)
+SYNC: Waiter = ("sync",)
+
+
+def perform_of(tag: int) -> Waiter:
+    return ("perform", tag)
+
+
+def outcome_of(tag: int) -> Waiter:
+    return ("outcome", tag)
+
+
+def query_of(req: int) -> Waiter:
+    return ("query", req)
+
+
+class Status(enum.IntEnum):
+    NEW = 0
+    REGISTERED = 1  # handshake done, waiting to be admitted
+    ACCEPTED = 2
+    CLOSED = 3
+    RECONNECTING = 4  # lost the master; registering again
+
+
+class CollectivePhase(enum.IntEnum):
+    WAIT_PERFORM = 0
+    WAIT_INSTALL = 1  # performed on a ring epoch whose links are being taken over
+    RUNNING = 2  # the ring op runs in the data plane
+    WAIT_OUTCOME = 3  # this peer reported; the master decides for all
+
+
+class SyncPhase(enum.IntEnum):
+    WAIT_PLAN = 0
+    FETCHING = 1
+    WAIT_OUTCOME = 2
+
+
+# --- events -------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Welcomed:
+    """The handshake on a new master connection succeeded."""
+
+    peer_id: int
+
+
+@dataclasses.dataclass(frozen=True)
+class FromMaster:
+    msg: m.Message
+
+
+@dataclasses.dataclass(frozen=True)
+class MasterLost:
+    """The connection to the master died, went silent or sent garbage."""
+
+    reason: str
+    may_rejoin: bool = True  # False: the driver will not register again
+
+
+@dataclasses.dataclass(frozen=True)
+class RejoinFailed:
+    """The driver gave up registering again (``reconnect_timeout`` ran out)."""
+
+    reason: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Closed:
+    """The user closed the communicator."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RingInstalled:
+    """An :class:`InstallRing` finished (``error``: why the links could not be taken
+    over; empty on success). ``generation`` as in the command."""
+
+    epoch: int
+    generation: int
+    error: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class PoolsEstablished:
+    """An :class:`Establish` finished; ``failed``: peers whose pools did not come up."""
+
+    epoch: int
+    generation: int
+    failed: tuple[int, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class Probed:
+    """A :class:`Probe` finished: measured rates (bytes/s) per target, 0 on failure."""
+
+    target_ids: tuple[int, ...]
+    rates: tuple[float, ...]
+    generation: int
+
+
+@dataclasses.dataclass(frozen=True)
+class StartTopology:
+    """User call: ``update_topology()`` (or ``optimize_topology()``)."""
+
+    timeout: float
+    optimize: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class EndTopology:
+    """The topology call returned (either way)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class AskPending:
+    """User call: ``are_peers_pending()`` (``collective``) or ``pending_peer_count()``."""
+
+    req: int
+    collective: bool
+    timeout: float
+
+
+@dataclasses.dataclass(frozen=True)
+class EndQuery:
+    req: int
+
+
+@dataclasses.dataclass(frozen=True)
+class StartCollective:
+    """User call: an all-reduce described by ``init``."""
+
+    init: m.CollectiveInit
+
+
+@dataclasses.dataclass(frozen=True)
+class RingDone:
+    """The data plane finished (or failed) this peer's part of collective ``tag``."""
+
+    tag: int
+    ok: bool
+    kind: str = ""
+    message: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class CancelCollective:
+    """The caller gave up on collective ``tag``: this peer withdraws (the others see it
+    fail, unless the master already decided the outcome)."""
+
+    tag: int
+
+
+@dataclasses.dataclass(frozen=True)
+class EndCollective:
+    tag: int
+
+
+@dataclasses.dataclass(frozen=True)
+class StartSync:
+    init: m.SyncInit
+
+
+@dataclasses.dataclass(frozen=True)
+class Fetched:
+    """This peer's fetches of the sync plan ended."""
+
+    ok: bool
+    kind: str = ""
+    message: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class WithdrawSync:
+    """The caller gave up on the sync after its init went out."""
+
+
+@dataclasses.dataclass(frozen=True)
+class EndSync:
+    pass
+
+
+Event = (Welcomed | FromMaster | MasterLost | RejoinFailed | Closed | RingInstalled
+         | PoolsEstablished | Probed | StartTopology | EndTopology | AskPending | EndQuery
+         | StartCollective | RingDone | CancelCollective | EndCollective | StartSync
+         | Fetched | WithdrawSync | EndSync)
+
+
+# --- commands -----------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Send:
+    msg: m.Message
+
+
+@dataclasses.dataclass(frozen=True)
+class Resolve:
+    waiter: Waiter
+    value: Any = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Fail:
+    waiter: Waiter
+    kind: ErrorKind
+    message: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Establish:
+    """Connect the pool to the next peer (feed :class:`PoolsEstablished`)."""
+
+    msg: m.EstablishP2P
+    generation: int
+
+
+@dataclasses.dataclass(frozen=True)
+class InstallRing:
+    """Take over the ring links of ``epoch`` (feed :class:`RingInstalled`)."""
+
+    epoch: int
+    next_id: int  # -1: a ring of one
+    prev_id: int
+    generation: int
+
+
+@dataclasses.dataclass(frozen=True)
+class RunRing:
+    """Run this peer's part of collective ``tag`` (feed :class:`RingDone`)."""
+
+    tag: int
+    perform: m.CollectivePerform
+
+
+@dataclasses.dataclass(frozen=True)
+class AbortRing:
+    """Stop collective ``tag``'s ring op (it ends with :class:`RingDone`, failed)."""
+
+    tag: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Probe:
+    msg: m.ProbeRequest
+    generation: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Rejoin:
+    """Lost the master while accepted: register again (``Welcomed`` ... ``ACCEPT``), or
+    feed :class:`RejoinFailed`."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Log:
+    """Something worth a warning in the driver's log."""
+
+    message: str
+
+
+Command = (Send | Resolve | Fail | Establish | InstallRing | RunRing | AbortRing | Probe
+           | Rejoin | Log)
+
+
+class ProtocolViolation(Exception):
+    """An event the machine cannot take in its state (a driver bug or a garbage peer)."""
+
+    def __init__(self, kind: ErrorKind, message: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
+@dataclasses.dataclass
+class Collective:
+    tag: int
+    init: m.CollectiveInit
+    phase: CollectivePhase = CollectivePhase.WAIT_PERFORM
+    perform: m.CollectivePerform | None = None
+    aborted: bool = False  # the master called it off while it ran
+    reported: bool = False  # this peer sent its CollectiveDone
+
+
+@dataclasses.dataclass
+class Sync:
+    init: m.SyncInit
+    phase: SyncPhase = SyncPhase.WAIT_PLAN
+    plan: m.SyncPlan | None = None
+
+
+_CANCELLED = "cancelled by the caller"
+
+
+class PeerMachine:
+    """One peer's protocol state (see the module docstring)."""
+
+    def __init__(self, *, reconnect: bool = True) -> None:
+        self.reconnect = reconnect
+        self.status = Status.NEW
+        self.peer_id: int | None = None
+        self.epoch = 0  # newest ring epoch the master told this peer of
+        self.ring_epoch = -1  # epoch of the ring links installed here
+        self.ring: list[int] = []
+        self.world: m.WorldInfo | None = None
+        self.last_revision = -1  # of the last successful sync
+        self.reconnects = 0
+        self.generation = 0  # master connections so far (results of older ones are void)
+        self.connected = False
+        self.lost: tuple[ErrorKind, str] | None = None
+        self.waiting: set[Waiter] = set()
+        self.collectives: dict[int, Collective] = {}
+        self.topology: StartTopology | None = None
+        self.queries: set[int] = set()
+        self.sync: Sync | None = None
+        self.installing: set[int] = set()  # epochs whose ring install runs
+        self.installs: list[m.TopologyUpdated] = []  # rounds waiting for their install
+        self.asking_req: int | None = None  # the collective are_peers_pending() waiting
+        self._next_req = 0
+
+    # --- queries the driver makes ------------------------------------------------------
+
+    def new_request(self) -> int:
+        self._next_req += 1
+        return self._next_req
+
+    def usable(self) -> tuple[ErrorKind, str] | None:
+        """Why a call cannot be made now (None: it can)."""
+        if self.lost is not None:
+            return self.lost
+        if self.status is Status.RECONNECTING:
+            return (ErrorKind.MasterConnectionError,
+                    "registering with the master again after losing it; retry once that "
+                    "is done")
+        if self.status is not Status.ACCEPTED:
+            return (ErrorKind.InvalidUsageError,
+                    f"this peer is {self.status.name}, not ACCEPTED; call connect() first")
+        return None
+
+    def resume(self) -> tuple[int, int, int, list[int]]:
+        """What to tell a master when registering again: (peer id, epoch, revision,
+        ring); zeros when this is the first registration."""
+        if self.status is Status.RECONNECTING and self.peer_id is not None:
+            return (self.peer_id, max(self.ring_epoch, self.epoch, 0), self.last_revision,
+                    list(self.ring))
+        return (0, 0, -1, [])
+
+    # --- the one entry point -----------------------------------------------------------
+
+    def handle(self, ev: Event) -> list[Command]:
+        out: list[Command] = []
+        if isinstance(ev, FromMaster):
+            self._on_message(ev.msg, out)
+        elif isinstance(ev, Welcomed):
+            self.peer_id = ev.peer_id
+            self.generation += 1
+            self.connected = True
+            self.lost = None
+            if self.status is Status.NEW:
+                self.status = Status.REGISTERED
+            self.waiting.add(ACCEPT)
+        elif isinstance(ev, MasterLost):
+            self._lose(ErrorKind.MasterConnectionError, ev.reason, ev.may_rejoin, out)
+        elif isinstance(ev, RejoinFailed):
+            self.lost = (ErrorKind.MasterConnectionError, ev.reason)
+            self.connected = False
+            self._fail(REJOIN, ErrorKind.MasterConnectionError, ev.reason, out)
+        elif isinstance(ev, Closed):
+            self.status = Status.CLOSED
+            self.connected = False
+            self._fail_all(ErrorKind.MasterConnectionError, "the communicator was closed", out)
+        elif isinstance(ev, RingInstalled):
+            self._on_installed(ev, out)
+        elif isinstance(ev, PoolsEstablished):
+            if ev.generation == self.generation and self.connected:
+                out.append(Send(m.P2PReport(epoch=ev.epoch, failed=list(ev.failed))))
+        elif isinstance(ev, Probed):
+            if ev.generation == self.generation and self.connected:
+                out.append(Send(m.ProbeReport(target_ids=list(ev.target_ids),
+                                              rates=list(ev.rates))))
+        elif isinstance(ev, StartTopology):
+            self._start_topology(ev, out)
+        elif isinstance(ev, EndTopology):
+            self.topology = None
+            self.waiting.discard(UPDATE)
+        elif isinstance(ev, AskPending):
+            self._ask(ev, out)
+        elif isinstance(ev, EndQuery):
+            self.queries.discard(ev.req)
+            if self.asking_req == ev.req:
+                self.asking_req = None
+            self.waiting.discard(query_of(ev.req))
+        elif isinstance(ev, StartCollective):
+            self._start_collective(ev.init, out)
+        elif isinstance(ev, RingDone):
+            self._ring_done(ev, out)
+        elif isinstance(ev, CancelCollective):
+            self._cancel_collective(ev.tag, out)
+        elif isinstance(ev, EndCollective):
+            self.collectives.pop(ev.tag, None)
+            self.waiting.discard(perform_of(ev.tag))
+            self.waiting.discard(outcome_of(ev.tag))
+        elif isinstance(ev, StartSync):
+            self._start_sync(ev.init, out)
+        elif isinstance(ev, Fetched):
+            sync = self.sync
+            if sync is not None and sync.phase is SyncPhase.FETCHING:
+                sync.phase = SyncPhase.WAIT_OUTCOME
+                self._send(m.SyncDone(ok=ev.ok, kind=ev.kind, message=ev.message), out)
+        elif isinstance(ev, WithdrawSync):
+            if self.sync is not None:
+                self._send(m.SyncWithdraw(), out)
+        elif isinstance(ev, EndSync):
+            self.sync = None
+            self.waiting.discard(PLAN)
+            self.waiting.discard(SYNC)
+        else:  # pragma: no cover - the type union is closed
+            raise TypeError(ev)
+        return out
+
+    # --- helpers ---------------------------------------------------------------------
+
+    def _send(self, msg: m.Message, out: list[Command]) -> None:
+        """Sends ``msg`` if a master connection is up (a lost one fails the waiters
+        already; what would have been sent is void)."""
+        if self.connected and self.lost is None:
+            out.append(Send(msg))
+
+    def _resolve(self, w: Waiter, value: Any, out: list[Command]) -> None:
+        if w in self.waiting:
+            self.waiting.discard(w)
+            out.append(Resolve(w, value))
+
+    def _fail(self, w: Waiter, kind: ErrorKind, message: str, out: list[Command]) -> None:
+        if w in self.waiting:
+            self.waiting.discard(w)
+            out.append(Fail(w, kind, message))
+
+    def _fail_all(self, kind: ErrorKind, message: str, out: list[Command],
+                  keep: Waiter | None = None) -> None:
+        for tag, col in self.collectives.items():
+            if col.phase is CollectivePhase.RUNNING:
+                out.append(AbortRing(tag))
+        for w in sorted(self.waiting, key=repr):
+            if w != keep:
+                self._fail(w, kind, message, out)
+
+    def _check_usable(self) -> None:
+        why = self.usable()
+        if why is not None:
+            raise ProtocolViolation(*why)
+
+    def _lose(self, kind: ErrorKind, reason: str, may_rejoin: bool,
+              out: list[Command]) -> None:
+        if self.status is Status.CLOSED or not self.connected:
+            return
+        self.connected = False
+        self.lost = (kind, reason)
+        out.append(Log(f"peer {self.peer_id}: {reason}"))
+        # A call waiting out a re-registration keeps waiting through failed attempts.
+        self._fail_all(kind, reason, out, keep=REJOIN)
+        if self.status is Status.ACCEPTED and self.reconnect and may_rejoin:
+            self.status = Status.RECONNECTING
+            self.waiting.add(REJOIN)
+            out.append(Rejoin())
+
+    # --- master messages ---------------------------------------------------------------
+
+    def _on_message(self, msg: m.Message, out: list[Command]) -> None:
+        if isinstance(msg, m.Ping):
+            self._send(m.Pong(seq=msg.seq), out)
+        elif isinstance(msg, m.EstablishP2P):
+            out.append(Establish(msg, self.generation))
+        elif isinstance(msg, m.WorldInfo):
+            self.world = msg
+        elif isinstance(msg, m.TopologyUpdated):
+            self._on_topology_updated(msg, out)
+        elif isinstance(msg, m.CollectivePerform):
+            col = self.collectives.get(msg.tag)
+            if col is not None and col.phase is CollectivePhase.WAIT_PERFORM:
+                col.perform = msg
+                self._perform(col, out)
+        elif isinstance(msg, m.CollectiveAbort):
+            col = self.collectives.get(msg.tag)
+            if col is not None:
+                col.aborted = True
+                if col.phase is CollectivePhase.RUNNING:
+                    out.append(AbortRing(msg.tag))
+        elif isinstance(msg, m.CollectiveOutcome):
+            col = self.collectives.get(msg.tag)
+            if col is None:
+                return  # a withdrawn or forgotten collective: nothing waits for it
+            if col.perform is None:
+                # Refused or called off before it ran.
+                kind = ErrorKind.parse(msg.kind)
+                self._fail(perform_of(msg.tag), kind, msg.message, out)
+                self._fail(outcome_of(msg.tag), kind, msg.message, out)
+            else:
+                self._resolve(outcome_of(msg.tag), msg, out)
+        elif isinstance(msg, (m.TopologyUpdateFailed, m.OptimizeFailed, m.ErrorReply)):
+            if isinstance(msg, m.OptimizeFailed):
+                kind = ErrorKind.TopologyOptimizationFailedError
+            else:
+                kind = ErrorKind.parse(msg.kind, ErrorKind.UpdateTopologyFailedError)
+            if UPDATE in self.waiting:
+                self._fail(UPDATE, kind, msg.message, out)
+            elif isinstance(msg, m.ErrorReply):
+                out.append(Log(f"peer {self.peer_id}: master reported {msg.kind}: "
+                               f"{msg.message}"))
+        elif isinstance(msg, m.PendingAnswer):
+            self._resolve(query_of(msg.req), msg, out)
+        elif isinstance(msg, m.ProbeRequest):
+            out.append(Probe(msg, self.generation))
+        elif isinstance(msg, m.SyncPlan):
+            sync = self.sync
+            if sync is not None and sync.phase is SyncPhase.WAIT_PLAN:
+                sync.phase, sync.plan = SyncPhase.FETCHING, msg
+                self._resolve(PLAN, msg, out)
+        elif isinstance(msg, m.SyncOutcome):
+            sync = self.sync
+            if sync is None:
+                return
+            if sync.phase is SyncPhase.WAIT_PLAN:
+                kind = ErrorKind.parse(msg.kind)
+                self._fail(PLAN, kind, msg.message, out)
+                self._fail(SYNC, kind, msg.message, out)
+            else:
+                self._resolve(SYNC, msg, out)
+        elif isinstance(msg, m.Reject):
+            self._lose(ErrorKind.MasterConnectionError,
+                       f"the master dropped this peer: {msg.message}", True, out)
+        else:
+            self._lose(ErrorKind.MasterConnectionError,
+                       f"unexpected message {msg.TYPE!r} from the master", True, out)
+
+    def _on_topology_updated(self, msg: m.TopologyUpdated, out: list[Command]) -> None:
+        if self.world is not None:
+            self.ring = list(self.world.ring)
+        if msg.epoch != self.ring_epoch and self.peer_id in self.ring:
+            i, n = self.ring.index(self.peer_id), len(self.ring)
+            nxt = self.ring[(i + 1) % n] if n > 1 else -1
+            prv = self.ring[(i - 1) % n] if n > 1 else -1
+            self.installing.add(msg.epoch)
+            out.append(InstallRing(msg.epoch, nxt, prv, self.generation))
+            self.installs.append(msg)
+        else:
+            self._topology_done(msg, "", out)
+
+    def _on_installed(self, ev: RingInstalled, out: list[Command]) -> None:
+        self.installing.discard(ev.epoch)
+        if not ev.error:
+            self.ring_epoch = ev.epoch
+        msgs = [u for u in self.installs if u.epoch == ev.epoch]
+        self.installs = [u for u in self.installs if u.epoch != ev.epoch]
+        if ev.generation == self.generation and self.connected:
+            for u in msgs:
+                error = f"could not take over the ring links: {ev.error}" if ev.error else ""
+                self._topology_done(u, error, out)
+        # Collectives performed on this epoch waited for its links.
+        for col in list(self.collectives.values()):
+            if col.phase is CollectivePhase.WAIT_INSTALL and col.perform is not None \
+                    and col.perform.epoch == ev.epoch:
+                self._perform(col, out)
+
+    def _topology_done(self, msg: m.TopologyUpdated, error: str,
+                       out: list[Command]) -> None:
+        self.epoch = max(self.epoch, msg.epoch)
+        if msg.repair:
+            if error:
+                out.append(Log(f"peer {self.peer_id}: {error}"))
+            return  # the master rebuilt the ring on its own: no call waits for this
+        if self.status in (Status.REGISTERED, Status.RECONNECTING):
+            if error:
+                self._fail(ACCEPT, ErrorKind.UpdateTopologyFailedError, error, out)
+            elif self.status is Status.REGISTERED:
+                self.status = Status.ACCEPTED
+                self._resolve(ACCEPT, None, out)
+            else:
+                self.status = Status.ACCEPTED
+                self.reconnects += 1
+                self._resolve(ACCEPT, None, out)
+                self._resolve(REJOIN, None, out)
+                out.append(Log(f"peer {self.peer_id}: registered again with the master; "
+                               "the run goes on"))
+        elif error:
+            self._fail(UPDATE, ErrorKind.UpdateTopologyFailedError, error, out)
+        else:
+            self._resolve(UPDATE, None, out)
+
+    # --- user calls --------------------------------------------------------------------
+
+    def _start_topology(self, ev: StartTopology, out: list[Command]) -> None:
+        self._check_usable()
+        what = "optimize_topology()" if ev.optimize else "update_topology()"
+        if self.topology is not None:
+            raise ProtocolViolation(ErrorKind.InvalidUsageError,
+                                    f"a topology operation is already running on this peer "
+                                    f"({what} was called)")
+        if self.collectives:
+            raise ProtocolViolation(
+                ErrorKind.PendingAsyncOpsError,
+                f"{len(self.collectives)} collective(s) still in flight (tags "
+                f"{sorted(self.collectives)}); await them before {what}")
+        self.topology = ev
+        self.waiting.add(UPDATE)
+        self._send(m.OptimizeTopology(timeout=ev.timeout) if ev.optimize
+                   else m.UpdateTopology(timeout=ev.timeout), out)
+
+    def _ask(self, ev: AskPending, out: list[Command]) -> None:
+        self._check_usable()
+        if ev.collective:
+            if self.asking_req is not None:
+                raise ProtocolViolation(ErrorKind.InvalidUsageError,
+                                        "are_peers_pending() is already running on this peer")
+            self.asking_req = ev.req
+        self.queries.add(ev.req)
+        self.waiting.add(query_of(ev.req))
+        self._send(m.PendingQuery(req=ev.req, collective=ev.collective, timeout=ev.timeout),
+                   out)
+
+    def _start_collective(self, init: m.CollectiveInit, out: list[Command]) -> None:
+        self._check_usable()
+        if self.topology is not None:
+            raise ProtocolViolation(ErrorKind.InvalidUsageError,
+                                    "update_topology() is running on this peer")
+        if init.tag in self.collectives:
+            raise ProtocolViolation(ErrorKind.InvalidUsageError,
+                                    f"tag {init.tag} is already in flight on this peer")
+        self.collectives[init.tag] = Collective(init.tag, init)
+        self.waiting |= {perform_of(init.tag), outcome_of(init.tag)}
+        self._send(init, out)
+
+    def _perform(self, col: Collective, out: list[Command]) -> None:
+        p = col.perform
+        assert p is not None
+        if p.world <= 1:
+            col.phase = CollectivePhase.WAIT_OUTCOME
+            col.reported = True
+            self._send(m.CollectiveDone(tag=col.tag, op_id=p.op_id, ok=True, kind="",
+                                        message=""), out)
+            self._resolve(perform_of(col.tag), (p, False), out)
+        elif p.epoch == self.ring_epoch:
+            col.phase = CollectivePhase.RUNNING
+            self._resolve(perform_of(col.tag), (p, True), out)
+            out.append(RunRing(col.tag, p))
+            if col.aborted:
+                out.append(AbortRing(col.tag))
+        elif p.epoch in self.installing and col.phase is CollectivePhase.WAIT_PERFORM:
+            # Performed on a ring the master just rebuilt: its links are being taken over
+            # right now (bounded by p2p_timeout there).
+            col.phase = CollectivePhase.WAIT_INSTALL
+        else:
+            col.phase = CollectivePhase.WAIT_OUTCOME
+            col.reported = True
+            self._send(m.CollectiveDone(
+                tag=col.tag, op_id=p.op_id, ok=False, kind=ErrorKind.PeerConnectionError,
+                message=f"ring epoch {p.epoch} is not installed here ({self.ring_epoch}); "
+                        "call update_topology()"), out)
+            self._resolve(perform_of(col.tag), (p, False), out)
+
+    def _ring_done(self, ev: RingDone, out: list[Command]) -> None:
+        col = self.collectives.get(ev.tag)
+        if col is None or col.phase is not CollectivePhase.RUNNING or col.perform is None:
+            return
+        col.phase = CollectivePhase.WAIT_OUTCOME
+        col.reported = True
+        self._send(m.CollectiveDone(tag=ev.tag, op_id=col.perform.op_id, ok=ev.ok,
+                                    kind=ev.kind, message=ev.message), out)
+
+    def _cancel_collective(self, tag: int, out: list[Command]) -> None:
+        """The caller gave up. Before this peer reported, its part fails the collective for
+        everyone; after, the master may already have decided (the outcome still comes to
+        the driver, which waits for it a bounded time)."""
+        col = self.collectives.get(tag)
+        if col is None:
+            return
+        if col.phase is CollectivePhase.RUNNING:
+            out.append(AbortRing(tag))
+        op_id = col.perform.op_id if col.perform is not None else -1
+        col.reported = True
+        if col.phase is not CollectivePhase.WAIT_OUTCOME:
+            col.phase = CollectivePhase.WAIT_OUTCOME
+        self.waiting.discard(perform_of(tag))
+        self._send(m.CollectiveDone(tag=tag, op_id=op_id, ok=False,
+                                    kind=ErrorKind.CollectiveAbortedError, message=_CANCELLED),
+                   out)
+
+    def _start_sync(self, init: m.SyncInit, out: list[Command]) -> None:
+        self._check_usable()
+        if self.sync is not None:
+            raise ProtocolViolation(ErrorKind.InvalidUsageError,
+                                    "sync_shared_state() is already running on this peer")
+        self.sync = Sync(init)
+        self.waiting |= {PLAN, SYNC}
+        self._send(init, out)
+
+    def committed(self, revision: int) -> None:
+        """The driver committed a sync at ``revision``."""
+        self.last_revision = int(revision)

@@ -1,0 +1,42 @@
+"""What both ends of a control-plane connection need to agree on: the address form
+("host:port", with pccl's default port) and the handshake's message authentication
+codes (HMAC-SHA256 over both nonces, one per direction, so neither side can replay the
+other's proof)."""
+
+from __future__ import annotations
+
+import hmac
+
+from pccl.errors import InvalidArgumentError
+
+#: The master's default port.
+DEFAULT_PORT = 48148
+
+
+def split_host_port(address: str, default_port: int = DEFAULT_PORT) -> tuple[str, int]:
+    """ "host:port", "[v6]:port", "host" -> (host, port). InvalidArgumentError for
+    anything else (a port that is not a number in 0..65535, an empty address)."""
+    if not isinstance(address, str) or not address.strip():
+        raise InvalidArgumentError(f"expected an address 'host:port', got {address!r}")
+    if address.startswith("["):
+        host, _, rest = address[1:].partition("]")
+        port = rest[1:] if rest.startswith(":") else str(default_port)
+    else:
+        host, sep, port = address.rpartition(":")
+        if not sep:
+            host, port = address, str(default_port)
+    if not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise InvalidArgumentError(
+            f"bad address {address!r}: the port must be a number in 0..65535 "
+            f"(e.g. 0.0.0.0:{DEFAULT_PORT}; port 0 picks a free one)")
+    return host, int(port)
+
+
+def peer_mac(secret: bytes, master_nonce: bytes, peer_nonce: bytes) -> bytes:
+    """The peer's proof that it knows ``secret``."""
+    return hmac.digest(secret, b"pccl-peer" + master_nonce + peer_nonce, "sha256")
+
+
+def master_mac(secret: bytes, master_nonce: bytes, peer_nonce: bytes) -> bytes:
+    """The master's proof that it knows ``secret``."""
+    return hmac.digest(secret, b"pccl-master" + peer_nonce + master_nonce, "sha256")
