@@ -1,0 +1,301 @@
+"""The peer's sans-IO state machine (pccl/peer/state.py), without sockets or clocks."""
+
+from __future__ import annotations
+
+import pytest
+
+from pccl.errors import ErrorKind
+from pccl.peer import state as ps
+from pccl.protocol import messages as m
+
+
+def cmds(machine: ps.PeerMachine, *events: ps.Event) -> list[ps.Command]:
+    out: list[ps.Command] = []
+    for ev in events:
+        out += machine.handle(ev)
+    return out
+
+
+def sent(commands: list[ps.Command]) -> list[m.Message]:
+    return [c.msg for c in commands if isinstance(c, ps.Send)]
+
+
+def world(ring: list[int], epoch: int) -> m.WorldInfo:
+    return m.WorldInfo(epoch=epoch, ring=ring, global_world_size=len(ring),
+                       peer_group_world_size=len(ring), num_peer_groups=1,
+                       largest_peer_group_world_size=len(ring))
+
+
+def accepted(peer_id: int = 2, ring: list[int] | None = None, epoch: int = 1
+             ) -> ps.PeerMachine:
+    mc = ps.PeerMachine()
+    ring = ring or [1, 2, 3]
+    out = cmds(mc, ps.Welcomed(peer_id), ps.FromMaster(world(ring, epoch)),
+               ps.FromMaster(m.TopologyUpdated(epoch=epoch)))
+    install = [c for c in out if isinstance(c, ps.InstallRing)]
+    assert install and install[0].epoch == epoch
+    out = mc.handle(ps.RingInstalled(epoch, mc.generation))
+    assert ps.Resolve(ps.ACCEPT) in out
+    return mc
+
+
+def init(tag: int = 0) -> m.CollectiveInit:
+    return m.CollectiveInit(tag=tag, kind="all_reduce", dtype=4, count=10, op=0,
+                            quant_algorithm=0, quant_dtype=0)
+
+
+def perform(tag: int = 0, epoch: int = 1, op_id: int = 7, world_: int = 3
+            ) -> ps.FromMaster:
+    return ps.FromMaster(m.CollectivePerform(tag=tag, op_id=op_id, epoch=epoch, rank=1,
+                                             world=world_))
+
+
+def test_admission_installs_the_ring_between_the_neighbours() -> None:
+    mc = ps.PeerMachine()
+    assert mc.usable() is not None
+    out = cmds(mc, ps.Welcomed(2), ps.FromMaster(world([1, 2, 3], 4)),
+               ps.FromMaster(m.TopologyUpdated(epoch=4)))
+    assert mc.status is ps.Status.REGISTERED
+    assert ps.InstallRing(4, 3, 1, 1) in out
+    assert not any(isinstance(c, ps.Resolve) for c in out)  # not before the links are up
+    assert cmds(mc, ps.RingInstalled(4, 1)) == [ps.Resolve(ps.ACCEPT)]
+    assert mc.status is ps.Status.ACCEPTED and mc.ring_epoch == 4 and mc.usable() is None
+
+
+def test_a_failed_install_fails_the_admission() -> None:
+    mc = ps.PeerMachine()
+    cmds(mc, ps.Welcomed(2), ps.FromMaster(world([1, 2], 1)),
+         ps.FromMaster(m.TopologyUpdated(epoch=1)))
+    (fail,) = mc.handle(ps.RingInstalled(1, 1, "peer 1 refused"))
+    assert isinstance(fail, ps.Fail) and fail.waiter == ps.ACCEPT
+    assert fail.kind is ErrorKind.UpdateTopologyFailedError and "peer 1 refused" in fail.message
+    assert mc.status is ps.Status.REGISTERED
+
+
+def test_an_all_reduce_runs_reports_and_hears_one_outcome() -> None:
+    mc = accepted()
+    assert sent(mc.handle(ps.StartCollective(init()))) == [init()]
+    out = mc.handle(perform())
+    p = m.CollectivePerform(tag=0, op_id=7, epoch=1, rank=1, world=3)
+    assert out == [ps.Resolve(ps.perform_of(0), (p, True)), ps.RunRing(0, p)]
+    assert mc.collectives[0].phase is ps.CollectivePhase.RUNNING
+    assert sent(mc.handle(ps.RingDone(0, True))) == [
+        m.CollectiveDone(tag=0, op_id=7, ok=True, kind=ErrorKind.NONE, message="")]
+    outcome = m.CollectiveOutcome(tag=0, op_id=7, ok=True, kind=ErrorKind.NONE, message="")
+    assert mc.handle(ps.FromMaster(outcome)) == [ps.Resolve(ps.outcome_of(0), outcome)]
+    # A duplicate outcome answers nothing: every waiter is answered once.
+    assert mc.handle(ps.FromMaster(outcome)) == []
+    mc.handle(ps.EndCollective(0))
+    assert not mc.collectives and not mc.waiting
+
+
+def test_an_outcome_before_the_perform_fails_both_waiters_with_its_kind() -> None:
+    mc = accepted()
+    mc.handle(ps.StartCollective(init(3)))
+    out = mc.handle(ps.FromMaster(m.CollectiveOutcome(
+        tag=3, op_id=-1, ok=False, kind=ErrorKind.InvalidUsageError, message="mismatch")))
+    assert {(c.waiter, c.kind) for c in out if isinstance(c, ps.Fail)} == {
+        (ps.perform_of(3), ErrorKind.InvalidUsageError),
+        (ps.outcome_of(3), ErrorKind.InvalidUsageError)}
+
+
+def test_a_perform_on_a_ring_being_installed_waits_for_the_install() -> None:
+    mc = accepted()
+    mc.handle(ps.StartCollective(init()))
+    out = cmds(mc, ps.FromMaster(world([1, 2], 2)),
+               ps.FromMaster(m.TopologyUpdated(epoch=2, repair=True)))
+    assert ps.InstallRing(2, 1, 1, 1) in out
+    assert mc.handle(perform(epoch=2, world_=2)) == []
+    assert mc.collectives[0].phase is ps.CollectivePhase.WAIT_INSTALL
+    out = mc.handle(ps.RingInstalled(2, 1))
+    assert [type(c) for c in out] == [ps.Resolve, ps.RunRing]
+
+
+def test_a_perform_on_a_ring_that_is_not_here_fails_this_peers_part() -> None:
+    mc = accepted()
+    mc.handle(ps.StartCollective(init()))
+    out = mc.handle(perform(epoch=9))
+    (done,) = sent(out)
+    assert isinstance(done, m.CollectiveDone) and not done.ok
+    assert done.kind is ErrorKind.PeerConnectionError and "epoch 9" in done.message
+    assert ps.Resolve(ps.perform_of(0), (perform(epoch=9).msg, False)) in out
+
+
+def test_a_ring_of_one_reports_done_without_a_ring() -> None:
+    mc = accepted(1, [1])
+    mc.handle(ps.StartCollective(init()))
+    out = mc.handle(perform(world_=1))
+    assert not any(isinstance(c, ps.RunRing) for c in out)
+    assert sent(out)[0].ok  # type: ignore[attr-defined]
+
+
+def test_the_master_calling_a_running_collective_off_aborts_its_ring() -> None:
+    mc = accepted()
+    mc.handle(ps.StartCollective(init()))
+    mc.handle(perform())
+    out = mc.handle(ps.FromMaster(m.CollectiveAbort(tag=0, op_id=7, message="peer lost")))
+    assert out == [ps.AbortRing(0)]
+
+
+@pytest.mark.parametrize("performed", [False, True])
+def test_a_cancelled_collective_withdraws(performed: bool) -> None:
+    mc = accepted()
+    mc.handle(ps.StartCollective(init()))
+    if performed:
+        mc.handle(perform())
+    out = mc.handle(ps.CancelCollective(0))
+    (done,) = sent(out)
+    assert isinstance(done, m.CollectiveDone) and not done.ok
+    assert done.kind is ErrorKind.CollectiveAbortedError
+    assert done.op_id == (7 if performed else -1)
+    assert (ps.AbortRing(0) in out) is performed
+    # After the perform the outcome still comes (the driver waits for it, bounded).
+    assert (ps.outcome_of(0) in mc.waiting) is True
+
+
+def test_calls_the_protocol_forbids_are_refused_with_their_kind() -> None:
+    mc = accepted()
+    mc.handle(ps.StartCollective(init(1)))
+    with pytest.raises(ps.ProtocolViolation) as e:
+        mc.handle(ps.StartCollective(init(1)))
+    assert e.value.kind is ErrorKind.InvalidUsageError
+    with pytest.raises(ps.ProtocolViolation) as e:
+        mc.handle(ps.StartTopology(0.0))
+    assert e.value.kind is ErrorKind.PendingAsyncOpsError
+    mc.handle(ps.EndCollective(1))
+    mc.handle(ps.StartTopology(0.0))
+    with pytest.raises(ps.ProtocolViolation) as e:
+        mc.handle(ps.StartTopology(0.0, optimize=True))
+    assert e.value.kind is ErrorKind.InvalidUsageError
+    with pytest.raises(ps.ProtocolViolation) as e:
+        mc.handle(ps.StartCollective(init(2)))
+    assert e.value.kind is ErrorKind.InvalidUsageError
+    mc.handle(ps.AskPending(mc.new_request(), True, 0.0))
+    with pytest.raises(ps.ProtocolViolation):
+        mc.handle(ps.AskPending(mc.new_request(), True, 0.0))
+    # The quick look is not a collective: any number may be asked.
+    mc.handle(ps.AskPending(mc.new_request(), False, 0.0))
+
+
+def test_topology_failures_carry_their_kind() -> None:
+    mc = accepted()
+    mc.handle(ps.StartTopology(0.0, optimize=True))
+    (fail,) = mc.handle(ps.FromMaster(m.OptimizeFailed(message="peer 3 lost")))
+    assert isinstance(fail, ps.Fail)
+    assert fail.kind is ErrorKind.TopologyOptimizationFailedError
+    mc.handle(ps.EndTopology())
+    mc.handle(ps.StartTopology(0.0))
+    (fail,) = mc.handle(ps.FromMaster(m.ErrorReply(kind=ErrorKind.InvalidUsageError,
+                                                   message="not accepted")))
+    assert isinstance(fail, ps.Fail) and fail.kind is ErrorKind.InvalidUsageError
+
+
+def test_losing_the_master_fails_every_waiter_and_rejoins_keeping_the_calls_waiting() -> None:
+    mc = accepted()
+    mc.handle(ps.StartCollective(init()))
+    mc.handle(perform())
+    req = mc.new_request()
+    mc.handle(ps.AskPending(req, True, 0.0))
+    out = mc.handle(ps.MasterLost("no word from the master for 5s"))
+    fails = {c.waiter for c in out if isinstance(c, ps.Fail)}
+    assert fails == {ps.perform_of(0), ps.outcome_of(0), ps.query_of(req)} - {ps.perform_of(0)}
+    assert all(c.kind is ErrorKind.MasterConnectionError for c in out if isinstance(c, ps.Fail))
+    assert ps.AbortRing(0) in out and ps.Rejoin() in out
+    assert mc.status is ps.Status.RECONNECTING and ps.REJOIN in mc.waiting
+    assert mc.usable() is not None
+    # Nothing is sent while the master is lost.
+    mc.handle(ps.EndCollective(0))
+    assert mc.handle(ps.RingDone(0, True)) == []
+    # Registering again: the resume says what this peer held.
+    assert mc.resume() == (2, 1, -1, [1, 2, 3])
+    out = cmds(mc, ps.Welcomed(2), ps.FromMaster(world([1, 2, 3], 1)),
+               ps.FromMaster(m.TopologyUpdated(epoch=1)))
+    assert ps.Resolve(ps.ACCEPT) in out and ps.Resolve(ps.REJOIN) in out
+    assert mc.status is ps.Status.ACCEPTED and mc.reconnects == 1
+
+
+def test_a_failed_registration_attempt_keeps_the_calls_waiting_for_the_rejoin() -> None:
+    mc = accepted()
+    mc.handle(ps.MasterLost("reset"))
+    mc.handle(ps.Welcomed(2))
+    out = mc.handle(ps.MasterLost("reset again"))
+    assert [c.waiter for c in out if isinstance(c, ps.Fail)] == [ps.ACCEPT]
+    assert ps.REJOIN in mc.waiting and ps.Rejoin() not in out
+    (fail,) = mc.handle(ps.RejoinFailed("gave up after 60s"))
+    assert isinstance(fail, ps.Fail) and fail.waiter == ps.REJOIN
+
+
+def test_results_of_an_older_master_connection_are_void() -> None:
+    mc = accepted()
+    establish = m.EstablishP2P(epoch=2, ring=[1, 2, 3], next_id=3, next_addr="h:1")
+    (cmd,) = mc.handle(ps.FromMaster(establish))
+    assert cmd == ps.Establish(establish, 1)
+    mc.handle(ps.MasterLost("reset"))
+    mc.handle(ps.Welcomed(2))
+    assert mc.handle(ps.PoolsEstablished(2, 1, ())) == []  # generation 1 is gone
+    assert sent(mc.handle(ps.PoolsEstablished(2, 2, (3,)))) == [
+        m.P2PReport(epoch=2, failed=[3])]
+
+
+def test_a_reject_or_garbage_from_the_master_loses_it() -> None:
+    for msg in (m.Reject(kind=ErrorKind.ProtocolError, message="bad"),
+                m.Hello(version=1, peer_group=0, p2p_port=1, p2p_host="", nonce=b"",
+                        mac=b"", resume_peer_id=0, resume_epoch=0, resume_revision=-1,
+                        resume_peers=[])):
+        mc = accepted()
+        out = mc.handle(ps.FromMaster(msg))
+        assert ps.Rejoin() in out and not mc.connected
+
+
+def test_a_sync_plans_fetches_reports_and_commits() -> None:
+    mc = accepted()
+    sync_init = m.SyncInit(revision=3, strategy=0, keys=["w"], dtypes=[4], counts=[1],
+                           hashes=[b"h"], unequal=[False])
+    assert sent(mc.handle(ps.StartSync(sync_init))) == [sync_init]
+    with pytest.raises(ps.ProtocolViolation):
+        mc.handle(ps.StartSync(sync_init))
+    plan = m.SyncPlan(revision=3, fetch_keys=["w"], fetch_hashes=[b"x"], fetch_sources=[[1]],
+                      source_ids=[1], source_addrs=["h:1"])
+    assert mc.handle(ps.FromMaster(plan)) == [ps.Resolve(ps.PLAN, plan)]
+    assert sent(mc.handle(ps.Fetched(False, ErrorKind.PeerConnectionError, "holder died"))) == [
+        m.SyncDone(ok=False, kind=ErrorKind.PeerConnectionError, message="holder died")]
+    outcome = m.SyncOutcome(ok=False, kind=ErrorKind.PeerConnectionError, message="x",
+                            revision=0)
+    assert mc.handle(ps.FromMaster(outcome)) == [ps.Resolve(ps.SYNC, outcome)]
+    mc.handle(ps.EndSync())
+    assert mc.sync is None and not mc.waiting
+
+
+def test_a_refused_sync_fails_the_plan_and_the_outcome() -> None:
+    mc = accepted()
+    mc.handle(ps.StartSync(m.SyncInit(revision=1, strategy=0, keys=[], dtypes=[], counts=[],
+                                      hashes=[], unequal=[])))
+    out = mc.handle(ps.FromMaster(m.SyncOutcome(
+        ok=False, kind=ErrorKind.CollectiveAbortedError, message="in update", revision=0)))
+    assert {c.waiter for c in out if isinstance(c, ps.Fail)} == {ps.PLAN, ps.SYNC}
+    # Withdrawing after the outcome sends the withdrawal (the master ignores it).
+    assert sent(mc.handle(ps.WithdrawSync())) == [m.SyncWithdraw()]
+
+
+def test_closing_fails_everything_once() -> None:
+    mc = accepted()
+    mc.handle(ps.StartCollective(init()))
+    out = mc.handle(ps.Closed())
+    assert {c.waiter for c in out if isinstance(c, ps.Fail)} == {ps.perform_of(0),
+                                                                  ps.outcome_of(0)}
+    assert mc.handle(ps.Closed()) == []
+    assert mc.handle(ps.MasterLost("late")) == []
+
+
+def test_error_kinds_name_every_pccl_error_the_extension_defines() -> None:
+    import pccl
+    from pccl import _core
+    core = {n for n in dir(_core) if isinstance(getattr(_core, n), type)
+            and issubclass(getattr(_core, n), pccl.PCCLError)}
+    kinds = {k.value for k in ErrorKind if k is not ErrorKind.NONE}
+    assert core <= kinds and kinds - core == {"OperationTimeoutError"}
+    for k in kinds:
+        assert ErrorKind(k).exception().__name__ == k
+        assert ErrorKind.of(ErrorKind(k).error("x")) is ErrorKind(k)
+    assert ErrorKind.parse("nonsense") is ErrorKind.PCCLError
+    assert ErrorKind.parse("", ErrorKind.MasterConnectionError) is ErrorKind.MasterConnectionError
