@@ -1,8 +1,13 @@
-"""Public enumerations."""
+"""Public enumerations, and :data:`DTYPES`: the one table of what pccl knows about each
+:class:`DataType` (size, numpy and torch names, float or not). Every other dtype lookup
+in pccl derives from it."""
 
 from __future__ import annotations
 
+import dataclasses
 import enum
+import types
+from collections.abc import Mapping
 
 
 class Attribute(enum.IntEnum):
@@ -62,3 +67,38 @@ class SharedStateSyncStrategy(enum.IntEnum):
     ENFORCE_POPULAR = 0
     RECEIVE_ONLY = 1
     SEND_ONLY = 2
+
+
+@dataclasses.dataclass(frozen=True)
+class DTypeInfo:
+    """What pccl knows about one :class:`DataType` (a row of :data:`DTYPES`)."""
+
+    size: int  #: bytes per element
+    numpy: str | None  #: numpy dtype name (``bfloat16`` needs ml_dtypes); None: wire-only
+    torch: str | None  #: ``torch.<name>`` dtype; None: wire-only (no tensor has it)
+    is_float: bool  #: a floating-point type (quantization and DiLoCo take these only)
+
+    @property
+    def is_tensor_type(self) -> bool:
+        """Whether tensors of this type can be reduced and synced (not wire-only)."""
+        return self.numpy is not None
+
+
+#: The one dtype table: every :class:`DataType` -> its :class:`DTypeInfo`.
+DTYPES: Mapping[DataType, DTypeInfo] = types.MappingProxyType({
+    DataType.FLOAT16: DTypeInfo(2, "float16", "float16", True),
+    DataType.BFLOAT16: DTypeInfo(2, "bfloat16", "bfloat16", True),
+    DataType.FLOAT32: DTypeInfo(4, "float32", "float32", True),
+    DataType.FLOAT64: DTypeInfo(8, "float64", "float64", True),
+    DataType.INT8: DTypeInfo(1, "int8", "int8", False),
+    DataType.INT16: DTypeInfo(2, "int16", "int16", False),
+    DataType.INT32: DTypeInfo(4, "int32", "int32", False),
+    DataType.INT64: DTypeInfo(8, "int64", "int64", False),
+    DataType.UINT8: DTypeInfo(1, "uint8", "uint8", False),
+    DataType.UINT16: DTypeInfo(2, "uint16", "uint16", False),
+    DataType.UINT32: DTypeInfo(4, "uint32", "uint32", False),
+    DataType.UINT64: DTypeInfo(8, "uint64", "uint64", False),
+    # Wire-only: what quantized values travel as; never a tensor's element type.
+    DataType.FLOAT8_E4M3: DTypeInfo(1, None, None, True),
+    DataType.FLOAT8_E5M2: DTypeInfo(1, None, None, True),
+})

@@ -18,29 +18,17 @@ try:
 except ImportError:  # torch-only: see the module docstring
     np = None  # type: ignore[assignment]
 
-from pccl.enums import DataType
+from pccl.enums import DTYPES, DataType
 from pccl.errors import InvalidArgumentError
 
+# Derived from pccl.enums.DTYPES (the one dtype table): tensor element types by name.
 _NUMPY_DTYPES: dict[str, DataType] = {
-    "float16": DataType.FLOAT16,
-    "bfloat16": DataType.BFLOAT16,
-    "float32": DataType.FLOAT32,
-    "float64": DataType.FLOAT64,
-    "int8": DataType.INT8,
-    "int16": DataType.INT16,
-    "int32": DataType.INT32,
-    "int64": DataType.INT64,
-    "uint8": DataType.UINT8,
-    "uint16": DataType.UINT16,
-    "uint32": DataType.UINT32,
-    "uint64": DataType.UINT64,
-}
+    info.numpy: dt for dt, info in DTYPES.items() if info.numpy is not None}
+_TORCH_DTYPES: dict[str, DataType] = {
+    info.torch: dt for dt, info in DTYPES.items() if info.torch is not None}
 
-ELEMENT_SIZE: dict[DataType, int] = {
-    DataType.FLOAT16: 2, DataType.BFLOAT16: 2, DataType.FLOAT32: 4, DataType.FLOAT64: 8,
-    DataType.INT8: 1, DataType.INT16: 2, DataType.INT32: 4, DataType.INT64: 8,
-    DataType.UINT8: 1, DataType.UINT16: 2, DataType.UINT32: 4, DataType.UINT64: 8,
-}
+#: Bytes per element of every :class:`DataType` (from :data:`pccl.enums.DTYPES`).
+ELEMENT_SIZE: dict[DataType, int] = {dt: info.size for dt, info in DTYPES.items()}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,19 +74,19 @@ def _torch_bytes(flat: Any) -> Any:
     if np is not None:
         return raw.numpy()
     buf = (ctypes.c_uint8 * raw.numel()).from_address(raw.data_ptr())
-    buf._pccl_owner = raw  # type: ignore[attr-defined]  # the memory's owner lives on
+    buf._pccl_owner = raw  # the memory's owner lives on
     return memoryview(buf).cast("B")
 
 
-def _from_torch(t: Any, what: str) -> tuple[Any, str]:
+def _from_torch(t: Any, what: str) -> tuple[Any, DataType]:
     if t.device.type != "cpu":
         raise InvalidArgumentError(f"{what} is on {t.device}; pass a CPU tensor")
     if not t.is_contiguous():
         raise InvalidArgumentError(f"{what} is not contiguous; call .contiguous() first")
-    name = str(t.dtype).removeprefix("torch.")
-    if name not in _NUMPY_DTYPES:
+    dtype = _TORCH_DTYPES.get(str(t.dtype).removeprefix("torch."))
+    if dtype is None:
         raise InvalidArgumentError(f"{what} has unsupported dtype {t.dtype}")
-    return _torch_bytes(t.detach().reshape(-1)), name
+    return _torch_bytes(t.detach().reshape(-1)), dtype
 
 
 def _as_array(obj: Any, what: str) -> Any:
@@ -123,21 +111,21 @@ def as_raw(obj: Any, *, writable: bool, what: str = "tensor") -> RawTensor:
     """Views ``obj``'s memory as bytes. Raises InvalidArgumentError for anything that is
     not a C-contiguous tensor of a supported dtype (or is read-only when ``writable``)."""
     if _is_torch(obj):
-        data, name = _from_torch(obj, what)
+        data, dtype = _from_torch(obj, what)
         shape = tuple(int(d) for d in obj.shape)
         # torch tensors have no read-only flag; numpy's view of them is writable.
     else:
         arr = _as_array(obj, what)
         if not arr.flags.c_contiguous:
             raise InvalidArgumentError(f"{what} is not C-contiguous; pass np.ascontiguousarray(x)")
-        name = arr.dtype.name
-        if name not in _NUMPY_DTYPES:
+        found = _NUMPY_DTYPES.get(arr.dtype.name)
+        if found is None:
             raise InvalidArgumentError(f"{what} has unsupported dtype {arr.dtype}")
+        dtype = found
         if writable and not arr.flags.writeable:
             raise InvalidArgumentError(f"{what} is read-only")
         data = arr.reshape(-1).view(np.uint8)
         shape = tuple(int(d) for d in arr.shape)
-    dtype = _NUMPY_DTYPES[name]
     return RawTensor(data=data, dtype=dtype, count=data.nbytes // ELEMENT_SIZE[dtype], owner=obj,
                      shape=shape)
 

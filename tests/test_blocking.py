@@ -274,6 +274,33 @@ def test_pccl_names_and_enums() -> None:
     assert pb.cuda.is_available() is False
 
 
+def test_pccl_datatypes_map_member_by_member_onto_the_one_dtype_table() -> None:
+    from pccl.blocking import compat
+    from pccl.enums import DTYPES
+
+    # PCCL's C values and pccl's differ (FLOAT is 10 here, FLOAT32 is 2 in pccl): the
+    # map is explicit, one to one, and covers both enums.
+    assert pb.DataType.FLOAT.value != pccl.DataType.FLOAT32.value
+    assert set(compat._CORE_DTYPE) == set(pb.DataType)
+    assert sorted(compat._CORE_DTYPE.values()) == sorted(pccl.DataType)
+    assert compat._CORE_DTYPE[pb.DataType.DOUBLE] is pccl.DataType.FLOAT64
+    for dt in pb.DataType:
+        info = DTYPES[compat._CORE_DTYPE[dt]]
+        assert compat.element_info(dt) is info
+        assert compat._as_datatype(compat._CORE_DTYPE[dt]) is dt  # pccl's enum accepted
+        if info.numpy is None:  # wire-only
+            with pytest.raises(pb.ArgumentValueError, match="has no numpy dtype"):
+                dt.to_numpy_dtype()
+            with pytest.raises(pb.ArgumentValueError, match="has no torch dtype"):
+                dt.to_torch_dtype()
+        elif info.numpy != "bfloat16":  # numpy's bfloat16 needs ml_dtypes
+            assert dt.to_numpy_dtype() == np.dtype(info.numpy)
+            assert dt.to_numpy_dtype().itemsize == info.size
+            assert pb.DataType.from_numpy_dtype(np.dtype(info.numpy)) is dt
+    with pytest.raises(pb.ArgumentAssertionError, match="Unsupported dtype"):
+        pb.DataType.from_numpy_dtype(np.complex64)
+
+
 def test_result_codes_of_every_error_class() -> None:
     expected = {
         pb.InvalidArgumentError: pb.Result.INVALID_ARGUMENT,
