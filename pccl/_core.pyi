@@ -1,9 +1,51 @@
 """Type stubs for the Rust extension ``pccl._core`` (hand-written; keep in sync with rust/py)."""
 
-from collections.abc import Awaitable
-from typing import Any
+from asyncio import Future
+from typing import Any, final
+
+# The runtime's own __all__ (pyo3 lists every name registered, in order): stubtest
+# compares the two, so a new function or class goes here too.
+__all__ = [
+    "__version__",
+    "reset_log_cache",
+    "close_log_bridge",
+    "PCCLError",
+    "InvalidArgumentError",
+    "InvalidUsageError",
+    "TooFewPeersError",
+    "MasterConnectionError",
+    "PeerConnectionError",
+    "NoSharedStateAvailableError",
+    "PendingAsyncOpsError",
+    "UpdateTopologyFailedError",
+    "TopologyOptimizationFailedError",
+    "RevisionIncrementViolationError",
+    "AuthenticationError",
+    "ProtocolError",
+    "CollectiveAbortedError",
+    "hash_root",
+    "leaf_digests",
+    "content_hash",
+    "content_hash_hex",
+    "copy_into",
+    "prefault",
+    "ByteCounter",
+    "HASH_LEAF_BYTES",
+    "FETCH_RANGE_BYTES",
+    "MAX_FETCHES_IN_FLIGHT",
+    "fetch_ranges",
+    "FetchOp",
+    "P2PNode",
+    "RingOp",
+]
 
 __version__: str
+#: Bytes of one leaf of the content hash's tree (fetched ranges start on leaves).
+HASH_LEAF_BYTES: int
+#: Tensors of at least twice this many bytes are fetched in ranges (the default).
+FETCH_RANGE_BYTES: int
+#: Streams one shared-state fetch keeps in flight at once, at most.
+MAX_FETCHES_IN_FLIGHT: int
 
 class PCCLError(Exception):
     """Base class of every pccl error."""
@@ -49,6 +91,7 @@ class CollectiveAbortedError(PCCLError):
     the topology, or a deadline passed); nothing was written: retry."""
 
 
+@final
 class P2PNode:
     """A peer's p2p endpoint: listener, pools and ring links (all I/O on tokio)."""
 
@@ -60,15 +103,15 @@ class P2PNode:
         secret: bytes | None = None,
         handshake_timeout: float = 5.0,
         connect_timeout: float = 5.0,
-    ) -> Awaitable[P2PNode]: ...
+    ) -> Future[P2PNode]: ...
     @property
     def port(self) -> int: ...
     @property
     def peer_id(self) -> int: ...
     def set_peer_id(self, peer_id: int) -> None: ...
-    def connect_pool(self, addr: str, to: int, epoch: int, pool_size: int) -> Awaitable[None]: ...
+    def connect_pool(self, addr: str, to: int, epoch: int, pool_size: int) -> Future[None]: ...
     def retain_from_epoch(self, epoch: int) -> None: ...
-    def close(self) -> Awaitable[None]: ...
+    def close(self) -> Future[None]: ...
     def install_ring(
         self,
         epoch: int,
@@ -77,7 +120,7 @@ class P2PNode:
         pool_timeout: float = 10.0,
         io_timeout: float = 30.0,
         max_piece: int = 16 << 20,
-    ) -> Awaitable[None]: ...
+    ) -> Future[None]: ...
     def start_all_reduce(
         self,
         op_id: int,
@@ -107,7 +150,7 @@ class P2PNode:
         io_timeout: float = 30.0,
         counter: ByteCounter | None = None,
         reuse: bool = True,
-    ) -> Awaitable[bytes]:
+    ) -> Future[bytes]:
         """Fills ``out`` with bytes ``offset..offset + len(out)`` of the tensor of
         ``total`` bytes a peer serves under ``key``; resolves to the range's leaf
         digests (``hash_root`` combines them), computed while the bytes land."""
@@ -121,10 +164,23 @@ class P2PNode:
         io_timeout: float = 30.0,
         counter: ByteCounter | None = None,
         reuse: bool = True,
-    ) -> Awaitable[list[bytes | BaseException]]:
+    ) -> Future[list[bytes | PCCLError]]:
         """Fills each of ``outs`` with the whole tensor served under the matching key,
         over one stream with every request sent up front; resolves to, per key, its
         leaf digests or the exception its fetch failed with."""
+        ...
+    def start_fetch(
+        self,
+        entries: list[tuple[str, Any, bytes, list[int]]],
+        addrs: dict[int, str],
+        *,
+        streams: int = 1,
+        io_timeout: float = 30.0,
+        range_bytes: int | None = None,
+    ) -> FetchOp:
+        """Prepares the fetch of a sync plan: ``(key, out, content_hash, holders)``
+        entries (``out`` writable, the tensor's size; holders in the order to try them)
+        and every holder's ``"host:port"``. Nothing moves before ``FetchOp.run()``."""
         ...
     def probe(
         self,
@@ -134,8 +190,9 @@ class P2PNode:
         streams: int = 1,
         max_bytes: int = 256 << 20,
         io_timeout: float = 10.0,
-    ) -> Awaitable[float]: ...
+    ) -> Future[float]: ...
 
+@final
 class ByteCounter:
     """Bytes landed by a fetch so far (pass as ``counter=``; read ``value`` any time)."""
 
@@ -143,10 +200,30 @@ class ByteCounter:
     @property
     def value(self) -> int: ...
 
+@final
+class FetchOp:
+    """One sync plan's fetch (see ``P2PNode.start_fetch``)."""
+
+    def run(self) -> Future[list[PCCLError | None]]:
+        """Fetches the plan; resolves, once every transfer has ended, to ``None`` (fetched
+        and verified) or the exception its fetch failed with, per entry."""
+        ...
+    def abort(self) -> None: ...
+    @property
+    def rx_bytes(self) -> int: ...
+    @property
+    def tensors_done(self) -> int: ...
+
+def fetch_ranges(
+    nbytes: int, holders: int, streams: int = 1, range_bytes: int = 32 << 20
+) -> list[tuple[int, int]]:
+    """The ``(offset, length)`` ranges the fetch engine splits a tensor into."""
+
+@final
 class RingOp:
     """One all-reduce in flight."""
 
-    def run(self) -> Awaitable[tuple[int, int]]: ...
+    def run(self) -> Future[tuple[int, int]]: ...
     def abort(self) -> None: ...
     def commit(self, out: Any) -> None: ...
 

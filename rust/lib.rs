@@ -7,6 +7,7 @@ pub mod error;
 pub mod fuzzing;
 pub mod hash;
 pub mod net;
+pub(crate) mod pod;
 pub mod py;
 pub mod quant;
 pub mod reduce;

@@ -71,6 +71,7 @@ use half::slice::HalfFloatSliceExt;
 use half::{bf16, f16};
 
 use crate::error::{CoreError, CoreResult};
+use crate::pod::{store, view, view_mut, Pod};
 
 // ---------------------------------------------------------------------------------------
 // Public enums
@@ -313,73 +314,8 @@ fn dispatch(dtype: DType, op: ReduceOp, out: &mut [u8], a: Option<&[u8]>, b: &[u
 }
 
 // ---------------------------------------------------------------------------------------
-// Plain-old-data element types and typed views of byte slices
+// Staging of unaligned data (the `Pod` views themselves live in `crate::pod`)
 // ---------------------------------------------------------------------------------------
-
-/// Element types that may be viewed in place of bytes.
-///
-/// # Safety
-///
-/// Implementors must have no padding, no invalid bit patterns and no drop glue, so that
-/// any properly aligned byte range of the right length is a valid `[Self]`.
-unsafe trait Pod: Copy + 'static {
-    /// Convert between the little-endian wire representation and the host's (a no-op on
-    /// little-endian hosts, where it compiles away).
-    fn le_swap(self) -> Self;
-}
-
-macro_rules! pod_int {
-    ($($t:ty),*) => {$(
-        // SAFETY: primitive integers are plain old data.
-        unsafe impl Pod for $t {
-            #[inline(always)]
-            fn le_swap(self) -> Self { <$t>::from_le(self) }
-        }
-    )*};
-}
-pod_int!(i8, i16, i32, i64, u8, u16, u32, u64);
-
-macro_rules! pod_float {
-    ($($t:ty),*) => {$(
-        // SAFETY: f32/f64 are plain old data; `half`'s types are `repr(transparent)` over
-        // `u16`.
-        unsafe impl Pod for $t {
-            #[inline(always)]
-            fn le_swap(self) -> Self { <$t>::from_bits(self.to_bits().to_le()) }
-        }
-    )*};
-}
-pod_float!(f32, f64, f16, bf16);
-
-/// The bytes viewed as `[T]`, when they are aligned for `T` and the host is little-endian.
-#[inline(always)]
-fn view<T: Pod>(bytes: &[u8]) -> Option<&[T]> {
-    let p = bytes.as_ptr().cast::<T>();
-    if cfg!(target_endian = "little")
-        && p.is_aligned()
-        && bytes.len().is_multiple_of(size_of::<T>())
-    {
-        // SAFETY: aligned, in bounds, and every bit pattern is a valid `T` (`Pod`).
-        Some(unsafe { std::slice::from_raw_parts(p, bytes.len() / size_of::<T>()) })
-    } else {
-        None
-    }
-}
-
-/// Mutable counterpart of [`view`].
-#[inline(always)]
-fn view_mut<T: Pod>(bytes: &mut [u8]) -> Option<&mut [T]> {
-    let p = bytes.as_mut_ptr().cast::<T>();
-    if cfg!(target_endian = "little")
-        && p.is_aligned()
-        && bytes.len().is_multiple_of(size_of::<T>())
-    {
-        // SAFETY: as in `view`, and the exclusive borrow is carried over.
-        Some(unsafe { std::slice::from_raw_parts_mut(p, bytes.len() / size_of::<T>()) })
-    } else {
-        None
-    }
-}
 
 // Block sizes of the staged paths. Blocks are short on purpose: the reads of both
 // inputs and the write of the output stay interleaved, so the memory system sees three
@@ -395,51 +331,7 @@ const BLOCK_BYTES: usize = 512;
 const STAGED_STEP: usize = 256;
 
 /// An aligned stack buffer used to stage unaligned (or big-endian) data.
-#[repr(C, align(64))]
-struct Stage([u8; BLOCK_BYTES]);
-
-impl Stage {
-    #[inline(always)]
-    fn new() -> Self {
-        Stage([0; BLOCK_BYTES])
-    }
-
-    /// Copy `src` into the buffer and return it as host-order elements.
-    #[inline(always)]
-    fn load<T: Pod>(&mut self, src: &[u8]) -> &mut [T] {
-        let n = src.len() / size_of::<T>();
-        assert!(n * size_of::<T>() == src.len() && src.len() <= BLOCK_BYTES);
-        self.0[..src.len()].copy_from_slice(src);
-        // SAFETY: the buffer is 64-byte aligned (enough for every `Pod` here), holds at
-        // least `n` elements, and any bit pattern is a valid `T`.
-        let s = unsafe { std::slice::from_raw_parts_mut(self.0.as_mut_ptr().cast::<T>(), n) };
-        if cfg!(target_endian = "big") {
-            s.iter_mut().for_each(|x| *x = x.le_swap());
-        }
-        s
-    }
-
-    /// A scratch view of `n` elements (contents unspecified but valid).
-    #[inline(always)]
-    fn scratch<T: Pod>(&mut self, n: usize) -> &mut [T] {
-        assert!(n * size_of::<T>() <= BLOCK_BYTES);
-        // SAFETY: as in `load`.
-        unsafe { std::slice::from_raw_parts_mut(self.0.as_mut_ptr().cast::<T>(), n) }
-    }
-}
-
-/// Write host-order elements to little-endian bytes (`vals` is clobbered on big-endian).
-#[inline(always)]
-fn store<T: Pod>(vals: &mut [T], dst: &mut [u8]) {
-    if cfg!(target_endian = "big") {
-        vals.iter_mut().for_each(|x| *x = x.le_swap());
-    }
-    // SAFETY: reading the initialised elements of a `Pod` slice as bytes.
-    let bytes = unsafe {
-        std::slice::from_raw_parts(vals.as_ptr().cast::<u8>(), std::mem::size_of_val(vals))
-    };
-    dst.copy_from_slice(bytes);
-}
+type Stage = crate::pod::Stage<BLOCK_BYTES>;
 
 /// Byte ranges covering `total` bytes in steps of `step` (the last one may be short).
 #[inline(always)]
@@ -919,51 +811,11 @@ fn half_divide<H: Half>(buf: &mut [u8], world: usize) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    // A byte buffer starting `offset` bytes past a 64-byte boundary.
+    use crate::pod::OffsetBuf as Buf;
     use proptest::prelude::*;
 
     // ---- helpers -----------------------------------------------------------------------
-
-    /// A byte buffer whose start is 64-byte aligned, so `offset` controls alignment.
-    struct Buf {
-        words: Vec<u64>,
-        offset: usize,
-        len: usize,
-    }
-
-    impl Buf {
-        fn new(bytes: &[u8], offset: usize) -> Buf {
-            let mut b = Buf::zeroed(bytes.len(), offset);
-            b.bytes_mut().copy_from_slice(bytes);
-            b
-        }
-        fn zeroed(len: usize, offset: usize) -> Buf {
-            // Over-allocate so we can start at a 64-byte boundary plus `offset`.
-            let words = vec![0u64; (len + offset + 64) / 8 + 1];
-            Buf { words, offset, len }
-        }
-        fn start(&self) -> usize {
-            let p = self.words.as_ptr() as usize;
-            (64 - p % 64) % 64 + self.offset
-        }
-        fn all(&self) -> &[u8] {
-            // SAFETY: viewing an initialised u64 vector as bytes.
-            unsafe { std::slice::from_raw_parts(self.words.as_ptr().cast(), self.words.len() * 8) }
-        }
-        fn all_mut(&mut self) -> &mut [u8] {
-            // SAFETY: as above, exclusively borrowed.
-            unsafe {
-                std::slice::from_raw_parts_mut(self.words.as_mut_ptr().cast(), self.words.len() * 8)
-            }
-        }
-        fn bytes(&self) -> &[u8] {
-            let s = self.start();
-            &self.all()[s..s + self.len]
-        }
-        fn bytes_mut(&mut self) -> &mut [u8] {
-            let (s, n) = (self.start(), self.len);
-            &mut self.all_mut()[s..s + n]
-        }
-    }
 
     /// Small deterministic generator (splitmix64) for test data.
     struct Rng(u64);

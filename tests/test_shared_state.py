@@ -332,9 +332,11 @@ async def test_progress_reports_and_a_failing_callback(pccl_cluster, caplog) -> 
 
 
 def test_fetch_ranges_cover_the_tensor_on_hash_leaves() -> None:
-    from pccl.peer.fetch import RANGE_BYTES, _fetch_ranges
+    """The fetch engine's range policy (Rust; more cases in rust/net/fetch.rs)."""
+    from pccl.peer.fetch import RANGE_BYTES
 
-    leaf = 1 << 20
+    _fetch_ranges, leaf = _core.fetch_ranges, _core.HASH_LEAF_BYTES
+    assert RANGE_BYTES == _core.FETCH_RANGE_BYTES and leaf == 1 << 20
     assert _fetch_ranges(0, 3) == [(0, 0)]
     assert _fetch_ranges(2 * RANGE_BYTES - 1, 3) == [(0, 2 * RANGE_BYTES - 1)]
     for nbytes in (2 * RANGE_BYTES, 3 * RANGE_BYTES + 12345, (256 << 20) + 7, 1 << 30):
@@ -417,6 +419,34 @@ async def test_fetch_into_checks_its_range(pccl_cluster) -> None:
         whole = np.zeros(3 << 20, dtype=np.uint8)
         digests = await b._node.fetch_into(src, a.peer_id, "w", whole)
         assert _core.hash_root(digests, whole.nbytes) == _core.content_hash(served)
+    finally:
+        a._node.unserve_all()
+
+
+async def test_fetch_op_reports_each_tensor_and_checks_its_buffers(pccl_cluster) -> None:
+    """The fetch engine's Python edge: one result per tensor (None or the exception),
+    progress while and after it runs, and buffers that may not share memory."""
+    cluster = await pccl_cluster(2)
+    a, b = cluster.comms
+    served = np.arange(3 << 20, dtype=np.uint8)
+    a._node.serve("w", served)
+    try:
+        src = cluster.master.state.peers[a.peer_id].p2p_addr
+        out, other = np.zeros_like(served), np.zeros(5, np.uint8)
+        op = b._node.start_fetch(
+            [("w", out, _core.content_hash(served), [a.peer_id]),
+             ("nope", other, _core.content_hash(other), [a.peer_id])],
+            {a.peer_id: src}, streams=2, io_timeout=5.0)
+        assert (op.rx_bytes, op.tensors_done) == (0, 0)
+        results = await op.run()
+        assert results[0] is None and np.array_equal(out, served)
+        assert isinstance(results[1], pccl.PeerConnectionError)
+        assert "does not serve" in str(results[1]) and "nope" in str(results[1])
+        assert (op.rx_bytes, op.tensors_done) == (served.nbytes, 1)
+        with pytest.raises(pccl.InvalidUsageError, match="twice"):
+            op.run()
+        with pytest.raises(pccl.InvalidArgumentError, match="overlap"):
+            b._node.start_fetch([("x", out[:10], b"", [1]), ("y", out[5:20], b"", [1])], {})
     finally:
         a._node.unserve_all()
 

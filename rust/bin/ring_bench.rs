@@ -4,12 +4,9 @@
 //!
 //! Usage: `cargo run --release --bin ring_bench -- [peers] [MiB] [lanes] [piece KiB]`
 
-use _core::net::handshake::Purpose;
-use _core::net::node::PoolKey;
-use _core::net::{Node, NodeConfig};
 use _core::reduce::{DType, ReduceOp};
-use _core::ring::allreduce::{OpMemory, ScratchPool};
-use _core::ring::{ring_all_reduce, ReduceSpec, RingLinks};
+use _core::ring::assembly::loopback_ring;
+use _core::ring::{LinkConfig, ReduceSpec};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -50,59 +47,14 @@ async fn main() {
     let mib = arg(2, 64);
     let lanes = arg(3, 4) as u16;
     let piece = arg(4, 1024) << 10;
-    let any = "127.0.0.1:0".parse().unwrap();
-    let mut nodes = Vec::new();
-    for i in 0..k {
-        let cfg = NodeConfig {
-            peer_id: i as u64 + 1,
-            secret: None,
-            handshake_timeout: Duration::from_secs(5),
-            connect_timeout: Duration::from_secs(5),
-        };
-        nodes.push(Node::bind(cfg, any).await.unwrap());
-    }
-    for i in 0..k {
-        let next = &nodes[(i + 1) % k];
-        nodes[i]
-            .connect_pool(next.local_addr(), next.peer_id(), 1, lanes, Purpose::Ring)
-            .await
-            .unwrap();
-    }
-    let mut links = Vec::new();
-    for i in 0..k {
-        let next = nodes[(i + 1) % k].peer_id();
-        let prev = nodes[(i + k - 1) % k].peer_id();
-        let out = nodes[i]
-            .take_outbound(PoolKey {
-                peer: next,
-                epoch: 1,
-                purpose: Purpose::Ring,
-            })
-            .unwrap();
-        let inp = nodes[i]
-            .take_inbound(
-                PoolKey {
-                    peer: prev,
-                    epoch: 1,
-                    purpose: Purpose::Ring,
-                },
-                Duration::from_secs(5),
-            )
-            .await
-            .unwrap();
-        links.push(RingLinks::new(
-            1,
-            next,
-            prev,
-            out,
-            inp,
-            16 << 20,
-            Duration::from_secs(30),
-        ));
-    }
+    let cfg = LinkConfig {
+        pool_timeout: Duration::from_secs(5),
+        io_timeout: Duration::from_secs(30),
+        max_piece: 16 << 20,
+    };
+    let peers = loopback_ring(k, lanes, 1, cfg).await.unwrap();
     let bytes = mib << 20;
     let inputs: Vec<Arc<Vec<u8>>> = (0..k).map(|_| Arc::new(vec![0u8; bytes])).collect();
-    let pools: Vec<_> = (0..k).map(|_| ScratchPool::new(1 << 30)).collect();
     println!(
         "loopback 1 stream: {:.2} GB/s",
         loopback_gbps(1 << 30).await
@@ -110,16 +62,7 @@ async fn main() {
     for op_id in 0..5u64 {
         let t = Instant::now();
         let mut tasks = Vec::new();
-        for i in 0..k {
-            let input = inputs[i].clone();
-            let mem = Arc::new(unsafe {
-                OpMemory::new(
-                    input.as_ptr(),
-                    input.len(),
-                    Box::new(input.clone()),
-                    Some(pools[i].clone()),
-                )
-            });
+        for (i, ((_, ring), input)) in peers.iter().zip(&inputs).enumerate() {
             let spec = ReduceSpec {
                 op_id,
                 rank: i,
@@ -129,12 +72,8 @@ async fn main() {
                 piece_bytes: piece,
                 quant: None,
             };
-            tasks.push(tokio::spawn(ring_all_reduce(
-                links[i].clone(),
-                spec,
-                mem,
-                Default::default(),
-            )));
+            let op = ring.start_all_reduce_shared(spec, input.clone()).unwrap();
+            tasks.push(tokio::spawn(op.run().unwrap()));
         }
         for t in tasks {
             t.await.unwrap().unwrap();

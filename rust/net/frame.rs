@@ -113,7 +113,9 @@ mod tests {
         a.write_all(b"GET / HTTP/1.1\r\n").await.unwrap();
         let mut buf = Vec::new();
         match read_frame(&mut b, &mut buf, 1024).await.unwrap_err() {
-            CoreError::Protocol(m) => assert!(m.contains("not speaking pccl (it sent \"GET \""), "{m}"),
+            CoreError::Protocol(m) => {
+                assert!(m.contains("not speaking pccl (it sent \"GET \""), "{m}")
+            }
             other => panic!("{other:?}"),
         }
     }

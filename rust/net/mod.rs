@@ -1,6 +1,7 @@
 //! Peer-to-peer networking: framing, the authenticated handshake, the listener and the
 //! pools of TCP streams between ring neighbours. No pyo3 in here.
 
+pub mod fetch;
 pub mod frame;
 pub mod handshake;
 pub mod node;

@@ -141,6 +141,18 @@ async fn timed<T>(
     .await
 }
 
+/// Counts the payload bytes a fetch lands, as they land (progress reports, and how
+/// much of a failed fetch is worth keeping).
+pub trait Tally: Sync {
+    fn add(&self, bytes: u64);
+}
+
+impl Tally for AtomicU64 {
+    fn add(&self, bytes: u64) {
+        self.fetch_add(bytes, Ordering::Relaxed);
+    }
+}
+
 /// Asks the kernel to back `buf` with writable pages now (Linux `MADV_POPULATE_WRITE`),
 /// which is several times faster than faulting them in one by one as data arrives;
 /// a no-op where unsupported. Fresh scratch buffers are the common case here.
@@ -189,7 +201,7 @@ pub async fn fetch<S: AsyncRead + AsyncWrite + Unpin>(
     total: u64,
     dst: &mut [u8],
     io_timeout: Duration,
-    landed: &AtomicU64,
+    landed: &impl Tally,
 ) -> CoreResult<Vec<u8>> {
     let request = request(key, offset, dst.len(), total)?;
     write_frame(stream, &request).await?;
@@ -212,7 +224,7 @@ pub async fn fetch_many<S: AsyncRead + AsyncWrite + Unpin>(
     stream: &mut S,
     items: &mut [Wanted<'_>],
     io_timeout: Duration,
-    landed: &AtomicU64,
+    landed: &impl Tally,
 ) -> (Vec<CoreResult<Vec<u8>>>, bool) {
     let mut requests = Vec::with_capacity(items.len());
     for w in items.iter() {
@@ -292,7 +304,7 @@ async fn receive<R: AsyncRead + Unpin>(
     total: u64,
     dst: &mut [u8],
     io_timeout: Duration,
-    landed: &AtomicU64,
+    landed: &impl Tally,
 ) -> CoreResult<CoreResult<Vec<u8>>> {
     let leaf = LEAF_SIZE as u64;
     let mut status = [0u8; 1];
@@ -330,7 +342,7 @@ async fn receive<R: AsyncRead + Unpin>(
                 return Err(CoreError::io("transfer", eof));
             }
             got += n;
-            landed.fetch_add(n as u64, Ordering::Relaxed);
+            landed.add(n as u64);
         }
         hasher.update(part);
     }

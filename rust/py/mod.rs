@@ -1,6 +1,7 @@
 //! The only pyo3-aware code: exceptions, and thin handles over the Rust core.
 
 pub mod errors;
+pub mod fetch;
 pub mod hash;
 pub mod logging;
 pub mod node;

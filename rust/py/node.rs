@@ -4,6 +4,7 @@
 use crate::error::{CoreError, CoreResult};
 use crate::net::handshake::Purpose;
 use crate::net::{Node, NodeConfig};
+use crate::ring::Ring;
 use pyo3::prelude::*;
 use pyo3_async_runtimes::tokio::future_into_py;
 use std::net::SocketAddr;
@@ -16,10 +17,9 @@ const SCRATCH_CACHE_BYTES: usize = 1 << 30;
 #[pyclass(name = "P2PNode", module = "pccl._core", frozen)]
 pub struct PyP2PNode {
     pub(crate) node: Arc<Node>,
-    /// The ring links of the current epoch, if this peer is in a ring of two or more.
-    pub(crate) ring: Arc<std::sync::Mutex<Option<Arc<crate::ring::RingLinks>>>>,
-    /// Scratch buffers recycled between collectives (bounded, see `ScratchPool`).
-    pub(crate) scratch: Arc<crate::ring::allreduce::ScratchPool>,
+    /// The ring links of the current epoch (if this peer is in a ring of two or more)
+    /// and the scratch buffers recycled between collectives.
+    pub(crate) ring: Arc<Ring>,
 }
 
 pub(crate) async fn resolve(addr: &str) -> Result<SocketAddr, CoreError> {
@@ -73,8 +73,7 @@ impl PyP2PNode {
             let node = Node::bind(cfg, addr).await?;
             Ok(PyP2PNode {
                 node,
-                ring: Default::default(),
-                scratch: crate::ring::allreduce::ScratchPool::new(SCRATCH_CACHE_BYTES),
+                ring: Arc::new(Ring::new(SCRATCH_CACHE_BYTES)),
             })
         })
     }
@@ -121,10 +120,10 @@ impl PyP2PNode {
     /// Stops the listener and all tasks and drops every stream. Idempotent.
     fn close<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
         let node = self.node.clone();
-        let ring = self.ring.lock().unwrap().take();
+        let links = self.ring.take();
         future_into_py(py, async move {
-            if let Some(ring) = ring {
-                ring.close().await;
+            if let Some(links) = links {
+                links.close().await;
             }
             node.close().await;
             Ok(())

@@ -1,17 +1,15 @@
 //! Shared-state transfer handles: serve tensors in place, fetch one into a buffer.
 
-use crate::error::{CoreError, CoreResult};
-use crate::net::node::Node;
+use crate::error::CoreError;
+use crate::net::fetch::TransferStream;
 use crate::net::transfer::{self, Served};
 use crate::py::node::{resolve, seconds as checked_seconds, PyP2PNode};
 use crate::py::ring::{raw_buffer, KeepAlive};
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 use pyo3_async_runtimes::tokio::future_into_py;
-use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-use tokio::net::TcpStream;
 
 /// Bytes landed by one fetch so far: hand one to `fetch_into(counter=...)` and read
 /// `value` from Python while the fetch runs (progress reports).
@@ -143,15 +141,18 @@ impl PyP2PNode {
             // SAFETY: `_keep` holds the exporting object for the whole transfer and the
             // caller hands us memory nobody else writes meanwhile.
             let dst = unsafe { std::slice::from_raw_parts_mut(raw.ptr as *mut u8, raw.len) };
-            let mut f = Fetching::open(&node, sock, peer_id, reuse).await?;
+            let mut f = TransferStream::open(&node, sock, peer_id, reuse).await?;
             // The leaf digests, computed while the bytes land. Only a clean end leaves
             // the stream between requests.
             let digests = loop {
                 let r = tokio::select! {
-                    r = transfer::fetch(&mut f.stream, &key, offset, total, dst, timeout, &landed) => r,
+                    r = transfer::fetch(&mut f.stream, &key, offset, total, dst, timeout, &*landed) => r,
                     _ = node.cancel_token().cancelled() => return Err(closing()),
                 };
-                if !f.again(r.is_ok(), &landed).await? {
+                if !f
+                    .again(r.is_ok(), landed.load(Ordering::Relaxed) != 0)
+                    .await?
+                {
                     f.finish(r.is_ok());
                     break r?;
                 }
@@ -209,13 +210,16 @@ impl PyP2PNode {
                     dst: unsafe { std::slice::from_raw_parts_mut(raw.ptr as *mut u8, raw.len) },
                 })
                 .collect();
-            let mut f = Fetching::open(&node, sock, peer_id, reuse).await?;
+            let mut f = TransferStream::open(&node, sock, peer_id, reuse).await?;
             let results = loop {
                 let (results, in_step) = tokio::select! {
-                    r = transfer::fetch_many(&mut f.stream, &mut items, timeout, &landed) => r,
+                    r = transfer::fetch_many(&mut f.stream, &mut items, timeout, &*landed) => r,
                     _ = node.cancel_token().cancelled() => return Err(closing()),
                 };
-                if !f.again(in_step, &landed).await? {
+                if !f
+                    .again(in_step, landed.load(Ordering::Relaxed) != 0)
+                    .await?
+                {
                     f.finish(in_step);
                     break results;
                 }
@@ -231,60 +235,6 @@ impl PyP2PNode {
                 Ok(out)
             })
         })
-    }
-}
-
-/// The transfer stream of one fetch call, and what becomes of it: with `reuse`, one kept
-/// from an earlier fetch from the same source if there is one, and kept again if the
-/// fetch leaves it in step (between requests).
-struct Fetching {
-    node: Arc<Node>,
-    sock: SocketAddr,
-    peer_id: u64,
-    reuse: bool,
-    reused: bool,
-    stream: TcpStream,
-}
-
-impl Fetching {
-    async fn open(
-        node: &Arc<Node>,
-        sock: SocketAddr,
-        peer_id: u64,
-        reuse: bool,
-    ) -> CoreResult<Self> {
-        let (stream, reused) = if reuse {
-            node.take_transfer(sock, peer_id).await?
-        } else {
-            (node.dial_transfer(sock, peer_id).await?, false)
-        };
-        Ok(Self {
-            node: node.clone(),
-            sock,
-            peer_id,
-            reuse,
-            reused,
-            stream,
-        })
-    }
-
-    /// After an attempt that left the stream `in_step` or not: whether to try again on a
-    /// freshly dialed stream. Once only, and only when a kept stream failed before a byte
-    /// landed (the source may have closed it while it sat idle).
-    async fn again(&mut self, in_step: bool, landed: &AtomicU64) -> CoreResult<bool> {
-        if in_step || !self.reused || landed.load(Ordering::Relaxed) != 0 {
-            return Ok(false);
-        }
-        self.stream = self.node.dial_transfer(self.sock, self.peer_id).await?;
-        self.reused = false;
-        Ok(true)
-    }
-
-    /// Keeps the stream for the next fetch if asked to and it is `in_step`.
-    fn finish(self, in_step: bool) {
-        if self.reuse && in_step {
-            self.node.put_transfer(self.sock, self.peer_id, self.stream);
-        }
     }
 }
 
@@ -351,5 +301,6 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(copy_into, m)?)?;
     m.add_function(wrap_pyfunction!(prefault, m)?)?;
     m.add_class::<ByteCounter>()?;
-    Ok(())
+    // The fetch engine's Python edge (`py/fetch.rs`) registers with the transfers.
+    crate::py::fetch::register(m)
 }

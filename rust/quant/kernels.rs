@@ -21,76 +21,17 @@ use std::ops::{Add, Sub};
 use half::{bf16, f16};
 
 use super::minifloat::{Fp8, ROUND_MAGIC};
+use crate::pod::{view, Pod};
 
 /// Elements per staged block.
 const BLOCK: usize = 256;
 
 // ---------------------------------------------------------------------------------------
-// Typed views of byte slices
+// Typed views of byte slices (the `Pod` views themselves live in `crate::pod`)
 // ---------------------------------------------------------------------------------------
 
-/// Element types that may be viewed in place of bytes.
-///
-/// # Safety
-///
-/// Implementors must have no padding, no invalid bit patterns and no drop glue.
-pub(super) unsafe trait Pod: Copy + 'static {
-    /// Little-endian wire order to host order (a no-op on little-endian hosts).
-    fn le_to_host(self) -> Self;
-}
-
-macro_rules! pod {
-    ($($t:ty: $bits:ty),*) => {$(
-        // SAFETY: f32/f64 are plain old data; `half`'s types are `repr(transparent)` over
-        // `u16`.
-        unsafe impl Pod for $t {
-            #[inline(always)]
-            fn le_to_host(self) -> Self {
-                <$t>::from_bits(<$bits>::from_le(self.to_bits()))
-            }
-        }
-    )*};
-}
-pod!(f32: u32, f64: u64, f16: u16, bf16: u16);
-
-/// The bytes as `[T]`, when aligned for `T`, a whole number of elements, and the host is
-/// little-endian.
-#[inline(always)]
-fn view<T: Pod>(bytes: &[u8]) -> Option<&[T]> {
-    let p = bytes.as_ptr().cast::<T>();
-    if cfg!(target_endian = "little")
-        && p.is_aligned()
-        && bytes.len().is_multiple_of(size_of::<T>())
-    {
-        // SAFETY: aligned, in bounds, and every bit pattern is a valid `T` (`Pod`).
-        Some(unsafe { std::slice::from_raw_parts(p, bytes.len() / size_of::<T>()) })
-    } else {
-        None
-    }
-}
-
 /// An aligned stack buffer for one block of the widest element type.
-#[repr(C, align(64))]
-struct Stage([u8; BLOCK * 8]);
-
-impl Stage {
-    fn new() -> Self {
-        Stage([0; BLOCK * 8])
-    }
-
-    /// Copy `src` (at most one block of `T`) in and return it as host-order elements.
-    fn load<T: Pod>(&mut self, src: &[u8]) -> &[T] {
-        let n = src.len() / size_of::<T>();
-        assert!(n * size_of::<T>() == src.len() && src.len() <= self.0.len());
-        self.0[..src.len()].copy_from_slice(src);
-        // SAFETY: the buffer is 64-byte aligned, holds `n` elements, any bits are valid.
-        let s = unsafe { std::slice::from_raw_parts_mut(self.0.as_mut_ptr().cast::<T>(), n) };
-        if cfg!(target_endian = "big") {
-            s.iter_mut().for_each(|x| *x = x.le_to_host());
-        }
-        s
-    }
-}
+type Stage = crate::pod::Stage<{ BLOCK * 8 }>;
 
 /// Hand the `T` elements in `src` to `f` in order, as one typed slice when possible or
 /// else as staged blocks; `f` also gets the index of the block's first element.

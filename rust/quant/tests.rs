@@ -7,6 +7,8 @@ use proptest::prelude::*;
 
 use super::minifloat::{f64_to_bf16_bits, f64_to_f16_bits, pow2, Fp8};
 use super::*;
+// A byte buffer whose data starts `offset` bytes past a 64-byte boundary.
+use crate::pod::OffsetBuf as Buf;
 
 // ---- helpers ---------------------------------------------------------------------------
 
@@ -216,45 +218,6 @@ fn sample(dtype: DType, n: usize, k: i32, shape: u8, seed: u64) -> Vec<u8> {
         })
         .collect();
     enc(dtype, &vals)
-}
-
-/// A byte buffer whose data starts `offset` bytes past a 64-byte boundary.
-struct Buf {
-    words: Vec<u64>,
-    start: usize,
-    len: usize,
-}
-
-impl Buf {
-    fn new(bytes: &[u8], offset: usize) -> Buf {
-        let words = vec![0u64; (bytes.len() + offset + 128) / 8];
-        let p = words.as_ptr() as usize;
-        let start = (64 - p % 64) % 64 + offset;
-        let mut b = Buf {
-            words,
-            start,
-            len: bytes.len(),
-        };
-        b.bytes_mut().copy_from_slice(bytes);
-        b
-    }
-    fn bytes(&self) -> &[u8] {
-        // SAFETY: viewing an initialised u64 vector as bytes.
-        let all = unsafe {
-            std::slice::from_raw_parts(self.words.as_ptr().cast::<u8>(), self.words.len() * 8)
-        };
-        &all[self.start..self.start + self.len]
-    }
-    fn bytes_mut(&mut self) -> &mut [u8] {
-        // SAFETY: as above, exclusively borrowed.
-        let all = unsafe {
-            std::slice::from_raw_parts_mut(
-                self.words.as_mut_ptr().cast::<u8>(),
-                self.words.len() * 8,
-            )
-        };
-        &mut all[self.start..self.start + self.len]
-    }
 }
 
 // ---- 8-bit floats ----------------------------------------------------------------------

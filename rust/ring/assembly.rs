@@ -1,0 +1,368 @@
+//! Assembling a peer's ring and starting all-reduces over it, in plain Rust: the Python
+//! handles (`py/ring.rs`) and the ring benchmark (`bin/ring_bench.rs`) are both thin
+//! layers over this.
+//!
+//! A [`Ring`] holds the links of the current epoch. [`Ring::install`] closes the old
+//! links and builds new ones from the pools of the node ([`build_links`]: the pool we
+//! dialed to the next peer, the pool the previous peer dialed to us).
+//! [`Ring::start_all_reduce`] binds an input buffer and a [`ReduceSpec`] to the current
+//! links as a [`RingOp`], which runs once and can be aborted from anywhere; its result
+//! stays in scratch memory until it is committed.
+
+use crate::error::{CoreError, CoreResult};
+use crate::net::handshake::Purpose;
+use crate::net::node::{Node, NodeConfig, PoolKey};
+use crate::quant::{QuantAlgorithm, WireType};
+use crate::reduce::{DType, ReduceOp};
+use crate::ring::allreduce::{ring_all_reduce, OpMemory, ReduceSpec, ReduceStats, ScratchPool};
+use crate::ring::links::RingLinks;
+use std::future::Future;
+use std::net::{Ipv4Addr, SocketAddr};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use tokio_util::sync::CancellationToken;
+
+/// How the links of a ring are built.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LinkConfig {
+    /// How long to wait for the previous peer's pool to be complete.
+    pub pool_timeout: Duration,
+    /// Bound on any send, and on silence from the previous peer during an op.
+    pub io_timeout: Duration,
+    /// Largest piece a receiving lane accepts, in bytes.
+    pub max_piece: usize,
+}
+
+/// The ring links of `epoch` from `node`'s pools: the outbound pool dialed to `next`
+/// (it must exist) and the inbound pool that `prev` dials to us (awaited for up to
+/// `cfg.pool_timeout`). Both pools leave the node.
+pub async fn build_links(
+    node: &Node,
+    epoch: u64,
+    next: u64,
+    prev: u64,
+    cfg: LinkConfig,
+) -> CoreResult<Arc<RingLinks>> {
+    let to_next = node
+        .take_outbound(PoolKey {
+            peer: next,
+            epoch,
+            purpose: Purpose::Ring,
+        })
+        .ok_or_else(|| {
+            CoreError::PeerConnection(format!("no pool to peer {next} for epoch {epoch}"))
+        })?;
+    let from_prev = node
+        .take_inbound(
+            PoolKey {
+                peer: prev,
+                epoch,
+                purpose: Purpose::Ring,
+            },
+            cfg.pool_timeout,
+        )
+        .await?;
+    Ok(RingLinks::new(
+        epoch,
+        next,
+        prev,
+        to_next,
+        from_prev,
+        cfg.max_piece,
+        cfg.io_timeout,
+    ))
+}
+
+/// `k` peers in this process (ids `1..=k`), each with its own listener on loopback,
+/// joined into the ring 1 -> 2 -> ... -> k -> 1 of `epoch` with `lanes` streams per
+/// link: what the ring benchmark and the ring tests run on. A ring of one has no links.
+pub async fn loopback_ring(
+    k: usize,
+    lanes: u16,
+    epoch: u64,
+    cfg: LinkConfig,
+) -> CoreResult<Vec<(Arc<Node>, Ring)>> {
+    let any: SocketAddr = (Ipv4Addr::LOCALHOST, 0).into();
+    let mut nodes = Vec::with_capacity(k);
+    for i in 0..k {
+        let node_cfg = NodeConfig {
+            peer_id: i as u64 + 1,
+            secret: None,
+            handshake_timeout: Duration::from_secs(5),
+            connect_timeout: Duration::from_secs(5),
+        };
+        nodes.push(Node::bind(node_cfg, any).await?);
+    }
+    if k > 1 {
+        for (i, node) in nodes.iter().enumerate() {
+            let next = &nodes[(i + 1) % k];
+            node.connect_pool(
+                next.local_addr(),
+                next.peer_id(),
+                epoch,
+                lanes,
+                Purpose::Ring,
+            )
+            .await?;
+        }
+    }
+    let mut peers = Vec::with_capacity(k);
+    for (i, node) in nodes.iter().enumerate() {
+        let neighbours = (k > 1).then(|| {
+            let next = nodes[(i + 1) % k].peer_id();
+            let prev = nodes[(i + k - 1) % k].peer_id();
+            (next, prev)
+        });
+        let ring = Ring::new(1 << 30);
+        ring.install(node, epoch, neighbours, cfg).await?;
+        peers.push((node.clone(), ring));
+    }
+    Ok(peers)
+}
+
+/// The ring of one peer: the links of the current epoch (none in a ring of one, or
+/// before the first install) and the scratch buffers its ops recycle.
+pub struct Ring {
+    links: Mutex<Option<Arc<RingLinks>>>,
+    scratch: Arc<ScratchPool>,
+}
+
+impl Ring {
+    /// No links yet; at most `scratch_cache_bytes` of freed scratch memory kept for reuse.
+    pub fn new(scratch_cache_bytes: usize) -> Ring {
+        Ring {
+            links: Mutex::new(None),
+            scratch: ScratchPool::new(scratch_cache_bytes),
+        }
+    }
+
+    /// Closes the current links, then builds those of `epoch` to `next` / from `prev`
+    /// (`neighbours`; `None`: a ring of one, which has no links). On failure the ring is
+    /// left without links. Returns the new links, if any.
+    pub async fn install(
+        &self,
+        node: &Node,
+        epoch: u64,
+        neighbours: Option<(u64, u64)>,
+        cfg: LinkConfig,
+    ) -> CoreResult<Option<Arc<RingLinks>>> {
+        self.close().await;
+        let Some((next, prev)) = neighbours else {
+            return Ok(None);
+        };
+        let links = build_links(node, epoch, next, prev, cfg).await?;
+        *self.links.lock().unwrap() = Some(links.clone());
+        Ok(Some(links))
+    }
+
+    /// Takes the current links out of the ring (they stay open until closed).
+    pub fn take(&self) -> Option<Arc<RingLinks>> {
+        self.links.lock().unwrap().take()
+    }
+
+    /// Closes and forgets the current links, if any.
+    pub async fn close(&self) {
+        let old = self.take();
+        if let Some(old) = old {
+            old.close().await;
+        }
+    }
+
+    /// The current links, if any (poisoned or not).
+    pub fn links(&self) -> Option<Arc<RingLinks>> {
+        self.links.lock().unwrap().clone()
+    }
+
+    /// The current links if they are usable: a `PeerConnection` error when there are
+    /// none or they failed.
+    pub fn usable_links(&self) -> CoreResult<Arc<RingLinks>> {
+        let links = self.links().ok_or_else(|| {
+            CoreError::PeerConnection("no ring links: call update_topology()".into())
+        })?;
+        if links.is_poisoned() {
+            return Err(links.poison_error());
+        }
+        Ok(links)
+    }
+
+    /// `(receiving lanes from prev, sending lanes to next)`, `(0, 0)` without links.
+    pub fn lanes(&self) -> (usize, usize) {
+        self.links
+            .lock()
+            .unwrap()
+            .as_ref()
+            .map_or((0, 0), |l| (l.recv_lanes(), l.send_lanes()))
+    }
+
+    /// The pool the scratch memory of this ring's ops comes from.
+    pub fn scratch(&self) -> Arc<ScratchPool> {
+        self.scratch.clone()
+    }
+
+    /// Whether there are links and they are usable (false after any link failure).
+    pub fn is_ok(&self) -> bool {
+        self.links
+            .lock()
+            .unwrap()
+            .as_ref()
+            .is_some_and(|l| !l.is_poisoned())
+    }
+
+    /// Binds an all-reduce of the `len` bytes at `input` to the current links (see
+    /// [`Ring::usable_links`] for the errors). Nothing runs until [`RingOp::run`].
+    ///
+    /// # Safety
+    /// `input..input+len` must stay valid and unmodified while `keepalive` lives; the op
+    /// keeps `keepalive` until it is dropped.
+    pub unsafe fn start_all_reduce(
+        &self,
+        spec: ReduceSpec,
+        input: *const u8,
+        len: usize,
+        keepalive: Box<dyn Send + Sync>,
+    ) -> CoreResult<RingOp> {
+        let links = self.usable_links()?;
+        // SAFETY: forwarded to the caller.
+        Ok(unsafe { RingOp::with_input(links, spec, input, len, keepalive, Some(self.scratch())) })
+    }
+
+    /// [`Ring::start_all_reduce`] of bytes the op shares (and nobody can modify while it
+    /// holds them).
+    pub fn start_all_reduce_shared(
+        &self,
+        spec: ReduceSpec,
+        input: Arc<Vec<u8>>,
+    ) -> CoreResult<RingOp> {
+        let (ptr, len) = (input.as_ptr(), input.len());
+        // SAFETY: the keep-alive owns a reference to the Vec, which cannot be modified or
+        // freed while it is shared.
+        unsafe { self.start_all_reduce(spec, ptr, len, Box::new(input)) }
+    }
+}
+
+/// One all-reduce bound to a ring's links: `run()` drives it (once), `abort()` stops it
+/// from anywhere, and after success `result()` / `commit_into()` hand out the reduced
+/// bytes (never written to the caller's memory before that).
+pub struct RingOp {
+    links: Arc<RingLinks>,
+    spec: ReduceSpec,
+    mem: Arc<OpMemory>,
+    cancel: CancellationToken,
+    started: AtomicBool,
+}
+
+impl RingOp {
+    pub fn new(links: Arc<RingLinks>, spec: ReduceSpec, mem: Arc<OpMemory>) -> RingOp {
+        RingOp {
+            links,
+            spec,
+            mem,
+            cancel: CancellationToken::new(),
+            started: AtomicBool::new(false),
+        }
+    }
+
+    /// An op over `links` reducing the `len` bytes at `input`; its scratch memory comes
+    /// from `pool` (or a fresh allocation).
+    ///
+    /// # Safety
+    /// As for [`OpMemory::new`]: `input..input+len` must stay valid and unmodified while
+    /// `keepalive` lives (the op keeps it until dropped).
+    pub unsafe fn with_input(
+        links: Arc<RingLinks>,
+        spec: ReduceSpec,
+        input: *const u8,
+        len: usize,
+        keepalive: Box<dyn Send + Sync>,
+        pool: Option<Arc<ScratchPool>>,
+    ) -> RingOp {
+        // SAFETY: forwarded to the caller.
+        let mem = unsafe { OpMemory::new(input, len, keepalive, pool) };
+        RingOp::new(links, spec, Arc::new(mem))
+    }
+
+    pub fn spec(&self) -> &ReduceSpec {
+        &self.spec
+    }
+
+    /// The op's future, which resolves to its byte counts; an `InvalidUsage` error if it
+    /// was already asked for (an op runs once).
+    pub fn run(
+        &self,
+    ) -> CoreResult<impl Future<Output = CoreResult<ReduceStats>> + Send + 'static> {
+        if self.started.swap(true, Ordering::AcqRel) {
+            return Err(CoreError::InvalidUsage("RingOp.run() called twice".into()));
+        }
+        Ok(ring_all_reduce(
+            self.links.clone(),
+            self.spec.clone(),
+            self.mem.clone(),
+            self.cancel.clone(),
+        ))
+    }
+
+    /// Stops the op (its run fails). The links are poisoned if a frame was cut.
+    pub fn abort(&self) {
+        self.cancel.cancel();
+    }
+
+    /// Bytes of the input (and of the result).
+    pub fn len(&self) -> usize {
+        self.mem.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.mem.is_empty()
+    }
+
+    /// The reduced bytes (meaningful once `run()` succeeded).
+    pub fn result(&self) -> &[u8] {
+        self.mem.result()
+    }
+
+    /// Copies the reduced bytes into `out`, which must be exactly as long.
+    pub fn commit_into(&self, out: &mut [u8]) -> CoreResult<()> {
+        if out.len() != self.len() {
+            return Err(CoreError::InvalidArgument(format!(
+                "output has {} bytes, the result {}",
+                out.len(),
+                self.len()
+            )));
+        }
+        out.copy_from_slice(self.result());
+        Ok(())
+    }
+}
+
+/// Decodes the quantization codes of the wire protocol: `None` for algorithm 0 (values
+/// travel in their own dtype), else the algorithm and the wire type it encodes into.
+pub fn quant_from_codes(algorithm: u8, wire: u8) -> CoreResult<Option<(QuantAlgorithm, WireType)>> {
+    match QuantAlgorithm::from_u8(algorithm) {
+        None => Err(CoreError::InvalidArgument(format!(
+            "unknown quantization algorithm code {algorithm}"
+        ))),
+        Some(QuantAlgorithm::None) => Ok(None),
+        Some(alg) => {
+            let wire = WireType::from_u8(wire).ok_or_else(|| {
+                CoreError::InvalidArgument(format!(
+                    "data type code {wire} cannot carry quantized values \
+                     (use UINT8, INT8, FLOAT8_E4M3 or FLOAT8_E5M2)"
+                ))
+            })?;
+            Ok(Some((alg, wire)))
+        }
+    }
+}
+
+/// Decodes a dtype code of the wire protocol.
+pub fn dtype_from_code(code: u8) -> CoreResult<DType> {
+    DType::from_u8(code)
+        .ok_or_else(|| CoreError::InvalidArgument(format!("unknown dtype code {code}")))
+}
+
+/// Decodes a reduce-op code of the wire protocol.
+pub fn op_from_code(code: u8) -> CoreResult<ReduceOp> {
+    ReduceOp::from_u8(code)
+        .ok_or_else(|| CoreError::InvalidArgument(format!("unknown reduce op code {code}")))
+}

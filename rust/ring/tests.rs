@@ -1,0 +1,510 @@
+//! Real rings over loopback TCP: every peer has its own node and listener, the ring is
+//! assembled by `assembly.rs` exactly as for Python, and results are checked bit for
+//! bit against a scalar reference that folds each chunk in the documented ring order.
+
+use super::assembly::{loopback_ring, LinkConfig, Ring, RingOp};
+use super::{ReduceSpec, ReduceStats};
+use crate::error::CoreError;
+use crate::net::node::Node;
+use crate::quant::{QuantAlgorithm, WireType};
+use crate::reduce::{DType, ReduceOp};
+use half::{bf16, f16};
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// Bound on any whole test: a broken ring fails the test instead of hanging it.
+const TEST_BOUND: Duration = Duration::from_secs(60);
+
+fn link_cfg(io_timeout: Duration) -> LinkConfig {
+    LinkConfig {
+        pool_timeout: Duration::from_secs(5),
+        io_timeout,
+        max_piece: 1 << 20,
+    }
+}
+
+async fn bounded<T>(what: &str, f: impl Future<Output = T>) -> T {
+    match tokio::time::timeout(TEST_BOUND, f).await {
+        Ok(v) => v,
+        Err(_) => panic!("{what} did not finish within {TEST_BOUND:?}"),
+    }
+}
+
+async fn close_all(peers: &[(Arc<Node>, Ring)]) {
+    for (node, ring) in peers {
+        ring.close().await;
+        node.close().await;
+    }
+}
+
+/// splitmix64.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    /// Uniform in [-2, 2), with a fractional part (so float sums depend on the order).
+    fn unit(&mut self) -> f64 {
+        (self.next() >> 11) as f64 / (1u64 << 53) as f64 * 4.0 - 2.0
+    }
+}
+
+/// `count` random elements of `dtype`: floats in [-2, 2), integers of any bits.
+fn random_input(dtype: DType, count: usize, seed: u64) -> Vec<u8> {
+    let mut rng = Rng(seed);
+    let mut out = Vec::with_capacity(count * dtype.size());
+    for _ in 0..count {
+        let x = rng.unit();
+        match dtype {
+            DType::F16 => out.extend_from_slice(&f16::from_f64(x).to_le_bytes()),
+            DType::BF16 => out.extend_from_slice(&bf16::from_f64(x).to_le_bytes()),
+            DType::F32 => out.extend_from_slice(&(x as f32).to_le_bytes()),
+            DType::F64 => out.extend_from_slice(&x.to_le_bytes()),
+            _ => out.extend_from_slice(&rng.next().to_le_bytes()[..dtype.size()]),
+        }
+    }
+    out
+}
+
+/// `acc op x` for one element, as the kernels document it: floats in their own
+/// precision, 16-bit floats through `f32` with one rounding, integers wrapping.
+fn combine(dtype: DType, op: ReduceOp, acc: &[u8], x: &[u8]) -> Vec<u8> {
+    macro_rules! scalar {
+        ($t:ty, $add:expr, $mul:expr, $max:expr, $min:expr) => {{
+            let a = <$t>::from_le_bytes(acc.try_into().unwrap());
+            let b = <$t>::from_le_bytes(x.try_into().unwrap());
+            let r: $t = match op {
+                ReduceOp::Sum | ReduceOp::Avg => $add(a, b),
+                ReduceOp::Prod => $mul(a, b),
+                ReduceOp::Max => $max(a, b),
+                ReduceOp::Min => $min(a, b),
+            };
+            r.to_le_bytes().to_vec()
+        }};
+    }
+    macro_rules! float {
+        ($t:ty) => {
+            scalar!(
+                $t,
+                |a: $t, b: $t| a + b,
+                |a: $t, b: $t| a * b,
+                |a: $t, b: $t| a.max(b),
+                |a: $t, b: $t| a.min(b)
+            )
+        };
+    }
+    macro_rules! half {
+        ($t:ty) => {
+            scalar!(
+                $t,
+                |a: $t, b: $t| <$t>::from_f32(a.to_f32() + b.to_f32()),
+                |a: $t, b: $t| <$t>::from_f32(a.to_f32() * b.to_f32()),
+                |a: $t, b: $t| <$t>::from_f32(a.to_f32().max(b.to_f32())),
+                |a: $t, b: $t| <$t>::from_f32(a.to_f32().min(b.to_f32()))
+            )
+        };
+    }
+    macro_rules! int {
+        ($t:ty) => {
+            scalar!(
+                $t,
+                |a: $t, b: $t| a.wrapping_add(b),
+                |a: $t, b: $t| a.wrapping_mul(b),
+                |a: $t, b: $t| a.max(b),
+                |a: $t, b: $t| a.min(b)
+            )
+        };
+    }
+    match dtype {
+        DType::F16 => half!(f16),
+        DType::BF16 => half!(bf16),
+        DType::F32 => float!(f32),
+        DType::F64 => float!(f64),
+        DType::I8 => int!(i8),
+        DType::I16 => int!(i16),
+        DType::I32 => int!(i32),
+        DType::I64 => int!(i64),
+        DType::U8 => int!(u8),
+        DType::U16 => int!(u16),
+        DType::U32 => int!(u32),
+        DType::U64 => int!(u64),
+    }
+}
+
+/// The average's one division by the world size (floats: true division in `f64` for
+/// `f64`, else in `f32`; integers: truncating toward zero).
+fn divide(dtype: DType, acc: &[u8], world: usize) -> Vec<u8> {
+    macro_rules! div {
+        ($t:ty, $f:expr) => {{
+            let a = <$t>::from_le_bytes(acc.try_into().unwrap());
+            let r: $t = $f(a);
+            r.to_le_bytes().to_vec()
+        }};
+    }
+    match dtype {
+        DType::F16 => div!(f16, |a: f16| f16::from_f32(a.to_f32() / world as f32)),
+        DType::BF16 => div!(bf16, |a: bf16| bf16::from_f32(a.to_f32() / world as f32)),
+        DType::F32 => div!(f32, |a: f32| a / world as f32),
+        DType::F64 => div!(f64, |a: f64| a / world as f64),
+        DType::I8 => div!(i8, |a: i8| a / world as i8),
+        DType::I16 => div!(i16, |a: i16| a / world as i16),
+        DType::I32 => div!(i32, |a: i32| a / world as i32),
+        DType::I64 => div!(i64, |a: i64| a / world as i64),
+        DType::U8 => div!(u8, |a: u8| a / world as u8),
+        DType::U16 => div!(u16, |a: u16| a / world as u16),
+        DType::U32 => div!(u32, |a: u32| a / world as u32),
+        DType::U64 => div!(u64, |a: u64| a / world as u64),
+    }
+}
+
+/// What every peer must hold after the all-reduce of `inputs` (one per rank): chunk
+/// `c` (elements `count*c/world .. count*(c+1)/world`) folded as
+/// `((x_c op x_c+1) op x_c+2) ...`, then divided once for an average.
+fn reference(dtype: DType, op: ReduceOp, inputs: &[Vec<u8>]) -> Vec<u8> {
+    let world = inputs.len();
+    let size = dtype.size();
+    let count = inputs[0].len() / size;
+    let mut out = vec![0u8; count * size];
+    for c in 0..world {
+        for i in count * c / world..count * (c + 1) / world {
+            let r = i * size..(i + 1) * size;
+            let mut acc = inputs[c][r.clone()].to_vec();
+            for k in 1..world {
+                acc = combine(dtype, op, &acc, &inputs[(c + k) % world][r.clone()]);
+            }
+            if op == ReduceOp::Avg {
+                acc = divide(dtype, &acc, world);
+            }
+            out[r].copy_from_slice(&acc);
+        }
+    }
+    out
+}
+
+fn spec(op_id: u64, rank: usize, world: usize, dtype: DType, op: ReduceOp) -> ReduceSpec {
+    ReduceSpec {
+        op_id,
+        rank,
+        world,
+        dtype,
+        op,
+        // Small pieces: many per chunk, striped over every lane.
+        piece_bytes: 24,
+        quant: None,
+    }
+}
+
+/// Runs one op per peer concurrently; their outcomes in rank order.
+async fn run_all(ops: &[RingOp]) -> Vec<Result<ReduceStats, CoreError>> {
+    let tasks: Vec<_> = ops
+        .iter()
+        .map(|op| tokio::spawn(op.run().unwrap()))
+        .collect();
+    let mut out = Vec::new();
+    for t in tasks {
+        out.push(t.await.expect("the op's task panicked"));
+    }
+    out
+}
+
+/// Asserts that every peer ended with exactly `want` and that rank `i + 1` received
+/// what rank `i` sent.
+fn check(ops: &[RingOp], stats: &[ReduceStats], want: &[u8], what: &str) {
+    for (rank, op) in ops.iter().enumerate() {
+        assert!(
+            op.result() == want,
+            "{what}: rank {rank} differs from the reference"
+        );
+        let mut out = vec![0u8; want.len()];
+        op.commit_into(&mut out).unwrap();
+        assert_eq!(out, want, "{what}: rank {rank} committed other bytes");
+    }
+    let k = stats.len();
+    for i in 0..k {
+        assert_eq!(
+            stats[i].tx_bytes,
+            stats[(i + 1) % k].rx_bytes,
+            "{what}: rank {i}"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn loopback_rings_of_2_3_4_reduce_exactly_and_alike_on_every_peer() {
+    // (dtype, op, elements): odd counts, some below the world size (empty chunks).
+    let cases = [
+        (DType::F32, ReduceOp::Sum, 1001),
+        (DType::F64, ReduceOp::Avg, 333),
+        (DType::BF16, ReduceOp::Sum, 257),
+        (DType::F16, ReduceOp::Max, 7),
+        (DType::F32, ReduceOp::Prod, 3),
+        (DType::I32, ReduceOp::Sum, 999),
+        (DType::I16, ReduceOp::Avg, 1),
+        (DType::U8, ReduceOp::Min, 45),
+        (DType::I64, ReduceOp::Prod, 5),
+    ];
+    bounded("the rings", async {
+        for k in 2..=4usize {
+            let lanes = k as u16 - 1;
+            let peers = loopback_ring(k, lanes, 7, link_cfg(Duration::from_secs(10)))
+                .await
+                .unwrap();
+            for (_, ring) in &peers {
+                assert_eq!(ring.lanes(), (lanes as usize, lanes as usize));
+                assert!(ring.is_ok());
+            }
+            // All cases in flight at once on the same links, then each checked.
+            let mut started = Vec::new();
+            for (c, &(dtype, op, count)) in cases.iter().enumerate() {
+                let inputs: Vec<Vec<u8>> = (0..k)
+                    .map(|r| random_input(dtype, count, (k * 100 + c * 10 + r) as u64))
+                    .collect();
+                let ops: Vec<RingOp> = peers
+                    .iter()
+                    .enumerate()
+                    .map(|(rank, (_, ring))| {
+                        let input = Arc::new(inputs[rank].clone());
+                        let s = spec(c as u64, rank, k, dtype, op);
+                        ring.start_all_reduce_shared(s, input).unwrap()
+                    })
+                    .collect();
+                let runs: Vec<_> = ops
+                    .iter()
+                    .map(|op| tokio::spawn(op.run().unwrap()))
+                    .collect();
+                started.push((inputs, ops, runs));
+            }
+            for ((inputs, ops, runs), &(dtype, op, count)) in started.into_iter().zip(&cases) {
+                let what = format!("{k} peers, {} {} x{count}", op.name(), dtype.name());
+                let mut stats = Vec::new();
+                for run in runs {
+                    stats.push(run.await.unwrap().unwrap_or_else(|e| panic!("{what}: {e}")));
+                }
+                check(&ops, &stats, &reference(dtype, op, &inputs), &what);
+            }
+            close_all(&peers).await;
+        }
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn quantized_loopback_ring_gives_every_peer_the_same_bits() {
+    bounded("the quantized ring", async {
+        let k = 3;
+        let peers = loopback_ring(k, 2, 1, link_cfg(Duration::from_secs(10)))
+            .await
+            .unwrap();
+        let count = 1001;
+        let inputs: Vec<Vec<u8>> = (0..k)
+            .map(|r| random_input(DType::F32, count, 40 + r as u64))
+            .collect();
+        let ops: Vec<RingOp> = peers
+            .iter()
+            .enumerate()
+            .map(|(rank, (_, ring))| {
+                let mut s = spec(1, rank, k, DType::F32, ReduceOp::Sum);
+                s.piece_bytes = 400;
+                s.quant = Some((QuantAlgorithm::MinMax, WireType::U8));
+                ring.start_all_reduce_shared(s, Arc::new(inputs[rank].clone()))
+                    .unwrap()
+            })
+            .collect();
+        for r in run_all(&ops).await {
+            r.unwrap();
+        }
+        let exact = reference(DType::F32, ReduceOp::Sum, &inputs);
+        for (rank, op) in ops.iter().enumerate() {
+            assert!(
+                op.result() == ops[0].result(),
+                "rank {rank} differs from rank 0"
+            );
+        }
+        let values = |b: &[u8]| -> Vec<f32> {
+            b.chunks_exact(4)
+                .map(|e| f32::from_le_bytes(e.try_into().unwrap()))
+                .collect()
+        };
+        for (got, want) in values(ops[0].result()).into_iter().zip(values(&exact)) {
+            // Three 8-bit quantizations of values within [-6, 6].
+            assert!((got - want).abs() < 0.1, "{got} vs {want}");
+        }
+        close_all(&peers).await;
+    })
+    .await;
+}
+
+/// Drops peer `dropped` of a ring of `k` (closes its links and its node) while the
+/// others run an op, after one op on the whole ring succeeded. If `started`, the
+/// dropped peer runs the op too and is aborted; the peer after it starts only after
+/// the drop, so the op cannot complete anywhere. Every other peer must fail with a
+/// peer-connection error, and no later than a few I/O timeouts.
+async fn drop_one_peer(k: usize, dropped: usize, started: bool) {
+    let io_timeout = Duration::from_secs(1);
+    let peers = loopback_ring(k, 2, 3, link_cfg(io_timeout)).await.unwrap();
+    let inputs: Vec<Arc<Vec<u8>>> = (0..k)
+        .map(|r| Arc::new(random_input(DType::F32, 50_001, r as u64)))
+        .collect();
+    let start = |op_id: u64, rank: usize| {
+        let s = spec(op_id, rank, k, DType::F32, ReduceOp::Sum);
+        let s = ReduceSpec {
+            piece_bytes: 4096,
+            ..s
+        };
+        peers[rank]
+            .1
+            .start_all_reduce_shared(s, inputs[rank].clone())
+    };
+    // The whole ring works.
+    let ops: Vec<RingOp> = (0..k).map(|r| start(1, r).unwrap()).collect();
+    for r in run_all(&ops).await {
+        r.unwrap();
+    }
+    // Op 2: everyone but the dropped peer and the one after it starts.
+    let after = (dropped + 1) % k;
+    let mut runs = Vec::new();
+    for rank in (0..k).filter(|r| *r != dropped && *r != after) {
+        let op = start(2, rank).unwrap();
+        runs.push((rank, tokio::spawn(op.run().unwrap())));
+    }
+    if started {
+        let op = start(2, dropped).unwrap();
+        let run = tokio::spawn(op.run().unwrap());
+        op.abort();
+        // Aborted here, or failed because the links went: never a success.
+        assert!(run.await.unwrap().is_err());
+    }
+    let (node, ring) = &peers[dropped];
+    ring.close().await;
+    node.close().await;
+    let t0 = tokio::time::Instant::now();
+    // The peer after the dropped one may see its links fail before its op starts.
+    let late = start(2, after).map(|op| tokio::spawn(op.run().unwrap()));
+    let mut outcomes = Vec::new();
+    for (rank, run) in runs {
+        outcomes.push((rank, run.await.unwrap().map(|_| ())));
+    }
+    outcomes.push(match late {
+        Ok(run) => (after, run.await.unwrap().map(|_| ())),
+        Err(e) => (after, Err(e)),
+    });
+    for (rank, outcome) in outcomes {
+        match outcome {
+            Err(CoreError::PeerConnection(msg)) => {
+                assert!(!msg.is_empty());
+            }
+            other => panic!("rank {rank} of {k} (rank {dropped} dropped): {other:?}"),
+        }
+        assert!(!peers[rank].1.is_ok(), "rank {rank}: links still usable");
+    }
+    // Every peer notices within an I/O timeout or two (of silence, or of a blocked
+    // send); the bound leaves room for a loaded machine.
+    let bound = io_timeout * 10;
+    assert!(t0.elapsed() < bound, "failures took {:?}", t0.elapsed());
+    for (rank, (node, ring)) in peers.iter().enumerate() {
+        if rank != dropped {
+            ring.close().await;
+            node.close().await;
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dropped_peer_fails_the_others_with_a_peer_connection_error() {
+    bounded("the dropped-peer rings", async {
+        drop_one_peer(4, 1, false).await;
+        drop_one_peer(2, 0, false).await;
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn peer_dropped_mid_op_fails_the_others_with_a_peer_connection_error() {
+    bounded("the aborted-peer rings", async {
+        drop_one_peer(3, 0, true).await;
+        drop_one_peer(4, 3, true).await;
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ring_without_pools_or_links_refuses_ops() {
+    bounded("the refusals", async {
+        let peers = loopback_ring(1, 1, 1, link_cfg(Duration::from_secs(1)))
+            .await
+            .unwrap();
+        let (node, ring) = &peers[0];
+        // A ring of one has no links: nothing to run an op on.
+        assert_eq!(ring.lanes(), (0, 0));
+        assert!(!ring.is_ok());
+        let s = spec(1, 0, 2, DType::F32, ReduceOp::Sum);
+        match ring.start_all_reduce_shared(s.clone(), Arc::new(vec![0u8; 8])) {
+            Err(CoreError::PeerConnection(m)) => {
+                assert_eq!(m, "no ring links: call update_topology()")
+            }
+            other => panic!("{:?}", other.err()),
+        }
+        // No pool was dialed for epoch 9: the install fails and leaves no links.
+        let Err(err) = ring
+            .install(node, 9, Some((2, 2)), link_cfg(Duration::from_secs(1)))
+            .await
+        else {
+            panic!("installed a ring without pools");
+        };
+        assert!(
+            matches!(&err, CoreError::PeerConnection(m) if m == "no pool to peer 2 for epoch 9"),
+            "{err:?}"
+        );
+        assert!(ring.links().is_none());
+        close_all(&peers).await;
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_op_runs_once_and_commits_only_into_its_own_size() {
+    bounded("the op", async {
+        let peers = loopback_ring(2, 1, 1, link_cfg(Duration::from_secs(10)))
+            .await
+            .unwrap();
+        let inputs: Vec<Vec<u8>> = (0..2).map(|r| random_input(DType::U16, 11, r)).collect();
+        let ops: Vec<RingOp> = peers
+            .iter()
+            .enumerate()
+            .map(|(rank, (_, ring))| {
+                let s = spec(5, rank, 2, DType::U16, ReduceOp::Max);
+                ring.start_all_reduce_shared(s, Arc::new(inputs[rank].clone()))
+                    .unwrap()
+            })
+            .collect();
+        let stats: Vec<ReduceStats> = run_all(&ops)
+            .await
+            .into_iter()
+            .map(Result::unwrap)
+            .collect();
+        check(
+            &ops,
+            &stats,
+            &reference(DType::U16, ReduceOp::Max, &inputs),
+            "u16 max",
+        );
+        assert!(matches!(
+            ops[0].run().map(|_| ()),
+            Err(CoreError::InvalidUsage(m)) if m == "RingOp.run() called twice"
+        ));
+        let mut short = vec![0u8; 21];
+        assert!(matches!(
+            ops[1].commit_into(&mut short),
+            Err(CoreError::InvalidArgument(m)) if m == "output has 21 bytes, the result 22"
+        ));
+        close_all(&peers).await;
+    })
+    .await;
+}
