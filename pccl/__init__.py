@@ -18,6 +18,7 @@ from pccl import (
     _logging,  # noqa: F401  (PCCL_LOG_LEVEL, Rust records into logging: see the module)
     _shutdown,  # noqa: F401  (atexit hook: see the module)
 )
+from pccl import errors as _errors
 from pccl._core import __version__ as _core_version
 from pccl.communicator import (
     Communicator,
@@ -32,23 +33,7 @@ from pccl.enums import (
     ReduceOp,
     SharedStateSyncStrategy,
 )
-from pccl.errors import (
-    AuthenticationError,
-    CollectiveAbortedError,
-    InvalidArgumentError,
-    InvalidUsageError,
-    MasterConnectionError,
-    NoSharedStateAvailableError,
-    OperationTimeoutError,
-    PCCLError,
-    PeerConnectionError,
-    PendingAsyncOpsError,
-    ProtocolError,
-    RevisionIncrementViolationError,
-    TooFewPeersError,
-    TopologyOptimizationFailedError,
-    UpdateTopologyFailedError,
-)
+from pccl.errors import *  # noqa: F403 (the error classes: pccl.errors.__all__, the one list)
 from pccl.master import MasterNode
 from pccl.shared_state import SharedState, SyncInfo, SyncProgress, TensorInfo
 from pccl.tensors import content_hash
@@ -57,34 +42,20 @@ __version__ = _core_version
 
 __all__ = [
     "Attribute",
-    "AuthenticationError",
-    "CollectiveAbortedError",
     "Communicator",
     "DataType",
-    "InvalidArgumentError",
-    "InvalidUsageError",
-    "MasterConnectionError",
     "MasterNode",
-    "NoSharedStateAvailableError",
-    "OperationTimeoutError",
-    "PCCLError",
-    "PeerConnectionError",
-    "PendingAsyncOpsError",
-    "ProtocolError",
     "QuantizationAlgorithm",
     "QuantizationOptions",
     "ReduceDescriptor",
     "ReduceInfo",
     "ReduceOp",
-    "RevisionIncrementViolationError",
     "SharedState",
     "SharedStateSyncStrategy",
     "SyncInfo",
     "SyncProgress",
     "TensorInfo",
-    "TooFewPeersError",
-    "TopologyOptimizationFailedError",
-    "UpdateTopologyFailedError",
     "__version__",
     "content_hash",
+    *_errors.__all__,
 ]

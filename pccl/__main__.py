@@ -14,7 +14,8 @@ import sys
 from pathlib import Path
 
 from pccl.errors import InvalidArgumentError, PCCLError
-from pccl.master.server import DEFAULT_PORT, MasterNode
+from pccl.master.server import MasterNode
+from pccl.protocol.auth import DEFAULT_PORT
 
 
 def _version() -> str:

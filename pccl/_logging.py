@@ -102,7 +102,7 @@ def _follow_level_changes() -> None:
         _core.reset_log_cache()
 
     _clear_cache._pccl_resets_core = True  # type: ignore[attr-defined]
-    manager._clear_cache = _clear_cache  # type: ignore[method-assign]
+    manager._clear_cache = _clear_cache  # type: ignore[attr-defined]  # private, not in typeshed
 
 
 def setup() -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from typing import Any
 
 from pccl.master.server import MasterNode
 from pccl.testing.processes import PeerProcess
@@ -37,7 +38,7 @@ async def _admit(master: MasterNode, live: list[PeerProcess], new: list[PeerProc
         await p.wait_accepted()
 
 
-async def _reduce(peers: list[PeerProcess], round_no: int) -> list[dict]:
+async def _reduce(peers: list[PeerProcess], round_no: int) -> list[dict[str, Any]]:
     seeds = {p.peer_id: 1000 * round_no + (p.peer_id or 0) for p in peers}
     await asyncio.gather(*(p.call("make_tensor", name="grad", dtype="float32", count=COUNT,
                                   seed=seeds[p.peer_id]) for p in peers))

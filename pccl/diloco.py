@@ -137,7 +137,7 @@ except ImportError as e:  # numpy is optional for pccl (torch-only programs), no
 
 from pccl import recovery
 from pccl.communicator import Communicator, QuantizationOptions, ReduceInfo
-from pccl.enums import ReduceOp, SharedStateSyncStrategy
+from pccl.enums import DTYPES, ReduceOp, SharedStateSyncStrategy
 from pccl.errors import (
     InvalidArgumentError,
     InvalidUsageError,
@@ -257,7 +257,7 @@ class _NumpyParam(_Param):
         np.copyto(out, src.astype(self.tensor.dtype), casting="unsafe")
 
 
-_FLOAT_NAMES = ("float16", "bfloat16", "float32", "float64")
+_FLOAT_NAMES = frozenset(i.numpy for i in DTYPES.values() if i.is_float and i.numpy)
 
 
 def _is_torch(obj: Any) -> bool:

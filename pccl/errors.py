@@ -12,22 +12,50 @@ and re-exported here; ``pccl.PCCLError`` is the base of all of them::
 from __future__ import annotations
 
 import enum
+from typing import TypeAlias
 
+# ``X as X``: re-exported (``__all__`` below is computed from ErrorKind).
 from pccl._core import (
-    AuthenticationError,
-    CollectiveAbortedError,
-    InvalidArgumentError,
-    InvalidUsageError,
-    MasterConnectionError,
-    NoSharedStateAvailableError,
-    PCCLError,
-    PeerConnectionError,
-    PendingAsyncOpsError,
-    ProtocolError,
-    RevisionIncrementViolationError,
-    TooFewPeersError,
-    TopologyOptimizationFailedError,
-    UpdateTopologyFailedError,
+    AuthenticationError as AuthenticationError,
+)
+from pccl._core import (
+    CollectiveAbortedError as CollectiveAbortedError,
+)
+from pccl._core import (
+    InvalidArgumentError as InvalidArgumentError,
+)
+from pccl._core import (
+    InvalidUsageError as InvalidUsageError,
+)
+from pccl._core import (
+    MasterConnectionError as MasterConnectionError,
+)
+from pccl._core import (
+    NoSharedStateAvailableError as NoSharedStateAvailableError,
+)
+from pccl._core import (
+    PCCLError as PCCLError,
+)
+from pccl._core import (
+    PeerConnectionError as PeerConnectionError,
+)
+from pccl._core import (
+    PendingAsyncOpsError as PendingAsyncOpsError,
+)
+from pccl._core import (
+    ProtocolError as ProtocolError,
+)
+from pccl._core import (
+    RevisionIncrementViolationError as RevisionIncrementViolationError,
+)
+from pccl._core import (
+    TooFewPeersError as TooFewPeersError,
+)
+from pccl._core import (
+    TopologyOptimizationFailedError as TopologyOptimizationFailedError,
+)
+from pccl._core import (
+    UpdateTopologyFailedError as UpdateTopologyFailedError,
 )
 
 
@@ -37,6 +65,10 @@ class OperationTimeoutError(CollectiveAbortedError, TimeoutError):
     called the operation off for every peer that made it; nothing was written. Retry; if
     it keeps happening, some peer is not running the same sequence of collective calls
     (or is stuck outside pccl)."""
+
+
+# Inside ErrorKind's body ``PCCLError`` names the member: its annotations use this.
+_PCCLErrorClass: TypeAlias = PCCLError
 
 
 class ErrorKind(enum.StrEnum):
@@ -81,16 +113,39 @@ class ErrorKind(enum.StrEnum):
                 return cls[c.__name__]
         return cls.PCCLError
 
-    def exception(self) -> type[PCCLError]:
+    def exception(self) -> type[_PCCLErrorClass]:
         """The class to raise for this kind (``PCCLError`` for ``NONE``)."""
         return ERROR_KINDS.get(self.value, PCCLError)
 
-    def error(self, message: str) -> PCCLError:
+    def error(self, message: str) -> _PCCLErrorClass:
         """An exception of this kind."""
         return self.exception()(message)
 
 
-__all__ = [m.value for m in ErrorKind if m is not ErrorKind.NONE] + ["ErrorKind"]
+#: The one list of pccl's errors: ``pccl``, ``pccl.blocking`` and ``pccl.__all__`` take
+#: their error names from here, the Rust extension creates these classes (a test checks
+#: that it creates exactly these), and :class:`ErrorKind` names the same set (checked
+#: below, at import).
+__all__ = [
+    "AuthenticationError",
+    "CollectiveAbortedError",
+    "ErrorKind",
+    "InvalidArgumentError",
+    "InvalidUsageError",
+    "MasterConnectionError",
+    "NoSharedStateAvailableError",
+    "OperationTimeoutError",
+    "PCCLError",
+    "PeerConnectionError",
+    "PendingAsyncOpsError",
+    "ProtocolError",
+    "RevisionIncrementViolationError",
+    "TooFewPeersError",
+    "TopologyOptimizationFailedError",
+    "UpdateTopologyFailedError",
+]
+if {k.value for k in ErrorKind if k is not ErrorKind.NONE} != set(__all__) - {"ErrorKind"}:
+    raise ImportError("pccl.errors: ErrorKind and __all__ name different errors")
 
 #: Error classes by name (the values of :class:`ErrorKind`).
 ERROR_KINDS: dict[str, type[PCCLError]] = {

@@ -29,17 +29,28 @@ revision violation, ...)
 
 from __future__ import annotations
 
+import asyncio
 import enum
+import logging
+from typing import TYPE_CHECKING
 
 from pccl.errors import (
     CollectiveAbortedError,
+    InvalidArgumentError,
+    InvalidUsageError,
     OperationTimeoutError,
     PeerConnectionError,
     TopologyOptimizationFailedError,
     UpdateTopologyFailedError,
 )
+from pccl.peer.options import ReduceDescriptor, ReduceInfo
 
-__all__ = ["RETRYABLE", "Action", "decide", "retryable"]
+if TYPE_CHECKING:
+    from pccl.communicator import Communicator
+
+__all__ = ["RETRYABLE", "Action", "all_reduce_with_retry", "decide", "retryable"]
+
+log = logging.getLogger("pccl.communicator")
 
 
 class Action(enum.Enum):
@@ -71,3 +82,43 @@ def decide(error: BaseException, failures: int = 1) -> Action:
 def retryable(error: BaseException) -> bool:
     """Whether a retry may fix ``error`` (:func:`decide` does not say ``GIVE_UP``)."""
     return decide(error) is not Action.GIVE_UP
+
+
+async def all_reduce_with_retry(comm: Communicator, descriptors: list[ReduceDescriptor],
+                                max_in_flight: int, max_attempts: int) -> list[ReduceInfo]:
+    """:meth:`pccl.Communicator.all_reduce_multiple_with_retry`: the policy above applied
+    to a set of all-reduces, ``max_in_flight`` at a time, up to ``max_attempts`` rounds."""
+    if max_in_flight < 1:
+        raise InvalidArgumentError("max_in_flight must be at least 1")
+    if len({d.tag for d in descriptors}) != len(descriptors):
+        raise InvalidUsageError("descriptors must have distinct tags")
+    results: dict[int, ReduceInfo] = {}
+    todo = list(range(len(descriptors)))
+    for attempt in range(max_attempts):
+        failures: list[BaseException] = []
+        for start in range(0, len(todo), max_in_flight):
+            batch = todo[start:start + max_in_flight]
+            handles = []
+            for i in batch:
+                d = descriptors[i]
+                handles.append(comm.all_reduce_async(d.tensor, d.out, op=d.op, tag=d.tag,
+                                                     quantization=d.quantization))
+            outcomes = await asyncio.gather(*handles, return_exceptions=True)
+            for i, res in zip(batch, outcomes):
+                if isinstance(res, ReduceInfo):
+                    results[i] = res
+                elif decide(res, attempt + 1) is Action.GIVE_UP:
+                    raise res
+                else:
+                    failures.append(res)
+        todo = [i for i in todo if i not in results]
+        if not todo:
+            return [results[i] for i in range(len(descriptors))]
+        vote = any(decide(f, attempt + 1) is Action.UPDATE_TOPOLOGY for f in failures)
+        log.info("peer %s: %d all-reduce(s) failed (%s); retrying%s (attempt %d/%d)",
+                 comm.peer_id, len(todo), failures[0],
+                 " after update_topology()" if vote else "", attempt + 1, max_attempts)
+        if vote:
+            await comm.update_topology()
+    raise PeerConnectionError(
+        f"{len(todo)} all-reduce(s) still failing after {max_attempts} attempts")

@@ -828,6 +828,7 @@ class _Heuristic:
         prefs = np.argsort(np.where(allowed, self.rng.random((n, n)), 2.0), axis=1)
         match = _perfect_matching(w, prefs, float(self.values[k]), None)
         if match is None:  # cannot happen at or below the bound; stay safe
+            assert self.cur is not None
             return self.search.kick(self.cur, self.rng)
         return self.search.patch(np.array(match))
 

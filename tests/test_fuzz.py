@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import enum
 import logging
 import secrets
 import struct
@@ -29,11 +30,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as hs
 
 import pccl
-from pccl.errors import ProtocolError
+from pccl.errors import ErrorKind, ProtocolError
 from pccl.master import state as st
-from pccl.protocol.auth import peer_mac
 from pccl.protocol import PROTOCOL_VERSION, codec
 from pccl.protocol import messages as m
+from pccl.protocol.auth import peer_mac
 from pccl.protocol.transport import ConnectionClosed, FramedConnection
 from pccl.testing import Cluster
 
@@ -60,6 +61,8 @@ def _field(tp: object) -> hs.SearchStrategy[object]:
         return hs.binary(max_size=40)
     if tp is bool:
         return hs.booleans()
+    if isinstance(tp, type) and issubclass(tp, enum.StrEnum):
+        return hs.sampled_from(list(tp))
     if typing.get_origin(tp) is list:
         (inner,) = typing.get_args(tp)
         return hs.lists(_field(inner), max_size=4)
@@ -480,3 +483,14 @@ async def test_a_resume_epoch_out_of_range_cannot_break_the_next_round(live: Liv
         await cluster.admit([late])
     await _check_all_reduce(cluster.comms, salt=1)
     assert not live.errors.records, [r.getMessage() for r in live.errors.records]
+
+
+@pytest.mark.parametrize("kind", ["NoSuchError", "peerconnectionerror", "all_reduce", 3])
+def test_an_error_kind_outside_the_one_list_is_a_protocol_error(kind: object) -> None:
+    body = {"t": "coll_outcome", "tag": 1, "op_id": 2, "ok": False, "kind": kind,
+            "message": "x"}
+    with pytest.raises(ProtocolError, match="kind"):
+        codec.decode(msgpack.packb(body, use_bin_type=True))
+    body["kind"] = "PeerConnectionError"
+    msg = codec.decode(msgpack.packb(body, use_bin_type=True))
+    assert isinstance(msg, m.CollectiveOutcome) and msg.kind is ErrorKind.PeerConnectionError

@@ -17,6 +17,7 @@ import pytest
 
 import pccl
 from pccl import _core, _logging
+from pccl.peer import state as ps
 from pccl.protocol import messages as m
 
 RUST = "pccl._core"
@@ -288,14 +289,14 @@ async def test_content_hash_is_what_the_sync_compares(pccl_cluster) -> None:
                {"w": bad, "n": np.arange(5, dtype=np.int64)}]
     sent: list[m.SyncInit] = []
     comm = cluster.comms[0]
-    send = comm._send
+    feed = comm._feed
 
-    def spy(msg: m.Message) -> None:
-        if isinstance(msg, m.SyncInit):
-            sent.append(msg)
-        send(msg)
+    def spy(ev: ps.Event) -> None:
+        if isinstance(ev, ps.StartSync):
+            sent.append(ev.init)  # the machine sends this init to the master
+        feed(ev)
 
-    comm._send = spy  # type: ignore[method-assign]
+    comm._feed = spy  # type: ignore[method-assign]
     before = {k: pccl.content_hash(v) for k, v in tensors[0].items()}
     states = [pccl.SharedState([pccl.TensorInfo.from_numpy(v, k) for k, v in t.items()])
               for t in tensors]

@@ -42,6 +42,13 @@ def test_larger_groups_with_more_churn_keep_every_invariant() -> None:
     assert steps > 0
 
 
+def test_optimize_topology_between_steps_keeps_every_invariant() -> None:
+    # Probes, the solver's answer and the rebuilt rings interleave with the chaos.
+    bad, _ = _violations(3_000_000, max(SCHEDULES // 8, 50), peers=4, joiners=3, kills=3,
+                         optimize_every=2)
+    assert not bad, "\n".join(bad[:20])
+
+
 def test_short_deadlines_end_calls_instead_of_hanging() -> None:
     # Deadlines shorter than some network delays: calls time out, programs may give up
     # (OperationTimeoutError is not retried), but nobody hangs and parity holds.

@@ -138,6 +138,26 @@ def test_communicator_refuses_bad_timeouts_at_construction(option: str, value: f
         pccl.Communicator("127.0.0.1:1", **{option: value})
 
 
+@pytest.mark.parametrize(("option", "value"), [
+    ("p2p_connection_pool_size", 0), ("p2p_connection_pool_size", 65),
+    ("p2p_connection_pool_size", 2.0), ("peer_group", -1), ("peer_group", 1 << 32),
+    ("p2p_listen_port", -1), ("p2p_listen_port", 65536), ("piece_bytes", 0),
+    ("piece_bytes", -5), ("piece_bytes", 1 << 40), ("max_frame", 10), ("max_frame", True),
+    ("max_frame", 1 << 40)])
+def test_communicator_refuses_bad_sizes_at_construction(option: str, value: object) -> None:
+    """Sizes and ports are checked at the edge: an out-of-range number never reaches the
+    Rust extension (where it used to surface as OverflowError or a panic)."""
+    with pytest.raises(pccl.InvalidArgumentError, match=option):
+        pccl.Communicator("127.0.0.1:1", **{option: value})
+
+
+@pytest.mark.parametrize("n_attempts", [0, -1, 1.5, True])
+async def test_connect_refuses_a_bad_attempt_count(n_attempts: object) -> None:
+    comm = pccl.Communicator("127.0.0.1:1")
+    with pytest.raises(pccl.InvalidArgumentError, match="n_attempts"):
+        await comm.connect(n_attempts=n_attempts)  # type: ignore[arg-type]
+
+
 async def test_a_bad_per_call_timeout_is_refused_before_anything_is_sent(pccl_cluster) -> None:
     cluster = await pccl_cluster(1)
     (c,) = cluster.comms

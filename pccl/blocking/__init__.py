@@ -54,12 +54,11 @@ What maps exactly and what differs (``docs/blocking.md`` has the full table):
   ``optimize_topology()`` at least two in the run (``InvalidUsageError``); the async API
   accepts a world of one.
 - Like PCCL, a collective that failed because a peer died leaves the run ready for a plain
-  relaunch: this layer waits for the communicator's other in-flight collectives, then runs
-  ``update_topology()`` itself before the failure is reported (every surviving peer sees
-  the same failure and does the same). pccl's rings only change in ``update_topology()``;
-  PCCL drops dead peers without it. Pass ``auto_update_topology=False`` to the
-  Communicator to call ``update_topology()`` yourself instead. Scripts that call it after
-  a failure anyway keep working (one more, cheap, topology round).
+  relaunch: the master rebuilds the ring from the peers left (PCCL drops dead peers the
+  same way), and a retry runs on it. This layer never calls ``update_topology()`` behind
+  the script's back (``auto_update_topology=`` is accepted and ignored);
+  ``all_reduce_multiple_with_retry()`` and ``sync_shared_state()`` retry as
+  :mod:`pccl.recovery` says, the one recovery policy of every pccl layer.
 - A ``MasterNode`` that was ``run()`` and never ``interrupt()``-ed keeps the process
   alive at interpreter exit until it is interrupted (Ctrl-C / SIGTERM), as PCCL's master
   scripts expect (``master.run()`` is the last line of them).
@@ -80,6 +79,7 @@ What maps exactly and what differs (``docs/blocking.md`` has the full table):
 
 from __future__ import annotations
 
+from pccl import errors as _errors
 from pccl.blocking.communicator import AsyncReduceHandle, Communicator
 from pccl.blocking.compat import (
     ArgumentAssertionError,
@@ -104,23 +104,7 @@ from pccl.blocking.master import MasterNode
 from pccl.blocking.runtime import loop_thread_running as loop_thread_running  # ditto
 from pccl.blocking.shared_state import SharedState, TensorInfo
 from pccl.enums import QuantizationAlgorithm, ReduceOp, SharedStateSyncStrategy
-from pccl.errors import (
-    AuthenticationError,
-    CollectiveAbortedError,
-    InvalidArgumentError,
-    InvalidUsageError,
-    MasterConnectionError,
-    NoSharedStateAvailableError,
-    OperationTimeoutError,
-    PCCLError,
-    PeerConnectionError,
-    PendingAsyncOpsError,
-    ProtocolError,
-    RevisionIncrementViolationError,
-    TooFewPeersError,
-    TopologyOptimizationFailedError,
-    UpdateTopologyFailedError,
-)
+from pccl.errors import *  # noqa: F403 (the error classes: pccl.errors.__all__, the one list)
 from pccl.shared_state import SyncInfo as SyncInfo  # ditto
 from pccl.shared_state import SyncProgress as SyncProgress  # ditto
 
@@ -133,7 +117,6 @@ __all__ = [
     "DeviceType",
     "DistributionHint",
     "MasterNode",
-    "PCCLError",
     "QuantizationAlgorithm",
     "QuantizationOptions",
     "ReduceDescriptor",
@@ -147,21 +130,9 @@ __all__ = [
     "SharedStateSyncStrategy",
     "TensorInfo",
     "cuda",
-    # pccl's error classes (all PCCLError subclasses)
+    # pccl's error classes (all PCCLError subclasses): PCCL's argument errors, and
+    # every error of pccl.errors
     "ArgumentAssertionError",
     "ArgumentValueError",
-    "AuthenticationError",
-    "CollectiveAbortedError",
-    "InvalidArgumentError",
-    "InvalidUsageError",
-    "MasterConnectionError",
-    "NoSharedStateAvailableError",
-    "OperationTimeoutError",
-    "PeerConnectionError",
-    "PendingAsyncOpsError",
-    "ProtocolError",
-    "RevisionIncrementViolationError",
-    "TooFewPeersError",
-    "TopologyOptimizationFailedError",
-    "UpdateTopologyFailedError",
+    *(n for n in _errors.__all__ if n != "ErrorKind"),
 ]

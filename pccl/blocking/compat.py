@@ -19,22 +19,7 @@ except ImportError:  # torch-only programs (see pccl.tensors)
 
 from pccl import enums as _enums
 from pccl.enums import DTYPES, DTypeInfo, ReduceOp
-from pccl.errors import (
-    AuthenticationError,
-    CollectiveAbortedError,
-    InvalidArgumentError,
-    InvalidUsageError,
-    MasterConnectionError,
-    NoSharedStateAvailableError,
-    PCCLError,
-    PeerConnectionError,
-    PendingAsyncOpsError,
-    ProtocolError,
-    RevisionIncrementViolationError,
-    TooFewPeersError,
-    TopologyOptimizationFailedError,
-    UpdateTopologyFailedError,
-)
+from pccl.errors import ErrorKind, InvalidArgumentError, PCCLError
 from pccl.tensors import need_numpy
 
 T = TypeVar("T")
@@ -72,30 +57,31 @@ class Result(enum.Enum):
 
 
 # Most specific class first: lookups walk an error's MRO.
-_RESULT_OF: dict[type[BaseException], Result] = {
-    InvalidArgumentError: Result.INVALID_ARGUMENT,
+_RESULT_OF: dict[ErrorKind, Result] = {
+    ErrorKind.InvalidArgumentError: Result.INVALID_ARGUMENT,
     # PCCL reports any failed shared-state sync (a revision violation too) as invalid usage.
-    RevisionIncrementViolationError: Result.INVALID_USAGE,
-    InvalidUsageError: Result.INVALID_USAGE,
-    TooFewPeersError: Result.TOO_FEW_PEERS,
-    AuthenticationError: Result.MASTER_CONNECTION_FAILED,
-    MasterConnectionError: Result.MASTER_CONNECTION_FAILED,
-    PeerConnectionError: Result.RANK_CONNECTION_LOST,
+    ErrorKind.RevisionIncrementViolationError: Result.INVALID_USAGE,
+    ErrorKind.InvalidUsageError: Result.INVALID_USAGE,
+    ErrorKind.TooFewPeersError: Result.TOO_FEW_PEERS,
+    ErrorKind.AuthenticationError: Result.MASTER_CONNECTION_FAILED,
+    ErrorKind.MasterConnectionError: Result.MASTER_CONNECTION_FAILED,
+    ErrorKind.PeerConnectionError: Result.RANK_CONNECTION_LOST,
     # Called off because peers voted for a new topology: retry like a lost peer.
-    CollectiveAbortedError: Result.RANK_CONNECTION_LOST,
-    NoSharedStateAvailableError: Result.NO_SHARED_STATE_AVAILABLE,
-    PendingAsyncOpsError: Result.PENDING_ASYNC_OPS,
-    UpdateTopologyFailedError: Result.UPDATE_TOPOLOGY_FAILED,
-    TopologyOptimizationFailedError: Result.TOPOLOGY_OPTIMIZATION_FAILED,
-    ProtocolError: Result.INTERNAL_ERROR,
+    ErrorKind.CollectiveAbortedError: Result.RANK_CONNECTION_LOST,
+    ErrorKind.NoSharedStateAvailableError: Result.NO_SHARED_STATE_AVAILABLE,
+    ErrorKind.PendingAsyncOpsError: Result.PENDING_ASYNC_OPS,
+    ErrorKind.UpdateTopologyFailedError: Result.UPDATE_TOPOLOGY_FAILED,
+    ErrorKind.TopologyOptimizationFailedError: Result.TOPOLOGY_OPTIMIZATION_FAILED,
+    ErrorKind.ProtocolError: Result.INTERNAL_ERROR,
 }
 
 
 def result_of(error: BaseException) -> Result:
     """The PCCL result code that corresponds to one of pccl's errors."""
     for cls in type(error).__mro__:
-        if cls in _RESULT_OF:
-            return _RESULT_OF[cls]
+        kind = ErrorKind.__members__.get(cls.__name__)
+        if kind in _RESULT_OF:
+            return _RESULT_OF[kind]
     return Result.INTERNAL_ERROR
 
 

@@ -18,12 +18,11 @@ from collections.abc import Callable
 from types import TracebackType
 from typing import Any
 
-from pccl.errors import InvalidArgumentError, ProtocolError
+from pccl.errors import ErrorKind, InvalidArgumentError, ProtocolError
 from pccl.master import state as st
 from pccl.protocol import MAX_FRAME, PROTOCOL_VERSION
-from pccl.protocol.auth import DEFAULT_PORT, master_mac, peer_mac, split_host_port
-from pccl.errors import ErrorKind
 from pccl.protocol import messages as m
+from pccl.protocol.auth import DEFAULT_PORT, master_mac, peer_mac, split_host_port
 from pccl.protocol.transport import ConnectionClosed, FramedConnection
 
 log = logging.getLogger(__name__)

@@ -448,7 +448,8 @@ class MasterState:
             pass  # liveness is the server's business
         else:
             out.append(Send(peer, m.ErrorReply(
-                kind=ErrorKind.ProtocolError, message=f"unexpected message {msg.TYPE!r} at the master")))
+                kind=ErrorKind.ProtocolError,
+                message=f"unexpected message {msg.TYPE!r} at the master")))
 
     # --- are_peers_pending() and deadlines -------------------------------------------
 
@@ -814,12 +815,14 @@ class MasterState:
                                                       kind=kind, message=why)))
 
         if rec.status is not PeerStatus.ACCEPTED:
-            refuse(ErrorKind.InvalidUsageError, "collectives need an accepted peer; call connect() first")
+            refuse(ErrorKind.InvalidUsageError,
+                   "collectives need an accepted peer; call connect() first")
             return
         key = (rec.peer_group, msg.tag)
         col = self.collectives.get(key)
         if col is not None and (peer in col.inits or col.op_id >= 0):
-            refuse(ErrorKind.InvalidUsageError, f"tag {msg.tag} is already in flight on this peer group")
+            refuse(ErrorKind.InvalidUsageError,
+                   f"tag {msg.tag} is already in flight on this peer group")
             return
         if col is None:
             col = self.collectives[key] = Collective(rec.peer_group, msg.tag)
@@ -906,7 +909,8 @@ class MasterState:
                                     f"peer {peer}: {msg.message}", out)
         self._maybe_finish_collective(col, out)
 
-    def _collective_failed(self, col: Collective, kind: ErrorKind, why: str, out: list[Command]) -> None:
+    def _collective_failed(self, col: Collective, kind: ErrorKind, why: str,
+                           out: list[Command]) -> None:
         if col.error is not None:
             return
         col.error = (kind, why)
@@ -918,7 +922,7 @@ class MasterState:
         if not set(col.participants) <= col.reported:
             return
         del self.collectives[(col.group, col.tag)]
-        kind, why = col.error or ("", "")
+        kind, why = col.error or (ErrorKind.NONE, "")
         if col.error is not None:
             # Links may hold half-sent pieces: the rings must be rebuilt before reuse.
             self.rings_stale = True
@@ -970,7 +974,8 @@ class MasterState:
             sync = self.syncs[rec.peer_group] = Sync(rec.peer_group)
             sync.deadline = self._arm(("sync", sync.group), msg.timeout, out)
         if sync.planned or peer in sync.inits:
-            refuse(ErrorKind.InvalidUsageError, "a shared-state sync is already running in this group")
+            refuse(ErrorKind.InvalidUsageError,
+                   "a shared-state sync is already running in this group")
             return
         sync.inits[peer] = msg
         self.fresh.discard(peer)
@@ -1059,7 +1064,8 @@ class MasterState:
         self._finish_plan(sync, members, excluded, popular, revision, out,
                           holders=holders, inits=inits, fresh=fresh)
 
-    def _finish_plan(self, sync: Sync, members: list[int], excluded: dict[int, tuple[ErrorKind, str]],
+    def _finish_plan(self, sync: Sync, members: list[int],
+                     excluded: dict[int, tuple[ErrorKind, str]],
                      popular: dict[str, bytes], revision: int, out: list[Command], *,
                      holders: dict[str, dict[bytes, list[int]]] | None = None,
                      inits: dict[int, m.SyncInit] | None = None,
@@ -1123,7 +1129,7 @@ class MasterState:
         if not set(sync.participants) <= sync.reported:
             return
         del self.syncs[sync.group]
-        kind, why = sync.error or ("", "")
+        kind, why = sync.error or (ErrorKind.NONE, "")
         for p in sync.participants:
             if sync.error is None:
                 self.last_revision[p] = sync.revision

@@ -8,9 +8,10 @@ import dataclasses
 from typing import Any
 
 from pccl import _core
-from pccl.enums import DataType, QuantizationAlgorithm, ReduceOp
+from pccl.enums import DTYPES, DataType, QuantizationAlgorithm, ReduceOp
 from pccl.protocol.auth import DEFAULT_PORT
 from pccl.tensors import RawTensor
+
 
 @dataclasses.dataclass(frozen=True)
 class ReduceInfo:
@@ -41,7 +42,6 @@ class ReduceDescriptor:
 
 
 _WIRE_TYPES = (DataType.UINT8, DataType.INT8, DataType.FLOAT8_E4M3, DataType.FLOAT8_E5M2)
-_FLOAT_TYPES = (DataType.FLOAT16, DataType.BFLOAT16, DataType.FLOAT32, DataType.FLOAT64)
 
 
 def check_quantization(q: QuantizationOptions, src: RawTensor, op: ReduceOp) -> None:
@@ -53,7 +53,7 @@ def check_quantization(q: QuantizationOptions, src: RawTensor, op: ReduceOp) -> 
         raise _core.InvalidArgumentError(
             f"{wire.name} cannot carry quantized values; use UINT8, INT8, FLOAT8_E4M3 or "
             "FLOAT8_E5M2")
-    if src.dtype not in _FLOAT_TYPES:
+    if not DTYPES[src.dtype].is_float:
         raise _core.InvalidArgumentError(
             f"quantization applies to float tensors, not {src.dtype.name}")
     if op not in (ReduceOp.SUM, ReduceOp.AVG):
@@ -93,6 +93,15 @@ def check_seconds(value: float, what: str, zero_ok: bool = False,
             f"{what} must be a {'non-negative' if zero_ok else 'positive'} number of seconds "
             f"up to a week ({_MAX_SECONDS:.0f}){' or None' if none_ok else ''}, got {value!r}")
     return float(value)
+
+
+def check_int(value: object, what: str, low: int, high: int) -> int:
+    """An integer (not a bool) in ``low..high``: every size, count and port a peer takes
+    is checked here, before it can reach the Rust edge as an out-of-range number."""
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise _core.InvalidArgumentError(
+            f"{what} must be an integer in {low}..{high}, got {value!r}")
+    return value
 
 
 class _Default:

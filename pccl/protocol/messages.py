@@ -82,7 +82,8 @@ class Welcome(Message):
 @message
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Reject(Message):
-    """M->P, then the master closes the connection. ``kind`` names a pccl error class (:class:`ErrorKind`)."""
+    """M->P, then the master closes the connection. ``kind`` names a pccl error class
+    (:class:`ErrorKind`)."""
 
     TYPE: ClassVar[str] = "reject"
     kind: ErrorKind

@@ -190,11 +190,14 @@ class Worker:
         self.joiner = args.joiner
         self.tensors = (initial_state(self.sz) if not self.joiner else
                         {k: np.zeros_like(v) for k, v in initial_state(self.sz).items()})
+        # torch when installed (moments in bfloat16), else None (numpy float16)
+        self.torch: Any = None
         try:
             import torch
         except ImportError:
-            torch = None
-        self.torch = torch
+            pass
+        else:
+            self.torch = torch
         self.state = pccl.SharedState(
             [pccl.TensorInfo.from_numpy(self.tensors[k], k) for k in sorted(self.tensors)],
             revision=0)
@@ -214,7 +217,8 @@ class Worker:
     def _moment_values(self, t: Any) -> np.ndarray:
         if self.torch is not None:
             return bf16_bits_to_f32(t.view(self.torch.int16).numpy().view(np.uint16))
-        return t.astype(np.float32)
+        values: np.ndarray = t.astype(np.float32)
+        return values
 
     async def _reduce(self, k: int) -> tuple[np.ndarray, np.ndarray, float]:
         pccl = self.pccl
@@ -227,10 +231,12 @@ class Worker:
                    self.comm.all_reduce_async(t2, op=pccl.ReduceOp.SUM, tag=2),
                    self.comm.all_reduce_async(t3, op=pccl.ReduceOp.SUM, tag=3,
                                               quantization=q)]
-        results = await asyncio.gather(*handles, return_exceptions=True)
-        for r in results:
+        outcomes = await asyncio.gather(*handles, return_exceptions=True)
+        results = []
+        for r in outcomes:
             if isinstance(r, BaseException):
                 raise r
+            results.append(r)
         worlds = {r.world_size for r in results}
         if len(worlds) != 1:
             _emit(ev="violation", what=f"reduces of step {k} saw world sizes {sorted(worlds)}")

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import hashlib
 
+from pccl.enums import DTYPES
+
 try:
     import numpy as np
 except ImportError as e:  # numpy is optional for pccl (torch-only programs), not here
@@ -12,7 +14,7 @@ except ImportError as e:  # numpy is optional for pccl (torch-only programs), no
         'pccl.testing.data needs numpy, which is not installed: pip install numpy '
         '(or "pccl[numpy]")', name="numpy") from e
 
-INT_DTYPES = ("int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64")
+INT_DTYPES = tuple(i.numpy for i in DTYPES.values() if not i.is_float and i.numpy)
 
 
 def deterministic_tensor(dtype: str, count: int, seed: int) -> np.ndarray:
@@ -26,4 +28,4 @@ def deterministic_tensor(dtype: str, count: int, seed: int) -> np.ndarray:
 
 def digest(data: object) -> str:
     """Hex SHA-256 of a tensor's bytes (numpy array or anything with the buffer protocol)."""
-    return hashlib.sha256(memoryview(np.ascontiguousarray(data)).cast("B")).hexdigest()
+    return hashlib.sha256(np.ascontiguousarray(data).data.cast("B")).hexdigest()

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import dataclasses
 import heapq
 import random
@@ -68,6 +69,11 @@ class Update:
 
 
 @dataclasses.dataclass(frozen=True)
+class Optimize:
+    """``optimize_topology()`` -> None"""
+
+
+@dataclasses.dataclass(frozen=True)
 class Reduce:
     """``all_reduce_async`` of one int64 value; several may be yielded as a tuple (they
     run concurrently; the program gets their results, or the first error after all
@@ -87,7 +93,7 @@ class Sync:
     strategy: SharedStateSyncStrategy
 
 
-Call = Pending | Update | Sync | tuple[Reduce, ...]
+Call = Pending | Update | Optimize | Sync | tuple[Reduce, ...]
 Program = Generator[Call, Any, None]
 
 
@@ -117,6 +123,11 @@ def training_loop(peer: SimPeer, steps: int) -> Program:
             peer.sim.completed(peer, k)
             done += 1
             failures = 0
+            if peer.sim.optimize_every and k % peer.sim.optimize_every == 0:
+                # Every peer that completed step k measures links and re-solves the ring;
+                # a failure there loses nothing (the step is committed): go on.
+                with contextlib.suppress(PCCLError):
+                    yield Optimize()
         except PCCLError as e:
             peer.state, peer.revision = before
             failures += 1
@@ -325,6 +336,8 @@ class SimPeer:
                 self.feed(ps.AskPending(req, True, timeout))
             elif isinstance(call, Update):
                 self.feed(ps.StartTopology(timeout))
+            elif isinstance(call, Optimize):
+                self.feed(ps.StartTopology(timeout, optimize=True))
             elif isinstance(call, Sync):
                 self.fetched = False
                 self.feed(ps.StartSync(m.SyncInit(
@@ -369,7 +382,7 @@ class Sim:
 
     def __init__(self, seed: int, *, peers: int = 3, joiners: int = 2, steps: int = 6,
                  kills: int = 2, drops: int = 1, breaks: int = 2,
-                 cancel_rate: float = 0.02, max_events: int = 200_000,
+                 cancel_rate: float = 0.02, optimize_every: int = 0, max_events: int = 200_000,
                  collective_timeout: float = 1800.0, tracer: Callable[[str], None] | None = None
                  ) -> None:
         self.seed = seed
@@ -400,6 +413,7 @@ class Sim:
         self.kills = self.joins = self.drops = self.breaks = 0
         self._flaky = 0
         self.cancel_rate = cancel_rate
+        self.optimize_every = optimize_every
         self.events = 0
         self._next_id = 1
         for _ in range(peers):
@@ -694,6 +708,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kills", type=int, default=2)
     ap.add_argument("--drops", type=int, default=1)
     ap.add_argument("--breaks", type=int, default=2)
+    ap.add_argument("--optimize-every", type=int, default=0,
+                    help="every peer calls optimize_topology() after every n-th step")
     ap.add_argument("--trace", action="store_true", help="print every event")
     args = ap.parse_args(argv)
     seeds = (range(args.seed, args.seed + 1) if args.seed is not None
@@ -704,6 +720,7 @@ def main(argv: list[str] | None = None) -> int:
     for seed in seeds:
         r = Sim(seed, peers=args.peers, joiners=args.joiners, steps=args.steps,
                 kills=args.kills, drops=args.drops, breaks=args.breaks,
+                optimize_every=args.optimize_every,
                 tracer=print if args.trace else None).run()
         totals.update(steps=r.steps, kills=r.kills, joins=r.joins, drops=r.drops,
                       breaks=r.breaks, events=r.events)

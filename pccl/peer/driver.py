@@ -1,0 +1,604 @@
+"""The asyncio half of a peer: everything :class:`pccl.communicator.Communicator` does
+besides its public calls. It feeds the sans-IO machine (:mod:`pccl.peer.state`) and
+carries out its commands; it owns the master connection (handshake, reader, registering
+again), the tasks of the Rust data plane (pools, ring installs, probes, ring ops,
+fetches through :mod:`pccl.peer.fetch`) and one future per waiting call.
+``docs/architecture.md`` has the picture."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+import secrets as _secrets
+from collections.abc import Callable
+from typing import Any
+
+from pccl import _core
+from pccl.enums import ReduceOp, SharedStateSyncStrategy
+from pccl.errors import (
+    AuthenticationError,
+    ErrorKind,
+    InvalidUsageError,
+    MasterConnectionError,
+    PCCLError,
+    ProtocolError,
+    TopologyOptimizationFailedError,
+    UpdateTopologyFailedError,
+)
+from pccl.peer import state as ps
+from pccl.peer.fetch import Fetcher, SyncReporter, prefault_all
+from pccl.peer.options import DEFAULT_TIMEOUT, QuantizationOptions, ReduceInfo, check_deadline
+from pccl.peer.state import Status as PeerState
+from pccl.protocol import PROTOCOL_VERSION
+from pccl.protocol import messages as m
+from pccl.protocol.auth import master_mac, peer_mac, split_host_port
+from pccl.protocol.transport import ConnectionClosed, FramedConnection
+from pccl.shared_state import SharedState, SyncInfo, SyncProgress
+from pccl.tensors import RawTensor, as_raw
+
+log = logging.getLogger("pccl.communicator")
+
+
+class Driver:
+    """The machinery behind :class:`pccl.communicator.Communicator` (which sets these
+    attributes up in its constructor)."""
+
+    master: str
+    peer_group: int
+    p2p_connection_pool_size: int
+    secret: bytes | None
+    p2p_listen_host: str | None
+    p2p_listen_port: int
+    p2p_advertise_host: str | None
+    p2p_advertise_address: str | None
+    timeout: float
+    p2p_timeout: float
+    peer_timeout: float
+    piece_bytes: int
+    max_frame: int
+    reconnect_timeout: float
+    collective_timeout: float | None
+    _m: ps.PeerMachine
+    _conn: FramedConnection | None
+    _node: _core.P2PNode | None
+    _tasks: set[asyncio.Task[Any]]
+    _reader: asyncio.Task[None] | None
+    _handles: set[asyncio.Task[Any]]
+    _home_loop: asyncio.AbstractEventLoop | None
+    _heartbeat_timeout: float
+    _waiters: dict[ps.Waiter, asyncio.Future[Any]]
+    _rings: dict[int, Any]
+
+    @property
+    def state(self) -> PeerState:
+        """This peer's membership status."""
+        return self._m.status
+
+    @property
+    def peer_id(self) -> int | None:
+        """The id the master gave this peer (None before the handshake)."""
+        return self._m.peer_id
+
+    async def _open(self, n_attempts: int) -> None:
+        host, port = split_host_port(self.master)
+        delay = 0.05
+        last: BaseException | None = None
+        for attempt in range(n_attempts):
+            try:
+                async with asyncio.timeout(self.timeout):
+                    reader, writer = await asyncio.open_connection(host, port)
+                break
+            except (OSError, TimeoutError) as e:
+                last = e
+                log.debug("connect attempt %d/%d to %s failed: %s", attempt + 1, n_attempts,
+                          self.master, e)
+                if attempt + 1 < n_attempts:
+                    await asyncio.sleep(delay)  # back-off between attempts, not a sync point
+                    delay = min(delay * 2, 2.0)
+        else:
+            raise MasterConnectionError(
+                f"could not reach the master at {self.master} after {n_attempts} attempts "
+                f"({last}); is it running and is the address right?")
+        conn = FramedConnection(reader, writer, max_frame=self.max_frame)
+        self._conn = conn
+        local_host = writer.get_extra_info("sockname")[0]
+        self._node = await _core.P2PNode.bind(
+            0, self.p2p_listen_host or local_host, self.p2p_listen_port, self.secret,
+            handshake_timeout=self.p2p_timeout, connect_timeout=self.p2p_timeout)
+        await self._handshake(conn)
+
+    async def _handshake(self, conn: FramedConnection) -> None:
+        assert self._node is not None
+        nonce = _secrets.token_bytes(16)
+        try:
+            async with asyncio.timeout(self.timeout):
+                challenge = await conn.recv()
+                if not isinstance(challenge, m.Challenge):
+                    raise ProtocolError(f"expected a challenge, the master sent {challenge.TYPE}")
+                if challenge.version != PROTOCOL_VERSION:
+                    raise ProtocolError(f"master speaks protocol {challenge.version}, "
+                                        f"this peer {PROTOCOL_VERSION}")
+                if challenge.auth and self.secret is None:
+                    raise AuthenticationError("the master requires a shared secret; "
+                                              "pass secret= to the Communicator")
+                mac = peer_mac(self.secret, challenge.nonce, nonce) if self.secret else b""
+                adv_host, adv_port = self.p2p_advertise_host or "", int(self._node.port)
+                if self.p2p_advertise_address:
+                    adv_host, adv_port = split_host_port(self.p2p_advertise_address)
+                resume_id, resume_epoch, resume_revision, resume_peers = self._m.resume()
+                await conn.send(m.Hello(
+                    version=PROTOCOL_VERSION, peer_group=self.peer_group,
+                    p2p_port=adv_port, p2p_host=adv_host, nonce=nonce, mac=mac,
+                    resume_peer_id=resume_id, resume_epoch=resume_epoch,
+                    resume_revision=resume_revision, resume_peers=resume_peers))
+                reply = await conn.recv()
+        except TimeoutError:
+            raise MasterConnectionError(
+                f"the master at {self.master} did not complete the handshake in "
+                f"{self.timeout}s") from None
+        except ConnectionClosed as e:
+            raise MasterConnectionError(f"the master closed the connection during the "
+                                        f"handshake ({e})") from None
+        if isinstance(reply, m.Reject):
+            raise ErrorKind.parse(reply.kind, ErrorKind.MasterConnectionError).error(
+                reply.message)
+        if not isinstance(reply, m.Welcome):
+            raise ProtocolError(f"expected welcome, the master sent {reply.TYPE}")
+        if self.secret is not None and not hmac.compare_digest(
+                reply.mac, master_mac(self.secret, challenge.nonce, nonce)):
+            raise AuthenticationError("the master could not prove it knows the shared secret")
+        self._heartbeat_timeout = reply.heartbeat_timeout
+        # The p2p node learns its id now; streams are only dialed after this point.
+        self._node.set_peer_id(reply.peer_id)
+        self._waiters[ps.ACCEPT] = asyncio.get_running_loop().create_future()
+        self._feed(ps.Welcomed(reply.peer_id))
+        self._reader = asyncio.create_task(self._read_loop(conn), name=f"pccl-peer-{self.peer_id}")
+
+    def _feed(self, ev: ps.Event) -> None:
+        """Hands ``ev`` to the machine and carries out what it says."""
+        try:
+            commands = self._m.handle(ev)
+        except ps.ProtocolViolation as e:
+            raise e.kind.error(str(e)) from None
+        for c in commands:
+            self._do(c)
+
+    def _future(self, w: ps.Waiter) -> asyncio.Future[Any]:
+        fut = self._waiters.get(w)
+        if fut is None:
+            fut = self._waiters[w] = asyncio.get_running_loop().create_future()
+        return fut
+
+    def _end(self, ev: ps.Event, *waiters: ps.Waiter) -> None:
+        """A call is over: tells the machine and forgets its futures."""
+        for w in waiters:
+            self._waiters.pop(w, None)
+        self._feed(ev)
+
+    def _do(self, c: ps.Command) -> None:
+        if isinstance(c, ps.Send):
+            if self._conn is not None:
+                self._conn.send_nowait(c.msg)
+        elif isinstance(c, (ps.Resolve, ps.Fail)):
+            fut = self._future(c.waiter)
+            if fut.done():
+                return
+            if isinstance(c, ps.Resolve):
+                fut.set_result(c.value)
+            else:
+                fut.set_exception(c.kind.error(c.message))
+                fut.exception()  # nobody may be awaiting it (e.g. after connect())
+        elif isinstance(c, ps.RunRing):
+            pass  # the all-reduce call awaiting the perform runs it (_run_all_reduce)
+        elif isinstance(c, ps.AbortRing):
+            ring = self._rings.get(c.tag)
+            if ring is not None:
+                ring.abort()
+        elif isinstance(c, ps.InstallRing):
+            self._spawn(self._install(c), f"pccl-topology-{self.peer_id}-{c.epoch}")
+        elif isinstance(c, ps.Establish):
+            self._spawn(self._establish(c), f"pccl-establish-{self.peer_id}-{c.msg.epoch}")
+        elif isinstance(c, ps.Probe):
+            self._spawn(self._probe(c), f"pccl-probe-{self.peer_id}")
+        elif isinstance(c, ps.Rejoin):
+            self._waiters[ps.REJOIN] = asyncio.get_running_loop().create_future()
+            self._spawn(self._rejoin(), f"pccl-rejoin-{self.peer_id}")
+        elif isinstance(c, ps.Log):
+            if self.state is not PeerState.CLOSED:
+                log.warning("%s", c.message)
+        else:  # pragma: no cover - the type union is closed
+            raise TypeError(c)
+
+    def _spawn(self, coro: Any, name: str) -> None:
+        task = asyncio.create_task(coro, name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _read_loop(self, conn: FramedConnection) -> None:
+        try:
+            while True:
+                try:
+                    async with asyncio.timeout(self._heartbeat_timeout):
+                        msg = await conn.recv()
+                except TimeoutError:
+                    raise MasterConnectionError(
+                        f"no word from the master for {self._heartbeat_timeout}s") from None
+                except ConnectionClosed as e:
+                    raise MasterConnectionError(
+                        f"lost the connection to the master ({e})") from None
+                self._dispatch(msg)
+                if not self._m.connected:
+                    return  # the machine gave this connection up (a Reject, garbage)
+        except PCCLError as e:
+            self._feed(ps.MasterLost(str(e)))
+
+    def _dispatch(self, msg: m.Message) -> None:
+        """One message from the master into the machine (tests hold some back here:
+        :class:`pccl.testing.HeldMessage`)."""
+        self._feed(ps.FromMaster(msg))
+
+    async def _rejoin(self) -> None:
+        """Registers with the master again (a restarted one, or the same one after it
+        dropped this peer) until admitted or ``reconnect_timeout`` runs out."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.reconnect_timeout
+        host, port = split_host_port(self.master)
+        old, self._conn = self._conn, None
+        if old is not None:
+            old.abort()
+        delay = 0.05
+        last: object = self._m.lost[1] if self._m.lost else None
+        log.warning("peer %s: lost the master (%s); registering again for up to %.1fs",
+                    self.peer_id, last, self.reconnect_timeout)
+        while loop.time() < deadline:
+            conn: FramedConnection | None = None
+            try:
+                async with asyncio.timeout(min(self.timeout, deadline - loop.time())):
+                    reader, writer = await asyncio.open_connection(host, port)
+                    conn = FramedConnection(reader, writer, max_frame=self.max_frame)
+                    self._conn = conn
+                    await self._handshake(conn)
+                async with asyncio.timeout(max(deadline - loop.time(), 0.0)):
+                    await self._waiters[ps.ACCEPT]
+            except (AuthenticationError, ProtocolError) as e:
+                last = e  # retrying cannot help
+                break
+            except (OSError, TimeoutError, PCCLError) as e:
+                last = e
+                if conn is not None:
+                    await self._drop_conn(conn)
+                await asyncio.sleep(min(delay, max(deadline - loop.time(), 0.0)))  # back-off
+                delay = min(delay * 2, 2.0)
+                continue
+            except BaseException:
+                if conn is not None:
+                    await self._drop_conn(conn)
+                raise
+            return  # accepted: the machine answered the calls waiting for this
+        if self._conn is not None:
+            await self._drop_conn(self._conn)
+        why = (f"could not register with the master at {self.master} again within "
+               f"{self.reconnect_timeout}s ({last})")
+        log.error("peer %s: %s", self.peer_id, why)
+        self._feed(ps.RejoinFailed(why))
+
+    async def _drop_conn(self, conn: FramedConnection) -> None:
+        """Forgets a master connection of a failed registration attempt."""
+        reader = self._reader
+        if reader is not None and reader is not asyncio.current_task():
+            reader.cancel()
+            await asyncio.gather(reader, return_exceptions=True)
+        self._reader = None
+        if self._conn is conn:
+            self._conn = None
+            self._feed(ps.MasterLost("a registration attempt failed"))
+        conn.abort()
+
+    async def _ready(self) -> None:
+        """Waits out a re-registration with the master, then checks the peer is usable."""
+        rejoined = self._waiters.get(ps.REJOIN)
+        if self.state is PeerState.RECONNECTING and rejoined is not None:
+            await asyncio.shield(rejoined)
+        self._require_accepted()
+
+    def _require_accepted(self) -> None:
+        self._check_loop()
+        why = self._m.usable()
+        if why is not None:
+            raise why[0].error(why[1])
+
+    def _check_loop(self, what: str = "this call") -> None:
+        """A Communicator lives in the event loop it connected in: its futures and
+        sockets belong to that loop, and a call from another loop (another thread's
+        asyncio.run) would wait forever for events that loop never sees."""
+        home = self._home_loop
+        if home is None:
+            return
+        try:
+            running: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is not home:
+            raise InvalidUsageError(
+                f"{what} came from another event loop than the one this Communicator "
+                "connected in; use it only from that loop (from another thread: "
+                "asyncio.run_coroutine_threadsafe(coro, loop)), or use pccl.blocking, "
+                "which may be called from any thread")
+
+    async def _establish(self, c: ps.Establish) -> None:
+        assert self._node is not None
+        msg = c.msg
+        self._node.retain_from_epoch(msg.epoch)
+        failed: list[int] = []
+        if msg.next_id >= 0:
+            try:
+                await self._node.connect_pool(msg.next_addr, msg.next_id, msg.epoch,
+                                              self.p2p_connection_pool_size)
+            except PCCLError as e:
+                log.warning("peer %s: p2p pool to peer %d at %s failed: %s",
+                            self.peer_id, msg.next_id, msg.next_addr, e)
+                failed.append(msg.next_id)
+        self._feed(ps.PoolsEstablished(msg.epoch, c.generation, tuple(failed)))
+
+    async def _install(self, c: ps.InstallRing) -> None:
+        """Takes over the ring links of a new epoch."""
+        assert self._node is not None
+        error = ""
+        try:
+            await self._node.install_ring(c.epoch, c.next_id, c.prev_id,
+                                          pool_timeout=self.p2p_timeout,
+                                          io_timeout=self.peer_timeout,
+                                          max_piece=max(self.piece_bytes, 1 << 16))
+        except PCCLError as e:
+            error = str(e) or type(e).__name__
+        self._feed(ps.RingInstalled(c.epoch, c.generation, error))
+
+    async def _probe(self, c: ps.Probe) -> None:
+        assert self._node is not None
+        rates = []
+        for target, addr in zip(c.msg.target_ids, c.msg.target_addrs):
+            try:
+                rate = await self._node.probe(addr, target, seconds=c.msg.seconds,
+                                              streams=self.p2p_connection_pool_size,
+                                              io_timeout=self.peer_timeout)
+            except PCCLError as e:
+                log.warning("peer %s: probe to peer %d failed: %s", self.peer_id, target, e)
+                rate = 0.0
+            rates.append(float(rate))
+        self._feed(ps.Probed(tuple(c.msg.target_ids), tuple(rates), c.generation))
+
+    def _wire_timeout(self, timeout: Any) -> float:
+        """The deadline a collective call sends the master (0.0: none)."""
+        t = self.collective_timeout if timeout is DEFAULT_TIMEOUT else check_deadline(
+            timeout, "timeout")
+        return 0.0 if t is None else t
+
+    async def _topology(self, optimize: bool, timeout: Any) -> None:
+        wire = self._wire_timeout(timeout)
+        await self._ready()
+        self._feed(ps.StartTopology(wire, optimize))
+        try:
+            await self._future(ps.UPDATE)
+        except UpdateTopologyFailedError as e:
+            if optimize:
+                raise TopologyOptimizationFailedError(str(e)) from None
+            raise
+        finally:
+            self._end(ps.EndTopology(), ps.UPDATE)
+
+    async def _ask_pending(self, collective: bool, wire: float) -> m.PendingAnswer:
+        await self._ready()
+        req = self._m.new_request()
+        self._feed(ps.AskPending(req, collective, wire))
+        fut = self._future(ps.query_of(req))
+        try:
+            if collective:
+                # The master bounds this wait (deadline, dead peers). A caller that gives
+                # up leaves the question standing there; the next one replaces it.
+                answer: m.PendingAnswer = await fut
+            else:
+                async with asyncio.timeout(self.timeout):
+                    answer = await fut
+        except TimeoutError:
+            raise MasterConnectionError(
+                f"the master did not answer within {self.timeout}s") from None
+        finally:
+            self._end(ps.EndQuery(req), ps.query_of(req))
+        if not answer.ok:
+            raise ErrorKind.parse(answer.kind).error(answer.message)
+        return answer
+
+    async def _run_all_reduce(self, tag: int, q: QuantizationOptions, src: RawTensor,
+                              dst: RawTensor, op: ReduceOp) -> ReduceInfo:
+        perform_w, outcome_w = ps.perform_of(tag), ps.outcome_of(tag)
+        outcome_fut = self._future(outcome_w)
+        try:
+            try:
+                perform, run = await self._future(perform_w)
+            except asyncio.CancelledError:
+                # Others would wait for us in the ring: call the collective off.
+                self._feed(ps.CancelCollective(tag))
+                raise
+            tx = rx = 0
+            ok = True
+            ring: Any = None
+            if run:
+                assert self._node is not None
+                try:
+                    ring = self._node.start_all_reduce(
+                        perform.op_id, perform.rank, perform.world, src.data, int(src.dtype),
+                        int(op), piece_bytes=self.piece_bytes,
+                        quant_algorithm=int(q.algorithm), quant_dtype=int(q.dtype))
+                    self._rings[tag] = ring
+                    col = self._m.collectives.get(tag)
+                    if col is None or col.aborted:
+                        ring.abort()
+                    running = ring.run()
+                    try:
+                        # Shielded: a cancelled caller aborts the ring through its token
+                        # instead of dropping it mid-frame.
+                        tx, rx = await asyncio.shield(running)
+                    except asyncio.CancelledError:
+                        ring.abort()
+                        with contextlib.suppress(Exception):
+                            await running
+                        self._feed(ps.CancelCollective(tag))
+                        raise
+                except PCCLError as e:
+                    ok = False
+                    self._feed(ps.RingDone(tag, False, ErrorKind.of(e), str(e)))
+                else:
+                    self._feed(ps.RingDone(tag, True))
+            try:
+                outcome = await asyncio.shield(outcome_fut)
+            except asyncio.CancelledError:
+                # The others must not apply a result this peer drops: call it off, and
+                # apply it after all if the master had already decided (the outcome says).
+                decided = await self._withdraw_collective(tag, outcome_fut)
+                if decided is not None and decided.ok and ok:
+                    self._apply_reduce(perform.world, ring, src, dst)
+                raise
+            if not outcome.ok:
+                raise ErrorKind.parse(outcome.kind).error(outcome.message)
+            self._apply_reduce(perform.world, ring, src, dst)
+            return ReduceInfo(tx_bytes=int(tx), rx_bytes=int(rx), world_size=perform.world)
+        finally:
+            self._rings.pop(tag, None)
+            if self._m.collectives.get(tag) is not None:
+                self._end(ps.EndCollective(tag), perform_w, outcome_w)
+
+    @staticmethod
+    def _apply_reduce(world: int, ring: Any, src: RawTensor, dst: RawTensor) -> None:
+        if world == 1 or ring is None:
+            if dst.data is not src.data:
+                _core.copy_into(dst.data, src.data)
+        else:
+            ring.commit(dst.data)
+
+    async def _withdraw_collective(self, tag: int, outcome: asyncio.Future[Any]
+                                   ) -> m.CollectiveOutcome | None:
+        """After the caller cancelled a collective this peer reported done: fails it for
+        the group unless its outcome was already decided, and waits (bounded) for that
+        outcome."""
+        try:
+            self._feed(ps.CancelCollective(tag))
+            async with asyncio.timeout(self.timeout):
+                decided: m.CollectiveOutcome = await outcome
+                return decided
+        except (PCCLError, TimeoutError) as e:
+            log.warning("peer %s: cancelled all_reduce(tag=%d); no outcome from the master "
+                        "(%s): output left as it was", self.peer_id, tag, e or "timed out")
+        return None
+
+    def _commit_sync(self, state: SharedState, fetched: dict[str, Any],
+                     by_key: dict[str, RawTensor], outcome: m.SyncOutcome) -> None:
+        # Not awaited on purpose: the commit must not be interrupted halfway. The copy
+        # releases the GIL and runs on all cores.
+        for key, scratch in fetched.items():
+            if scratch is not by_key[key].data:
+                _core.copy_into(by_key[key].data, scratch)
+        state.revision = outcome.revision
+        self._m.committed(outcome.revision)
+
+    async def _withdraw_sync(self, plan: asyncio.Future[Any],
+                             outcome: asyncio.Future[Any]) -> m.SyncOutcome | None:
+        """After the caller cancelled a sync whose init went out: tells the master, and
+        waits (bounded) for the one outcome this peer gets for that sync. ``ok`` there
+        means the group had decided to commit before the withdrawal arrived."""
+        try:
+            self._feed(ps.WithdrawSync())
+            async with asyncio.timeout(self.timeout):
+                await plan  # raises if the outcome came first (refused or called off)
+                decided: m.SyncOutcome = await outcome
+                return decided
+        except (PCCLError, TimeoutError) as e:
+            log.warning("peer %s: cancelled sync_shared_state(); no outcome from the master "
+                        "(%s): nothing committed here", self.peer_id, e or "timed out")
+        return None
+
+    async def _run_sync(self, state: SharedState, strategy: SharedStateSyncStrategy,
+                        in_place: bool, progress: Callable[[SyncProgress], object] | None,
+                        progress_interval: float, timeout: Any) -> SyncInfo:
+        wire = self._wire_timeout(timeout)
+        await self._ready()
+        if self._m.sync is not None:
+            raise InvalidUsageError("sync_shared_state() is already running on this peer")
+        strategy = SharedStateSyncStrategy(strategy)
+        raws = [as_raw(i.tensor, writable=strategy != SharedStateSyncStrategy.SEND_ONLY,
+                       what=f"shared state {i.name!r}") for i in state.infos]
+        if in_place and strategy == SharedStateSyncStrategy.RECEIVE_ONLY:
+            # Nothing to lose and everything to take: no use hashing what gets replaced
+            # (an empty hash never matches, so every tensor is fetched and verified).
+            hashes = [b""] * len(raws)
+        else:
+            hashes = await asyncio.gather(*(asyncio.to_thread(_core.content_hash, r.data)
+                                            for r in raws))
+        self._require_accepted()  # the hashing took a while
+        node = self._node
+        assert node is not None
+        by_key = {i.name: r for i, r in zip(state.infos, raws)}
+        loop = asyncio.get_running_loop()
+        served_before = node.bytes_served()
+        prefault: asyncio.Task[None] | None = None
+        fetched: dict[str, Any] = {}
+        reported_ok = False
+        for info, raw in zip(state.infos, raws):
+            node.serve(info.name, raw.data)
+        try:
+            self._feed(ps.StartSync(m.SyncInit(
+                revision=int(state.revision), strategy=int(strategy),
+                keys=[i.name for i in state.infos], dtypes=[int(r.dtype) for r in raws],
+                counts=[r.count for r in raws], hashes=list(hashes),
+                unequal=[bool(i.allow_content_inequality) for i in state.infos],
+                timeout=wire)))
+            plan_fut, outcome_fut = self._future(ps.PLAN), self._future(ps.SYNC)
+            try:
+                # Shielded (here and for the outcome): a cancelled caller still needs them.
+                plan: m.SyncPlan = await asyncio.shield(plan_fut)
+                if not in_place and plan.fetch_keys:
+                    # Back the tensors the commit will write with pages while the bytes
+                    # travel (contents untouched), so the commit is a plain copy.
+                    prefault = loop.create_task(asyncio.to_thread(
+                        prefault_all, [by_key[k].data for k in plan.fetch_keys]))
+                # The running fetch, read by the progress reports (Fetcher.fetch_planned).
+                counters: dict[tuple[str, int], tuple[int, Any]] = {}
+                report = SyncReporter(lambda: self._node, self.peer_id, progress,
+                                      progress_interval, served_before, counters, fetched,
+                                      [by_key[k].nbytes for k in plan.fetch_keys])
+                async with report:
+                    fetcher = Fetcher(node, self.peer_id, self.p2p_connection_pool_size,
+                                      self.peer_timeout)
+                    errors = await fetcher.fetch_planned(plan, by_key, in_place, counters,
+                                                         fetched)
+                    for r in errors:
+                        if not isinstance(r, PCCLError):
+                            raise r
+                    if errors:
+                        self._feed(ps.Fetched(False, ErrorKind.of(errors[0]), str(errors[0])))
+                    else:
+                        self._feed(ps.Fetched(True))
+                        reported_ok = True
+                    if prefault is not None:
+                        await prefault
+                    outcome: m.SyncOutcome = await asyncio.shield(outcome_fut)
+            except asyncio.CancelledError:
+                # The group must not commit what this peer will not: withdraw, and commit
+                # after all if the group had already decided to (the outcome says which).
+                decided = await self._withdraw_sync(plan_fut, outcome_fut)
+                if decided is not None and decided.ok and reported_ok:
+                    self._commit_sync(state, fetched, by_key, decided)
+                raise
+            if not outcome.ok:
+                raise ErrorKind.parse(outcome.kind).error(outcome.message)
+            self._commit_sync(state, fetched, by_key, outcome)
+            rx = sum(int(a.nbytes) for a in fetched.values())
+            return SyncInfo(tx_bytes=int(node.bytes_served() - served_before), rx_bytes=rx)
+        finally:
+            if prefault is not None and not prefault.done():
+                prefault.cancel()  # the thread finishes on its own; nothing is written
+            self._end(ps.EndSync(), ps.PLAN, ps.SYNC)
+            if self._node is not None:
+                self._node.unserve_all()
+                self._node.drop_idle_transfers()
