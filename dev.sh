@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # One entry point for a fresh machine:
 #   ./dev.sh demo   install pccl (no test deps, no torch), then run a local demo cluster
-#   ./dev.sh test   set everything up, then run every test (cargo + pytest), then build
-#                   the documentation strictly (what CI runs)
+#   ./dev.sh test   set everything up, run the static checks (below), then every test
+#                   (cargo + pytest), then build the documentation strictly (what CI runs)
+#   ./dev.sh check  only the static checks, on an existing setup: ruff, mypy --strict over
+#                   pccl/, stubtest of pccl/_core.pyi against the built extension, cargo
+#                   clippy (-D warnings) and cargo fmt --check
 #   ./dev.sh docs   install the docs tools only, then build the documentation strictly
 #                   (mkdocs + mkdocstrings read the sources: no Rust build needed)
 #   ./dev.sh setup  only set up (.venv with pccl built in release mode, test and docs
@@ -46,6 +49,31 @@ docs() {
     echo "docs built into ${PCCL_DOCS_DIR:-site}/"
 }
 
+# Every check runs even after one failed; the step fails if any did. stubtest imports the
+# extension as built into .venv (rebuild it after changing rust/py: ./dev.sh setup).
+# stubtest_allowlist.txt: only what a stub cannot express, each entry with its reason.
+check() {
+    if [ ! -x "$VENV/bin/mypy" ] || [ ! -x "$VENV/bin/ruff" ]; then
+        echo "./dev.sh check needs the test tools in $VENV: run ./dev.sh setup first" >&2
+        exit 1
+    fi
+    local failed=()
+    step() {
+        echo "== $*" >&2
+        "$@" || failed+=("$*")
+    }
+    step "$VENV/bin/ruff" check pccl tests bench
+    step "$VENV/bin/mypy"
+    step "$VENV/bin/python" -m mypy.stubtest pccl._core --allowlist stubtest_allowlist.txt
+    step cargo clippy --all-targets --locked -- -D warnings
+    step cargo fmt --check
+    if [ "${#failed[@]}" -gt 0 ]; then
+        printf 'check failed: %s\n' "${failed[@]}" >&2
+        exit 1
+    fi
+    echo "all checks passed" >&2
+}
+
 setup() {
     venv
     # torch is optional for users; the tests that use it run whenever it installs.
@@ -68,9 +96,13 @@ case "${1:-}" in
     test)
         setup
         shift
+        check
         cargo test --locked
         "$VENV/bin/python" -m pytest "$@"
         docs
+        ;;
+    check)
+        check
         ;;
     docs)
         venv
@@ -78,7 +110,7 @@ case "${1:-}" in
         docs
         ;;
     *)
-        echo "usage: $0 {demo|test|docs|setup}" >&2
+        echo "usage: $0 {demo|test|check|docs|setup}" >&2
         exit 2
         ;;
 esac

@@ -49,6 +49,15 @@ def test_optimize_topology_between_steps_keeps_every_invariant() -> None:
     assert not bad, "\n".join(bad[:20])
 
 
+def test_master_restarts_and_rejoins_keep_every_invariant() -> None:
+    # The master dies and a fresh one takes over; peers whose connection broke register
+    # again with what they held (the resume), and their calls wait for that.
+    bad, steps = _violations(4_000_000, max(SCHEDULES // 8, 50), restarts=2, drops=3,
+                             peers=4, joiners=3)
+    assert not bad, "\n".join(bad[:20])
+    assert steps > 0
+
+
 def test_short_deadlines_end_calls_instead_of_hanging() -> None:
     # Deadlines shorter than some network delays: calls time out, programs may give up
     # (OperationTimeoutError is not retried), but nobody hangs and parity holds.

@@ -189,7 +189,7 @@ class RingDone:
 
     tag: int
     ok: bool
-    kind: str = ""
+    kind: ErrorKind = ErrorKind.NONE
     message: str = ""
 
 
@@ -216,7 +216,7 @@ class Fetched:
     """This peer's fetches of the sync plan ended."""
 
     ok: bool
-    kind: str = ""
+    kind: ErrorKind = ErrorKind.NONE
     message: str = ""
 
 
@@ -506,11 +506,15 @@ class PeerMachine:
         self.connected = False
         self.lost = (kind, reason)
         out.append(Log(f"peer {self.peer_id}: {reason}"))
-        # A call waiting out a re-registration keeps waiting through failed attempts.
-        self._fail_all(kind, reason, out, keep=REJOIN)
-        if self.status is Status.ACCEPTED and self.reconnect and may_rejoin:
+        rejoin = self.status is Status.ACCEPTED and self.reconnect and may_rejoin
+        if rejoin:
+            # Before the waiters hear of the loss: a caller that retries at once finds
+            # the peer registering again and waits for that.
             self.status = Status.RECONNECTING
             self.waiting.add(REJOIN)
+        # A call waiting out a re-registration keeps waiting through failed attempts.
+        self._fail_all(kind, reason, out, keep=REJOIN)
+        if rejoin:
             out.append(Rejoin())
 
     # --- master messages ---------------------------------------------------------------
@@ -685,7 +689,7 @@ class PeerMachine:
         if p.world <= 1:
             col.phase = CollectivePhase.WAIT_OUTCOME
             col.reported = True
-            self._send(m.CollectiveDone(tag=col.tag, op_id=p.op_id, ok=True, kind="",
+            self._send(m.CollectiveDone(tag=col.tag, op_id=p.op_id, ok=True, kind=ErrorKind.NONE,
                                         message=""), out)
             self._resolve(perform_of(col.tag), (p, False), out)
         elif p.epoch == self.ring_epoch:
@@ -731,7 +735,8 @@ class PeerMachine:
             col.phase = CollectivePhase.WAIT_OUTCOME
         self.waiting.discard(perform_of(tag))
         self._send(m.CollectiveDone(tag=tag, op_id=op_id, ok=False,
-                                    kind=ErrorKind.CollectiveAbortedError, message=_CANCELLED),
+                                    kind=ErrorKind.CollectiveAbortedError,
+                                    message=_CANCELLED),
                    out)
 
     def _start_sync(self, init: m.SyncInit, out: list[Command]) -> None:

@@ -2,7 +2,8 @@
 (:class:`pccl.master.state.MasterState`) and N real sans-IO peers
 (:class:`pccl.peer.state.PeerMachine`) in one process, a virtual clock, and a seeded
 scheduler that delays and reorders messages, kills peers, drops connections and lets
-joiners in (FoundationDB-style: the same seed replays the same run, event for event).
+joiners in, restarts the master (FoundationDB-style: the same seed replays the same run,
+event for event).
 
     python -m pccl.testing.sim --schedules 2000            # many seeds, invariants checked
     python -m pccl.testing.sim --seed 17 --trace            # replay one, printing every event
@@ -10,12 +11,15 @@ joiners in (FoundationDB-style: the same seed replays the same run, event for ev
 What is simulated and what is real:
 
 * real: every protocol decision on both sides (votes, admission, ring repair, deadlines,
-  the fresh-member rule, collective and sync outcomes, withdrawals, the peer's waiters);
+  the fresh-member rule, collective and sync outcomes, withdrawals, the peer's waiters,
+  registering again after a lost connection and the master-restart recovery);
 * simulated: the network (each connection is FIFO, as TCP is; different connections
   reorder freely; delays are random, with a heavy tail), the data plane (a ring op
   completes when every member started it and none died or withdrew, else it fails with
   ``PeerConnectionError`` for the others; shared-state fetches succeed while a holder of
-  the wanted content is alive), and time (virtual: a 30-minute deadline costs nothing).
+  the wanted content is alive), connections (a broken one loses what is in flight on it;
+  a peer registers again with its old id once the master has forgotten it), and time
+  (virtual: a 30-minute deadline costs nothing).
 
 Every peer runs the loop of PCCL's own programs (the churn soak's step): ``if
 are_peers_pending(): update_topology()``, agree on the step with a MAX all-reduce, two
@@ -131,15 +135,21 @@ def training_loop(peer: SimPeer, steps: int) -> Program:
         except PCCLError as e:
             peer.state, peer.revision = before
             failures += 1
-            if isinstance(e, MasterConnectionError) or failures > 40:
+            if failures > 40:
                 raise
+            if isinstance(e, MasterConnectionError):
+                if not peer.reconnecting():
+                    raise  # gave up registering again: the program ends
+                continue  # the next call waits for the re-registration
             if decide(e, failures) is Action.GIVE_UP:
                 raise
             try:
                 yield Update()
-            except PCCLError as e2:
-                if isinstance(e2, MasterConnectionError):
+            except MasterConnectionError:
+                if not peer.reconnecting():
                     raise
+            except PCCLError:
+                pass
 
 
 # --- the simulated data plane ----------------------------------------------------------
@@ -165,7 +175,7 @@ class SimPeer:
 
     def __init__(self, sim: Sim, peer_id: int, joiner: bool, steps: int) -> None:
         self.sim, self.id, self.joiner = sim, peer_id, joiner
-        self.machine = ps.PeerMachine(reconnect=False)
+        self.machine = ps.PeerMachine(reconnect=True)
         self.alive = True
         self.state = 0
         self.revision = 0
@@ -179,6 +189,11 @@ class SimPeer:
         self.fetched: bool = False
         self.ops_started = 0
         self.cancelled: set[int] = set()
+        self.started = False
+        self.parked: Any = None  # a call made while registering again waits for that
+        self.conn = 0  # master connections so far (messages of older ones are void)
+        self.link_up = True  # the current one is up (False: broken, not yet replaced)
+        self.rejoin_deadline = 0.0
 
     # -- the driver's part --
 
@@ -214,7 +229,8 @@ class SimPeer:
             sim.later(sim.delay(), self.feed, ps.Probed(
                 tuple(c.msg.target_ids), tuple(1e9 for _ in c.msg.target_ids), c.generation))
         elif isinstance(c, ps.Rejoin):
-            sim.later(0.0, self.feed, ps.RejoinFailed("the simulation does not rejoin"))
+            self.rejoin_deadline = sim.now + sim.reconnect_timeout
+            sim.later(sim.delay(), sim.rejoin, self)
         elif isinstance(c, ps.Log):
             sim.trace(f"peer {self.id} log: {c.message}")
 
@@ -268,11 +284,26 @@ class SimPeer:
                 self.machine.committed(value.revision)
             self.machine.handle(ps.EndSync())
             self.resume(None, error)
-        elif w in (ps.ACCEPT, ps.REJOIN):
+        elif w == ps.ACCEPT and self.machine.status is ps.Status.RECONNECTING:
+            if error is not None:
+                # This registration attempt failed: the driver drops it and tries again.
+                self.sim.attempt_failed(self)
+        elif w == ps.ACCEPT:
             if error is not None:
                 self.resume(None, error)
-            elif w == ps.ACCEPT and self.call is None:
+            elif not self.started:
+                self.started = True
                 self.resume(None, None)  # admitted: the program starts
+        elif w == ps.REJOIN:
+            parked, self.parked = self.parked, None
+            if parked is not None:
+                if error is not None:
+                    self.resume(None, error)
+                else:
+                    self.sim.later(0.0, self.start, parked)
+
+    def reconnecting(self) -> bool:
+        return self.machine.status is ps.Status.RECONNECTING and ps.REJOIN in self.machine.waiting
 
     def cancel(self, tag: int) -> None:
         """The caller gives up on reduce ``tag`` (e.g. its own asyncio timeout)."""
@@ -328,6 +359,9 @@ class SimPeer:
     def start(self, call: Any) -> None:
         if not self.alive:
             return
+        if self.reconnecting():
+            self.parked = call  # the driver's calls wait out a re-registration
+            return
         mc = self.machine
         timeout = self.sim.collective_timeout
         try:
@@ -382,7 +416,8 @@ class Sim:
 
     def __init__(self, seed: int, *, peers: int = 3, joiners: int = 2, steps: int = 6,
                  kills: int = 2, drops: int = 1, breaks: int = 2,
-                 cancel_rate: float = 0.02, optimize_every: int = 0, max_events: int = 200_000,
+                 cancel_rate: float = 0.02, optimize_every: int = 0, restarts: int = 0,
+                 max_events: int = 200_000,
                  collective_timeout: float = 1800.0, tracer: Callable[[str], None] | None = None
                  ) -> None:
         self.seed = seed
@@ -399,9 +434,9 @@ class Sim:
         self.violations: list[str] = []
         self._fifo: dict[tuple[int, str], float] = collections.defaultdict(float)
         self._timed_epoch = -1
-        self.rings: dict[int, RingOp] = {}
+        self.rings: dict[tuple[int, int], RingOp] = {}  # (master generation, op id) ->
         self.contribution: dict[tuple[int, int], tuple[int, ReduceOp]] = {}
-        self.outcomes: dict[int, dict[int, bool]] = collections.defaultdict(dict)
+        self.outcomes: dict[tuple[int, int], dict[int, bool]] = collections.defaultdict(dict)
         # sync instance -> peer -> state it committed (see master_event)
         self.by_sync: dict[int, dict[int, int]] = collections.defaultdict(dict)
         self._instances: dict[int, collections.deque[int]] = collections.defaultdict(
@@ -413,6 +448,9 @@ class Sim:
         self.kills = self.joins = self.drops = self.breaks = 0
         self._flaky = 0
         self.cancel_rate = cancel_rate
+        self.master_gen = 0
+        self.restarts = 0
+        self.reconnect_timeout = 60.0
         self.optimize_every = optimize_every
         self.events = 0
         self._next_id = 1
@@ -427,6 +465,8 @@ class Sim:
             self.later(self.rng.random() * horizon, self.drop_one)
         for _ in range(breaks):
             self.later(self.rng.random() * horizon, self.break_links)
+        for _ in range(restarts):
+            self.later(self.rng.random() * horizon, self.restart_master)
 
     # -- scheduling --
 
@@ -502,17 +542,18 @@ class Sim:
                    ms.PeerLost(victim.id, "connection closed"))
 
     def drop_one(self) -> None:
-        """The master connection of a live peer breaks: the master drops it, and the peer
-        (which does not register again here) fails its calls and ends its program."""
+        """The master connection of a live peer breaks: the master drops it, the peer
+        fails its calls in flight and registers again."""
         victim = self._victim()
         if victim is None:
             return
         self.drops += 1
         self.trace(f"peer {victim.id} master connection DROPPED")
+        victim.link_up = False  # what is in flight on that connection is lost with it
         self.later(self.rng.uniform(0.001, 0.2), self.master_event,
                    ms.PeerLost(victim.id, "connection reset"))
         self.later(self.rng.uniform(0.001, 0.2), victim.feed,
-                   ps.MasterLost("connection reset", may_rejoin=False))
+                   ps.MasterLost("connection reset"))
 
     def break_links(self) -> None:
         """A ring link resets (every peer stays alive): the ring ops running now fail."""
@@ -545,24 +586,40 @@ class Sim:
             return
         if isinstance(msg, m.CollectiveDone) and not msg.ok:
             # A member that will not run its part breaks the ring for the others.
-            op = self.rings.get(msg.op_id)
+            op = self.rings.get((self.master_gen, msg.op_id))
             if op is not None and not op.finished:
                 self._ring_fail(op, f"peer {pid} withdrew: {msg.message}")
+        if not peer.link_up:
+            return  # written into a connection that is already broken: lost
         t = max(self.now + self.delay(), self._fifo[(pid, "up")])
         self._fifo[(pid, "up")] = t
-        self.later(t - self.now, self.master_event, ms.Received(pid, msg))
+        self.later(t - self.now, self._deliver_up, pid, self.master_gen, peer.conn, msg)
 
-    def to_peer(self, pid: int, msg: m.Message) -> None:
+    def _deliver_up(self, pid: int, gen: int, conn: int, msg: m.Message) -> None:
+        peer = self.peers[pid]
+        if gen == self.master_gen and conn == peer.conn and peer.link_up:
+            self.master_event(ms.Received(pid, msg))  # else that connection is gone
+
+    def to_peer(self, pid: int, msg: m.Message, instance: int = 0) -> None:
         peer = self.peers.get(pid)
         if peer is None or not peer.alive:
             return
-        if isinstance(msg, m.CollectivePerform) and msg.op_id not in self.rings:
-            self.rings[msg.op_id] = RingOp(msg.op_id, msg.world, set())
         if isinstance(msg, m.CollectivePerform):
-            self.rings[msg.op_id].members.add(pid)
+            self.rings.setdefault((self.master_gen, msg.op_id),
+                                  RingOp(msg.op_id, msg.world, set())).members.add(pid)
         t = max(self.now + self.delay(), self._fifo[(pid, "down")])
         self._fifo[(pid, "down")] = t
-        self.later(t - self.now, peer.feed, ps.FromMaster(msg))
+        self.later(t - self.now, self._deliver_down, pid, self.master_gen, peer.conn, msg,
+                   instance)
+
+    def _deliver_down(self, pid: int, gen: int, conn: int, msg: m.Message,
+                      instance: int) -> None:
+        peer = self.peers[pid]
+        if gen != self.master_gen or conn != peer.conn or not peer.link_up or not peer.alive:
+            return  # that connection is gone
+        if instance:
+            self._instances[pid].append(instance)
+        peer.feed(ps.FromMaster(msg))
 
     def master_event(self, ev: ms.Event) -> None:
         self.trace(f"master <- {ev}")
@@ -574,30 +631,88 @@ class Sim:
             self._sync_instances += 1
         for c in commands:
             if isinstance(c, ms.Send):
-                if isinstance(c.msg, m.SyncOutcome) and c.msg.ok:
-                    self._instances[c.peer_id].append(self._sync_instances)
-                self.to_peer(c.peer_id, c.msg)
+                ok_sync = isinstance(c.msg, m.SyncOutcome) and c.msg.ok
+                self.to_peer(c.peer_id, c.msg, self._sync_instances if ok_sync else 0)
             elif isinstance(c, ms.Disconnect):
                 peer = self.peers.get(c.peer_id)
                 if peer is not None:
-                    self.later(self.delay(), peer.feed, ps.MasterLost(c.reason, False))
+                    self.later(self.delay(), self._disconnect, peer, self.master_gen,
+                               peer.conn, c.reason)
             elif isinstance(c, ms.Solve):
-                self.later(self.delay(), self.master_event,
+                self.later(self.delay(), self._master_timer, self.master_gen,
                            ms.Solved(c.round_id, c.group, list(c.members)))
             elif isinstance(c, ms.ArmDeadline):
-                self.later(c.seconds, self._deadline, c.deadline_id)
+                self.later(c.seconds, self._deadline, self.master_gen, c.deadline_id)
             elif isinstance(c, ms.ArmRecoveryTimer):
-                self.later(5.0, self.master_event, ms.RecoveryTimeout(c.recovery_id))
+                self.later(5.0, self._master_timer, self.master_gen,
+                           ms.RecoveryTimeout(c.recovery_id))
         rnd = self.master.round
         if rnd is not None and rnd.epoch != self._timed_epoch:
             self._timed_epoch = rnd.epoch
-            self.later(60.0, self._round_timeout, rnd.epoch)
+            self.later(60.0, self._round_timeout, self.master_gen, rnd.epoch)
 
-    def _deadline(self, did: int) -> None:
-        if did in self.master.deadlines:
+    def _disconnect(self, peer: SimPeer, gen: int, conn: int, reason: str) -> None:
+        if gen == self.master_gen and conn == peer.conn and peer.link_up:
+            peer.link_up = False
+            peer.feed(ps.MasterLost(reason, may_rejoin=False))
+
+    def _master_timer(self, gen: int, ev: ms.Event) -> None:
+        if gen == self.master_gen:  # a restarted master has no such timer
+            self.master_event(ev)
+
+    def _deadline(self, gen: int, did: int) -> None:
+        if gen == self.master_gen and did in self.master.deadlines:
             self.master_event(ms.DeadlineExpired(did))
 
-    def _round_timeout(self, epoch: int) -> None:
+    def restart_master(self) -> None:
+        """The master process dies and a fresh one takes its address: every peer loses
+        it and registers again, saying what it held (the master-restart recovery)."""
+        self.restarts += 1
+        self.trace("MASTER RESTART")
+        self.master_gen += 1
+        self.master = ms.MasterState(repair_rings=True)
+        self._timed_epoch = -1
+        for p in sorted(self.peers.values(), key=lambda p: p.id):
+            p.link_up = False  # every connection to the dead master is gone
+            if p.alive and not p.finished:
+                self.later(self.rng.uniform(0.001, 0.3), p.feed,
+                           ps.MasterLost("lost the connection to the master (reset)"))
+
+    def rejoin(self, peer: SimPeer) -> None:
+        """One registration attempt of a peer that lost its master (the driver's loop)."""
+        if not peer.alive or not peer.reconnecting():
+            return
+        if self.now > peer.rejoin_deadline:
+            peer.feed(ps.RejoinFailed(f"could not register again within "
+                                      f"{self.reconnect_timeout}s"))
+            return
+        if peer.id in self.master.peers:
+            # The master has not noticed the old connection's end yet (it would give a new
+            # id; the simulation waits to keep ids stable).
+            self.later(0.2, self.rejoin, peer)
+            return
+        resume_id, epoch, revision, ring = peer.machine.resume()
+        peer.conn += 1
+        peer.link_up = True
+        self.trace(f"peer {peer.id} registers again (resume epoch {epoch}, revision "
+                   f"{revision}, ring {ring})")
+        peer.feed(ps.Welcomed(peer.id))
+        self.master_event(ms.PeerRegistered(
+            peer.id, 0, f"sim:{peer.id}",
+            ms.Resume(epoch, revision, tuple(ring)) if resume_id else None))
+
+    def attempt_failed(self, peer: SimPeer) -> None:
+        """A registration attempt failed after the handshake: drop it, try again."""
+        peer.link_up = False
+        if peer.machine.connected:
+            peer.feed(ps.MasterLost("a registration attempt failed"))
+        if peer.id in self.master.peers:
+            self.master_event(ms.PeerLost(peer.id, "connection closed"))
+        self.later(0.1 + self.rng.random() * 0.2, self.rejoin, peer)
+
+    def _round_timeout(self, gen: int, epoch: int) -> None:
+        if gen != self.master_gen:
+            return
         rnd = self.master.round
         if rnd is not None and rnd.epoch == epoch:
             self.master_event(ms.RoundTimeout(epoch))
@@ -605,7 +720,7 @@ class Sim:
     # -- the data plane --
 
     def ring_start(self, peer: SimPeer, tag: int, p: m.CollectivePerform) -> None:
-        op = self.rings.setdefault(p.op_id, RingOp(p.op_id, p.world, set()))
+        op = self.rings.setdefault((self.master_gen, p.op_id), RingOp(p.op_id, p.world, set()))
         value, rop = self.contribution[(peer.id, tag)]
         op.op = rop
         if op.failed or op.finished:
@@ -637,7 +752,7 @@ class Sim:
         p = peer.performs.get(tag)
         if p is None:
             return
-        op = self.rings.get(p.op_id)
+        op = self.rings.get((self.master_gen, p.op_id))
         if op is not None and not op.finished:
             self._ring_fail(op, f"peer {peer.id} aborted")
         elif op is not None and peer.id in op.started:
@@ -646,7 +761,7 @@ class Sim:
             pass
 
     def ring_result(self, peer: SimPeer, tag: int, p: m.CollectivePerform) -> int:
-        op = self.rings.get(p.op_id)
+        op = self.rings.get((self.master_gen, p.op_id))
         if p.world <= 1 or op is None:
             return self.contribution[(peer.id, tag)][0]
         values = list(op.started.values())
@@ -659,7 +774,7 @@ class Sim:
         return max(values, default=0) if op.op == ReduceOp.MAX else sum(values)
 
     def outcome_seen(self, peer: SimPeer, outcome: m.CollectiveOutcome) -> None:
-        self.outcomes[outcome.op_id][peer.id] = outcome.ok
+        self.outcomes[(self.master_gen, outcome.op_id)][peer.id] = outcome.ok
 
     # -- shared state --
 
@@ -708,6 +823,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kills", type=int, default=2)
     ap.add_argument("--drops", type=int, default=1)
     ap.add_argument("--breaks", type=int, default=2)
+    ap.add_argument("--restarts", type=int, default=0, help="master restarts per run")
     ap.add_argument("--optimize-every", type=int, default=0,
                     help="every peer calls optimize_topology() after every n-th step")
     ap.add_argument("--trace", action="store_true", help="print every event")
@@ -720,7 +836,7 @@ def main(argv: list[str] | None = None) -> int:
     for seed in seeds:
         r = Sim(seed, peers=args.peers, joiners=args.joiners, steps=args.steps,
                 kills=args.kills, drops=args.drops, breaks=args.breaks,
-                optimize_every=args.optimize_every,
+                optimize_every=args.optimize_every, restarts=args.restarts,
                 tracer=print if args.trace else None).run()
         totals.update(steps=r.steps, kills=r.kills, joins=r.joins, drops=r.drops,
                       breaks=r.breaks, events=r.events)
