@@ -13,6 +13,8 @@ pub mod quant;
 pub mod reduce;
 pub mod ring;
 pub mod runtime;
+#[cfg(test)]
+mod testutil;
 
 use pyo3::prelude::*;
 

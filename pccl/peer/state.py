@@ -328,7 +328,6 @@ class Collective:
     phase: CollectivePhase = CollectivePhase.WAIT_PERFORM
     perform: m.CollectivePerform | None = None
     aborted: bool = False  # the master called it off while it ran
-    reported: bool = False  # this peer sent its CollectiveDone
 
 
 @dataclasses.dataclass
@@ -508,8 +507,8 @@ class PeerMachine:
         out.append(Log(f"peer {self.peer_id}: {reason}"))
         rejoin = self.status is Status.ACCEPTED and self.reconnect and may_rejoin
         if rejoin:
-            # Before the waiters hear of the loss: a caller that retries at once finds
-            # the peer registering again and waits for that.
+            # Set before any command goes out: a driver that runs a failed caller's retry
+            # while carrying out these commands finds the peer registering again.
             self.status = Status.RECONNECTING
             self.waiting.add(REJOIN)
         # A call waiting out a re-registration keeps waiting through failed attempts.
@@ -688,7 +687,6 @@ class PeerMachine:
         assert p is not None
         if p.world <= 1:
             col.phase = CollectivePhase.WAIT_OUTCOME
-            col.reported = True
             self._send(m.CollectiveDone(tag=col.tag, op_id=p.op_id, ok=True, kind=ErrorKind.NONE,
                                         message=""), out)
             self._resolve(perform_of(col.tag), (p, False), out)
@@ -704,7 +702,6 @@ class PeerMachine:
             col.phase = CollectivePhase.WAIT_INSTALL
         else:
             col.phase = CollectivePhase.WAIT_OUTCOME
-            col.reported = True
             self._send(m.CollectiveDone(
                 tag=col.tag, op_id=p.op_id, ok=False, kind=ErrorKind.PeerConnectionError,
                 message=f"ring epoch {p.epoch} is not installed here ({self.ring_epoch}); "
@@ -716,7 +713,6 @@ class PeerMachine:
         if col is None or col.phase is not CollectivePhase.RUNNING or col.perform is None:
             return
         col.phase = CollectivePhase.WAIT_OUTCOME
-        col.reported = True
         self._send(m.CollectiveDone(tag=ev.tag, op_id=col.perform.op_id, ok=ev.ok,
                                     kind=ev.kind, message=ev.message), out)
 
@@ -730,7 +726,6 @@ class PeerMachine:
         if col.phase is CollectivePhase.RUNNING:
             out.append(AbortRing(tag))
         op_id = col.perform.op_id if col.perform is not None else -1
-        col.reported = True
         if col.phase is not CollectivePhase.WAIT_OUTCOME:
             col.phase = CollectivePhase.WAIT_OUTCOME
         self.waiting.discard(perform_of(tag))

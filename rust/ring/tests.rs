@@ -8,6 +8,7 @@ use crate::error::CoreError;
 use crate::net::node::Node;
 use crate::quant::{QuantAlgorithm, WireType};
 use crate::reduce::{DType, ReduceOp};
+use crate::testutil::SplitMix;
 use half::{bf16, f16};
 use std::future::Future;
 use std::sync::Arc;
@@ -38,27 +39,9 @@ async fn close_all(peers: &[(Arc<Node>, Ring)]) {
     }
 }
 
-/// splitmix64.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-
-    /// Uniform in [-2, 2), with a fractional part (so float sums depend on the order).
-    fn unit(&mut self) -> f64 {
-        (self.next() >> 11) as f64 / (1u64 << 53) as f64 * 4.0 - 2.0
-    }
-}
-
 /// `count` random elements of `dtype`: floats in [-2, 2), integers of any bits.
 fn random_input(dtype: DType, count: usize, seed: u64) -> Vec<u8> {
-    let mut rng = Rng(seed);
+    let mut rng = SplitMix(seed);
     let mut out = Vec::with_capacity(count * dtype.size());
     for _ in 0..count {
         let x = rng.unit();
