@@ -167,3 +167,19 @@ async def test_a_bad_per_call_timeout_is_refused_before_anything_is_sent(pccl_cl
         with pytest.raises(pccl.InvalidArgumentError, match="timeout"):
             await c.update_topology(timeout=value)
     assert await c.pending_peer_count() == 0  # still healthy
+
+
+@pytest.mark.parametrize(("listen", "secret", "warned"), [
+    ("0.0.0.0:0", None, True), ("0.0.0.0:0", b"s3cret", False),
+    ("127.0.0.1:0", None, False), ("127.0.0.2:0", None, False)])
+async def test_a_master_open_to_the_network_without_a_secret_warns_loudly(
+        caplog: pytest.LogCaptureFixture, listen: str, secret: bytes | None,
+        warned: bool) -> None:
+    master = pccl.MasterNode(listen, secret=secret)
+    with caplog.at_level(logging.WARNING, logger="pccl.master.server"):
+        await master.start()
+        try:
+            assert any("WITHOUT AUTHENTICATION" in r.getMessage()
+                       for r in caplog.records) is warned
+        finally:
+            await master.stop()

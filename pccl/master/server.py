@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import errno
 import hmac
+import ipaddress
 import logging
 import os
 import secrets as _secrets
@@ -37,6 +38,18 @@ def _positive(name: str, value: float) -> float:
         raise InvalidArgumentError(f"MasterNode({name}=...) must be a positive number of "
                                    f"seconds, got {value!r}")
     return float(value)
+
+
+def _loopback_only(host: str) -> bool:
+    """Whether a listen host can only be reached from this machine."""
+    if host in ("", "0.0.0.0", "::"):
+        return False
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False  # a host name: it may resolve to a public address
 
 
 class MasterNode:
@@ -136,6 +149,14 @@ class MasterNode:
         self._address = f"[{shown}]:{sock[1]}" if ":" in shown else f"{shown}:{sock[1]}"
         self._heartbeat = asyncio.create_task(self._heartbeat_loop(), name="pccl-master-heartbeat")
         log.info("master listening on %s", self._address)
+        if self.secret is None and not _loopback_only(host):
+            log.warning(
+                "master listening on %s WITHOUT AUTHENTICATION: anyone who can reach this "
+                "address can join the run, read the peer list and take part in reduces. "
+                "Give every node the same secret (MasterNode(secret=...), pccl-master "
+                "--secret-file FILE, Communicator(secret=...)), or listen on 127.0.0.1 "
+                "only; docs/protocol.md says what the secret protects (today it authenticates "
+                "every connection; it does not encrypt)", self._address)
 
     @property
     def address(self) -> str:
