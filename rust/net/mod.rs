@@ -5,6 +5,7 @@ pub mod fetch;
 pub mod frame;
 pub mod handshake;
 pub mod node;
+pub mod secure;
 pub mod transfer;
 
 pub use node::{Node, NodeConfig};

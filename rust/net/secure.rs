@@ -1,0 +1,1541 @@
+//! An encrypted, authenticated byte stream over any tokio stream: a Noise handshake
+//! (the `snow` crate) followed by a record layer. Not wired into the node yet.
+//!
+//! ```text
+//! dialer   -> acceptor : HELLO_MAGIC[8] | mode u8 | cipher u8 | noise msg 1   (-> [psk,] e)
+//! acceptor -> dialer   : status u8 | noise msg 2                             (<- e, ee)
+//! dialer   -> acceptor : status u8 | encrypt(CONFIRM_LABEL) with nonce 0
+//! then both ways       : records, u32 BE length | Noise transport message
+//! ```
+//! Each handshake message is one frame (`frame.rs`, capped at `MAX_HANDSHAKE_FRAME`).
+//! With a pre-shared key the pattern is `Noise_NNpsk0_25519_<cipher>_SHA256` (mutual
+//! authentication by the key); without one `Noise_NN_25519_<cipher>_SHA256` (encrypted
+//! against passive eavesdroppers only). The prologue (`PROLOGUE_LABEL`, then the
+//! caller's context) is hashed into the handshake, so peers with different contexts fail
+//! it. The third message confirms the keys to the acceptor, so both sides learn of a
+//! mismatch in the handshake, as `CoreError::Authentication`.
+//!
+//! Records carry at most `MAX_PLAINTEXT` bytes; the nonce of each direction is a
+//! counter kept by the half that uses it (no lock between the halves), so a modified,
+//! truncated, reordered, injected, dropped or replayed record fails decryption and the
+//! stream fails for good with an `InvalidData` I/O error saying "integrity check failed"
+//! (`CoreError::io` makes it `PeerConnection`). The writer ends the stream with an
+//! authenticated empty record (`shutdown()`); an end of stream without it is an error
+//! (`UnexpectedEof`), so a cut cannot pass for the end.
+//!
+//! Writes are buffered into records like a `BufWriter`: call `flush()` when a message is
+//! complete and the peer should see it.
+
+use crate::error::{CoreError, CoreResult};
+use crate::net::frame::{read_frame, write_frame};
+use hmac::{Hmac, Mac};
+use sha2::Sha256;
+use snow::{HandshakeState, StatelessTransportState};
+use std::io;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{ready, Context, Poll};
+use std::time::Duration;
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+
+/// First bytes of the dialer's first handshake frame.
+pub const HELLO_MAGIC: &[u8; 8] = b"PCCLSEC\x01";
+/// Hashed into every handshake before the caller's prologue.
+pub const PROLOGUE_LABEL: &[u8] = b"pccl secure transport v1";
+pub const MAX_HANDSHAKE_FRAME: usize = 256;
+/// Largest Noise message, and so the largest record body (ciphertext and tag).
+pub const MAX_RECORD: usize = 65535;
+pub const TAG_LEN: usize = 16;
+/// Largest plaintext of one record.
+pub const MAX_PLAINTEXT: usize = MAX_RECORD - TAG_LEN;
+const CONFIRM_LABEL: &[u8] = b"pccl secure handshake confirmed";
+const PSK_SALT: &[u8] = b"pccl secure transport psk v1";
+
+const STATUS_OK: u8 = 0;
+const STATUS_AUTH_FAILED: u8 = 1;
+const STATUS_MODE_MISMATCH: u8 = 2;
+const STATUS_CIPHER_MISMATCH: u8 = 3;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Cipher {
+    AesGcm,
+    ChaChaPoly,
+}
+
+impl Cipher {
+    fn noise_name(self) -> &'static str {
+        match self {
+            Cipher::AesGcm => "AESGCM",
+            Cipher::ChaChaPoly => "ChaChaPoly",
+        }
+    }
+
+    fn wire(self) -> u8 {
+        match self {
+            Cipher::AesGcm => 1,
+            Cipher::ChaChaPoly => 2,
+        }
+    }
+}
+
+/// The cipher of every session. `secure_bench`, 1 GiB over loopback TCP on a 2-core x86
+/// VM with AES-NI/VAES: clear 4000 MB/s, AESGCM 1300-1450 MB/s (ring; 870 RustCrypto),
+/// ChaChaPoly 1070 MB/s (ring; 830 RustCrypto). ChaChaPoly wins only without AES hardware.
+pub const CIPHER: Cipher = Cipher::AesGcm;
+
+/// Which implementation of the cipher: only `secure_bench` picks anything but `Ring`.
+#[doc(hidden)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Provider {
+    /// ring's assembly, falling back to pure Rust for what ring lacks (X25519).
+    Ring,
+    /// RustCrypto's `aes-gcm` / `chacha20poly1305` (snow's default resolver).
+    RustCrypto,
+}
+
+#[doc(hidden)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Suite {
+    pub cipher: Cipher,
+    pub provider: Provider,
+}
+
+pub const SUITE: Suite = Suite {
+    cipher: CIPHER,
+    provider: Provider::Ring,
+};
+
+/// The 32-byte Noise PSK for a shared secret of any length: HKDF-SHA256 (RFC 5869) with
+/// a fixed salt and an empty info.
+pub fn psk_from_secret(secret: &[u8]) -> [u8; 32] {
+    hkdf_sha256_32(PSK_SALT, secret, b"")
+}
+
+fn hkdf_sha256_32(salt: &[u8], ikm: &[u8], info: &[u8]) -> [u8; 32] {
+    let mut extract = <Hmac<Sha256> as Mac>::new_from_slice(salt).expect("any key length");
+    extract.update(ikm);
+    let prk = extract.finalize().into_bytes();
+    let mut expand = <Hmac<Sha256> as Mac>::new_from_slice(&prk).expect("any key length");
+    expand.update(info);
+    expand.update(&[1]);
+    expand.finalize().into_bytes().into()
+}
+
+// ---------------------------------------------------------------------------------------
+// Handshake
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Role {
+    Dialer,
+    Acceptor,
+}
+
+/// A read half and a write half used as one stream (for the handshake, and for
+/// `SecureStream::into_split` over streams that come split already).
+#[derive(Debug)]
+pub struct Joined<R, W> {
+    pub read: R,
+    pub write: W,
+}
+
+impl<R: AsyncRead + Unpin, W: Unpin> AsyncRead for Joined<R, W> {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().read).poll_read(cx, buf)
+    }
+}
+
+impl<R: Unpin, W: AsyncWrite + Unpin> AsyncWrite for Joined<R, W> {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.get_mut().write).poll_write(cx, buf)
+    }
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().write).poll_flush(cx)
+    }
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().write).poll_shutdown(cx)
+    }
+}
+
+fn noise_params(psk: bool, cipher: Cipher) -> snow::params::NoiseParams {
+    let pattern = if psk { "NNpsk0" } else { "NN" };
+    format!("Noise_{pattern}_25519_{}_SHA256", cipher.noise_name())
+        .parse()
+        .expect("a valid Noise protocol name")
+}
+
+fn build_state(
+    role: Role,
+    psk: Option<&[u8; 32]>,
+    prologue: &[u8],
+    suite: Suite,
+) -> CoreResult<HandshakeState> {
+    let params = noise_params(psk.is_some(), suite.cipher);
+    let mut builder = match suite.provider {
+        Provider::Ring => snow::Builder::new(params),
+        Provider::RustCrypto => {
+            snow::Builder::with_resolver(params, Box::new(snow::resolvers::DefaultResolver))
+        }
+    };
+    builder = builder.prologue(prologue).map_err(noise_setup)?;
+    if let Some(psk) = psk {
+        builder = builder.psk(0, psk).map_err(noise_setup)?;
+    }
+    match role {
+        Role::Dialer => builder.build_initiator(),
+        Role::Acceptor => builder.build_responder(),
+    }
+    .map_err(noise_setup)
+}
+
+fn noise_setup(e: snow::Error) -> CoreError {
+    CoreError::InvalidUsage(format!("setting up the Noise handshake failed: {e}"))
+}
+
+fn full_prologue(prologue: &[u8]) -> Vec<u8> {
+    let mut p = Vec::with_capacity(PROLOGUE_LABEL.len() + 4 + prologue.len());
+    p.extend_from_slice(PROLOGUE_LABEL);
+    p.extend_from_slice(&(prologue.len() as u32).to_be_bytes());
+    p.extend_from_slice(prologue);
+    p
+}
+
+fn auth_failed(what: &str) -> CoreError {
+    CoreError::Authentication(format!(
+        "secure handshake failed: {what} (different shared secrets or session contexts, \
+         or the handshake was tampered with)"
+    ))
+}
+
+async fn read_hs<R: AsyncRead + Unpin>(r: &mut R, buf: &mut Vec<u8>) -> CoreResult<()> {
+    match read_frame(r, buf, MAX_HANDSHAKE_FRAME).await {
+        Ok(true) => Ok(()),
+        Ok(false) => Err(CoreError::PeerConnection(
+            "the peer closed the connection during the secure handshake".into(),
+        )),
+        Err(CoreError::Protocol(m)) => Err(CoreError::PeerConnection(format!(
+            "garbage during the secure handshake: {m}"
+        ))),
+        Err(e) => Err(e),
+    }
+}
+
+/// Tells the peer why we give up, best effort (it may be gone), then returns `err`.
+async fn reject<W: AsyncWrite + Unpin>(w: &mut W, status: u8, err: CoreError) -> CoreError {
+    let _ = write_frame(w, &[status]).await;
+    err
+}
+
+async fn run_handshake<T: AsyncRead + AsyncWrite + Unpin>(
+    io: &mut T,
+    role: Role,
+    psk: Option<&[u8; 32]>,
+    prologue: &[u8],
+    suite: Suite,
+) -> CoreResult<StatelessTransportState> {
+    let mut hs = build_state(role, psk, &full_prologue(prologue), suite)?;
+    let mut msg = vec![0u8; MAX_HANDSHAKE_FRAME];
+    let mut frame = Vec::with_capacity(MAX_HANDSHAKE_FRAME);
+    let mut scratch = vec![0u8; MAX_HANDSHAKE_FRAME];
+    let noise_err = |e: snow::Error| CoreError::PeerConnection(format!("secure handshake: {e}"));
+    match role {
+        Role::Dialer => {
+            let n = hs.write_message(&[], &mut msg).map_err(noise_err)?;
+            let mut hello = Vec::with_capacity(10 + n);
+            hello.extend_from_slice(HELLO_MAGIC);
+            hello.push(psk.is_some() as u8);
+            hello.push(suite.cipher.wire());
+            hello.extend_from_slice(&msg[..n]);
+            write_frame(io, &hello).await?;
+
+            read_hs(io, &mut frame).await?;
+            match frame.first().copied() {
+                Some(STATUS_OK) => {}
+                Some(STATUS_AUTH_FAILED) => {
+                    return Err(auth_failed("the peer could not authenticate us"))
+                }
+                Some(STATUS_MODE_MISMATCH) => {
+                    return Err(CoreError::Authentication(if psk.is_some() {
+                        "secure handshake failed: we use a shared secret and the peer has none"
+                            .into()
+                    } else {
+                        "secure handshake failed: the peer requires a shared secret and we \
+                         have none"
+                            .into()
+                    }))
+                }
+                Some(STATUS_CIPHER_MISMATCH) => {
+                    return Err(CoreError::Protocol(
+                        "secure handshake failed: the peer uses another cipher (another pccl \
+                         version?)"
+                            .into(),
+                    ))
+                }
+                _ => {
+                    return Err(CoreError::PeerConnection(
+                        "garbage during the secure handshake (bad status)".into(),
+                    ))
+                }
+            }
+            if hs.read_message(&frame[1..], &mut scratch).is_err() {
+                return Err(reject(
+                    io,
+                    STATUS_AUTH_FAILED,
+                    auth_failed("the peer's handshake reply did not authenticate"),
+                )
+                .await);
+            }
+            let transport = hs.into_stateless_transport_mode().map_err(noise_err)?;
+            let n = transport
+                .write_message(0, CONFIRM_LABEL, &mut msg)
+                .map_err(noise_err)?;
+            let mut confirm = Vec::with_capacity(1 + n);
+            confirm.push(STATUS_OK);
+            confirm.extend_from_slice(&msg[..n]);
+            write_frame(io, &confirm).await?;
+            Ok(transport)
+        }
+        Role::Acceptor => {
+            read_hs(io, &mut frame).await?;
+            if frame.len() < 10 || &frame[..8] != HELLO_MAGIC {
+                return Err(CoreError::PeerConnection(
+                    "garbage during the secure handshake (not a pccl secure hello)".into(),
+                ));
+            }
+            let (their_psk, their_cipher) = (frame[8] != 0, frame[9]);
+            if their_psk != psk.is_some() {
+                let m = if psk.is_some() {
+                    "secure handshake failed: we require a shared secret and the peer has none"
+                } else {
+                    "secure handshake failed: the peer uses a shared secret and we have none"
+                };
+                return Err(reject(
+                    io,
+                    STATUS_MODE_MISMATCH,
+                    CoreError::Authentication(m.into()),
+                )
+                .await);
+            }
+            if their_cipher != suite.cipher.wire() {
+                return Err(reject(
+                    io,
+                    STATUS_CIPHER_MISMATCH,
+                    CoreError::Protocol(format!(
+                        "secure handshake failed: the peer uses cipher {their_cipher}, we use \
+                         {:?} (another pccl version?)",
+                        suite.cipher
+                    )),
+                )
+                .await);
+            }
+            if hs.read_message(&frame[10..], &mut scratch).is_err() {
+                return Err(reject(
+                    io,
+                    STATUS_AUTH_FAILED,
+                    auth_failed("the peer's hello did not authenticate"),
+                )
+                .await);
+            }
+            let n = hs.write_message(&[], &mut msg).map_err(noise_err)?;
+            let mut reply = Vec::with_capacity(1 + n);
+            reply.push(STATUS_OK);
+            reply.extend_from_slice(&msg[..n]);
+            write_frame(io, &reply).await?;
+
+            read_hs(io, &mut frame).await?;
+            match frame.first().copied() {
+                Some(STATUS_OK) => {}
+                Some(STATUS_AUTH_FAILED) => {
+                    return Err(auth_failed("the peer could not authenticate us"))
+                }
+                _ => {
+                    return Err(CoreError::PeerConnection(
+                        "garbage during the secure handshake (bad status)".into(),
+                    ))
+                }
+            }
+            let transport = hs.into_stateless_transport_mode().map_err(noise_err)?;
+            match transport.read_message(0, &frame[1..], &mut scratch) {
+                Ok(n) if &scratch[..n] == CONFIRM_LABEL => Ok(transport),
+                _ => Err(auth_failed(
+                    "the peer's key confirmation did not authenticate",
+                )),
+            }
+        }
+    }
+}
+
+async fn handshake<T: AsyncRead + AsyncWrite + Unpin>(
+    io: &mut T,
+    role: Role,
+    psk: Option<&[u8; 32]>,
+    prologue: &[u8],
+    timeout: Duration,
+    suite: Suite,
+) -> CoreResult<(ReadState, WriteState)> {
+    let transport = tokio::time::timeout(timeout, run_handshake(io, role, psk, prologue, suite))
+        .await
+        .map_err(|_| {
+            CoreError::PeerConnection(format!(
+                "the secure handshake did not finish within {timeout:?}"
+            ))
+        })??;
+    let cipher = Arc::new(transport);
+    // The dialer's first record of its sending direction used nonce 0 (the confirmation).
+    let (read_nonce, write_nonce) = match role {
+        Role::Dialer => (0, 1),
+        Role::Acceptor => (1, 0),
+    };
+    Ok((
+        ReadState::new(cipher.clone(), read_nonce),
+        WriteState::new(cipher, write_nonce),
+    ))
+}
+
+/// Dials the secure channel over a connected `stream` (the side that opened it).
+/// `psk`: `Some(psk_from_secret(secret))` to authenticate the peer by a shared secret.
+/// `prologue`: the context both sides must agree on (protocol label, version, ...).
+pub async fn secure_dial<S: AsyncRead + AsyncWrite + Unpin>(
+    mut stream: S,
+    psk: Option<&[u8; 32]>,
+    prologue: &[u8],
+    timeout: Duration,
+) -> CoreResult<SecureStream<S>> {
+    let (r, w) = handshake(&mut stream, Role::Dialer, psk, prologue, timeout, SUITE).await?;
+    Ok(SecureStream::new(stream, r, w))
+}
+
+/// The accepting side of `secure_dial`.
+pub async fn secure_accept<S: AsyncRead + AsyncWrite + Unpin>(
+    mut stream: S,
+    psk: Option<&[u8; 32]>,
+    prologue: &[u8],
+    timeout: Duration,
+) -> CoreResult<SecureStream<S>> {
+    let (r, w) = handshake(&mut stream, Role::Acceptor, psk, prologue, timeout, SUITE).await?;
+    Ok(SecureStream::new(stream, r, w))
+}
+
+/// `secure_dial` over a stream split already (e.g. `TcpStream::into_split()`).
+pub async fn secure_dial_split<R, W>(
+    read: R,
+    write: W,
+    psk: Option<&[u8; 32]>,
+    prologue: &[u8],
+    timeout: Duration,
+) -> CoreResult<(SecureReadHalf<R>, SecureWriteHalf<W>)>
+where
+    R: AsyncRead + Unpin,
+    W: AsyncWrite + Unpin,
+{
+    secure_split_with(Joined { read, write }, true, psk, prologue, timeout, SUITE).await
+}
+
+/// `secure_accept` over a stream split already.
+pub async fn secure_accept_split<R, W>(
+    read: R,
+    write: W,
+    psk: Option<&[u8; 32]>,
+    prologue: &[u8],
+    timeout: Duration,
+) -> CoreResult<(SecureReadHalf<R>, SecureWriteHalf<W>)>
+where
+    R: AsyncRead + Unpin,
+    W: AsyncWrite + Unpin,
+{
+    secure_split_with(Joined { read, write }, false, psk, prologue, timeout, SUITE).await
+}
+
+/// Either side with an explicit suite (for `secure_bench`).
+#[doc(hidden)]
+pub async fn secure_split_with<R, W>(
+    mut io: Joined<R, W>,
+    dial: bool,
+    psk: Option<&[u8; 32]>,
+    prologue: &[u8],
+    timeout: Duration,
+    suite: Suite,
+) -> CoreResult<(SecureReadHalf<R>, SecureWriteHalf<W>)>
+where
+    R: AsyncRead + Unpin,
+    W: AsyncWrite + Unpin,
+{
+    let role = if dial { Role::Dialer } else { Role::Acceptor };
+    let (r, w) = handshake(&mut io, role, psk, prologue, timeout, suite).await?;
+    Ok((
+        SecureReadHalf {
+            io: io.read,
+            state: r,
+        },
+        SecureWriteHalf {
+            io: io.write,
+            state: w,
+        },
+    ))
+}
+
+// ---------------------------------------------------------------------------------------
+// Record layer
+
+fn integrity_error(what: &str) -> io::Error {
+    io::Error::new(
+        io::ErrorKind::InvalidData,
+        format!("secure stream: integrity check failed ({what})"),
+    )
+}
+
+/// Receiving side of one direction: the record being read and the plaintext not yet
+/// handed out.
+struct ReadState {
+    cipher: Arc<StatelessTransportState>,
+    nonce: u64,
+    header: [u8; 4],
+    header_got: usize,
+    record: Vec<u8>,
+    record_len: usize,
+    record_got: usize,
+    plain: Vec<u8>,
+    plain_pos: usize,
+    plain_len: usize,
+    /// Authenticated end of stream received.
+    closed: bool,
+    failed: Option<(io::ErrorKind, String)>,
+}
+
+impl ReadState {
+    fn new(cipher: Arc<StatelessTransportState>, nonce: u64) -> Self {
+        ReadState {
+            cipher,
+            nonce,
+            header: [0; 4],
+            header_got: 0,
+            record: Vec::new(),
+            record_len: 0,
+            record_got: 0,
+            plain: Vec::new(),
+            plain_pos: 0,
+            plain_len: 0,
+            closed: false,
+            failed: None,
+        }
+    }
+
+    fn fail(&mut self, e: io::Error) -> Poll<io::Result<()>> {
+        self.failed = Some((e.kind(), e.to_string()));
+        Poll::Ready(Err(e))
+    }
+
+    fn poll_read<R: AsyncRead + Unpin>(
+        &mut self,
+        io: &mut R,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        if let Some((kind, msg)) = &self.failed {
+            return Poll::Ready(Err(io::Error::new(*kind, msg.clone())));
+        }
+        loop {
+            if self.plain_pos < self.plain_len {
+                let n = (self.plain_len - self.plain_pos).min(buf.remaining());
+                buf.put_slice(&self.plain[self.plain_pos..self.plain_pos + n]);
+                self.plain_pos += n;
+                return Poll::Ready(Ok(()));
+            }
+            if self.closed || buf.remaining() == 0 {
+                return Poll::Ready(Ok(()));
+            }
+            while self.header_got < 4 {
+                let mut rb = ReadBuf::new(&mut self.header[self.header_got..]);
+                if let Err(e) = ready!(Pin::new(&mut *io).poll_read(cx, &mut rb)) {
+                    return self.fail(e);
+                }
+                let got = rb.filled().len();
+                if got == 0 {
+                    let what = if self.header_got == 0 {
+                        "the connection ended without the end-of-stream record: the stream \
+                         may have been truncated"
+                    } else {
+                        "the connection ended inside a record header"
+                    };
+                    return self.fail(io::Error::new(
+                        io::ErrorKind::UnexpectedEof,
+                        format!("secure stream: {what}"),
+                    ));
+                }
+                self.header_got += got;
+            }
+            if self.record_len == 0 {
+                let len = u32::from_be_bytes(self.header) as usize;
+                if !(TAG_LEN..=MAX_RECORD).contains(&len) {
+                    return self.fail(integrity_error("bad record length"));
+                }
+                self.record_len = len;
+                self.record_got = 0;
+                if self.record.len() < len {
+                    self.record.resize(MAX_RECORD, 0);
+                }
+            }
+            while self.record_got < self.record_len {
+                let mut rb = ReadBuf::new(&mut self.record[self.record_got..self.record_len]);
+                if let Err(e) = ready!(Pin::new(&mut *io).poll_read(cx, &mut rb)) {
+                    return self.fail(e);
+                }
+                let got = rb.filled().len();
+                if got == 0 {
+                    return self.fail(io::Error::new(
+                        io::ErrorKind::UnexpectedEof,
+                        "secure stream: integrity check failed (the connection ended inside \
+                         a record)",
+                    ));
+                }
+                self.record_got += got;
+            }
+            let len = self.record_len;
+            self.header_got = 0;
+            self.record_len = 0;
+            if self.nonce == u64::MAX {
+                return self.fail(integrity_error("nonce exhausted"));
+            }
+            let nonce = self.nonce;
+            let plain_len = len - TAG_LEN;
+            // Big reads decrypt straight into the caller's buffer (ring wants room for
+            // the tag too, or it decrypts into a temporary and copies).
+            let direct = plain_len > 0 && buf.remaining() >= len;
+            let out = if direct {
+                buf.initialize_unfilled_to(len)
+            } else {
+                if self.plain.len() < len {
+                    self.plain.resize(MAX_RECORD, 0);
+                }
+                &mut self.plain[..len]
+            };
+            match self.cipher.read_message(nonce, &self.record[..len], out) {
+                Ok(n) if n == plain_len => {}
+                _ => {
+                    // Whatever a failed decryption left there is no one's business.
+                    out.fill(0);
+                    return self.fail(integrity_error("a record did not authenticate"));
+                }
+            }
+            self.nonce += 1;
+            if plain_len == 0 {
+                self.closed = true;
+                return Poll::Ready(Ok(()));
+            }
+            if direct {
+                buf.advance(plain_len);
+                return Poll::Ready(Ok(()));
+            }
+            self.plain_pos = 0;
+            self.plain_len = plain_len;
+        }
+    }
+}
+
+/// Sending side of one direction: plaintext gathered for the next record, and the
+/// sealed record being written out.
+struct WriteState {
+    cipher: Arc<StatelessTransportState>,
+    nonce: u64,
+    plain: Vec<u8>,
+    out: Vec<u8>,
+    out_pos: usize,
+    out_len: usize,
+    /// The end-of-stream record has been sealed.
+    closed: bool,
+    failed: Option<(io::ErrorKind, String)>,
+}
+
+impl WriteState {
+    fn new(cipher: Arc<StatelessTransportState>, nonce: u64) -> Self {
+        WriteState {
+            cipher,
+            nonce,
+            plain: Vec::new(),
+            out: Vec::new(),
+            out_pos: 0,
+            out_len: 0,
+            closed: false,
+            failed: None,
+        }
+    }
+
+    fn check(&self) -> io::Result<()> {
+        match &self.failed {
+            Some((kind, msg)) => Err(io::Error::new(*kind, msg.clone())),
+            None => Ok(()),
+        }
+    }
+
+    fn fail<T>(&mut self, e: io::Error) -> Poll<io::Result<T>> {
+        self.failed = Some((e.kind(), e.to_string()));
+        Poll::Ready(Err(e))
+    }
+
+    /// Seals `payload` (from `self.plain` when `None`) into `out`, which must be empty.
+    fn seal(&mut self, payload: Option<&[u8]>) -> io::Result<()> {
+        debug_assert_eq!(self.out_pos, self.out_len);
+        if self.nonce == u64::MAX {
+            return Err(io::Error::other("secure stream: nonce exhausted"));
+        }
+        if self.out.len() < 4 + MAX_RECORD {
+            self.out.resize(4 + MAX_RECORD, 0);
+        }
+        let payload = payload.unwrap_or(&self.plain);
+        let n = self
+            .cipher
+            .write_message(self.nonce, payload, &mut self.out[4..])
+            .map_err(|e| io::Error::other(format!("secure stream: encryption failed: {e}")))?;
+        self.nonce += 1;
+        self.out[..4].copy_from_slice(&(n as u32).to_be_bytes());
+        self.out_pos = 0;
+        self.out_len = 4 + n;
+        self.plain.clear();
+        Ok(())
+    }
+
+    /// Writes out the sealed record.
+    fn poll_drain<W: AsyncWrite + Unpin>(
+        &mut self,
+        io: &mut W,
+        cx: &mut Context<'_>,
+    ) -> Poll<io::Result<()>> {
+        while self.out_pos < self.out_len {
+            match ready!(Pin::new(&mut *io).poll_write(cx, &self.out[self.out_pos..self.out_len])) {
+                Ok(0) => return self.fail(io::ErrorKind::WriteZero.into()),
+                Ok(n) => self.out_pos += n,
+                Err(e) => return self.fail(e),
+            }
+        }
+        Poll::Ready(Ok(()))
+    }
+
+    fn poll_write<W: AsyncWrite + Unpin>(
+        &mut self,
+        io: &mut W,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        self.check()?;
+        if self.closed {
+            return Poll::Ready(Err(io::Error::new(
+                io::ErrorKind::BrokenPipe,
+                "secure stream: write after shutdown",
+            )));
+        }
+        if buf.is_empty() {
+            return Poll::Ready(Ok(0));
+        }
+        loop {
+            let draining = self.out_pos < self.out_len;
+            if draining {
+                match self.poll_drain(io, cx) {
+                    Poll::Ready(Ok(())) => {}
+                    Poll::Ready(Err(e)) => return Poll::Ready(Err(e)),
+                    // Keep gathering while the socket is busy, up to one record.
+                    Poll::Pending if self.plain.len() < MAX_PLAINTEXT => {}
+                    Poll::Pending => return Poll::Pending,
+                }
+            }
+            let out_empty = self.out_pos == self.out_len;
+            if out_empty && self.plain.is_empty() && buf.len() >= MAX_PLAINTEXT {
+                // A whole record straight from the caller's buffer: one copy less.
+                if let Err(e) = self.seal(Some(&buf[..MAX_PLAINTEXT])) {
+                    return self.fail(e);
+                }
+                return Poll::Ready(Ok(MAX_PLAINTEXT));
+            }
+            if self.plain.len() == MAX_PLAINTEXT {
+                if !out_empty {
+                    continue; // drained above unless pending (returned then)
+                }
+                if let Err(e) = self.seal(None) {
+                    return self.fail(e);
+                }
+                continue;
+            }
+            if self.plain.capacity() < MAX_PLAINTEXT {
+                self.plain.reserve_exact(MAX_PLAINTEXT - self.plain.len());
+            }
+            let n = (MAX_PLAINTEXT - self.plain.len()).min(buf.len());
+            self.plain.extend_from_slice(&buf[..n]);
+            if self.plain.len() == MAX_PLAINTEXT && out_empty {
+                if let Err(e) = self.seal(None) {
+                    return self.fail(e);
+                }
+            }
+            return Poll::Ready(Ok(n));
+        }
+    }
+
+    fn poll_flush<W: AsyncWrite + Unpin>(
+        &mut self,
+        io: &mut W,
+        cx: &mut Context<'_>,
+    ) -> Poll<io::Result<()>> {
+        self.check()?;
+        loop {
+            ready!(self.poll_drain(io, cx))?;
+            if self.plain.is_empty() {
+                break;
+            }
+            if let Err(e) = self.seal(None) {
+                return self.fail(e);
+            }
+        }
+        match ready!(Pin::new(&mut *io).poll_flush(cx)) {
+            Ok(()) => Poll::Ready(Ok(())),
+            Err(e) => self.fail(e),
+        }
+    }
+
+    fn poll_shutdown<W: AsyncWrite + Unpin>(
+        &mut self,
+        io: &mut W,
+        cx: &mut Context<'_>,
+    ) -> Poll<io::Result<()>> {
+        if !self.closed {
+            ready!(self.poll_flush(io, cx))?;
+            if let Err(e) = self.seal(Some(&[])) {
+                return self.fail(e);
+            }
+            self.closed = true;
+        }
+        self.check()?;
+        ready!(self.poll_drain(io, cx))?;
+        match ready!(Pin::new(&mut *io).poll_shutdown(cx)) {
+            Ok(()) => Poll::Ready(Ok(())),
+            Err(e) => self.fail(e),
+        }
+    }
+}
+
+/// An encrypted stream after `secure_dial` / `secure_accept`.
+pub struct SecureStream<S> {
+    io: S,
+    read: ReadState,
+    write: WriteState,
+}
+
+impl<S> SecureStream<S> {
+    fn new(io: S, read: ReadState, write: WriteState) -> Self {
+        SecureStream { io, read, write }
+    }
+
+    pub fn get_ref(&self) -> &S {
+        &self.io
+    }
+}
+
+impl<S> std::fmt::Debug for SecureStream<S> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SecureStream").finish_non_exhaustive()
+    }
+}
+
+/// Streams that split into owned halves, for `SecureStream::into_split`.
+pub trait SplitIo {
+    type Read: AsyncRead + Unpin;
+    type Write: AsyncWrite + Unpin;
+    fn split_io(self) -> (Self::Read, Self::Write);
+}
+
+impl SplitIo for tokio::net::TcpStream {
+    type Read = tokio::net::tcp::OwnedReadHalf;
+    type Write = tokio::net::tcp::OwnedWriteHalf;
+    fn split_io(self) -> (Self::Read, Self::Write) {
+        self.into_split()
+    }
+}
+
+impl SplitIo for tokio::io::DuplexStream {
+    type Read = tokio::io::ReadHalf<tokio::io::DuplexStream>;
+    type Write = tokio::io::WriteHalf<tokio::io::DuplexStream>;
+    fn split_io(self) -> (Self::Read, Self::Write) {
+        tokio::io::split(self)
+    }
+}
+
+impl<R: AsyncRead + Unpin, W: AsyncWrite + Unpin> SplitIo for Joined<R, W> {
+    type Read = R;
+    type Write = W;
+    fn split_io(self) -> (R, W) {
+        (self.read, self.write)
+    }
+}
+
+impl<S: SplitIo> SecureStream<S> {
+    /// Independent halves, each with its own cipher direction and nonce (no lock).
+    /// Buffered plaintext and a half-written record go with their half.
+    pub fn into_split(self) -> (SecureReadHalf<S::Read>, SecureWriteHalf<S::Write>) {
+        let (r, w) = self.io.split_io();
+        (
+            SecureReadHalf {
+                io: r,
+                state: self.read,
+            },
+            SecureWriteHalf {
+                io: w,
+                state: self.write,
+            },
+        )
+    }
+}
+
+impl<S: AsyncRead + Unpin> AsyncRead for SecureStream<S> {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        let this = self.get_mut();
+        this.read.poll_read(&mut this.io, cx, buf)
+    }
+}
+
+impl<S: AsyncWrite + Unpin> AsyncWrite for SecureStream<S> {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        let this = self.get_mut();
+        this.write.poll_write(&mut this.io, cx, buf)
+    }
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        let this = self.get_mut();
+        this.write.poll_flush(&mut this.io, cx)
+    }
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        let this = self.get_mut();
+        this.write.poll_shutdown(&mut this.io, cx)
+    }
+}
+
+/// The receiving half of a secure stream.
+pub struct SecureReadHalf<R> {
+    io: R,
+    state: ReadState,
+}
+
+/// The sending half of a secure stream. Call `shutdown()` to end the stream: the peer
+/// takes an end without it for a truncation.
+pub struct SecureWriteHalf<W> {
+    io: W,
+    state: WriteState,
+}
+
+impl<R> SecureReadHalf<R> {
+    pub fn get_ref(&self) -> &R {
+        &self.io
+    }
+}
+
+impl<W> SecureWriteHalf<W> {
+    pub fn get_ref(&self) -> &W {
+        &self.io
+    }
+}
+
+impl<R> std::fmt::Debug for SecureReadHalf<R> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SecureReadHalf").finish_non_exhaustive()
+    }
+}
+
+impl<W> std::fmt::Debug for SecureWriteHalf<W> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SecureWriteHalf").finish_non_exhaustive()
+    }
+}
+
+impl<R: AsyncRead + Unpin> AsyncRead for SecureReadHalf<R> {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        let this = self.get_mut();
+        this.state.poll_read(&mut this.io, cx, buf)
+    }
+}
+
+impl<W: AsyncWrite + Unpin> AsyncWrite for SecureWriteHalf<W> {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        let this = self.get_mut();
+        this.state.poll_write(&mut this.io, cx, buf)
+    }
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        let this = self.get_mut();
+        this.state.poll_flush(&mut this.io, cx)
+    }
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        let this = self.get_mut();
+        this.state.poll_shutdown(&mut this.io, cx)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rand::rngs::StdRng;
+    use rand::{Rng, RngCore, SeedableRng};
+    use std::future::Future;
+    use std::sync::Mutex;
+    use tokio::io::{duplex, AsyncReadExt, AsyncWriteExt, DuplexStream};
+    use tokio::net::{TcpListener, TcpStream};
+
+    const HS_TIMEOUT: Duration = Duration::from_secs(10);
+    const PROLOGUE: &[u8] = b"pccl-test p2p v1";
+
+    /// Every test runs under this limit.
+    async fn within<F: Future>(f: F) -> F::Output {
+        tokio::time::timeout(Duration::from_secs(120), f)
+            .await
+            .expect("test timed out")
+    }
+
+    fn random_bytes(rng: &mut StdRng, n: usize) -> Vec<u8> {
+        let mut v = vec![0u8; n];
+        rng.fill_bytes(&mut v);
+        v
+    }
+
+    async fn handshake_pair(
+        dial_psk: Option<[u8; 32]>,
+        accept_psk: Option<[u8; 32]>,
+        dial_prologue: &[u8],
+        accept_prologue: &[u8],
+    ) -> (
+        CoreResult<SecureStream<DuplexStream>>,
+        CoreResult<SecureStream<DuplexStream>>,
+    ) {
+        let (a, b) = duplex(1 << 16);
+        tokio::join!(
+            secure_dial(a, dial_psk.as_ref(), dial_prologue, HS_TIMEOUT),
+            secure_accept(b, accept_psk.as_ref(), accept_prologue, HS_TIMEOUT),
+        )
+    }
+
+    /// Writes `data` in random chunks with random flushes, then ends the stream.
+    async fn send_all<W: AsyncWrite + Unpin>(mut w: W, data: Vec<u8>, seed: u64) -> W {
+        let mut rng = StdRng::seed_from_u64(seed);
+        let mut pos = 0;
+        while pos < data.len() {
+            let max = if rng.random_bool(0.5) { 100 } else { 3 << 20 };
+            let n = rng.random_range(1..=max).min(data.len() - pos);
+            w.write_all(&data[pos..pos + n]).await.unwrap();
+            pos += n;
+            if rng.random_bool(0.3) {
+                w.flush().await.unwrap();
+            }
+        }
+        w.shutdown().await.unwrap();
+        w
+    }
+
+    /// Reads to the authenticated end of stream in random-size reads.
+    async fn recv_all<R: AsyncRead + Unpin>(mut r: R, seed: u64) -> io::Result<Vec<u8>> {
+        let mut rng = StdRng::seed_from_u64(seed);
+        let mut out = Vec::new();
+        let mut buf = vec![0u8; 1 << 20];
+        loop {
+            let n = rng.random_range(1..=buf.len());
+            let got = r.read(&mut buf[..n]).await?;
+            if got == 0 {
+                return Ok(out);
+            }
+            out.extend_from_slice(&buf[..got]);
+        }
+    }
+
+    /// Random payload of 1 byte, a few bytes, and several MiB.
+    fn payload(seed: u64) -> Vec<u8> {
+        let mut rng = StdRng::seed_from_u64(seed);
+        let n = match seed % 3 {
+            0 => 1,
+            1 => rng.random_range(1..70_000),
+            _ => rng.random_range(3 << 20..6 << 20),
+        };
+        random_bytes(&mut rng, n)
+    }
+
+    async fn exchange<R1, W1, R2, W2>(
+        (r1, w1): (SecureReadHalf<R1>, SecureWriteHalf<W1>),
+        (r2, w2): (SecureReadHalf<R2>, SecureWriteHalf<W2>),
+        seed: u64,
+    ) where
+        R1: AsyncRead + Unpin,
+        W1: AsyncWrite + Unpin,
+        R2: AsyncRead + Unpin,
+        W2: AsyncWrite + Unpin,
+    {
+        let (to2, to1) = (payload(seed), payload(seed + 1));
+        let (_, _, got2, got1) = tokio::join!(
+            send_all(w1, to2.clone(), seed + 2),
+            send_all(w2, to1.clone(), seed + 3),
+            recv_all(r2, seed + 4),
+            recv_all(r1, seed + 5),
+        );
+        assert!(got2.unwrap() == to2, "1 -> 2 differs");
+        assert!(got1.unwrap() == to1, "2 -> 1 differs");
+    }
+
+    #[tokio::test]
+    async fn round_trip_random_sizes_both_ways_on_split_halves_over_duplex() {
+        within(async {
+            for seed in [1u64, 10, 20] {
+                let psk = psk_from_secret(b"hunter2");
+                let (d, a) = handshake_pair(Some(psk), Some(psk), PROLOGUE, PROLOGUE).await;
+                exchange(d.unwrap().into_split(), a.unwrap().into_split(), seed).await;
+            }
+            // Single bytes, and without a PSK.
+            let (d, a) = handshake_pair(None, None, PROLOGUE, PROLOGUE).await;
+            let (mut d, mut a) = (d.unwrap(), a.unwrap());
+            d.write_all(b"x").await.unwrap();
+            d.flush().await.unwrap();
+            let mut one = [0u8; 1];
+            a.read_exact(&mut one).await.unwrap();
+            assert_eq!(&one, b"x");
+            a.write_all(b"y").await.unwrap();
+            a.shutdown().await.unwrap();
+            d.read_exact(&mut one).await.unwrap();
+            assert_eq!(&one, b"y");
+            assert_eq!(
+                d.read(&mut one).await.unwrap(),
+                0,
+                "authenticated end of stream"
+            );
+        })
+        .await
+    }
+
+    #[tokio::test]
+    async fn round_trip_over_loopback_tcp() {
+        within(async {
+            let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+            let addr = listener.local_addr().unwrap();
+            let psk = psk_from_secret(b"a shared secret");
+            let accept = async {
+                let (s, _) = listener.accept().await.unwrap();
+                secure_accept(s, Some(&psk), PROLOGUE, HS_TIMEOUT)
+                    .await
+                    .unwrap()
+                    .into_split()
+            };
+            let dial = async {
+                let s = TcpStream::connect(addr).await.unwrap();
+                let (r, w) = s.into_split();
+                secure_dial_split(r, w, Some(&psk), PROLOGUE, HS_TIMEOUT)
+                    .await
+                    .unwrap()
+            };
+            let (a, d) = tokio::join!(accept, dial);
+            exchange(d, a, 77).await;
+        })
+        .await
+    }
+
+    #[tokio::test]
+    async fn every_cipher_and_provider_round_trips() {
+        within(async {
+            for cipher in [Cipher::AesGcm, Cipher::ChaChaPoly] {
+                for provider in [Provider::Ring, Provider::RustCrypto] {
+                    let suite = Suite { cipher, provider };
+                    let (a, b) = duplex(1 << 16);
+                    let ((ar, aw), (br, bw)) = (tokio::io::split(a), tokio::io::split(b));
+                    let psk = psk_from_secret(b"s");
+                    let (d, a) = tokio::join!(
+                        secure_split_with(
+                            Joined {
+                                read: ar,
+                                write: aw
+                            },
+                            true,
+                            Some(&psk),
+                            PROLOGUE,
+                            HS_TIMEOUT,
+                            suite
+                        ),
+                        secure_split_with(
+                            Joined {
+                                read: br,
+                                write: bw
+                            },
+                            false,
+                            Some(&psk),
+                            PROLOGUE,
+                            HS_TIMEOUT,
+                            suite
+                        ),
+                    );
+                    exchange(d.unwrap(), a.unwrap(), 5).await;
+                }
+            }
+        })
+        .await
+    }
+
+    fn assert_auth(r: CoreResult<SecureStream<DuplexStream>>, side: &str) {
+        match r {
+            Err(CoreError::Authentication(m)) => assert!(m.contains("secure handshake"), "{m}"),
+            other => panic!("{side}: expected an authentication error, got {other:?}"),
+        }
+    }
+
+    #[tokio::test]
+    async fn wrong_psk_is_an_authentication_error_on_both_sides() {
+        within(async {
+            let (d, a) = handshake_pair(
+                Some(psk_from_secret(b"one")),
+                Some(psk_from_secret(b"two")),
+                PROLOGUE,
+                PROLOGUE,
+            )
+            .await;
+            assert_auth(d, "dialer");
+            assert_auth(a, "acceptor");
+        })
+        .await
+    }
+
+    #[tokio::test]
+    async fn psk_on_one_side_only_fails_on_both_sides() {
+        within(async {
+            let psk = Some(psk_from_secret(b"one"));
+            for (dp, ap) in [(psk, None), (None, psk)] {
+                let (d, a) = handshake_pair(dp, ap, PROLOGUE, PROLOGUE).await;
+                assert_auth(d, "dialer");
+                assert_auth(a, "acceptor");
+            }
+        })
+        .await
+    }
+
+    #[tokio::test]
+    async fn different_prologue_fails_the_handshake() {
+        within(async {
+            for psk in [Some(psk_from_secret(b"one")), None] {
+                let (d, a) = handshake_pair(psk, psk, b"pccl p2p v1", b"pccl p2p v2").await;
+                assert_auth(d, "dialer");
+                assert_auth(a, "acceptor");
+            }
+        })
+        .await
+    }
+
+    #[tokio::test]
+    async fn garbage_and_silence_fail_the_handshake() {
+        within(async {
+            let (mut a, b) = duplex(1 << 16);
+            a.write_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+                .await
+                .unwrap();
+            match secure_accept(b, None, PROLOGUE, HS_TIMEOUT).await {
+                Err(CoreError::PeerConnection(m)) => assert!(m.contains("garbage"), "{m}"),
+                other => panic!("{other:?}"),
+            }
+            let (_a, b) = duplex(1 << 16);
+            let t = std::time::Instant::now();
+            match secure_accept(b, None, PROLOGUE, Duration::from_millis(200)).await {
+                Err(CoreError::PeerConnection(m)) => assert!(m.contains("did not finish"), "{m}"),
+                other => panic!("{other:?}"),
+            }
+            assert!(t.elapsed() < Duration::from_secs(5));
+        })
+        .await
+    }
+
+    #[test]
+    fn psk_from_secret_is_hkdf_sha256() {
+        // RFC 5869, test case 1 (first 32 bytes of the OKM).
+        let ikm = [0x0bu8; 22];
+        let salt: Vec<u8> = (0x00..=0x0c).collect();
+        let info: Vec<u8> = (0xf0..=0xf9).collect();
+        let okm = hkdf_sha256_32(&salt, &ikm, &info);
+        let hex: String = okm.iter().map(|b| format!("{b:02x}")).collect();
+        assert_eq!(
+            hex,
+            "3cb25f25faacd57a90434f64d0362f2a2d2d0a90cf1a5a4c5db02d56ecc4c5bf"
+        );
+        assert_ne!(psk_from_secret(b"a"), psk_from_secret(b"b"));
+        assert_eq!(psk_from_secret(b"a"), psk_from_secret(b"a"));
+    }
+
+    // -----------------------------------------------------------------------------------
+    // A man in the middle that relays frames (handshake frames and records share the
+    // u32 length prefix) and may tamper with them.
+
+    enum Act {
+        Frame(Vec<u8>),
+        Raw(Vec<u8>),
+        Close,
+    }
+
+    type Tamper = Box<dyn FnMut(usize, Vec<u8>) -> Vec<Act> + Send>;
+
+    fn pass() -> Tamper {
+        Box::new(|_, f| vec![Act::Frame(f)])
+    }
+
+    async fn relay<R, W>(mut r: R, mut w: W, mut tamper: Tamper, seen: Arc<Mutex<Vec<u8>>>)
+    where
+        R: AsyncRead + Unpin,
+        W: AsyncWrite + Unpin,
+    {
+        let mut i = 0;
+        'frames: loop {
+            let mut h = [0u8; 4];
+            if r.read_exact(&mut h).await.is_err() {
+                break;
+            }
+            let mut body = vec![0u8; u32::from_be_bytes(h) as usize];
+            if r.read_exact(&mut body).await.is_err() {
+                break;
+            }
+            {
+                let mut s = seen.lock().unwrap();
+                s.extend_from_slice(&h);
+                s.extend_from_slice(&body);
+            }
+            for act in tamper(i, body) {
+                let ok = match act {
+                    Act::Frame(f) => {
+                        let mut bytes = (f.len() as u32).to_be_bytes().to_vec();
+                        bytes.extend_from_slice(&f);
+                        w.write_all(&bytes).await.is_ok()
+                    }
+                    Act::Raw(b) => w.write_all(&b).await.is_ok(),
+                    Act::Close => break 'frames,
+                };
+                if !ok {
+                    break 'frames;
+                }
+            }
+            i += 1;
+        }
+        let _ = w.shutdown().await;
+    }
+
+    /// Dialer and acceptor connected through a relay; `to_acceptor` sees the dialer's
+    /// frames: 0 and 1 are handshake frames, records start at 2.
+    async fn through_mitm(
+        to_acceptor: Tamper,
+    ) -> (
+        SecureStream<DuplexStream>,
+        SecureStream<DuplexStream>,
+        Arc<Mutex<Vec<u8>>>,
+    ) {
+        let seen = Arc::new(Mutex::new(Vec::new()));
+        let (d, m1) = duplex(1 << 20);
+        let (m2, a) = duplex(1 << 20);
+        let ((m1r, m1w), (m2r, m2w)) = (tokio::io::split(m1), tokio::io::split(m2));
+        tokio::spawn(relay(m1r, m2w, to_acceptor, seen.clone()));
+        tokio::spawn(relay(m2r, m1w, pass(), seen.clone()));
+        let psk = psk_from_secret(b"secret");
+        let (d, a) = tokio::join!(
+            secure_dial(d, Some(&psk), PROLOGUE, HS_TIMEOUT),
+            secure_accept(a, Some(&psk), PROLOGUE, HS_TIMEOUT),
+        );
+        (d.unwrap(), a.unwrap(), seen)
+    }
+
+    /// Sends 8 records of 1000 bytes each through a tampering relay; the acceptor must
+    /// fail (and keep failing) with `expect` in the message, never see a wrong byte.
+    async fn tampered(tamper: Tamper, expect: &str) {
+        let (mut d, mut a, _) = through_mitm(tamper).await;
+        let data: Vec<u8> = (0..8000u32).map(|i| (i % 251) as u8).collect();
+        let writer = tokio::spawn(async move {
+            for chunk in data.chunks(1000) {
+                if d.write_all(chunk).await.is_err() || d.flush().await.is_err() {
+                    return;
+                }
+            }
+            let _ = d.shutdown().await;
+            // Keep the dialer open until the acceptor is done.
+            let mut sink = Vec::new();
+            let _ = d.read_to_end(&mut sink).await;
+        });
+        let mut got = Vec::new();
+        let mut buf = [0u8; 1000];
+        let err = loop {
+            match a.read(&mut buf).await {
+                Ok(0) => panic!("tampering went unnoticed ({} bytes read)", got.len()),
+                Ok(n) => got.extend_from_slice(&buf[..n]),
+                Err(e) => break e,
+            }
+        };
+        let expected: Vec<u8> = (0..got.len() as u32).map(|i| (i % 251) as u8).collect();
+        assert_eq!(
+            got, expected,
+            "bytes before the error must be the sent ones"
+        );
+        assert!(err.to_string().contains(expect), "{err}");
+        let core = CoreError::io("reading from peer", err);
+        assert!(matches!(core, CoreError::PeerConnection(_)), "{core:?}");
+        // The stream stays failed.
+        let again = a.read(&mut buf).await.unwrap_err();
+        assert!(again.to_string().contains(expect), "{again}");
+        drop(a);
+        writer.await.unwrap();
+    }
+
+    const INTEGRITY: &str = "integrity check failed";
+
+    #[tokio::test]
+    async fn flipped_bit_in_a_record_is_an_integrity_error() {
+        within(tampered(
+            Box::new(|i, mut f| {
+                if i == 4 {
+                    let mid = f.len() / 2;
+                    f[mid] ^= 0x10;
+                }
+                vec![Act::Frame(f)]
+            }),
+            INTEGRITY,
+        ))
+        .await
+    }
+
+    #[tokio::test]
+    async fn replayed_record_is_an_integrity_error() {
+        let mut prev = Vec::new();
+        within(tampered(
+            Box::new(move |i, f| {
+                let out = if i == 4 {
+                    vec![Act::Frame(f.clone()), Act::Frame(prev.clone())]
+                } else {
+                    vec![Act::Frame(f.clone())]
+                };
+                prev = f;
+                out
+            }),
+            INTEGRITY,
+        ))
+        .await
+    }
+
+    #[tokio::test]
+    async fn dropped_record_is_an_integrity_error() {
+        within(tampered(
+            Box::new(|i, f| if i == 4 { vec![] } else { vec![Act::Frame(f)] }),
+            INTEGRITY,
+        ))
+        .await
+    }
+
+    #[tokio::test]
+    async fn reordered_records_are_an_integrity_error() {
+        let mut held = None;
+        within(tampered(
+            Box::new(move |i, f| match i {
+                3 => {
+                    held = Some(f);
+                    vec![]
+                }
+                4 => vec![Act::Frame(f), Act::Frame(held.take().unwrap())],
+                _ => vec![Act::Frame(f)],
+            }),
+            INTEGRITY,
+        ))
+        .await
+    }
+
+    #[tokio::test]
+    async fn injected_record_is_an_integrity_error() {
+        within(tampered(
+            Box::new(|i, f| {
+                if i == 4 {
+                    vec![Act::Frame(vec![0x5a; 1016]), Act::Frame(f)]
+                } else {
+                    vec![Act::Frame(f)]
+                }
+            }),
+            INTEGRITY,
+        ))
+        .await
+    }
+
+    #[tokio::test]
+    async fn truncated_record_is_an_error() {
+        within(tampered(
+            Box::new(|i, f| {
+                if i == 4 {
+                    let mut raw = (f.len() as u32).to_be_bytes().to_vec();
+                    raw.extend_from_slice(&f[..f.len() / 2]);
+                    vec![Act::Raw(raw), Act::Close]
+                } else {
+                    vec![Act::Frame(f)]
+                }
+            }),
+            INTEGRITY,
+        ))
+        .await
+    }
+
+    #[tokio::test]
+    async fn cut_between_records_is_an_error_not_an_end() {
+        within(tampered(
+            Box::new(|i, f| {
+                if i == 4 {
+                    vec![Act::Close]
+                } else {
+                    vec![Act::Frame(f)]
+                }
+            }),
+            "truncated",
+        ))
+        .await
+    }
+
+    /// Whether `seen` holds 16 bytes of the counter pattern (4 consecutive big-endian
+    /// u32 counters below `n`), or 16 bytes of 0xA5.
+    fn leaks(seen: &[u8], n: u32) -> bool {
+        if seen.windows(16).any(|w| w.iter().all(|&b| b == 0xA5)) {
+            return true;
+        }
+        seen.windows(16).any(|w| {
+            let c: Vec<u32> = w
+                .chunks(4)
+                .map(|c| u32::from_be_bytes(c.try_into().unwrap()))
+                .collect();
+            c[0] < n && c[1] == c[0] + 1 && c[2] == c[0] + 2 && c[3] == c[0] + 3
+        })
+    }
+
+    #[tokio::test]
+    async fn known_plaintext_never_appears_on_the_wire() {
+        within(async {
+            let (mut d, mut a, seen) = through_mitm(pass()).await;
+            let n = (1u32 << 20) / 4;
+            let mut data = vec![0xA5u8; 1 << 20];
+            data.extend((0..n).flat_map(|i| i.to_be_bytes()));
+            assert!(leaks(&data[..1 << 20], n) && leaks(&data[1 << 20..], n));
+            let sent = data.clone();
+            let writer = tokio::spawn(async move {
+                d.write_all(&sent).await.unwrap();
+                d.shutdown().await.unwrap();
+                d
+            });
+            let mut got = Vec::new();
+            a.read_to_end(&mut got).await.unwrap();
+            let _d = writer.await.unwrap();
+            assert!(got == data);
+            let seen = seen.lock().unwrap();
+            assert!(seen.len() > data.len());
+            assert!(!leaks(&seen, n), "plaintext visible on the wire");
+        })
+        .await
+    }
+}
