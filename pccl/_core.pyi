@@ -103,6 +103,7 @@ class P2PNode:
         secret: bytes | None = None,
         handshake_timeout: float = 5.0,
         connect_timeout: float = 5.0,
+        insecure: bool = False,
     ) -> Future[P2PNode]: ...
     @property
     def port(self) -> int: ...

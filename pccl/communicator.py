@@ -78,6 +78,13 @@ class Communicator(Driver):
     neighbour, and the least number of streams that a shared-state sync fetches its
     tensors of 64 MiB or more over (in ranges, spread across the holders).
 
+    Every p2p stream (ring links, shared-state transfers, bandwidth probes) is encrypted
+    and integrity-protected (Noise, AES-GCM; keyed by ``secret`` when there is one, which
+    then also authenticates the peers). ``insecure=True`` sends them in clear text
+    instead (trusted networks only); every peer of a run must use the same setting: a
+    peer that differs from its neighbour fails the handshake with
+    :class:`AuthenticationError` (its ring links are not established).
+
     When the connection to the master is lost (the master process died, or dropped
     this peer), calls in flight fail with :class:`MasterConnectionError` and the peer
     keeps trying to register again, with back-off, for up to ``reconnect_timeout``
@@ -105,6 +112,7 @@ class Communicator(Driver):
         max_frame: int = MAX_FRAME,
         reconnect_timeout: float = 60.0,
         collective_timeout: float | None = 1800.0,
+        insecure: bool = False,
     ) -> None:
         check_int(p2p_connection_pool_size, "p2p_connection_pool_size", 1, 64)
         check_int(peer_group, "peer_group", 0, (1 << 32) - 1)
@@ -117,6 +125,8 @@ class Communicator(Driver):
                             ("peer_timeout", peer_timeout)):
             check_seconds(value, name)
         check_seconds(reconnect_timeout, "reconnect_timeout", zero_ok=True)
+        if not isinstance(insecure, bool):
+            raise _core.InvalidArgumentError(f"insecure must be a bool, got {insecure!r}")
         self.master = master
         self.peer_group = peer_group
         self.p2p_connection_pool_size = p2p_connection_pool_size
@@ -132,6 +142,7 @@ class Communicator(Driver):
         self.piece_bytes = piece_bytes
         self.max_frame = max_frame
         self.reconnect_timeout = reconnect_timeout
+        self.insecure = insecure
 
         self._m = ps.PeerMachine(reconnect=reconnect_timeout > 0)
         self._conn: FramedConnection | None = None

@@ -60,6 +60,7 @@ class Driver:
     max_frame: int
     reconnect_timeout: float
     collective_timeout: float | None
+    insecure: bool
     _m: ps.PeerMachine
     _conn: FramedConnection | None
     _node: _core.P2PNode | None
@@ -106,7 +107,8 @@ class Driver:
         local_host = writer.get_extra_info("sockname")[0]
         self._node = await _core.P2PNode.bind(
             0, self.p2p_listen_host or local_host, self.p2p_listen_port, self.secret,
-            handshake_timeout=self.p2p_timeout, connect_timeout=self.p2p_timeout)
+            handshake_timeout=self.p2p_timeout, connect_timeout=self.p2p_timeout,
+            insecure=self.insecure)
         await self._handshake(conn)
 
     async def _handshake(self, conn: FramedConnection) -> None:

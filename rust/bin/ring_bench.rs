@@ -2,17 +2,23 @@
 //! over loopback, next to the raw loopback TCP throughput of one stream measured in
 //! the same run.
 //!
-//! Usage: `cargo run --release --bin ring_bench -- [peers] [MiB] [lanes] [piece KiB]`
+//! Usage: `cargo run --release --bin ring_bench -- [--insecure] [peers] [MiB] [lanes]
+//! [piece KiB]`; `--insecure`: clear-text p2p streams instead of the encrypted default.
 
 use _core::reduce::{DType, ReduceOp};
-use _core::ring::assembly::loopback_ring;
+use _core::ring::assembly::loopback_ring_with;
 use _core::ring::{LinkConfig, ReduceSpec};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
+fn flag(name: &str) -> bool {
+    std::env::args().skip(1).any(|a| a == name)
+}
+
 fn arg(i: usize, default: usize) -> usize {
     std::env::args()
+        .filter(|a| !a.starts_with("--"))
         .nth(i)
         .and_then(|s| s.parse().ok())
         .unwrap_or(default)
@@ -43,6 +49,14 @@ async fn loopback_gbps(bytes: usize) -> f64 {
 
 #[tokio::main]
 async fn main() {
+    if flag("--help") || flag("-h") {
+        println!(
+            "usage: ring_bench [--insecure] [peers=2] [MiB=64] [lanes=4] [piece KiB=1024]\n\
+             all-reduce busbw of a loopback ring; p2p streams are encrypted unless --insecure"
+        );
+        return;
+    }
+    let insecure = flag("--insecure");
     let k = arg(1, 2);
     let mib = arg(2, 64);
     let lanes = arg(3, 4) as u16;
@@ -52,7 +66,8 @@ async fn main() {
         io_timeout: Duration::from_secs(30),
         max_piece: 16 << 20,
     };
-    let peers = loopback_ring(k, lanes, 1, cfg).await.unwrap();
+    let peers = loopback_ring_with(k, lanes, 1, cfg, insecure).await.unwrap();
+    println!("p2p streams: {}", if insecure { "clear (--insecure)" } else { "encrypted" });
     let bytes = mib << 20;
     let inputs: Vec<Arc<Vec<u8>>> = (0..k).map(|_| Arc::new(vec![0u8; bytes])).collect();
     println!(

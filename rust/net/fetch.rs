@@ -28,7 +28,7 @@ use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-use tokio::net::TcpStream;
+use crate::net::stream::P2PStream;
 use tokio::sync::Semaphore;
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
@@ -709,7 +709,7 @@ pub struct TransferStream {
     peer_id: u64,
     reuse: bool,
     reused: bool,
-    pub stream: TcpStream,
+    pub stream: P2PStream,
 }
 
 impl TransferStream {
@@ -751,6 +751,9 @@ impl TransferStream {
     pub fn finish(self, in_step: bool) {
         if self.reuse && in_step {
             self.node.put_transfer(self.sock, self.peer_id, self.stream);
+        } else if in_step {
+            // The holder takes an end without the authenticated one for a cut.
+            self.node.close_streams(vec![self.stream]);
         }
     }
 }
@@ -762,7 +765,7 @@ mod tests {
     use crate::net::node::NodeConfig;
     use crate::net::transfer::Served;
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    use tokio::net::TcpListener;
+    use tokio::net::{TcpListener, TcpStream};
 
     const MIB: u64 = 1 << 20;
 
@@ -825,6 +828,7 @@ mod tests {
             secret: Some(b"k".to_vec()),
             handshake_timeout: Duration::from_millis(700),
             connect_timeout: Duration::from_secs(2),
+            insecure: false,
         }
     }
 

@@ -6,6 +6,8 @@ pub mod frame;
 pub mod handshake;
 pub mod node;
 pub mod secure;
+pub mod stream;
 pub mod transfer;
 
 pub use node::{Node, NodeConfig};
+pub use stream::{P2PReadHalf, P2PStream, P2PWriteHalf};

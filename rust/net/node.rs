@@ -1,10 +1,16 @@
 //! A peer's p2p endpoint: one listener on an ephemeral port, the authenticated
 //! streams it accepted (filed by sender, epoch and purpose), and the pools it dialed.
 //!
+//! Every stream is encrypted and integrity-protected (`secure.rs`, keyed by the shared
+//! secret when there is one) before the HMAC handshake (`handshake.rs`) runs inside it;
+//! `NodeConfig::insecure` opts out (clear text; both ends must agree, a mismatch fails
+//! the handshake with `CoreError::Authentication`).
+//!
 //! Every task the node spawns is tracked and cancelled by `close()`.
 
 use crate::error::{CoreError, CoreResult};
 use crate::net::handshake::{self, Purpose, StreamHello};
+use crate::net::stream::{P2PStream, Transport};
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -28,6 +34,9 @@ pub struct NodeConfig {
     pub handshake_timeout: Duration,
     /// Bound on establishing one TCP connection.
     pub connect_timeout: Duration,
+    /// Clear-text p2p streams (no encryption, no integrity protection beyond TCP's).
+    /// Off by default; every peer must use the same setting.
+    pub insecure: bool,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -40,7 +49,7 @@ pub struct PoolKey {
 /// Streams of one pool, indexed by stream number.
 struct Pool {
     size: u16,
-    streams: Vec<Option<TcpStream>>,
+    streams: Vec<Option<P2PStream>>,
 }
 
 impl Pool {
@@ -57,12 +66,14 @@ impl Pool {
 
 pub struct Node {
     cfg: NodeConfig,
+    /// How streams are protected (the PSK derived once from the secret).
+    transport: Transport,
     /// Known only after the master welcomed us; the listener binds before that.
     peer_id: AtomicU64,
     id_known: Notify,
     local_addr: SocketAddr,
     inbound: Mutex<HashMap<PoolKey, Pool>>,
-    outbound: Mutex<HashMap<PoolKey, Vec<TcpStream>>>,
+    outbound: Mutex<HashMap<PoolKey, Vec<P2PStream>>>,
     /// Streams of epochs older than this are refused and dropped.
     min_epoch: Mutex<u64>,
     inbound_changed: Notify,
@@ -72,7 +83,7 @@ pub struct Node {
     pub transfers: crate::net::transfer::TransferRegistry,
     /// Transfer streams this peer dialed that finished a fetch cleanly, by source, for
     /// the next fetch from the same source (a dial plus handshake costs round trips).
-    idle_transfers: Mutex<HashMap<(SocketAddr, u64), Vec<TcpStream>>>,
+    idle_transfers: Mutex<HashMap<(SocketAddr, u64), Vec<P2PStream>>>,
 }
 
 /// Most idle transfer streams kept per source.
@@ -90,6 +101,7 @@ impl Node {
         let node = Arc::new(Node {
             peer_id: AtomicU64::new(cfg.peer_id),
             id_known: Notify::new(),
+            transport: Transport::new(cfg.secret.as_deref(), cfg.insecure),
             cfg,
             local_addr,
             inbound: Mutex::new(HashMap::new()),
@@ -170,28 +182,37 @@ impl Node {
         &self.tracker
     }
 
-    async fn handle_incoming(self: Arc<Self>, mut stream: TcpStream, remote: SocketAddr) {
-        let _ = stream.set_nodelay(true);
+    async fn handle_incoming(self: Arc<Self>, tcp: TcpStream, remote: SocketAddr) {
+        let _ = tcp.set_nodelay(true);
         let secret = self.cfg.secret.clone();
+        let timeout = self.cfg.handshake_timeout;
         let result = tokio::select! {
             _ = self.cancel.cancelled() => return,
-            r = tokio::time::timeout(self.cfg.handshake_timeout, async {
+            r = tokio::time::timeout(timeout, async {
+                let mut stream = self.transport.accept(tcp, timeout).await?;
                 let own = self.known_peer_id().await;
-                handshake::accept(&mut stream, secret.as_deref(), own).await
+                let hello = handshake::accept(&mut stream, secret.as_deref(), own).await?;
+                Ok::<_, CoreError>((hello, stream))
             }) => r,
         };
-        let hello = match result {
+        let (hello, stream) = match result {
             Ok(Ok(h)) => h,
             Ok(Err(e)) => {
                 // A wrong secret or bytes that are no pccl handshake (a port scanner,
                 // a misdirected client) are worth a warning; a dialer that went away
                 // mid-handshake is not.
-                let (level, hint) = match e {
+                let (level, hint) = match &e {
+                    CoreError::Authentication(m) if m.contains("insecure") => {
+                        (log::Level::Warn, "")
+                    }
                     CoreError::Authentication(_) => (
                         log::Level::Warn,
                         " (do all peers use the same secret as this one?)",
                     ),
                     CoreError::Protocol(_) => (log::Level::Warn, ""),
+                    CoreError::PeerConnection(m) if m.starts_with("garbage") => {
+                        (log::Level::Warn, "")
+                    }
                     _ => (log::Level::Info, ""),
                 };
                 log::log!(
@@ -255,7 +276,11 @@ impl Node {
 
     /// Files an accepted stream; on refusal, why and how loudly to say so (the lock is
     /// released by then: never log under it).
-    fn file_inbound(&self, h: StreamHello, stream: TcpStream) -> Result<(), (log::Level, String)> {
+    fn file_inbound(
+        &self,
+        h: StreamHello,
+        stream: P2PStream,
+    ) -> Result<(), (log::Level, String)> {
         if h.pool == 0 || h.pool > MAX_POOL || h.stream >= h.pool {
             return Err((
                 log::Level::Warn,
@@ -334,13 +359,17 @@ impl Node {
     }
 
     /// One authenticated transfer stream to peer `to` (see `transfer.rs`).
-    pub async fn dial_transfer(&self, addr: SocketAddr, to: u64) -> CoreResult<TcpStream> {
+    pub async fn dial_transfer(&self, addr: SocketAddr, to: u64) -> CoreResult<P2PStream> {
         self.dial_purpose(addr, to, 0, 1, Purpose::Transfer).await
     }
 
     /// An idle transfer stream to peer `to` at `addr` from an earlier fetch, if any
     /// (`true`: reused), else a new one.
-    pub async fn take_transfer(&self, addr: SocketAddr, to: u64) -> CoreResult<(TcpStream, bool)> {
+    pub async fn take_transfer(
+        &self,
+        addr: SocketAddr,
+        to: u64,
+    ) -> CoreResult<(P2PStream, bool)> {
         let idle = self
             .idle_transfers
             .lock()
@@ -355,7 +384,7 @@ impl Node {
 
     /// Keeps `stream`, which just finished a fetch cleanly, for the next fetch from the
     /// same source (until `drop_idle_transfers`). Never after `close()`.
-    pub fn put_transfer(&self, addr: SocketAddr, to: u64, stream: TcpStream) {
+    pub fn put_transfer(&self, addr: SocketAddr, to: u64, stream: P2PStream) {
         if self.cancel.is_cancelled() {
             return;
         }
@@ -368,7 +397,32 @@ impl Node {
 
     /// Closes every idle transfer stream (the end of a sync: the sources stop serving).
     pub fn drop_idle_transfers(&self) {
-        self.idle_transfers.lock().unwrap().clear();
+        let idle: Vec<P2PStream> = std::mem::take(&mut *self.idle_transfers.lock().unwrap())
+            .into_values()
+            .flatten()
+            .collect();
+        if !self.cancel.is_cancelled() {
+            self.close_streams(idle);
+        }
+    }
+
+    /// Ends `streams` cleanly in the background (an authenticated end of stream, which
+    /// the peer tells from a cut), bounded, and then drops them.
+    pub fn close_streams(&self, streams: Vec<P2PStream>) {
+        use tokio::io::AsyncWriteExt;
+        if streams.is_empty() || tokio::runtime::Handle::try_current().is_err() {
+            return;
+        }
+        let cancel = self.cancel.clone();
+        self.tracker.spawn(async move {
+            let ends = streams.into_iter().map(|mut s| async move {
+                let _ = tokio::time::timeout(Duration::from_secs(2), s.shutdown()).await;
+            });
+            tokio::select! {
+                _ = cancel.cancelled() => {}
+                _ = futures::future::join_all(ends) => {}
+            }
+        });
     }
 
     /// One authenticated stream of `purpose` (slot `stream` of `pool`) to peer `to`.
@@ -379,7 +433,7 @@ impl Node {
         stream: u16,
         pool: u16,
         purpose: Purpose,
-    ) -> CoreResult<TcpStream> {
+    ) -> CoreResult<P2PStream> {
         let hello = StreamHello {
             from: self.peer_id(),
             to,
@@ -391,24 +445,25 @@ impl Node {
         self.dial_one(addr, hello).await
     }
 
-    async fn dial_one(&self, addr: SocketAddr, hello: StreamHello) -> CoreResult<TcpStream> {
+    async fn dial_one(&self, addr: SocketAddr, hello: StreamHello) -> CoreResult<P2PStream> {
         let what = format!("connecting to peer {} at {addr}", hello.to);
-        let mut stream = tokio::time::timeout(self.cfg.connect_timeout, TcpStream::connect(addr))
+        let tcp = tokio::time::timeout(self.cfg.connect_timeout, TcpStream::connect(addr))
             .await
             .map_err(|_| CoreError::PeerConnection(format!("{what}: timed out")))?
             .map_err(|e| CoreError::io(&what, e))?;
-        let _ = stream.set_nodelay(true);
-        tokio::time::timeout(
-            self.cfg.handshake_timeout,
-            handshake::dial(&mut stream, self.cfg.secret.as_deref(), hello),
-        )
+        let _ = tcp.set_nodelay(true);
+        let timeout = self.cfg.handshake_timeout;
+        tokio::time::timeout(timeout, async {
+            let mut stream = self.transport.dial(tcp, timeout).await?;
+            handshake::dial(&mut stream, self.cfg.secret.as_deref(), hello).await?;
+            Ok::<_, CoreError>(stream)
+        })
         .await
-        .map_err(|_| CoreError::PeerConnection(format!("{what}: handshake timed out")))??;
-        Ok(stream)
+        .map_err(|_| CoreError::PeerConnection(format!("{what}: handshake timed out")))?
     }
 
     /// Takes the outbound pool for `key`, if it was dialed.
-    pub fn take_outbound(&self, key: PoolKey) -> Option<Vec<TcpStream>> {
+    pub fn take_outbound(&self, key: PoolKey) -> Option<Vec<P2PStream>> {
         self.outbound.lock().unwrap().remove(&key)
     }
 
@@ -417,7 +472,7 @@ impl Node {
         &self,
         key: PoolKey,
         timeout: Duration,
-    ) -> CoreResult<Vec<TcpStream>> {
+    ) -> CoreResult<Vec<P2PStream>> {
         let deadline = tokio::time::Instant::now() + timeout;
         loop {
             let notified = self.inbound_changed.notified();
@@ -475,6 +530,7 @@ mod tests {
             secret: secret.map(|s| s.to_vec()),
             handshake_timeout: Duration::from_secs(2),
             connect_timeout: Duration::from_secs(2),
+            insecure: false,
         }
     }
 
@@ -661,12 +717,14 @@ mod tests {
             .unwrap_err();
         assert!(matches!(err, CoreError::Authentication(_)));
         // (Of a pool of two, the other stream may just see the dialer hang up.)
-        let records = logged("claimed peer 7101 failed authentication").await;
+        // The encrypted transport's handshake (keyed by the secret) fails first.
+        let records = logged("peer 7102: p2p connection from").await;
         assert!(records
             .iter()
             .all(|(level, target, msg)| *level == log::Level::Warn
                 && target == "_core::net::node"
                 && msg.starts_with("peer 7102: p2p connection from 127.0.0.1:")
+                && msg.contains("secure handshake failed")
                 && msg.contains("same secret")));
         b.close().await;
         a.close().await;
@@ -707,6 +765,60 @@ mod tests {
             .all(|(level, _, _)| *level == log::Level::Debug));
         a.close().await;
         b.close().await;
+    }
+
+    #[tokio::test]
+    async fn streams_are_encrypted_by_default_and_clear_when_both_opt_out() {
+        let any: SocketAddr = "127.0.0.1:0".parse().unwrap();
+        for (insecure, secret) in [(false, Some(&b"k"[..])), (false, None), (true, None)] {
+            let mut ca = cfg(1, secret);
+            let mut cb = cfg(2, secret);
+            (ca.insecure, cb.insecure) = (insecure, insecure);
+            let a = Node::bind(ca, any).await.unwrap();
+            let b = Node::bind(cb, any).await.unwrap();
+            a.connect_pool(b.local_addr(), 2, 1, 2, Purpose::Ring)
+                .await
+                .unwrap();
+            let key = |peer| PoolKey {
+                peer,
+                epoch: 1,
+                purpose: Purpose::Ring,
+            };
+            let inbound = b.take_inbound(key(1), Duration::from_secs(2)).await.unwrap();
+            let outbound = a.take_outbound(key(2)).unwrap();
+            assert!(inbound.iter().chain(&outbound).all(|s| s.is_secure() != insecure));
+            a.close().await;
+            b.close().await;
+        }
+    }
+
+    #[tokio::test]
+    async fn an_insecure_peer_and_an_encrypting_one_fail_at_once_both_ways() {
+        let any: SocketAddr = "127.0.0.1:0".parse().unwrap();
+        for dialer_insecure in [true, false] {
+            let mut ca = cfg(1, Some(b"k"));
+            ca.insecure = dialer_insecure;
+            let mut cb = cfg(2, Some(b"k"));
+            cb.insecure = !dialer_insecure;
+            // Far longer than the test waits: the mismatch is told, not timed out.
+            ca.handshake_timeout = Duration::from_secs(30);
+            cb.handshake_timeout = Duration::from_secs(30);
+            let a = Node::bind(ca, any).await.unwrap();
+            let b = Node::bind(cb, any).await.unwrap();
+            let err = tokio::time::timeout(
+                Duration::from_secs(5),
+                a.connect_pool(b.local_addr(), 2, 1, 2, Purpose::Ring),
+            )
+            .await
+            .expect("a transport mismatch must not wait for the handshake timeout")
+            .unwrap_err();
+            match err {
+                CoreError::Authentication(m) => assert!(m.contains("insecure"), "{m}"),
+                e => panic!("expected an authentication error, got {e:?}"),
+            }
+            a.close().await;
+            b.close().await;
+        }
     }
 
     #[tokio::test]

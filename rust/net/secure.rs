@@ -1,5 +1,5 @@
 //! An encrypted, authenticated byte stream over any tokio stream: a Noise handshake
-//! (the `snow` crate) followed by a record layer. Not wired into the node yet.
+//! (the `snow` crate) followed by a record layer. Every p2p stream runs over it (`stream.rs`).
 //!
 //! ```text
 //! dialer   -> acceptor : HELLO_MAGIC[8] | mode u8 | cipher u8 | noise msg 1   (-> [psk,] e)
@@ -23,6 +23,12 @@
 //! authenticated empty record (`shutdown()`); an end of stream without it is an error
 //! (`UnexpectedEof`), so a cut cannot pass for the end.
 //!
+//! A peer configured for clear text (`insecure`, see `net/stream.rs`) dials with the
+//! one frame `CLEAR_HELLO` instead; an encrypting acceptor answers it, and a clear
+//! acceptor answers a `HELLO_MAGIC` hello, with the one status byte
+//! `STATUS_TRANSPORT_MISMATCH`, so both ends fail at once with `CoreError::Authentication`
+//! instead of waiting for each other.
+//!
 //! Writes are buffered into records like a `BufWriter`: call `flush()` when a message is
 //! complete and the peer should see it.
 
@@ -40,6 +46,8 @@ use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 
 /// First bytes of the dialer's first handshake frame.
 pub const HELLO_MAGIC: &[u8; 8] = b"PCCLSEC\x01";
+/// The whole first frame of a dialer that does not encrypt (`insecure`).
+pub const CLEAR_HELLO: &[u8; 8] = b"PCCLCLR\x01";
 /// Hashed into every handshake before the caller's prologue.
 pub const PROLOGUE_LABEL: &[u8] = b"pccl secure transport v1";
 pub const MAX_HANDSHAKE_FRAME: usize = 256;
@@ -55,6 +63,8 @@ const STATUS_OK: u8 = 0;
 const STATUS_AUTH_FAILED: u8 = 1;
 const STATUS_MODE_MISMATCH: u8 = 2;
 const STATUS_CIPHER_MISMATCH: u8 = 3;
+/// One end encrypts, the other runs in clear text (`insecure`).
+pub const STATUS_TRANSPORT_MISMATCH: u8 = 4;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Cipher {
@@ -271,6 +281,14 @@ async fn run_handshake<T: AsyncRead + AsyncWrite + Unpin>(
                             .into()
                     }))
                 }
+                Some(STATUS_TRANSPORT_MISMATCH) => {
+                    return Err(CoreError::Authentication(
+                        "secure handshake failed: the peer runs its p2p streams in clear text \
+                         (insecure=True) and we encrypt them; every peer must use the same \
+                         `insecure` setting"
+                            .into(),
+                    ))
+                }
                 Some(STATUS_CIPHER_MISMATCH) => {
                     return Err(CoreError::Protocol(
                         "secure handshake failed: the peer uses another cipher (another pccl \
@@ -304,6 +322,19 @@ async fn run_handshake<T: AsyncRead + AsyncWrite + Unpin>(
         }
         Role::Acceptor => {
             read_hs(io, &mut frame).await?;
+            if frame.as_slice() == CLEAR_HELLO {
+                return Err(reject(
+                    io,
+                    STATUS_TRANSPORT_MISMATCH,
+                    CoreError::Authentication(
+                        "secure handshake failed: the peer dials in clear text \
+                         (insecure=True) and we encrypt; every peer must use the same \
+                         `insecure` setting"
+                            .into(),
+                    ),
+                )
+                .await);
+            }
             if frame.len() < 10 || &frame[..8] != HELLO_MAGIC {
                 return Err(CoreError::PeerConnection(
                     "garbage during the secure handshake (not a pccl secure hello)".into(),

@@ -97,11 +97,13 @@ pub async fn serve<S: AsyncRead + AsyncWrite + Unpin>(
             .map_err(|_| CoreError::Protocol("transfer request key is not UTF-8".into()))?;
         let Some(item) = registry.get(key) else {
             timed(io_timeout, stream.write_all(&[1u8])).await?;
+            timed(io_timeout, stream.flush()).await?;
             continue;
         };
         let end = offset.checked_add(len).filter(|&e| e <= item.len as u64);
         let Some(end) = end else {
             timed(io_timeout, stream.write_all(&[2u8])).await?;
+            timed(io_timeout, stream.flush()).await?;
             continue;
         };
         let mut head = [0u8; 9];
@@ -369,6 +371,8 @@ pub async fn absorb_probe<S: AsyncRead + AsyncWrite + Unpin>(
         }
     }
     timed(io_timeout, stream.write_all(&total.to_be_bytes())).await?;
+    // An authenticated end (and the flush of the count before it).
+    timed(io_timeout, stream.shutdown()).await?;
     Ok(())
 }
 

@@ -49,8 +49,9 @@ pub(crate) fn seconds(name: &str, v: f64) -> CoreResult<Duration> {
 #[pymethods]
 impl PyP2PNode {
     /// Binds a listener on `host:port` (port 0: ephemeral) and starts accepting.
+    /// Streams are encrypted unless `insecure` (clear text; every peer must agree).
     #[staticmethod]
-    #[pyo3(signature = (peer_id, host="127.0.0.1", port=0, secret=None, handshake_timeout=5.0, connect_timeout=5.0))]
+    #[pyo3(signature = (peer_id, host="127.0.0.1", port=0, secret=None, handshake_timeout=5.0, connect_timeout=5.0, insecure=false))]
     fn bind<'py>(
         py: Python<'py>,
         peer_id: u64,
@@ -59,6 +60,7 @@ impl PyP2PNode {
         secret: Option<Vec<u8>>,
         handshake_timeout: f64,
         connect_timeout: f64,
+        insecure: bool,
     ) -> PyResult<Bound<'py, PyAny>> {
         crate::runtime::init();
         let cfg = NodeConfig {
@@ -66,6 +68,7 @@ impl PyP2PNode {
             secret,
             handshake_timeout: seconds("handshake_timeout", handshake_timeout)?,
             connect_timeout: seconds("connect_timeout", connect_timeout)?,
+            insecure,
         };
         let addr = format!("{host}:{port}");
         future_into_py(py, async move {

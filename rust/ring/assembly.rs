@@ -83,6 +83,17 @@ pub async fn loopback_ring(
     epoch: u64,
     cfg: LinkConfig,
 ) -> CoreResult<Vec<(Arc<Node>, Ring)>> {
+    loopback_ring_with(k, lanes, epoch, cfg, false).await
+}
+
+/// `loopback_ring` with encrypted streams (the default) or clear ones (`insecure`).
+pub async fn loopback_ring_with(
+    k: usize,
+    lanes: u16,
+    epoch: u64,
+    cfg: LinkConfig,
+    insecure: bool,
+) -> CoreResult<Vec<(Arc<Node>, Ring)>> {
     let any: SocketAddr = (Ipv4Addr::LOCALHOST, 0).into();
     let mut nodes = Vec::with_capacity(k);
     for i in 0..k {
@@ -91,6 +102,7 @@ pub async fn loopback_ring(
             secret: None,
             handshake_timeout: Duration::from_secs(5),
             connect_timeout: Duration::from_secs(5),
+            insecure,
         };
         nodes.push(Node::bind(node_cfg, any).await?);
     }

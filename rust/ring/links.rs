@@ -14,8 +14,7 @@ use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
-use tokio::net::TcpStream;
+use crate::net::stream::{P2PReadHalf, P2PStream, P2PWriteHalf};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
@@ -96,7 +95,7 @@ pub struct RingLinks {
     pub prev: u64,
     /// `None` once closed: the sockets go with `close()`, even while an op that used
     /// these links is still referenced from Python.
-    writers: Vec<tokio::sync::Mutex<Option<OwnedWriteHalf>>>,
+    writers: Vec<tokio::sync::Mutex<Option<P2PWriteHalf>>>,
     recv_lanes: usize,
     max_piece: usize,
     io_timeout: Duration,
@@ -107,7 +106,7 @@ pub struct RingLinks {
     cancel: CancellationToken,
     tracker: TaskTracker,
     /// Unused read halves of the sending streams, kept so the sockets stay whole.
-    send_read_halves: Mutex<Vec<OwnedReadHalf>>,
+    send_read_halves: Mutex<Vec<P2PReadHalf>>,
 }
 
 impl RingLinks {
@@ -116,8 +115,8 @@ impl RingLinks {
         epoch: u64,
         next: u64,
         prev: u64,
-        to_next: Vec<TcpStream>,
-        from_prev: Vec<TcpStream>,
+        to_next: Vec<P2PStream>,
+        from_prev: Vec<P2PStream>,
         max_piece: usize,
         io_timeout: Duration,
     ) -> Arc<RingLinks> {
@@ -279,6 +278,8 @@ impl RingLinks {
             };
             w.write_all(&header.encode()).await?;
             w.write_all(payload).await?;
+            // The secure transport buffers into records: the piece goes out now.
+            w.flush().await?;
             Ok::<_, std::io::Error>(())
         };
         let outcome = tokio::select! {
@@ -324,7 +325,7 @@ impl Drop for RingLinks {
 
 async fn read_lane(
     links: &std::sync::Weak<RingLinks>,
-    read: &mut OwnedReadHalf,
+    read: &mut P2PReadHalf,
     _lane: u16,
 ) -> CoreResult<()> {
     let max_piece = match links.upgrade() {

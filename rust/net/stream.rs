@@ -1,0 +1,239 @@
+//! `P2PStream`: what every p2p stream between peers is once dialed or accepted: encrypted
+//! and integrity-protected by `secure.rs` (the default), or clear TCP when the node was
+//! configured `insecure` (both ends must agree; see `node.rs`).
+//!
+//! Writes are buffered on the secure variant: `flush()` after every complete message.
+
+use crate::error::{CoreError, CoreResult};
+use crate::net::frame::{read_frame, write_frame};
+use crate::net::secure::{self, SecureReadHalf, SecureStream, SecureWriteHalf};
+use std::io;
+use std::pin::Pin;
+use std::task::{Context, Poll};
+use std::time::Duration;
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
+use tokio::net::TcpStream;
+
+/// One p2p stream, encrypted (default) or clear (`insecure`).
+#[derive(Debug)]
+pub enum P2PStream {
+    Clear(TcpStream),
+    Secure(SecureStream<TcpStream>),
+}
+
+/// The receiving half of a `P2PStream`.
+#[derive(Debug)]
+pub enum P2PReadHalf {
+    Clear(OwnedReadHalf),
+    Secure(SecureReadHalf<OwnedReadHalf>),
+}
+
+/// The sending half of a `P2PStream`.
+#[derive(Debug)]
+pub enum P2PWriteHalf {
+    Clear(OwnedWriteHalf),
+    Secure(SecureWriteHalf<OwnedWriteHalf>),
+}
+
+impl P2PStream {
+    /// Independent halves (no lock between them).
+    pub fn into_split(self) -> (P2PReadHalf, P2PWriteHalf) {
+        match self {
+            P2PStream::Clear(s) => {
+                let (r, w) = s.into_split();
+                (P2PReadHalf::Clear(r), P2PWriteHalf::Clear(w))
+            }
+            P2PStream::Secure(s) => {
+                let (r, w) = s.into_split();
+                (P2PReadHalf::Secure(r), P2PWriteHalf::Secure(w))
+            }
+        }
+    }
+
+    pub fn is_secure(&self) -> bool {
+        matches!(self, P2PStream::Secure(_))
+    }
+
+    /// The TCP stream underneath.
+    pub fn tcp(&self) -> &TcpStream {
+        match self {
+            P2PStream::Clear(s) => s,
+            P2PStream::Secure(s) => s.get_ref(),
+        }
+    }
+}
+
+macro_rules! delegate_read {
+    ($ty:ident) => {
+        impl AsyncRead for $ty {
+            fn poll_read(
+                self: Pin<&mut Self>,
+                cx: &mut Context<'_>,
+                buf: &mut ReadBuf<'_>,
+            ) -> Poll<io::Result<()>> {
+                match self.get_mut() {
+                    $ty::Clear(s) => Pin::new(s).poll_read(cx, buf),
+                    $ty::Secure(s) => Pin::new(s).poll_read(cx, buf),
+                }
+            }
+        }
+    };
+}
+
+macro_rules! delegate_write {
+    ($ty:ident) => {
+        impl AsyncWrite for $ty {
+            fn poll_write(
+                self: Pin<&mut Self>,
+                cx: &mut Context<'_>,
+                buf: &[u8],
+            ) -> Poll<io::Result<usize>> {
+                match self.get_mut() {
+                    $ty::Clear(s) => Pin::new(s).poll_write(cx, buf),
+                    $ty::Secure(s) => Pin::new(s).poll_write(cx, buf),
+                }
+            }
+            fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+                match self.get_mut() {
+                    $ty::Clear(s) => Pin::new(s).poll_flush(cx),
+                    $ty::Secure(s) => Pin::new(s).poll_flush(cx),
+                }
+            }
+            fn poll_shutdown(
+                self: Pin<&mut Self>,
+                cx: &mut Context<'_>,
+            ) -> Poll<io::Result<()>> {
+                match self.get_mut() {
+                    $ty::Clear(s) => Pin::new(s).poll_shutdown(cx),
+                    $ty::Secure(s) => Pin::new(s).poll_shutdown(cx),
+                }
+            }
+        }
+    };
+}
+
+delegate_read!(P2PStream);
+delegate_write!(P2PStream);
+delegate_read!(P2PReadHalf);
+delegate_write!(P2PWriteHalf);
+
+/// Hashed into every p2p secure handshake (after `secure::PROLOGUE_LABEL`).
+pub const PROLOGUE: &[u8] = b"pccl p2p v1";
+
+/// How the node's streams are protected: derived once from the node config.
+#[derive(Clone)]
+pub enum Transport {
+    /// Noise NNpsk0 with this PSK (from the shared secret), or NN without a secret.
+    Secure(Option<[u8; 32]>),
+    /// Clear text (`insecure`): the peer must be configured the same.
+    Clear,
+}
+
+impl std::fmt::Debug for Transport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Transport::Secure(psk) => write!(f, "Secure(psk: {})", psk.is_some()),
+            Transport::Clear => write!(f, "Clear"),
+        }
+    }
+}
+
+impl Transport {
+    pub fn new(secret: Option<&[u8]>, insecure: bool) -> Self {
+        if insecure {
+            Transport::Clear
+        } else {
+            Transport::Secure(secret.map(secure::psk_from_secret))
+        }
+    }
+
+    /// The dialing side over a connected `tcp` stream.
+    pub async fn dial(&self, tcp: TcpStream, timeout: Duration) -> CoreResult<P2PStream> {
+        match self {
+            Transport::Secure(psk) => Ok(P2PStream::Secure(
+                secure::secure_dial(tcp, psk.as_ref(), PROLOGUE, timeout).await?,
+            )),
+            Transport::Clear => {
+                let mut tcp = tcp;
+                let clear = async {
+                    write_frame(&mut tcp, secure::CLEAR_HELLO).await?;
+                    let mut buf = Vec::new();
+                    if !read_frame(&mut tcp, &mut buf, secure::MAX_HANDSHAKE_FRAME).await? {
+                        return Err(CoreError::PeerConnection(
+                            "the peer closed the connection before accepting a clear-text \
+                             stream"
+                                .into(),
+                        ));
+                    }
+                    match buf.as_slice() {
+                        [0] => Ok(()),
+                        [secure::STATUS_TRANSPORT_MISMATCH] => Err(CoreError::Authentication(
+                            "the peer encrypts its p2p streams and we run in clear text \
+                             (insecure=True); every peer must use the same `insecure` setting"
+                                .into(),
+                        )),
+                        _ => Err(CoreError::Protocol(
+                            "the remote end does not speak the pccl p2p protocol".into(),
+                        )),
+                    }
+                };
+                tokio::time::timeout(timeout, clear).await.map_err(|_| {
+                    CoreError::PeerConnection(format!(
+                        "the clear-text transport hello got no answer within {timeout:?}"
+                    ))
+                })??;
+                Ok(P2PStream::Clear(tcp))
+            }
+        }
+    }
+
+    /// The accepting side.
+    pub async fn accept(&self, tcp: TcpStream, timeout: Duration) -> CoreResult<P2PStream> {
+        match self {
+            Transport::Secure(psk) => Ok(P2PStream::Secure(
+                secure::secure_accept(tcp, psk.as_ref(), PROLOGUE, timeout).await?,
+            )),
+            Transport::Clear => {
+                let mut tcp = tcp;
+                let clear = async {
+                    let mut buf = Vec::new();
+                    match read_frame(&mut tcp, &mut buf, secure::MAX_HANDSHAKE_FRAME).await {
+                        Ok(true) => {}
+                        Ok(false) => {
+                            return Err(CoreError::PeerConnection(
+                                "the peer closed the connection before its hello".into(),
+                            ))
+                        }
+                        Err(CoreError::Protocol(m)) => {
+                            return Err(CoreError::Protocol(format!(
+                                "garbage instead of a p2p hello: {m}"
+                            )))
+                        }
+                        Err(e) => return Err(e),
+                    }
+                    if buf.as_slice() == secure::CLEAR_HELLO {
+                        write_frame(&mut tcp, &[0]).await
+                    } else if buf.starts_with(secure::HELLO_MAGIC) {
+                        let _ = write_frame(&mut tcp, &[secure::STATUS_TRANSPORT_MISMATCH]).await;
+                        Err(CoreError::Authentication(
+                            "the peer encrypts its p2p streams and we run in clear text \
+                             (insecure=True); every peer must use the same `insecure` setting"
+                                .into(),
+                        ))
+                    } else {
+                        Err(CoreError::Protocol(
+                            "garbage instead of a p2p hello (not a pccl peer)".into(),
+                        ))
+                    }
+                };
+                tokio::time::timeout(timeout, clear).await.map_err(|_| {
+                    CoreError::PeerConnection(format!(
+                        "no clear-text transport hello within {timeout:?}"
+                    ))
+                })??;
+                Ok(P2PStream::Clear(tcp))
+            }
+        }
+    }
+}
