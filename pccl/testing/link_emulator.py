@@ -247,6 +247,11 @@ class _Direction:
         self.rate_override: float | None = None
         self.classified = name != "client->server"
         self.head = b""
+        # Every byte read from src, when the emulator records (see ``recorded()``).
+        self.recording: bytearray | None = None
+        if self.emu._record:
+            self.recording = bytearray()
+            self.emu._recordings.append((f"{conn.id} {name}", self.recording))
         src.outgoing = self
         dst.incoming = self
 
@@ -279,6 +284,8 @@ class _Direction:
         emu = self.emu
         n = len(data)
         now = emu._loop.time()
+        if self.recording is not None:
+            self.recording += data
         if not self.classified:
             # The first bytes may arrive in several reads (a length prefix written on
             # its own, say): keep asking until the classifier decides or 64 bytes came.
@@ -575,6 +582,8 @@ class LinkEmulator:
             None. Once reached the source is not read, so throughput <= window / latency,
             like a window-limited TCP flow on a long fat pipe.
         chunk_size: largest single read; use ~256 KiB for throughput benchmarks.
+        record: keep every byte that crosses the link, per connection and direction
+            (``recorded()``); for tests only (memory grows with the traffic).
 
     ``latency``, ``bandwidth`` and ``window`` may be reassigned at any time and affect
     existing connections (a new latency applies to bytes read from then on). Connection
@@ -594,6 +603,7 @@ class LinkEmulator:
         window: int | None = None,
         chunk_size: int = 64 * 1024,
         classify: Callable[[bytes], float | None] | None = None,
+        record: bool = False,
     ) -> None:
         if chunk_size < 1:
             raise ValueError("chunk_size must be positive")
@@ -619,6 +629,10 @@ class LinkEmulator:
         self._count_waiters: list[tuple[int, asyncio.Future[None]]] = []
         self._bytes_forwarded = 0
         self._accepted = 0
+        # With ``record``: (connection id and direction, every byte read in it), for
+        # tests that check what travels on the wire (e.g. that it is encrypted).
+        self._record = bool(record)
+        self._recordings: list[tuple[str, bytearray]] = []
         self._latency = 0.0
         self._bandwidth: float | None = None
         self._window: int | None = None
@@ -794,6 +808,13 @@ class LinkEmulator:
         """Number of connections accepted so far (open or closed)."""
         return self._accepted
 
+    def recorded(self) -> dict[str, bytes]:
+        """With ``record=True``: every byte read so far, by ``"<connection id>
+        client->server"`` / ``"... server->client"``, all connections (closed ones too)."""
+        if not self._record:
+            raise RuntimeError("LinkEmulator(record=True) is needed for recorded()")
+        return {name: bytes(data) for name, data in self._recordings}
+
     @property
     def bytes_forwarded(self) -> int:
         """Payload bytes delivered so far, both directions, all connections."""
@@ -855,7 +876,14 @@ class LinkEmulator:
 
 def p2p_dialer_id(first_bytes: bytes) -> int | None:
     """The sending peer's id in the first frame a pccl p2p dialer sends (its hello:
-    4-byte length, magic, version, then ``from`` as a big-endian u64), or None."""
+    4-byte length, magic, version, then ``from`` as a big-endian u64), or None.
+
+    Only clear-text streams (``insecure=True`` on every peer) show it: on the default
+    encrypted transport the hello travels inside the encrypted stream. A clear-text
+    dialer's transport hello (the frame ``PCCLCLR\\x01``) comes first and is skipped."""
+    clear_hello = b"\x00\x00\x00\x08PCCLCLR\x01"
+    if first_bytes.startswith(clear_hello):
+        first_bytes = first_bytes[len(clear_hello):]
     if len(first_bytes) < 22 or first_bytes[4:12] != b"PCCLP2P\x01":
         return None
     return int.from_bytes(first_bytes[14:22], "big")

@@ -66,8 +66,17 @@ async fn main() {
         io_timeout: Duration::from_secs(30),
         max_piece: 16 << 20,
     };
-    let peers = loopback_ring_with(k, lanes, 1, cfg, insecure).await.unwrap();
-    println!("p2p streams: {}", if insecure { "clear (--insecure)" } else { "encrypted" });
+    let peers = loopback_ring_with(k, lanes, 1, cfg, insecure)
+        .await
+        .unwrap();
+    println!(
+        "p2p streams: {}",
+        if insecure {
+            "clear (--insecure)"
+        } else {
+            "encrypted"
+        }
+    );
     let bytes = mib << 20;
     let inputs: Vec<Arc<Vec<u8>>> = (0..k).map(|_| Arc::new(vec![0u8; bytes])).collect();
     println!(

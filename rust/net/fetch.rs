@@ -22,13 +22,13 @@
 use crate::error::{CoreError, CoreResult};
 use crate::hash::{root_of_digests, LeafHasher, LEAF_SIZE};
 use crate::net::node::Node;
+use crate::net::stream::P2PStream;
 use crate::net::transfer::{self, Tally, Wanted};
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-use crate::net::stream::P2PStream;
 use tokio::sync::Semaphore;
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;

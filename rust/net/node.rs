@@ -276,11 +276,7 @@ impl Node {
 
     /// Files an accepted stream; on refusal, why and how loudly to say so (the lock is
     /// released by then: never log under it).
-    fn file_inbound(
-        &self,
-        h: StreamHello,
-        stream: P2PStream,
-    ) -> Result<(), (log::Level, String)> {
+    fn file_inbound(&self, h: StreamHello, stream: P2PStream) -> Result<(), (log::Level, String)> {
         if h.pool == 0 || h.pool > MAX_POOL || h.stream >= h.pool {
             return Err((
                 log::Level::Warn,
@@ -365,11 +361,7 @@ impl Node {
 
     /// An idle transfer stream to peer `to` at `addr` from an earlier fetch, if any
     /// (`true`: reused), else a new one.
-    pub async fn take_transfer(
-        &self,
-        addr: SocketAddr,
-        to: u64,
-    ) -> CoreResult<(P2PStream, bool)> {
+    pub async fn take_transfer(&self, addr: SocketAddr, to: u64) -> CoreResult<(P2PStream, bool)> {
         let idle = self
             .idle_transfers
             .lock()
@@ -784,9 +776,15 @@ mod tests {
                 epoch: 1,
                 purpose: Purpose::Ring,
             };
-            let inbound = b.take_inbound(key(1), Duration::from_secs(2)).await.unwrap();
+            let inbound = b
+                .take_inbound(key(1), Duration::from_secs(2))
+                .await
+                .unwrap();
             let outbound = a.take_outbound(key(2)).unwrap();
-            assert!(inbound.iter().chain(&outbound).all(|s| s.is_secure() != insecure));
+            assert!(inbound
+                .iter()
+                .chain(&outbound)
+                .all(|s| s.is_secure() != insecure));
             a.close().await;
             b.close().await;
         }

@@ -100,10 +100,7 @@ macro_rules! delegate_write {
                     $ty::Secure(s) => Pin::new(s).poll_flush(cx),
                 }
             }
-            fn poll_shutdown(
-                self: Pin<&mut Self>,
-                cx: &mut Context<'_>,
-            ) -> Poll<io::Result<()>> {
+            fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
                 match self.get_mut() {
                     $ty::Clear(s) => Pin::new(s).poll_shutdown(cx),
                     $ty::Secure(s) => Pin::new(s).poll_shutdown(cx),

@@ -10,11 +10,11 @@
 //! `update_topology()` builds new ones.
 
 use crate::error::{CoreError, CoreResult};
+use crate::net::stream::{P2PReadHalf, P2PStream, P2PWriteHalf};
 use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use crate::net::stream::{P2PReadHalf, P2PStream, P2PWriteHalf};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
