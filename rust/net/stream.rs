@@ -19,7 +19,7 @@ use tokio::net::TcpStream;
 #[derive(Debug)]
 pub enum P2PStream {
     Clear(TcpStream),
-    Secure(SecureStream<TcpStream>),
+    Secure(Box<SecureStream<TcpStream>>),
 }
 
 /// The receiving half of a `P2PStream`.
@@ -45,7 +45,7 @@ impl P2PStream {
                 (P2PReadHalf::Clear(r), P2PWriteHalf::Clear(w))
             }
             P2PStream::Secure(s) => {
-                let (r, w) = s.into_split();
+                let (r, w) = (*s).into_split();
                 (P2PReadHalf::Secure(r), P2PWriteHalf::Secure(w))
             }
         }
@@ -148,9 +148,9 @@ impl Transport {
     /// The dialing side over a connected `tcp` stream.
     pub async fn dial(&self, tcp: TcpStream, timeout: Duration) -> CoreResult<P2PStream> {
         match self {
-            Transport::Secure(psk) => Ok(P2PStream::Secure(
+            Transport::Secure(psk) => Ok(P2PStream::Secure(Box::new(
                 secure::secure_dial(tcp, psk.as_ref(), PROLOGUE, timeout).await?,
-            )),
+            ))),
             Transport::Clear => {
                 let mut tcp = tcp;
                 let clear = async {
@@ -188,9 +188,9 @@ impl Transport {
     /// The accepting side.
     pub async fn accept(&self, tcp: TcpStream, timeout: Duration) -> CoreResult<P2PStream> {
         match self {
-            Transport::Secure(psk) => Ok(P2PStream::Secure(
+            Transport::Secure(psk) => Ok(P2PStream::Secure(Box::new(
                 secure::secure_accept(tcp, psk.as_ref(), PROLOGUE, timeout).await?,
-            )),
+            ))),
             Transport::Clear => {
                 let mut tcp = tcp;
                 let clear = async {

@@ -52,6 +52,7 @@ impl PyP2PNode {
     /// Streams are encrypted unless `insecure` (clear text; every peer must agree).
     #[staticmethod]
     #[pyo3(signature = (peer_id, host="127.0.0.1", port=0, secret=None, handshake_timeout=5.0, connect_timeout=5.0, insecure=false))]
+    #[allow(clippy::too_many_arguments)]
     fn bind<'py>(
         py: Python<'py>,
         peer_id: u64,
