@@ -48,7 +48,8 @@ async def test_wrong_secret_is_logged_at_warning_as_it_happens(caplog) -> None:
             await a.connect_pool(f"127.0.0.1:{b.port}", 8102, 1, 2)
         # No Communicator, no read loop, nothing drains: the records come by themselves.
         # (Of a pool of two, the other stream may just see the dialer hang up: INFO.)
-        refused = await _records(caplog, "failed authentication")
+        # (The encrypted transport's handshake, keyed by the secret, refuses it.)
+        refused = await _records(caplog, "secure handshake failed")
         assert refused, "the refusal was never logged"
         for r in refused:
             assert r.name == "pccl._core.net.node"
