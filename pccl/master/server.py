@@ -155,8 +155,9 @@ class MasterNode:
                 "address can join the run, read the peer list and take part in reduces. "
                 "Give every node the same secret (MasterNode(secret=...), pccl-master "
                 "--secret-file FILE, Communicator(secret=...)), or listen on 127.0.0.1 "
-                "only; docs/protocol.md says what the secret protects (today it authenticates "
-                "every connection; it does not encrypt)", self._address)
+                "only; docs/protocol.md says what the secret protects (it authenticates "
+                "every connection and keys the p2p encryption; the master connection itself "
+                "is not encrypted yet)", self._address)
 
     @property
     def address(self) -> str:
