@@ -564,16 +564,13 @@ class Driver:
                     # travel (contents untouched), so the commit is a plain copy.
                     prefault = loop.create_task(asyncio.to_thread(
                         prefault_all, [by_key[k].data for k in plan.fetch_keys]))
-                # The running fetch, read by the progress reports (Fetcher.fetch_planned).
-                counters: dict[tuple[str, int], tuple[int, Any]] = {}
+                fetcher = Fetcher(node, self.peer_id, self.p2p_connection_pool_size,
+                                  self.peer_timeout)
                 report = SyncReporter(lambda: self._node, self.peer_id, progress,
-                                      progress_interval, served_before, counters, fetched,
+                                      progress_interval, served_before, fetcher, fetched,
                                       [by_key[k].nbytes for k in plan.fetch_keys])
                 async with report:
-                    fetcher = Fetcher(node, self.peer_id, self.p2p_connection_pool_size,
-                                      self.peer_timeout)
-                    errors = await fetcher.fetch_planned(plan, by_key, in_place, counters,
-                                                         fetched)
+                    errors = await fetcher.fetch_planned(plan, by_key, in_place, fetched)
                     for r in errors:
                         if not isinstance(r, PCCLError):
                             raise r

@@ -34,25 +34,20 @@ MAX_FETCHES_IN_FLIGHT: int = _core.MAX_FETCHES_IN_FLIGHT
 #: once (passed to the engine on every sync, so tests may lower it).
 RANGE_BYTES: int = _core.FETCH_RANGE_BYTES
 
-#: The key in a sync's ``counters`` under which :meth:`Fetcher.fetch_planned` files its
-#: running fetch, for :class:`SyncReporter`.
-_RUNNING = ("", 0)
-
 
 class Fetcher:
-    """Fetches one sync's plan through ``node`` (a :class:`pccl._core.P2PNode`)."""
+    """Fetches one sync's plan through ``node`` (a :class:`pccl._core.P2PNode`). ``op`` is
+    the running fetch (None before it starts): :class:`SyncReporter` reads its progress."""
 
     def __init__(self, node: Any, peer_id: int | None, pool: int, peer_timeout: float) -> None:
         self.node, self.peer_id, self.pool, self.peer_timeout = node, peer_id, pool, peer_timeout
+        self.op: Any = None
 
     async def fetch_planned(self, plan: m.SyncPlan, by_key: dict[str, RawTensor],
-                             in_place: bool,
-                             counters: dict[tuple[str, int], tuple[int, Any]],
-                             fetched: dict[str, Any]) -> list[BaseException]:
+                             in_place: bool, fetched: dict[str, Any]) -> list[BaseException]:
         """Fetches what ``plan`` says into scratch buffers (or, ``in_place``, the tensors).
         What verifies goes into ``fetched``; returns the failures. Every transfer has
-        ended by then, cancelled or not: nothing writes into the buffers afterwards.
-        ``counters`` gets the running fetch (its progress, for :class:`SyncReporter`)."""
+        ended by then, cancelled or not: nothing writes into the buffers afterwards."""
         keys = list(plan.fetch_keys)
         outs = [by_key[k].data if in_place else byte_buffer(by_key[k].nbytes) for k in keys]
         try:
@@ -64,7 +59,7 @@ class Fetcher:
                 streams=self.pool, io_timeout=self.peer_timeout, range_bytes=RANGE_BYTES)
         except _core.PCCLError as e:  # e.g. tensors sharing memory: a failed fetch
             return [e]
-        counters[_RUNNING] = (0, op)
+        self.op = op
         run = op.run()
         try:
             # Shielded: a cancelled caller stops the transfers through abort() and waits
@@ -93,19 +88,19 @@ def prefault_all(buffers: list[Any]) -> None:
 class SyncReporter:
     """Reports a running sync's progress to a callback and, for long transfers, to the
     log; an owned task from the master's plan until the outcome (``async with``).
-    ``counters`` holds the running fetch (see :meth:`Fetcher.fetch_planned`), ``fetched``
-    the tensors that verified."""
+    ``fetcher`` runs the fetch (its ``op`` gives the bytes landed), ``fetched`` holds the
+    tensors that verified."""
 
     LOG_EVERY = 10.0
 
     def __init__(self, node_of: Callable[[], Any], peer_id: int | None,
                  callback: Callable[[SyncProgress], object] | None, interval: float,
-                 served_before: int, counters: dict[tuple[str, int], tuple[int, Any]],
-                 fetched: dict[str, Any], sizes: list[int]) -> None:
+                 served_before: int, fetcher: Fetcher, fetched: dict[str, Any],
+                 sizes: list[int]) -> None:
         self._node_of, self._peer_id, self._callback = node_of, peer_id, callback
         self._interval = max(float(interval), 0.01)
         self._served_before = served_before
-        self._counters, self._fetched = counters, fetched
+        self._fetcher, self._fetched = fetcher, fetched
         self._rx_total, self._tensors = sum(sizes), len(sizes)
         self._started = time.perf_counter()
         self._task: asyncio.Task[None] | None = None
@@ -113,11 +108,11 @@ class SyncReporter:
     def snapshot(self, final: bool = False) -> SyncProgress:
         node = self._node_of()
         tx = int(node.bytes_served() - self._served_before) if node is not None else 0
-        running = list(self._counters.values())  # (bytes before, the running FetchOp)
+        op = self._fetcher.op
         return SyncProgress(
-            rx_bytes=sum(base + op.rx_bytes for base, op in running),
+            rx_bytes=op.rx_bytes if op is not None else 0,
             rx_total=self._rx_total, tx_bytes=tx,
-            tensors_done=max(len(self._fetched), sum(op.tensors_done for _, op in running)),
+            tensors_done=max(len(self._fetched), op.tensors_done if op is not None else 0),
             tensors_total=self._tensors, seconds=time.perf_counter() - self._started,
             final=final)
 
