@@ -359,10 +359,8 @@ class PeerMachine:
         self.waiting: set[Waiter] = set()
         self.collectives: dict[int, Collective] = {}
         self.topology: StartTopology | None = None
-        self.queries: set[int] = set()
         self.sync: Sync | None = None
-        self.installing: set[int] = set()  # epochs whose ring install runs
-        self.installs: list[m.TopologyUpdated] = []  # rounds waiting for their install
+        self.installs: list[m.TopologyUpdated] = []  # rounds whose ring install runs
         self.asking_req: int | None = None  # the collective are_peers_pending() waiting
         self._next_req = 0
 
@@ -434,7 +432,6 @@ class PeerMachine:
         elif isinstance(ev, AskPending):
             self._ask(ev, out)
         elif isinstance(ev, EndQuery):
-            self.queries.discard(ev.req)
             if self.asking_req == ev.req:
                 self.asking_req = None
             self.waiting.discard(query_of(ev.req))
@@ -592,14 +589,12 @@ class PeerMachine:
             i, n = self.ring.index(self.peer_id), len(self.ring)
             nxt = self.ring[(i + 1) % n] if n > 1 else -1
             prv = self.ring[(i - 1) % n] if n > 1 else -1
-            self.installing.add(msg.epoch)
             out.append(InstallRing(msg.epoch, nxt, prv, self.generation))
             self.installs.append(msg)
         else:
             self._topology_done(msg, "", out)
 
     def _on_installed(self, ev: RingInstalled, out: list[Command]) -> None:
-        self.installing.discard(ev.epoch)
         if not ev.error:
             self.ring_epoch = ev.epoch
         msgs = [u for u in self.installs if u.epoch == ev.epoch]
@@ -665,7 +660,6 @@ class PeerMachine:
                 raise ProtocolViolation(ErrorKind.InvalidUsageError,
                                         "are_peers_pending() is already running on this peer")
             self.asking_req = ev.req
-        self.queries.add(ev.req)
         self.waiting.add(query_of(ev.req))
         self._send(m.PendingQuery(req=ev.req, collective=ev.collective, timeout=ev.timeout),
                    out)
@@ -696,7 +690,8 @@ class PeerMachine:
             out.append(RunRing(col.tag, p))
             if col.aborted:
                 out.append(AbortRing(col.tag))
-        elif p.epoch in self.installing and col.phase is CollectivePhase.WAIT_PERFORM:
+        elif col.phase is CollectivePhase.WAIT_PERFORM and \
+                any(u.epoch == p.epoch for u in self.installs):
             # Performed on a ring the master just rebuilt: its links are being taken over
             # right now (bounded by p2p_timeout there).
             col.phase = CollectivePhase.WAIT_INSTALL

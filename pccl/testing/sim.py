@@ -187,7 +187,6 @@ class SimPeer:
         self.errors: dict[int, PCCLError] = {}
         self.performs: dict[int, m.CollectivePerform] = {}
         self.fetched: bool = False
-        self.ops_started = 0
         self.cancelled: set[int] = set()
         self.started = False
         self.parked: Any = None  # a call made while registering again waits for that
