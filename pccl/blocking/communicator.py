@@ -244,12 +244,7 @@ class Communicator:
                 return
             self._closed = True
             core, loop = self._core, self._loop
-        if core is None or loop is None:
-            return
-        try:
-            loop.call(core.aclose)
-        finally:
-            runtime.current().release(core)
+        runtime.close(core, loop)
 
     def __enter__(self) -> Communicator:
         return self

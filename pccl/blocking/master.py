@@ -88,12 +88,7 @@ class MasterNode:
                 return
             self._interrupted = True
             core, loop = self._core, self._loop
-        if core is None or loop is None:
-            return
-        try:
-            loop.call(core.aclose)
-        finally:
-            runtime.current().release(core)
+        runtime.close(core, loop)
 
     close = interrupt
 

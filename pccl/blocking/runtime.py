@@ -299,6 +299,17 @@ def current() -> _Runtime:
     return _runtime
 
 
+def close(resource: _Resource | None, loop: _Loop | None) -> None:
+    """Closes ``resource`` on ``loop`` (if it was ever opened there) and releases it: the
+    loop stops with the last open resource."""
+    if resource is None or loop is None:
+        return
+    try:
+        loop.call(resource.aclose)
+    finally:
+        current().release(resource)
+
+
 def _reset_after_fork() -> None:
     global _runtime
     _runtime = _Runtime()
