@@ -51,6 +51,9 @@ def _add_master_args(p: argparse.ArgumentParser) -> None:
                    default=d["repair_rings"],
                    help="rebuild a ring that lost a peer without waiting for "
                         "update_topology() (default: on, as in PCCL)")
+    p.add_argument("--insecure", action="store_true",
+                   help="also accept peers whose control connection is in clear text "
+                        "(Communicator(insecure=True)); encrypted ones are accepted either way")
     p.add_argument("--log-level", default="INFO", type=str.upper,
                    choices=["DEBUG", "INFO", "WARNING", "ERROR"])
 
@@ -79,7 +82,7 @@ async def _run_master(args: argparse.Namespace) -> None:
                         establish_timeout=args.establish_timeout,
                         max_establish_attempts=args.max_establish_attempts,
                         recovery_grace=args.recovery_grace,
-                        repair_rings=args.repair_rings)
+                        repair_rings=args.repair_rings, insecure=args.insecure)
     await master.start()
     print(f"pccl master listening on {master.address}", flush=True)
     loop = asyncio.get_running_loop()

@@ -37,6 +37,7 @@ from pccl.protocol import messages as m
 from pccl.protocol.auth import peer_mac
 from pccl.protocol.transport import ConnectionClosed, FramedConnection
 from pccl.testing import Cluster
+from pccl.testing.control import dial_master, write_raw
 
 # --- strategies -----------------------------------------------------------------------
 
@@ -273,12 +274,11 @@ FAKE_PEERS = hs.builds(
 
 
 async def _run_fake(address: str, fake: FakePeer) -> None:
-    host, port = address.rsplit(":", 1)
-    reader, writer = await asyncio.open_connection(host, int(port))
+    conn = await dial_master(address, SECRET)
+    reader, writer = conn.reader, conn.writer
     try:
         # The challenge comes first: once it is here the master serves this connection.
-        prefix = await reader.readexactly(4)
-        challenge = codec.decode(await reader.readexactly(codec.parse_length(prefix, 1 << 16)))
+        challenge = await conn.recv()
         assert isinstance(challenge, m.Challenge) and challenge.auth
         if fake.hello != "none":
             nonce = secrets.token_bytes(16)
@@ -290,9 +290,9 @@ async def _run_fake(address: str, fake: FakePeer) -> None:
                 mac=peer_mac(SECRET if fake.hello != "bad-mac" else b"x", challenge.nonce, nonce),
                 resume_peer_id=rid, resume_epoch=epoch, resume_revision=revision,
                 resume_peers=peers)
-            writer.write(codec.frame(hello))
+            conn.send_nowait(hello)
         for chunk in fake.chunks:
-            writer.write(chunk)
+            write_raw(conn, chunk)
             await writer.drain()
             await asyncio.sleep(0)  # let the master and the real peers interleave
         if fake.ending == "half-close":
@@ -432,18 +432,15 @@ async def test_fake_peers_do_not_disturb_a_live_master(live: Live,
 # --- regressions found by the tests above -------------------------------------------------
 
 
-async def _register_fake(address: str, **resume: object) -> tuple[asyncio.StreamReader,
-                                                                 asyncio.StreamWriter]:
-    host, port = address.rsplit(":", 1)
-    reader, writer = await asyncio.open_connection(host, int(port))
-    prefix = await reader.readexactly(4)
-    challenge = codec.decode(await reader.readexactly(codec.parse_length(prefix, 1 << 16)))
+async def _register_fake(address: str, **resume: object) -> FramedConnection:
+    conn = await dial_master(address, SECRET)
+    challenge = await conn.recv()
     assert isinstance(challenge, m.Challenge)
     nonce = secrets.token_bytes(16)
-    writer.write(codec.frame(m.Hello(
+    conn.send_nowait(m.Hello(
         version=PROTOCOL_VERSION, peer_group=0, p2p_port=9, p2p_host="127.0.0.1",
-        nonce=nonce, mac=peer_mac(SECRET, challenge.nonce, nonce), **resume)))
-    return reader, writer
+        nonce=nonce, mac=peer_mac(SECRET, challenge.nonce, nonce), **resume))
+    return conn
 
 
 async def _hang_up(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -459,11 +456,11 @@ async def _hang_up(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -
 
 async def test_a_registered_peer_sending_an_unhashable_type_is_dropped(live: Live) -> None:
     master = live.cluster.master
-    reader, writer = await _register_fake(master.address)
+    conn = await _register_fake(master.address)
     await master.wait_for(lambda s: len(s.pending()) == 1, timeout=10)
-    writer.write(_frame(msgpack.packb({"t": [1], "seq": 1})))
+    write_raw(conn, _frame(msgpack.packb({"t": [1], "seq": 1})))
     await master.wait_for(lambda s: not s.pending(), timeout=10)
-    await _hang_up(reader, writer)
+    await _hang_up(conn.reader, conn.writer)
     assert not live.errors.records, [r.getMessage() for r in live.errors.records]
     await _check_all_reduce(live.cluster.comms, salt=0)
 
@@ -473,10 +470,10 @@ async def test_a_resume_epoch_out_of_range_cannot_break_the_next_round(live: Liv
     # resume_epoch unchecked; at 2**64 - 1 the next round's epoch (one more) no longer
     # fit in msgpack, so the master failed while sending establish_p2p and the round hung.
     cluster, master = live.cluster, live.cluster.master
-    reader, writer = await _register_fake(master.address, resume_peer_id=77,
-                                          resume_epoch=(1 << 64) - 1)
-    writer.write_eof()
-    await _hang_up(reader, writer)
+    conn = await _register_fake(master.address, resume_peer_id=77,
+                                resume_epoch=(1 << 64) - 1)
+    conn.writer.write_eof()
+    await _hang_up(conn.reader, conn.writer)
     assert master.state.epoch < 1 << 48
     late = cluster.new_comm()
     async with asyncio.timeout(20):

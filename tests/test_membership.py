@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import resource
 import struct
 
@@ -14,6 +13,7 @@ import pccl
 from pccl.protocol import PROTOCOL_VERSION, codec
 from pccl.protocol import messages as m
 from pccl.testing import Cluster
+from pccl.testing.control import dial_master, write_raw
 
 A = pccl.Attribute
 
@@ -195,16 +195,15 @@ async def test_garbage_to_the_master_closes_only_that_connection(pccl_cluster, p
 
 async def test_garbage_after_registration_drops_that_peer_only(pccl_cluster) -> None:
     cluster = await pccl_cluster(2)
-    reader, writer = await _raw(cluster.master.address)
-    prefix = await reader.readexactly(4)
-    challenge = codec.decode(await reader.readexactly(codec.parse_length(prefix, 1 << 20)))
+    conn = await dial_master(cluster.master.address)
+    challenge = await conn.recv()
     assert isinstance(challenge, m.Challenge)
-    writer.write(codec.frame(m.Hello(version=PROTOCOL_VERSION, peer_group=0, p2p_port=9,
-                                     p2p_host="127.0.0.1", nonce=b"n" * 16, mac=b"")))
+    conn.send_nowait(m.Hello(version=PROTOCOL_VERSION, peer_group=0, p2p_port=9,
+                             p2p_host="127.0.0.1", nonce=b"n" * 16, mac=b""))
     await cluster.master.wait_for(lambda s: len(s.pending()) == 1)
-    writer.write(struct.pack(">I", 0xFFFFFFFF))
+    write_raw(conn, struct.pack(">I", 0xFFFFFFFF))
     await cluster.master.wait_for(lambda s: not s.pending())
-    await _expect_closed(reader, writer)
+    await _expect_closed(conn.reader, conn.writer)
     a, b = cluster.comms
     await asyncio.gather(a.update_topology(), b.update_topology())
     assert attrs(a)[0] == 2
@@ -235,14 +234,13 @@ async def test_half_open_peer_is_dropped_by_heartbeat() -> None:
     async with Cluster(2, master_kwargs={"heartbeat_interval": 0.1,
                                          "heartbeat_timeout": 0.5}) as cluster:
         # A peer that registers and then never speaks again (as if its host froze).
-        reader, writer = await _raw(cluster.master.address)
-        prefix = await reader.readexactly(4)
-        await reader.readexactly(codec.parse_length(prefix, 1 << 20))
-        writer.write(codec.frame(m.Hello(version=PROTOCOL_VERSION, peer_group=0, p2p_port=9,
-                                         p2p_host="127.0.0.1", nonce=b"n" * 16, mac=b"")))
+        conn = await dial_master(cluster.master.address)
+        await conn.recv()  # the challenge
+        conn.send_nowait(m.Hello(version=PROTOCOL_VERSION, peer_group=0, p2p_port=9,
+                                 p2p_host="127.0.0.1", nonce=b"n" * 16, mac=b""))
         await cluster.master.wait_for(lambda s: len(s.pending()) == 1)
         await cluster.master.wait_for(lambda s: not s.pending(), timeout=10)
-        await _expect_closed(reader, writer)
+        await _expect_closed(conn.reader, conn.writer)
         assert await cluster.comms[0].pending_peer_count() == 0
         assert await asyncio.gather(*(c.are_peers_pending() for c in cluster.comms)) == [False] * 2
 
@@ -262,18 +260,16 @@ async def test_peer_that_never_reports_its_links_cannot_stall_a_round() -> None:
     """A registered peer answers heartbeats but never reports its p2p links: the round
     that would admit it ends at establish_timeout without it, and the others go on."""
     async with Cluster(2, master_kwargs={"establish_timeout": 1.0}) as cluster:
-        reader, writer = await _raw(cluster.master.address)
-        prefix = await reader.readexactly(4)
-        await reader.readexactly(codec.parse_length(prefix, 1 << 20))
-        writer.write(codec.frame(m.Hello(version=PROTOCOL_VERSION, peer_group=0, p2p_port=9,
-                                         p2p_host="127.0.0.1", nonce=b"n" * 16, mac=b"")))
+        conn = await dial_master(cluster.master.address)
+        await conn.recv()  # the challenge
+        conn.send_nowait(m.Hello(version=PROTOCOL_VERSION, peer_group=0, p2p_port=9,
+                                 p2p_host="127.0.0.1", nonce=b"n" * 16, mac=b""))
 
         async def answer_pings_only() -> None:
             while True:
-                n = codec.parse_length(await reader.readexactly(4), 1 << 20)
-                msg = codec.decode(await reader.readexactly(n))
+                msg = await conn.recv()
                 if isinstance(msg, m.Ping):
-                    writer.write(codec.frame(m.Pong(seq=msg.seq)))
+                    conn.send_nowait(m.Pong(seq=msg.seq))
 
         pinger = asyncio.create_task(answer_pings_only())
         try:
@@ -288,9 +284,7 @@ async def test_peer_that_never_reports_its_links_cannot_stall_a_round() -> None:
         finally:
             pinger.cancel()
             await asyncio.gather(pinger, return_exceptions=True)
-            writer.close()
-            with contextlib.suppress(ConnectionError):
-                await writer.wait_closed()
+            await conn.close()
 
 
 async def test_rank_and_world_size_shard_the_group_in_join_order(pccl_cluster) -> None:

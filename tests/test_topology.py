@@ -19,7 +19,8 @@ FAST, SLOW = 80e6, 4e6
 
 async def shaped_cluster(stack, n: int, slow: set[tuple[int, int]]):
     """n peers; the link from join-index i to j is SLOW if (i, j) in ``slow``."""
-    cluster = await stack.enter_async_context(Cluster(0, pool_size=2))
+    cluster = await stack.enter_async_context(
+        Cluster(0, pool_size=2, master_kwargs={"insecure": True}))
     comms = []
     for _ in range(n):
         # A fresh master hands out ids 1, 2, ...: join index = id - 1. The receiver's id

@@ -24,7 +24,8 @@ async def _all_reduce_through_recorder(insecure: bool) -> bytes:
     LinkEmulator. Returns every byte that went through it (both directions)."""
     port = free_port()
     async with LinkEmulator(f"127.0.0.1:{port}", record=True) as emu:
-        async with Cluster(0, comm_kwargs={"insecure": insecure}) as cluster:
+        async with Cluster(0, comm_kwargs={"insecure": insecure},
+                           master_kwargs={"insecure": insecure}) as cluster:
             first = cluster.new_comm(p2p_listen_port=port, p2p_advertise_address=emu.address)
             await cluster.admit([first])
             second = cluster.new_comm()

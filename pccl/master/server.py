@@ -19,7 +19,13 @@ from collections.abc import Callable
 from types import TracebackType
 from typing import Any
 
-from pccl.errors import ErrorKind, InvalidArgumentError, ProtocolError
+from pccl.errors import (
+    AuthenticationError,
+    ErrorKind,
+    InvalidArgumentError,
+    PeerConnectionError,
+    ProtocolError,
+)
 from pccl.master import state as st
 from pccl.protocol import MAX_FRAME, PROTOCOL_VERSION
 from pccl.protocol import messages as m
@@ -75,6 +81,7 @@ class MasterNode:
         recovery_grace: float = 5.0,
         establish_timeout: float = 60.0,
         repair_rings: bool = True,
+        insecure: bool = False,
     ) -> None:
         for name, value in (("heartbeat_interval", heartbeat_interval),
                             ("heartbeat_timeout", heartbeat_timeout),
@@ -94,6 +101,9 @@ class MasterNode:
         split_host_port(listen)  # a malformed address fails here, not at start()
         self.listen = listen
         self.secret = secret.encode() if isinstance(secret, str) else secret
+        # False: every control connection is encrypted (a clear-text peer is refused
+        # with AuthenticationError); True: clear-text peers are accepted too.
+        self.insecure = bool(insecure)
         self.heartbeat_interval = heartbeat_interval
         self.heartbeat_timeout = heartbeat_timeout
         self.handshake_timeout = handshake_timeout
@@ -245,10 +255,17 @@ class MasterNode:
         remote = "{}:{}".format(*conn.peername)
         nonce = _secrets.token_bytes(16)
         try:
-            await conn.send(m.Challenge(version=PROTOCOL_VERSION, nonce=nonce,
-                                        auth=self.secret is not None))
             async with asyncio.timeout(self.handshake_timeout):
+                await conn.accept(self.secret, allow_clear=self.insecure)
+                await conn.send(m.Challenge(version=PROTOCOL_VERSION, nonce=nonce,
+                                            auth=self.secret is not None))
                 hello = await conn.recv()
+        except AuthenticationError as e:
+            log.warning("connection from %s refused: %s", remote, e)
+            return None
+        except PeerConnectionError as e:
+            log.warning("connection from %s dropped: %s", remote, e)
+            return None
         except TimeoutError:
             log.warning("connection from %s dropped: no handshake within %.1fs",
                         remote, self.handshake_timeout)
@@ -326,9 +343,9 @@ class MasterNode:
                 log.warning("peer %d dropped: %s", peer_id, e)
                 self._feed(st.PeerLost(peer_id, f"protocol error: {e}"))
                 return
-            except ConnectionClosed:
+            except ConnectionClosed as e:
                 if peer_id in self._conns:
-                    log.info("peer %d dropped: connection closed", peer_id)
+                    log.info("peer %d dropped: connection closed (%s)", peer_id, e)
                 self._feed(st.PeerLost(peer_id, "connection closed"))
                 return
             self._feed(st.Received(peer_id, msg))

@@ -116,6 +116,7 @@ class Driver:
         nonce = _secrets.token_bytes(16)
         try:
             async with asyncio.timeout(self.timeout):
+                await conn.dial(self.secret, insecure=self.insecure)
                 challenge = await conn.recv()
                 if not isinstance(challenge, m.Challenge):
                     raise ProtocolError(f"expected a challenge, the master sent {challenge.TYPE}")

@@ -13,7 +13,7 @@ from typing import ClassVar
 from pccl.errors import ErrorKind
 
 #: Bumped on every incompatible change; checked in the handshake.
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -1,21 +1,45 @@
-"""A framed control-plane connection over asyncio streams."""
+"""A framed control-plane connection over asyncio streams, encrypted by default.
+
+Before any message, the dialing side (a peer) opens the connection with one of two
+handshakes, the same bytes as pccl's p2p streams (``rust/net/secure.rs``):
+
+- secure (the default): a Noise handshake, ``Noise_NNpsk0_25519_AESGCM_SHA256`` keyed by
+  the shared secret (or ``Noise_NN`` without a secret: encrypted against eavesdroppers,
+  not authenticated), after which every byte travels in authenticated records;
+- clear text (``insecure=True``): the frame ``CLEAR_HELLO``, answered by one status byte.
+
+A record that fails authentication (modified, injected, replayed, cut) ends the
+connection (``ConnectionClosed`` saying "integrity check failed"): what it carried never
+reaches the codec."""
 
 from __future__ import annotations
 
 import asyncio
 
-from pccl.errors import ProtocolError
+from pccl import _core
+from pccl.errors import (
+    AuthenticationError,
+    MasterConnectionError,
+    PeerConnectionError,
+    ProtocolError,
+)
 from pccl.protocol.codec import MAX_FRAME, decode, frame, parse_length
 from pccl.protocol.messages import Message
 
+#: Hashed into every control-plane handshake: a p2p handshake cannot be replayed here.
+PROLOGUE = b"pccl control v1"
+_STATUS_OK = b"\x00"
+_STATUS_TRANSPORT_MISMATCH = bytes([_core.STATUS_TRANSPORT_MISMATCH])
+
 
 class ConnectionClosed(Exception):
-    """The remote end closed the connection (cleanly or not)."""
+    """The remote end closed the connection (cleanly or not), or the connection failed
+    its integrity check."""
 
 
 class FramedConnection:
     """Reads and writes whole messages. One reader at a time; writes never interleave
-    because each message is written with a single ``write`` call."""
+    because each message is written with a single ``write`` call (records included)."""
 
     def __init__(
         self,
@@ -27,26 +51,126 @@ class FramedConnection:
         self.reader = reader
         self.writer = writer
         self.max_frame = max_frame
+        #: The record layer once a secure handshake finished; None in clear text.
+        self.session: _core.SecureSession | None = None
+        self._plain = bytearray()
 
     @property
     def peername(self) -> tuple[str, int]:
         name = self.writer.get_extra_info("peername")
         return (str(name[0]), int(name[1])) if name else ("?", 0)
 
-    async def recv(self) -> Message:
-        """Next message. ``ConnectionClosed`` on EOF/reset, ``ProtocolError`` on garbage."""
+    @property
+    def encrypted(self) -> bool:
+        return self.session is not None
+
+    # --- handshakes -------------------------------------------------------------------
+
+    async def _hs_frame(self) -> bytes:
         try:
             prefix = await self.reader.readexactly(4)
-            body = await self.reader.readexactly(parse_length(prefix, self.max_frame))
+            return await self.reader.readexactly(
+                parse_length(prefix, _core.MAX_HANDSHAKE_FRAME))
+        except (asyncio.IncompleteReadError, ConnectionError) as e:
+            raise ConnectionClosed(str(e) or "connection closed during the handshake") from None
+
+    def _hs_send(self, body: bytes) -> None:
+        if not self.writer.is_closing():
+            self.writer.write(len(body).to_bytes(4, "big") + body)
+
+    async def dial(self, secret: bytes | None, *, insecure: bool = False) -> None:
+        """The peer's side: opens the connection encrypted (or in clear text when
+        ``insecure``). AuthenticationError when the two ends disagree on the secret or
+        on ``insecure``; ProtocolError when the other end is not a pccl master;
+        MasterConnectionError when it goes away. The caller bounds the time."""
+        try:
+            if insecure:
+                self._hs_send(_core.CLEAR_HELLO)
+                status = await self._hs_frame()
+                if status == _STATUS_TRANSPORT_MISMATCH:
+                    raise AuthenticationError(
+                        "the master requires encryption and this peer runs in clear text "
+                        "(insecure=True); drop insecure=True (or start the master with "
+                        "insecure=True)")
+                if status != _STATUS_OK:
+                    raise MasterConnectionError(
+                        "the remote end does not speak the pccl control protocol")
+                return
+            hs = _core.SecureHandshake(True, secret, PROLOGUE)
+            self._hs_send(hs.hello())
+            out, err = hs.on_frame(await self._hs_frame())
+            if out is not None:
+                self._hs_send(out)
+            if err is not None:
+                raise err
+            self.session = hs.session()
+        except ConnectionClosed as e:
+            raise MasterConnectionError(
+                f"the master closed the connection during the secure handshake ({e}); "
+                "is it a pccl master of this version?") from None
+        except PeerConnectionError as e:
+            raise MasterConnectionError(f"control-plane handshake with the master: {e}") from None
+
+    async def accept(self, secret: bytes | None, *, allow_clear: bool) -> None:
+        """The master's side of ``dial``. Raises AuthenticationError (wrong or missing
+        secret, clear text refused), PeerConnectionError / ProtocolError (garbage) or
+        ConnectionClosed; the reason has been told to the dialer where it should know."""
+        first = await self._hs_frame()
+        if first == _core.CLEAR_HELLO and allow_clear:
+            self._hs_send(_STATUS_OK)
+            return
+        hs = _core.SecureHandshake(False, secret, PROLOGUE)
+        frame_in = first
+        while True:
+            out, err = hs.on_frame(frame_in)
+            if out is not None:
+                self._hs_send(out)
+            if err is not None:
+                raise err
+            if hs.done:
+                break
+            frame_in = await self._hs_frame()
+        self.session = hs.session()
+
+    # --- messages ---------------------------------------------------------------------
+
+    async def _read(self, n: int) -> bytes:
+        session = self.session
+        if session is None:
+            return await self.reader.readexactly(n)
+        while len(self._plain) < n:
+            prefix = await self.reader.readexactly(4)
+            length = int.from_bytes(prefix, "big")
+            if not session.MIN_RECORD <= length <= session.MAX_RECORD:
+                raise ConnectionClosed(
+                    "secure connection: integrity check failed (bad record length)")
+            self._plain += session.open(await self.reader.readexactly(length))
+        out = bytes(self._plain[:n])
+        del self._plain[:n]
+        return out
+
+    async def recv(self) -> Message:
+        """Next message. ``ConnectionClosed`` on EOF/reset or a failed integrity check,
+        ``ProtocolError`` on garbage."""
+        try:
+            prefix = await self._read(4)
+            body = await self._read(parse_length(prefix, self.max_frame))
         except (asyncio.IncompleteReadError, ConnectionError) as e:
             raise ConnectionClosed(str(e) or "connection closed") from None
+        except ProtocolError as e:
+            if self.session is None:
+                raise
+            raise ConnectionClosed(str(e)) from None
         return decode(body)
 
     def send_nowait(self, msg: Message) -> None:
         """Queues ``msg`` on the transport (no flow control: control messages are small)."""
         if self.writer.is_closing():
             return
-        self.writer.write(frame(msg))
+        data = frame(msg)
+        if self.session is not None:
+            data = self.session.seal(data)
+        self.writer.write(data)
 
     async def send(self, msg: Message) -> None:
         self.send_nowait(msg)
@@ -73,6 +197,4 @@ class FramedConnection:
             pass
 
 
-__all__ = ["ConnectionClosed", "FramedConnection", "ProtocolError"]
-
-
+__all__ = ["PROLOGUE", "ConnectionClosed", "FramedConnection", "ProtocolError"]

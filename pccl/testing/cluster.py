@@ -70,9 +70,10 @@ class Cluster:
 
     def new_comm(self, group: int = 0, **kwargs: Any) -> Communicator:
         """A fresh (not yet connected) communicator for this cluster's master."""
-        comm = Communicator(master=self.master.address, peer_group=group,
-                            p2p_connection_pool_size=self.pool_size, secret=self.secret,
-                            **{**self.comm_kwargs, **kwargs})
+        opts: dict[str, Any] = {"master": self.master.address, "peer_group": group,
+                                "p2p_connection_pool_size": self.pool_size,
+                                "secret": self.secret, **self.comm_kwargs, **kwargs}
+        comm = Communicator(**opts)
         self.comms.append(comm)
         return comm
 

@@ -247,6 +247,8 @@ class _Direction:
         self.rate_override: float | None = None
         self.classified = name != "client->server"
         self.head = b""
+        # Bytes read from src so far (what ``LinkEmulator.tamper`` is told).
+        self.offset = 0
         # Every byte read from src, when the emulator records (see ``recorded()``).
         self.recording: bytearray | None = None
         if self.emu._record:
@@ -282,6 +284,11 @@ class _Direction:
 
     def push(self, data: bytes) -> None:
         emu = self.emu
+        if emu.tamper is not None:
+            offset, self.offset = self.offset, self.offset + len(data)
+            data = emu.tamper(self.conn.id, self.name, offset, bytes(data))
+            if not data:
+                return
         n = len(data)
         now = emu._loop.time()
         if self.recording is not None:
@@ -584,6 +591,8 @@ class LinkEmulator:
         chunk_size: largest single read; use ~256 KiB for throughput benchmarks.
         record: keep every byte that crosses the link, per connection and direction
             (``recorded()``); for tests only (memory grows with the traffic).
+        tamper: a man in the middle that may change, inject, replay or drop bytes (see
+            ``pccl.testing.mitm.Tamper``).
 
     ``latency``, ``bandwidth`` and ``window`` may be reassigned at any time and affect
     existing connections (a new latency applies to bytes read from then on). Connection
@@ -604,6 +613,7 @@ class LinkEmulator:
         chunk_size: int = 64 * 1024,
         classify: Callable[[bytes], float | None] | None = None,
         record: bool = False,
+        tamper: Callable[[int, str, int, bytes], bytes] | None = None,
     ) -> None:
         if chunk_size < 1:
             raise ValueError("chunk_size must be positive")
@@ -612,6 +622,11 @@ class LinkEmulator:
         # client->server direction (None: the emulator-wide ``bandwidth``). With
         # ``p2p_dialer_id`` this shapes each sending peer differently.
         self.classify = classify
+        # A man in the middle: called with (connection id, "client->server" or
+        # "server->client", offset in that direction, bytes read) for every read, it
+        # returns what to forward instead (changed, longer, shorter, or b"" to drop).
+        # Recording sees what it returns. ``pccl.testing.mitm.Tamper`` builds attacks.
+        self.tamper = tamper
         self.listen = listen
         self.chunk_size = int(chunk_size)
         self._loop: asyncio.AbstractEventLoop = None  # type: ignore[assignment]  # set by start()

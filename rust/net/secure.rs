@@ -237,10 +237,271 @@ async fn read_hs<R: AsyncRead + Unpin>(r: &mut R, buf: &mut Vec<u8>) -> CoreResu
     }
 }
 
-/// Tells the peer why we give up, best effort (it may be gone), then returns `err`.
-async fn reject<W: AsyncWrite + Unpin>(w: &mut W, status: u8, err: CoreError) -> CoreError {
-    let _ = write_frame(w, &[status]).await;
-    err
+/// A handshake step that failed: the frame to send the peer first (a status byte that
+/// tells it why, when it should know), and the error.
+#[derive(Debug)]
+pub struct HandshakeFailure {
+    pub reply: Option<Vec<u8>>,
+    pub error: CoreError,
+}
+
+impl HandshakeFailure {
+    fn quiet(error: CoreError) -> Self {
+        HandshakeFailure { reply: None, error }
+    }
+    fn status(status: u8, error: CoreError) -> Self {
+        HandshakeFailure {
+            reply: Some(vec![status]),
+            error,
+        }
+    }
+}
+
+enum HsState {
+    /// Noise messages still to exchange (the dialer before its hello is sent, or waiting
+    /// for the reply; the acceptor waiting for the hello).
+    Noise(Box<HandshakeState>),
+    /// The acceptor's keys are set; it waits for the dialer's key confirmation.
+    Confirm(StatelessTransportState),
+    Done(StatelessTransportState),
+    Failed,
+}
+
+/// The secure handshake as a state machine without I/O: frames in, frames out. The
+/// async functions below drive it over a tokio stream; `py::secure` drives it from
+/// asyncio for the control plane. Either way the bytes on the wire are the same.
+///
+/// Dialer: `hello()`, then `on_frame(reply)` gives the confirmation to send, and it is
+/// done. Acceptor: `on_frame(hello)` gives the reply to send, `on_frame(confirmation)`
+/// gives nothing, and it is done. A failure poisons the handshake.
+pub struct Handshake {
+    role: Role,
+    psk: bool,
+    suite: Suite,
+    state: HsState,
+    hello_sent: bool,
+}
+
+fn noise_err(e: snow::Error) -> CoreError {
+    CoreError::PeerConnection(format!("secure handshake: {e}"))
+}
+
+impl Handshake {
+    /// `prologue`: the caller's context; `PROLOGUE_LABEL` is put in front here.
+    pub fn new(dial: bool, psk: Option<&[u8; 32]>, prologue: &[u8], suite: Suite) -> CoreResult<Self> {
+        let role = if dial { Role::Dialer } else { Role::Acceptor };
+        let hs = build_state(role, psk, &full_prologue(prologue), suite)?;
+        Ok(Handshake {
+            role,
+            psk: psk.is_some(),
+            suite,
+            state: HsState::Noise(Box::new(hs)),
+            hello_sent: false,
+        })
+    }
+
+    pub fn is_done(&self) -> bool {
+        matches!(self.state, HsState::Done(_))
+    }
+
+    /// The session keys, once done.
+    pub fn into_transport(self) -> Option<StatelessTransportState> {
+        match self.state {
+            HsState::Done(t) => Some(t),
+            _ => None,
+        }
+    }
+
+    /// The dialer's first frame.
+    pub fn hello(&mut self) -> CoreResult<Vec<u8>> {
+        let HsState::Noise(hs) = &mut self.state else {
+            return Err(CoreError::InvalidUsage("secure handshake: hello out of turn".into()));
+        };
+        if self.role != Role::Dialer || self.hello_sent {
+            return Err(CoreError::InvalidUsage("secure handshake: hello out of turn".into()));
+        }
+        let mut msg = [0u8; MAX_HANDSHAKE_FRAME];
+        let n = hs.write_message(&[], &mut msg).map_err(noise_err)?;
+        self.hello_sent = true;
+        let mut hello = Vec::with_capacity(10 + n);
+        hello.extend_from_slice(HELLO_MAGIC);
+        hello.push(self.psk as u8);
+        hello.push(self.suite.cipher.wire());
+        hello.extend_from_slice(&msg[..n]);
+        Ok(hello)
+    }
+
+    /// Takes the peer's next frame; returns the frame to answer with, if any.
+    pub fn on_frame(&mut self, frame: &[u8]) -> Result<Option<Vec<u8>>, HandshakeFailure> {
+        let state = std::mem::replace(&mut self.state, HsState::Failed);
+        let (next, out) = match (self.role, state) {
+            (Role::Dialer, HsState::Noise(hs)) if self.hello_sent => self.dialer_reply(*hs, frame)?,
+            (Role::Acceptor, HsState::Noise(hs)) => self.acceptor_hello(*hs, frame)?,
+            (Role::Acceptor, HsState::Confirm(t)) => (acceptor_confirm(t, frame)?, None),
+            _ => {
+                return Err(HandshakeFailure::quiet(CoreError::InvalidUsage(
+                    "secure handshake: a frame out of turn".into(),
+                )))
+            }
+        };
+        self.state = next;
+        Ok(out)
+    }
+
+    fn dialer_reply(
+        &self,
+        mut hs: HandshakeState,
+        frame: &[u8],
+    ) -> Result<(HsState, Option<Vec<u8>>), HandshakeFailure> {
+        let fail = |e| Err(HandshakeFailure::quiet(e));
+        match frame.first().copied() {
+            Some(STATUS_OK) => {}
+            Some(STATUS_AUTH_FAILED) => return fail(auth_failed("the peer could not authenticate us")),
+            Some(STATUS_MODE_MISMATCH) => {
+                return fail(CoreError::Authentication(if self.psk {
+                    "secure handshake failed: we use a shared secret and the peer has none".into()
+                } else {
+                    "secure handshake failed: the peer requires a shared secret and we have none"
+                        .into()
+                }))
+            }
+            Some(STATUS_TRANSPORT_MISMATCH) => {
+                return fail(CoreError::Authentication(
+                    "secure handshake failed: the peer runs in clear text (insecure=True) and \
+                     we encrypt; both ends must use the same `insecure` setting"
+                        .into(),
+                ))
+            }
+            Some(STATUS_CIPHER_MISMATCH) => {
+                return fail(CoreError::Protocol(
+                    "secure handshake failed: the peer uses another cipher (another pccl \
+                     version?)"
+                        .into(),
+                ))
+            }
+            _ => {
+                return fail(CoreError::PeerConnection(
+                    "garbage during the secure handshake (bad status)".into(),
+                ))
+            }
+        }
+        let mut scratch = [0u8; MAX_HANDSHAKE_FRAME];
+        if hs.read_message(&frame[1..], &mut scratch).is_err() {
+            return Err(HandshakeFailure::status(
+                STATUS_AUTH_FAILED,
+                auth_failed("the peer's handshake reply did not authenticate"),
+            ));
+        }
+        let transport = hs
+            .into_stateless_transport_mode()
+            .map_err(|e| HandshakeFailure::quiet(noise_err(e)))?;
+        let mut msg = [0u8; MAX_HANDSHAKE_FRAME];
+        let n = transport
+            .write_message(0, CONFIRM_LABEL, &mut msg)
+            .map_err(|e| HandshakeFailure::quiet(noise_err(e)))?;
+        let mut confirm = Vec::with_capacity(1 + n);
+        confirm.push(STATUS_OK);
+        confirm.extend_from_slice(&msg[..n]);
+        Ok((HsState::Done(transport), Some(confirm)))
+    }
+
+    fn acceptor_hello(
+        &self,
+        mut hs: HandshakeState,
+        frame: &[u8],
+    ) -> Result<(HsState, Option<Vec<u8>>), HandshakeFailure> {
+        if frame == CLEAR_HELLO {
+            return Err(HandshakeFailure::status(
+                STATUS_TRANSPORT_MISMATCH,
+                CoreError::Authentication(
+                    "secure handshake failed: the peer dials in clear text (insecure=True) and \
+                     we encrypt; both ends must use the same `insecure` setting"
+                        .into(),
+                ),
+            ));
+        }
+        if frame.len() < 10 || &frame[..8] != HELLO_MAGIC {
+            return Err(HandshakeFailure::quiet(CoreError::PeerConnection(
+                "garbage during the secure handshake (not a pccl secure hello)".into(),
+            )));
+        }
+        let (their_psk, their_cipher) = (frame[8] != 0, frame[9]);
+        if their_psk != self.psk {
+            let m = if self.psk {
+                "secure handshake failed: we require a shared secret and the peer has none"
+            } else {
+                "secure handshake failed: the peer uses a shared secret and we have none"
+            };
+            return Err(HandshakeFailure::status(
+                STATUS_MODE_MISMATCH,
+                CoreError::Authentication(m.into()),
+            ));
+        }
+        if their_cipher != self.suite.cipher.wire() {
+            return Err(HandshakeFailure::status(
+                STATUS_CIPHER_MISMATCH,
+                CoreError::Protocol(format!(
+                    "secure handshake failed: the peer uses cipher {their_cipher}, we use {:?} \
+                     (another pccl version?)",
+                    self.suite.cipher
+                )),
+            ));
+        }
+        let mut scratch = [0u8; MAX_HANDSHAKE_FRAME];
+        if hs.read_message(&frame[10..], &mut scratch).is_err() {
+            return Err(HandshakeFailure::status(
+                STATUS_AUTH_FAILED,
+                auth_failed("the peer's hello did not authenticate"),
+            ));
+        }
+        let mut msg = [0u8; MAX_HANDSHAKE_FRAME];
+        let n = hs
+            .write_message(&[], &mut msg)
+            .map_err(|e| HandshakeFailure::quiet(noise_err(e)))?;
+        let mut reply = Vec::with_capacity(1 + n);
+        reply.push(STATUS_OK);
+        reply.extend_from_slice(&msg[..n]);
+        let transport = hs
+            .into_stateless_transport_mode()
+            .map_err(|e| HandshakeFailure::quiet(noise_err(e)))?;
+        Ok((HsState::Confirm(transport), Some(reply)))
+    }
+}
+
+fn acceptor_confirm(
+    transport: StatelessTransportState,
+    frame: &[u8],
+) -> Result<HsState, HandshakeFailure> {
+    match frame.first().copied() {
+        Some(STATUS_OK) => {}
+        Some(STATUS_AUTH_FAILED) => {
+            return Err(HandshakeFailure::quiet(auth_failed(
+                "the peer could not authenticate us",
+            )))
+        }
+        _ => {
+            return Err(HandshakeFailure::quiet(CoreError::PeerConnection(
+                "garbage during the secure handshake (bad status)".into(),
+            )))
+        }
+    }
+    let mut scratch = [0u8; MAX_HANDSHAKE_FRAME];
+    match transport.read_message(0, &frame[1..], &mut scratch) {
+        Ok(n) if &scratch[..n] == CONFIRM_LABEL => Ok(HsState::Done(transport)),
+        _ => Err(HandshakeFailure::quiet(auth_failed(
+            "the peer's key confirmation did not authenticate",
+        ))),
+    }
+}
+
+/// The first nonce of each direction after the handshake, (read, write): the dialer's
+/// confirmation used nonce 0 of its sending direction.
+pub fn first_nonces(dial: bool) -> (u64, u64) {
+    if dial {
+        (0, 1)
+    } else {
+        (1, 0)
+    }
 }
 
 async fn run_handshake<T: AsyncRead + AsyncWrite + Unpin>(
@@ -249,158 +510,33 @@ async fn run_handshake<T: AsyncRead + AsyncWrite + Unpin>(
     psk: Option<&[u8; 32]>,
     prologue: &[u8],
     suite: Suite,
+    first: Option<Vec<u8>>,
 ) -> CoreResult<StatelessTransportState> {
-    let mut hs = build_state(role, psk, &full_prologue(prologue), suite)?;
-    let mut msg = vec![0u8; MAX_HANDSHAKE_FRAME];
+    let mut hs = Handshake::new(role == Role::Dialer, psk, prologue, suite)?;
+    if role == Role::Dialer {
+        let hello = hs.hello()?;
+        write_frame(io, &hello).await?;
+    }
+    let mut pending = first;
     let mut frame = Vec::with_capacity(MAX_HANDSHAKE_FRAME);
-    let mut scratch = vec![0u8; MAX_HANDSHAKE_FRAME];
-    let noise_err = |e: snow::Error| CoreError::PeerConnection(format!("secure handshake: {e}"));
-    match role {
-        Role::Dialer => {
-            let n = hs.write_message(&[], &mut msg).map_err(noise_err)?;
-            let mut hello = Vec::with_capacity(10 + n);
-            hello.extend_from_slice(HELLO_MAGIC);
-            hello.push(psk.is_some() as u8);
-            hello.push(suite.cipher.wire());
-            hello.extend_from_slice(&msg[..n]);
-            write_frame(io, &hello).await?;
-
-            read_hs(io, &mut frame).await?;
-            match frame.first().copied() {
-                Some(STATUS_OK) => {}
-                Some(STATUS_AUTH_FAILED) => {
-                    return Err(auth_failed("the peer could not authenticate us"))
-                }
-                Some(STATUS_MODE_MISMATCH) => {
-                    return Err(CoreError::Authentication(if psk.is_some() {
-                        "secure handshake failed: we use a shared secret and the peer has none"
-                            .into()
-                    } else {
-                        "secure handshake failed: the peer requires a shared secret and we \
-                         have none"
-                            .into()
-                    }))
-                }
-                Some(STATUS_TRANSPORT_MISMATCH) => {
-                    return Err(CoreError::Authentication(
-                        "secure handshake failed: the peer runs its p2p streams in clear text \
-                         (insecure=True) and we encrypt them; every peer must use the same \
-                         `insecure` setting"
-                            .into(),
-                    ))
-                }
-                Some(STATUS_CIPHER_MISMATCH) => {
-                    return Err(CoreError::Protocol(
-                        "secure handshake failed: the peer uses another cipher (another pccl \
-                         version?)"
-                            .into(),
-                    ))
-                }
-                _ => {
-                    return Err(CoreError::PeerConnection(
-                        "garbage during the secure handshake (bad status)".into(),
-                    ))
-                }
-            }
-            if hs.read_message(&frame[1..], &mut scratch).is_err() {
-                return Err(reject(
-                    io,
-                    STATUS_AUTH_FAILED,
-                    auth_failed("the peer's handshake reply did not authenticate"),
-                )
-                .await);
-            }
-            let transport = hs.into_stateless_transport_mode().map_err(noise_err)?;
-            let n = transport
-                .write_message(0, CONFIRM_LABEL, &mut msg)
-                .map_err(noise_err)?;
-            let mut confirm = Vec::with_capacity(1 + n);
-            confirm.push(STATUS_OK);
-            confirm.extend_from_slice(&msg[..n]);
-            write_frame(io, &confirm).await?;
-            Ok(transport)
+    while !hs.is_done() {
+        match pending.take() {
+            Some(f) => frame = f,
+            None => read_hs(io, &mut frame).await?,
         }
-        Role::Acceptor => {
-            read_hs(io, &mut frame).await?;
-            if frame.as_slice() == CLEAR_HELLO {
-                return Err(reject(
-                    io,
-                    STATUS_TRANSPORT_MISMATCH,
-                    CoreError::Authentication(
-                        "secure handshake failed: the peer dials in clear text \
-                         (insecure=True) and we encrypt; every peer must use the same \
-                         `insecure` setting"
-                            .into(),
-                    ),
-                )
-                .await);
-            }
-            if frame.len() < 10 || &frame[..8] != HELLO_MAGIC {
-                return Err(CoreError::PeerConnection(
-                    "garbage during the secure handshake (not a pccl secure hello)".into(),
-                ));
-            }
-            let (their_psk, their_cipher) = (frame[8] != 0, frame[9]);
-            if their_psk != psk.is_some() {
-                let m = if psk.is_some() {
-                    "secure handshake failed: we require a shared secret and the peer has none"
-                } else {
-                    "secure handshake failed: the peer uses a shared secret and we have none"
-                };
-                return Err(reject(
-                    io,
-                    STATUS_MODE_MISMATCH,
-                    CoreError::Authentication(m.into()),
-                )
-                .await);
-            }
-            if their_cipher != suite.cipher.wire() {
-                return Err(reject(
-                    io,
-                    STATUS_CIPHER_MISMATCH,
-                    CoreError::Protocol(format!(
-                        "secure handshake failed: the peer uses cipher {their_cipher}, we use \
-                         {:?} (another pccl version?)",
-                        suite.cipher
-                    )),
-                )
-                .await);
-            }
-            if hs.read_message(&frame[10..], &mut scratch).is_err() {
-                return Err(reject(
-                    io,
-                    STATUS_AUTH_FAILED,
-                    auth_failed("the peer's hello did not authenticate"),
-                )
-                .await);
-            }
-            let n = hs.write_message(&[], &mut msg).map_err(noise_err)?;
-            let mut reply = Vec::with_capacity(1 + n);
-            reply.push(STATUS_OK);
-            reply.extend_from_slice(&msg[..n]);
-            write_frame(io, &reply).await?;
-
-            read_hs(io, &mut frame).await?;
-            match frame.first().copied() {
-                Some(STATUS_OK) => {}
-                Some(STATUS_AUTH_FAILED) => {
-                    return Err(auth_failed("the peer could not authenticate us"))
+        match hs.on_frame(&frame) {
+            Ok(Some(out)) => write_frame(io, &out).await?,
+            Ok(None) => {}
+            Err(HandshakeFailure { reply, error }) => {
+                if let Some(reply) = reply {
+                    // Best effort: the peer may be gone.
+                    let _ = write_frame(io, &reply).await;
                 }
-                _ => {
-                    return Err(CoreError::PeerConnection(
-                        "garbage during the secure handshake (bad status)".into(),
-                    ))
-                }
-            }
-            let transport = hs.into_stateless_transport_mode().map_err(noise_err)?;
-            match transport.read_message(0, &frame[1..], &mut scratch) {
-                Ok(n) if &scratch[..n] == CONFIRM_LABEL => Ok(transport),
-                _ => Err(auth_failed(
-                    "the peer's key confirmation did not authenticate",
-                )),
+                return Err(error);
             }
         }
     }
+    Ok(hs.into_transport().expect("the handshake is done"))
 }
 
 async fn handshake<T: AsyncRead + AsyncWrite + Unpin>(
@@ -410,8 +546,12 @@ async fn handshake<T: AsyncRead + AsyncWrite + Unpin>(
     prologue: &[u8],
     timeout: Duration,
     suite: Suite,
+    first: Option<Vec<u8>>,
 ) -> CoreResult<(ReadState, WriteState)> {
-    let transport = tokio::time::timeout(timeout, run_handshake(io, role, psk, prologue, suite))
+    let transport = tokio::time::timeout(
+        timeout,
+        run_handshake(io, role, psk, prologue, suite, first),
+    )
         .await
         .map_err(|_| {
             CoreError::PeerConnection(format!(
@@ -419,11 +559,7 @@ async fn handshake<T: AsyncRead + AsyncWrite + Unpin>(
             ))
         })??;
     let cipher = Arc::new(transport);
-    // The dialer's first record of its sending direction used nonce 0 (the confirmation).
-    let (read_nonce, write_nonce) = match role {
-        Role::Dialer => (0, 1),
-        Role::Acceptor => (1, 0),
-    };
+    let (read_nonce, write_nonce) = first_nonces(role == Role::Dialer);
     Ok((
         ReadState::new(cipher.clone(), read_nonce),
         WriteState::new(cipher, write_nonce),
@@ -439,18 +575,31 @@ pub async fn secure_dial<S: AsyncRead + AsyncWrite + Unpin>(
     prologue: &[u8],
     timeout: Duration,
 ) -> CoreResult<SecureStream<S>> {
-    let (r, w) = handshake(&mut stream, Role::Dialer, psk, prologue, timeout, SUITE).await?;
+    let (r, w) = handshake(&mut stream, Role::Dialer, psk, prologue, timeout, SUITE, None).await?;
     Ok(SecureStream::new(stream, r, w))
 }
 
 /// The accepting side of `secure_dial`.
 pub async fn secure_accept<S: AsyncRead + AsyncWrite + Unpin>(
-    mut stream: S,
+    stream: S,
     psk: Option<&[u8; 32]>,
     prologue: &[u8],
     timeout: Duration,
 ) -> CoreResult<SecureStream<S>> {
-    let (r, w) = handshake(&mut stream, Role::Acceptor, psk, prologue, timeout, SUITE).await?;
+    secure_accept_first(stream, None, psk, prologue, timeout).await
+}
+
+/// `secure_accept` when the dialer's first frame has been read already (by a listener
+/// that looks at it to tell secure, clear and other hellos apart).
+pub async fn secure_accept_first<S: AsyncRead + AsyncWrite + Unpin>(
+    mut stream: S,
+    first: Option<Vec<u8>>,
+    psk: Option<&[u8; 32]>,
+    prologue: &[u8],
+    timeout: Duration,
+) -> CoreResult<SecureStream<S>> {
+    let (r, w) =
+        handshake(&mut stream, Role::Acceptor, psk, prologue, timeout, SUITE, first).await?;
     Ok(SecureStream::new(stream, r, w))
 }
 
@@ -499,7 +648,7 @@ where
     W: AsyncWrite + Unpin,
 {
     let role = if dial { Role::Dialer } else { Role::Acceptor };
-    let (r, w) = handshake(&mut io, role, psk, prologue, timeout, suite).await?;
+    let (r, w) = handshake(&mut io, role, psk, prologue, timeout, suite, None).await?;
     Ok((
         SecureReadHalf {
             io: io.read,

@@ -6,4 +6,5 @@ pub mod hash;
 pub mod logging;
 pub mod node;
 pub mod ring;
+pub mod secure;
 pub mod transfer;

@@ -1,0 +1,168 @@
+//! The secure handshake and record layer for asyncio callers (the master's control
+//! plane): `net::secure::Handshake` and a Noise transport state, with no I/O here. The
+//! bytes on the wire are those of the p2p streams (`net/secure.rs`).
+
+use crate::error::CoreError;
+use crate::net::secure::{self, Handshake, HandshakeFailure, MAX_PLAINTEXT, MAX_RECORD, TAG_LEN};
+use pyo3::prelude::*;
+use pyo3::types::PyBytes;
+use snow::StatelessTransportState;
+
+/// One side of a secure handshake, driven frame by frame.
+///
+/// Dialer: send `hello()`, feed the reply to `on_frame`, send what it returns; done.
+/// Acceptor: feed the hello to `on_frame`, send the reply, feed the confirmation; done.
+/// `on_frame` returns `(frame_to_send_or_None, error_or_None)`: on an error, send the
+/// frame first if there is one (it tells the peer why), then raise the error.
+#[pyclass(name = "SecureHandshake", module = "pccl._core")]
+pub struct PySecureHandshake {
+    inner: Option<Handshake>,
+    dial: bool,
+}
+
+#[pymethods]
+impl PySecureHandshake {
+    /// `secret`: the shared secret (Noise NNpsk0), or None (Noise NN: encrypted, not
+    /// authenticated). `prologue`: the context both ends must agree on.
+    #[new]
+    #[pyo3(signature = (dial, secret, prologue))]
+    fn new(dial: bool, secret: Option<&[u8]>, prologue: &[u8]) -> PyResult<Self> {
+        let psk = secret.map(secure::psk_from_secret);
+        let inner = Handshake::new(dial, psk.as_ref(), prologue, secure::SUITE)?;
+        Ok(PySecureHandshake {
+            inner: Some(inner),
+            dial,
+        })
+    }
+
+    fn hello<'py>(&mut self, py: Python<'py>) -> PyResult<Bound<'py, PyBytes>> {
+        let hs = self.inner.as_mut().ok_or_else(used_up)?;
+        Ok(PyBytes::new(py, &hs.hello()?))
+    }
+
+    fn on_frame<'py>(
+        &mut self,
+        py: Python<'py>,
+        frame: &[u8],
+    ) -> PyResult<(Option<Bound<'py, PyBytes>>, Option<Py<PyAny>>)> {
+        let hs = self.inner.as_mut().ok_or_else(used_up)?;
+        Ok(match hs.on_frame(frame) {
+            Ok(out) => (out.map(|f| PyBytes::new(py, &f)), None),
+            Err(HandshakeFailure { reply, error }) => {
+                self.inner = None;
+                let err: PyErr = error.into();
+                (
+                    reply.map(|f| PyBytes::new(py, &f)),
+                    Some(err.into_value(py).into_any()),
+                )
+            }
+        })
+    }
+
+    /// True once the keys are set on both sides.
+    #[getter]
+    fn done(&self) -> bool {
+        self.inner.as_ref().is_some_and(Handshake::is_done)
+    }
+
+    /// The session of a finished handshake (once).
+    fn session(&mut self) -> PyResult<SecureSession> {
+        let hs = self.inner.take().ok_or_else(used_up)?;
+        let Some(transport) = hs.into_transport() else {
+            return Err(CoreError::InvalidUsage("the secure handshake is not done".into()).into());
+        };
+        let (read_nonce, write_nonce) = secure::first_nonces(self.dial);
+        Ok(SecureSession {
+            transport,
+            read_nonce,
+            write_nonce,
+            failed: false,
+        })
+    }
+}
+
+fn used_up() -> PyErr {
+    CoreError::InvalidUsage("this secure handshake failed or was used up".into()).into()
+}
+
+/// The record layer of one connection: `seal` turns bytes into wire records
+/// (`u32 BE length | ciphertext and tag`, each at most `MAX_RECORD`), `open` one record
+/// body back into bytes. A record that fails authentication (modified, injected,
+/// replayed, reordered) raises ProtocolError and the session refuses everything after.
+#[pyclass(module = "pccl._core")]
+pub struct SecureSession {
+    transport: StatelessTransportState,
+    read_nonce: u64,
+    write_nonce: u64,
+    failed: bool,
+}
+
+#[pymethods]
+impl SecureSession {
+    /// Largest record body `open` accepts (the length prefix's upper bound).
+    #[classattr]
+    const MAX_RECORD: usize = MAX_RECORD;
+    /// Smallest record body (an empty plaintext and its tag).
+    #[classattr]
+    const MIN_RECORD: usize = TAG_LEN;
+
+    fn seal<'py>(&mut self, py: Python<'py>, data: &[u8]) -> PyResult<Bound<'py, PyBytes>> {
+        let chunks = data.len().div_ceil(MAX_PLAINTEXT).max(1);
+        let total = data.len() + chunks * (4 + TAG_LEN);
+        let transport = &self.transport;
+        let mut nonce = self.write_nonce;
+        let out = PyBytes::new_with(py, total, |buf| {
+            let mut at = 0;
+            let mut pieces = data.chunks(MAX_PLAINTEXT);
+            let mut next = pieces.next().or(Some(&[][..]));
+            while let Some(piece) = next {
+                let len = piece.len() + TAG_LEN;
+                buf[at..at + 4].copy_from_slice(&(len as u32).to_be_bytes());
+                transport
+                    .write_message(nonce, piece, &mut buf[at + 4..at + 4 + len])
+                    .map_err(|e| CoreError::Protocol(format!("secure session: {e}")))?;
+                nonce += 1;
+                at += 4 + len;
+                next = pieces.next();
+            }
+            Ok(())
+        })?;
+        self.write_nonce = nonce;
+        Ok(out)
+    }
+
+    fn open<'py>(&mut self, py: Python<'py>, record: &[u8]) -> PyResult<Bound<'py, PyBytes>> {
+        if self.failed {
+            return Err(integrity("an earlier record failed"));
+        }
+        if !(TAG_LEN..=MAX_RECORD).contains(&record.len()) {
+            self.failed = true;
+            return Err(integrity("bad record length"));
+        }
+        let mut plain = vec![0u8; record.len()];
+        match self.transport.read_message(self.read_nonce, record, &mut plain) {
+            Ok(n) => {
+                self.read_nonce += 1;
+                Ok(PyBytes::new(py, &plain[..n]))
+            }
+            Err(_) => {
+                self.failed = true;
+                Err(integrity("a record did not authenticate"))
+            }
+        }
+    }
+}
+
+fn integrity(what: &str) -> PyErr {
+    CoreError::Protocol(format!("secure connection: integrity check failed ({what})")).into()
+}
+
+pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<PySecureHandshake>()?;
+    m.add_class::<SecureSession>()?;
+    m.add("SECURE_HELLO_MAGIC", PyBytes::new(m.py(), secure::HELLO_MAGIC))?;
+    m.add("CLEAR_HELLO", PyBytes::new(m.py(), secure::CLEAR_HELLO))?;
+    m.add("MAX_HANDSHAKE_FRAME", secure::MAX_HANDSHAKE_FRAME)?;
+    m.add("STATUS_TRANSPORT_MISMATCH", secure::STATUS_TRANSPORT_MISMATCH)?;
+    Ok(())
+}

@@ -1,0 +1,154 @@
+"""A stranger without the shared secret against every open port of a running group: the
+master's control port, and each peer's p2p port (ring, shared-state transfer and probe
+streams all arrive there). Scripted: every control message kind, every p2p stream kind,
+in clear text and through the secure handshake with a wrong key or none. Each attempt
+is refused, and all the stranger ever receives is at most a one-byte status or a
+handshake reply: never a peer id, an address, a revision, a hash or a tensor byte. The
+group is unharmed (an exact all-reduce afterwards)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import struct
+
+import numpy as np
+import pytest
+from test_protocol import EXAMPLES
+
+import pccl
+from pccl import _core
+from pccl.protocol import codec
+from pccl.protocol.transport import PROLOGUE
+from pccl.testing import Cluster
+
+SECRET = b"the group's secret"
+# The handshake reply of a listener: a status byte then an ephemeral key (Noise "e, ee"
+# with its empty payload's tag): nothing of the group in it.
+MAX_REPLY = 1 + 32 + 16 + 4
+
+
+async def _talk(address: str, sends: list[bytes]) -> bytes:
+    """Connects, writes each of ``sends``, then reads until the other end hangs up
+    (bounded). Returns everything received."""
+    host, port = address.rsplit(":", 1)
+    reader, writer = await asyncio.open_connection(host, int(port))
+    got = bytearray()
+    try:
+        for data in sends:
+            writer.write(data)
+        with contextlib.suppress(ConnectionError):
+            await writer.drain()
+        async with asyncio.timeout(15):
+            while chunk := await reader.read(1 << 16):
+                got += chunk
+    except ConnectionError:
+        pass
+    finally:
+        writer.close()
+        with contextlib.suppress(ConnectionError):
+            await writer.wait_closed()
+    return bytes(got)
+
+
+def _frame(body: bytes) -> bytes:
+    return struct.pack(">I", len(body)) + body
+
+
+def _secure_hello(secret: bytes | None, prologue: bytes) -> bytes:
+    return _frame(_core.SecureHandshake(True, secret, prologue).hello())
+
+
+def _p2p_hello(purpose: int) -> bytes:
+    """A p2p stream hello (``rust/net/handshake.rs``) claiming to be peer 1 dialing
+    peer 2, with a made-up MAC."""
+    body = (b"PCCLP2P\x01" + struct.pack(">HQQQHHB", 1, 1, 2, 1, 0, 0, purpose)
+            + b"\x00" * 16 + b"\x00" * 32)
+    return _frame(body)
+
+
+def _leaks(got: bytes, cluster: Cluster) -> list[str]:
+    found = []
+    for c in cluster.comms:
+        if str(c.p2p_port).encode() in got:
+            found.append(f"p2p port of peer {c.peer_id}")
+    for word in (b"127.0.0.1", b"peer", b"ring", b"revision", b"t\xa7welcome"):
+        if word in got:
+            found.append(repr(word))
+    return found
+
+
+@pytest.fixture
+async def group():
+    async with Cluster(3, secret=SECRET) as cluster:
+        yield cluster
+        # Unharmed: the group still reduces exactly.
+        xs = [np.full(1024, i + 1, np.float32) for i in range(3)]
+        async with asyncio.timeout(30):
+            await asyncio.gather(*(c.all_reduce(x) for c, x in zip(cluster.comms, xs)))
+        for x in xs:
+            np.testing.assert_array_equal(x, np.full(1024, 6, np.float32))
+
+
+def _master_scripts() -> dict[str, list[bytes]]:
+    scripts: dict[str, list[bytes]] = {}
+    for msg in EXAMPLES:  # every control message kind, in clear text, first thing
+        scripts[f"clear-{msg.TYPE}"] = [codec.frame(msg)]
+    scripts["clear-hello-then-register"] = [_frame(_core.CLEAR_HELLO),
+                                            *(codec.frame(x) for x in EXAMPLES[:2])]
+    scripts["secure-no-secret"] = [_secure_hello(None, PROLOGUE)]
+    scripts["secure-wrong-secret"] = [_secure_hello(b"guess", PROLOGUE)]
+    scripts["secure-p2p-prologue"] = [_secure_hello(b"guess", b"pccl p2p v1")]
+    scripts["noise"] = [bytes(range(256)) * 4]
+    return scripts
+
+
+MASTER_SCRIPTS = _master_scripts()
+
+
+@pytest.mark.parametrize("script", sorted(MASTER_SCRIPTS))
+async def test_a_stranger_at_the_master_learns_nothing(group: Cluster, script: str) -> None:
+    before = (group.master.state.accepted(), group.master.state.pending())
+    got = await _talk(group.master.address, MASTER_SCRIPTS[script])
+    assert len(got) <= MAX_REPLY, (script, got)
+    assert not _leaks(got, group), (script, _leaks(got, group))
+    assert (group.master.state.accepted(), group.master.state.pending()) == before
+
+
+def _p2p_scripts() -> dict[str, list[bytes]]:
+    scripts: dict[str, list[bytes]] = {}
+    for purpose, name in enumerate(("ring", "transfer", "probe")):
+        scripts[f"clear-{name}"] = [_frame(_core.CLEAR_HELLO), _p2p_hello(purpose)]
+        scripts[f"raw-{name}"] = [_p2p_hello(purpose)]
+    scripts["secure-no-secret"] = [_secure_hello(None, b"pccl p2p v1")]
+    scripts["secure-wrong-secret"] = [_secure_hello(b"guess", b"pccl p2p v1")]
+    scripts["secure-control-prologue"] = [_secure_hello(b"guess", PROLOGUE)]
+    scripts["control-messages"] = [codec.frame(x) for x in EXAMPLES]
+    return scripts
+
+
+P2P_SCRIPTS = _p2p_scripts()
+
+
+@pytest.mark.parametrize("script", sorted(P2P_SCRIPTS))
+async def test_a_stranger_at_a_p2p_port_learns_nothing(group: Cluster, script: str) -> None:
+    target = group.comms[1]
+    got = await _talk(f"127.0.0.1:{target.p2p_port}", P2P_SCRIPTS[script])
+    assert len(got) <= MAX_REPLY, (script, got)
+    assert not _leaks(got, group), (script, _leaks(got, group))
+
+
+async def test_a_stranger_with_the_right_protocol_and_a_wrong_secret_is_told_so() -> None:
+    """What a mistaken operator (not an attacker) sees: a typed error naming the secret,
+    on the master port and on a p2p port."""
+    async with Cluster(2, secret=SECRET) as cluster:
+        comm = pccl.Communicator(master=cluster.master.address, secret=b"other")
+        with pytest.raises(pccl.AuthenticationError):
+            await comm.connect(n_attempts=1)
+        node = await _core.P2PNode.bind(9, secret=b"other", handshake_timeout=10.0)
+        try:
+            with pytest.raises(pccl.AuthenticationError):
+                async with asyncio.timeout(15):
+                    await node.connect_pool(f"127.0.0.1:{cluster.comms[0].p2p_port}", 1, 1, 1)
+        finally:
+            await node.close()
