@@ -51,6 +51,12 @@ def _add_master_args(p: argparse.ArgumentParser) -> None:
                    default=d["repair_rings"],
                    help="rebuild a ring that lost a peer without waiting for "
                         "update_topology() (default: on, as in PCCL)")
+    p.add_argument("--dial-back-timeout", type=float, default=d["dial_back_timeout"],
+                   metavar="S", help="reachability check of each peer's p2p address "
+                                     "(%(default)s s); peers that fail it are behind NAT")
+    p.add_argument("--max-relayed-streams", type=int, default=d["max_relayed_streams"],
+                   metavar="N", help="ring-link streams relayed at once for peers that "
+                                     "cannot connect directly (%(default)s; 0: no relay)")
     p.add_argument("--insecure", action="store_true",
                    help="also accept peers whose control connection is in clear text "
                         "(Communicator(insecure=True)); encrypted ones are accepted either way")
@@ -82,7 +88,9 @@ async def _run_master(args: argparse.Namespace) -> None:
                         establish_timeout=args.establish_timeout,
                         max_establish_attempts=args.max_establish_attempts,
                         recovery_grace=args.recovery_grace,
-                        repair_rings=args.repair_rings, insecure=args.insecure)
+                        repair_rings=args.repair_rings, insecure=args.insecure,
+                        dial_back_timeout=args.dial_back_timeout,
+                        max_relayed_streams=args.max_relayed_streams)
     await master.start()
     print(f"pccl master listening on {master.address}", flush=True)
     loop = asyncio.get_running_loop()

@@ -35,6 +35,12 @@ __all__ = [
     "MAX_FETCHES_IN_FLIGHT",
     "fetch_ranges",
     "FetchOp",
+    "SecureHandshake",
+    "SecureSession",
+    "SECURE_HELLO_MAGIC",
+    "CLEAR_HELLO",
+    "MAX_HANDSHAKE_FRAME",
+    "STATUS_TRANSPORT_MISMATCH",
     "P2PNode",
     "RingOp",
 ]
@@ -97,6 +103,7 @@ MAX_HANDSHAKE_FRAME: int
 STATUS_TRANSPORT_MISMATCH: int
 
 
+@final
 class SecureHandshake:
     """One side of the secure handshake, driven frame by frame (no I/O)."""
 
@@ -108,6 +115,7 @@ class SecureHandshake:
     def session(self) -> SecureSession: ...
 
 
+@final
 class SecureSession:
     """The record layer of one connection after a secure handshake."""
 
@@ -139,8 +147,7 @@ class P2PNode:
     def set_peer_id(self, peer_id: int) -> None: ...
     def connect_pool(self, addr: str, to: int, epoch: int, pool_size: int,
                      route: str = "direct", token: bytes | None = None) -> Future[None]: ...
-    def open_inbound(self, route: str, addr: str, token: bytes,
-                     pool_size: int) -> Future[None]: ...
+    def open_inbound(self, route: str, addr: str, token: bytes) -> Future[None]: ...
     def retain_from_epoch(self, epoch: int) -> None: ...
     def close(self) -> Future[None]: ...
     def install_ring(

@@ -83,7 +83,16 @@ class Communicator(Driver):
     then also authenticates the peers). ``insecure=True`` sends them in clear text
     instead (trusted networks only); every peer of a run must use the same setting: a
     peer that differs from its neighbour fails the handshake with
-    :class:`AuthenticationError` (its ring links are not established).
+    :class:`AuthenticationError` (its ring links are not established). The connection
+    to the master is encrypted the same way; a master refuses a clear-text peer unless
+    it was started with ``insecure=True``.
+
+    Peers behind NAT need no port forwarding: the master checks whether each peer's
+    p2p address can be dialed and, for a ring link to a peer that cannot, has that peer
+    dial its neighbour instead; where neither end can be dialed, the link goes through
+    the master's relay (slow: every byte crosses the master twice; still encrypted end
+    to end). ``allow_relay=False`` refuses that: such a peer's ring links must be
+    direct, or it is dropped from the round with an error that says why.
 
     When the connection to the master is lost (the master process died, or dropped
     this peer), calls in flight fail with :class:`MasterConnectionError` and the peer
@@ -113,6 +122,7 @@ class Communicator(Driver):
         reconnect_timeout: float = 60.0,
         collective_timeout: float | None = 1800.0,
         insecure: bool = False,
+        allow_relay: bool = True,
     ) -> None:
         check_int(p2p_connection_pool_size, "p2p_connection_pool_size", 1, 64)
         check_int(peer_group, "peer_group", 0, (1 << 32) - 1)
@@ -125,8 +135,9 @@ class Communicator(Driver):
                             ("peer_timeout", peer_timeout)):
             check_seconds(value, name)
         check_seconds(reconnect_timeout, "reconnect_timeout", zero_ok=True)
-        if not isinstance(insecure, bool):
-            raise _core.InvalidArgumentError(f"insecure must be a bool, got {insecure!r}")
+        for name, flag in (("insecure", insecure), ("allow_relay", allow_relay)):
+            if not isinstance(flag, bool):
+                raise _core.InvalidArgumentError(f"{name} must be a bool, got {flag!r}")
         self.master = master
         self.peer_group = peer_group
         self.p2p_connection_pool_size = p2p_connection_pool_size
@@ -143,6 +154,7 @@ class Communicator(Driver):
         self.max_frame = max_frame
         self.reconnect_timeout = reconnect_timeout
         self.insecure = insecure
+        self.allow_relay = allow_relay
 
         self._m = ps.PeerMachine(reconnect=reconnect_timeout > 0)
         self._conn: FramedConnection | None = None

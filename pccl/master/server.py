@@ -32,6 +32,16 @@ from pccl.protocol import messages as m
 from pccl.protocol.auth import DEFAULT_PORT, master_mac, peer_mac, split_host_port
 from pccl.protocol.transport import ConnectionClosed, FramedConnection
 
+#: First bytes of the master's reachability check on a peer's p2p port, and of a
+#: relayed stream on the master's port (``rust/net/node.rs``).
+REACH_MAGIC = b"PCCLRCH\x01"
+RELAY_MAGIC = b"PCCLRLY\x01"
+_PATHS = {
+    "reverse": "dialed in reverse (the receiver is behind NAT and dials the sender)",
+    "relay": "relayed through this master (both ends are behind NAT)",
+    "none": "impossible (both ends behind NAT and relaying refused)",
+}
+
 log = logging.getLogger(__name__)
 
 # A peer that does not read its control messages is dropped past this much backlog.
@@ -82,12 +92,15 @@ class MasterNode:
         establish_timeout: float = 60.0,
         repair_rings: bool = True,
         insecure: bool = False,
+        dial_back_timeout: float = 2.0,
+        max_relayed_streams: int = 256,
     ) -> None:
         for name, value in (("heartbeat_interval", heartbeat_interval),
                             ("heartbeat_timeout", heartbeat_timeout),
                             ("handshake_timeout", handshake_timeout),
                             ("recovery_grace", recovery_grace),
-                            ("establish_timeout", establish_timeout)):
+                            ("establish_timeout", establish_timeout),
+                            ("dial_back_timeout", dial_back_timeout)):
             _positive(name, value)
         if heartbeat_timeout <= heartbeat_interval:
             raise InvalidArgumentError(
@@ -114,13 +127,28 @@ class MasterNode:
         # A round of update_topology() whose members have not all reported their p2p
         # links by then treats the silent ones as unreachable.
         self.establish_timeout = establish_timeout
+        # Each registering peer's advertised p2p address is dialed back (a reachability
+        # check) for at most this long; a peer that cannot be dialed is "behind NAT" and
+        # its ring links are made by routes that do not dial it (see MasterState._route).
+        self.dial_back_timeout = dial_back_timeout
+        # Ring-link streams the relay carries at once (each is two sockets here).
+        if isinstance(max_relayed_streams, bool) or not isinstance(max_relayed_streams, int) \
+                or max_relayed_streams < 0:
+            raise InvalidArgumentError(
+                f"MasterNode(max_relayed_streams=...) must be an integer >= 0 (0: no relay), "
+                f"got {max_relayed_streams!r}")
+        self.max_relayed_streams = max_relayed_streams
+        self._relay_waiting: dict[bytes, tuple[FramedConnection, asyncio.Future[Any]]] = {}
+        self.relayed_streams = 0  # carried now
+        self.relayed_bytes = 0  # carried so far, both directions
         self._timed_epoch = -1
         self._round_timer_task: asyncio.Task[Any] | None = None
         # True (PCCL's behaviour): a ring that lost a peer is rebuilt by the master on its
         # own and collectives called meanwhile run on the new ring; False: they fail until
         # the peers call update_topology().
         self.state = st.MasterState(max_establish_attempts=max_establish_attempts,
-                                    repair_rings=repair_rings)
+                                    repair_rings=repair_rings,
+                                    relay=max_relayed_streams > 0)
         self._deadlines: dict[int, asyncio.TimerHandle] = {}
         self._server: asyncio.Server | None = None
         self._conns: dict[int, FramedConnection] = {}
@@ -165,9 +193,9 @@ class MasterNode:
                 "address can join the run, read the peer list and take part in reduces. "
                 "Give every node the same secret (MasterNode(secret=...), pccl-master "
                 "--secret-file FILE, Communicator(secret=...)), or listen on 127.0.0.1 "
-                "only; docs/protocol.md says what the secret protects (it authenticates "
-                "every connection and keys the p2p encryption; the master connection itself "
-                "is not encrypted yet)", self._address)
+                "only; docs/deploying.md says what the secret protects (it authenticates "
+                "every connection and keys its encryption; without it connections are "
+                "encrypted but anyone may open one)", self._address)
 
     @property
     def address(self) -> str:
@@ -239,7 +267,13 @@ class MasterNode:
         conn = FramedConnection(reader, writer, max_frame=self.max_frame)
         peer_id: int | None = None
         try:
-            peer_id = await self._handshake(conn)
+            first = await self._first_frame(conn)
+            if first is None:
+                return
+            if len(first) == len(RELAY_MAGIC) + 18 and first.startswith(RELAY_MAGIC):
+                await self._relay(conn, first[len(RELAY_MAGIC):])
+                return
+            peer_id = await self._handshake(conn, first)
             if peer_id is None:
                 return
             await self._read_loop(peer_id, conn)
@@ -251,12 +285,26 @@ class MasterNode:
                 self._conns.pop(peer_id, None)
             conn.abort()
 
-    async def _handshake(self, conn: FramedConnection) -> int | None:
+    async def _first_frame(self, conn: FramedConnection) -> bytes | None:
+        remote = "{}:{}".format(*conn.peername)
+        try:
+            async with asyncio.timeout(self.handshake_timeout):
+                return await conn.handshake_frame()
+        except TimeoutError:
+            log.warning("connection from %s dropped: no handshake within %.1fs",
+                        remote, self.handshake_timeout)
+        except ProtocolError as e:
+            log.warning("connection from %s dropped: %s", remote, e)
+        except ConnectionClosed:
+            pass
+        return None
+
+    async def _handshake(self, conn: FramedConnection, first: bytes) -> int | None:
         remote = "{}:{}".format(*conn.peername)
         nonce = _secrets.token_bytes(16)
         try:
             async with asyncio.timeout(self.handshake_timeout):
-                await conn.accept(self.secret, allow_clear=self.insecure)
+                await conn.accept(self.secret, allow_clear=self.insecure, first=first)
                 await conn.send(m.Challenge(version=PROTOCOL_VERSION, nonce=nonce,
                                             auth=self.secret is not None))
                 hello = await conn.recv()
@@ -313,16 +361,108 @@ class MasterNode:
         self._next_peer_id = max(self._next_peer_id, peer_id + 1)
         host = hello.p2p_host or conn.peername[0]
         p2p_addr = f"[{host}]:{hello.p2p_port}" if ":" in host else f"{host}:{hello.p2p_port}"
+        reachable = await self._dial_back(host, hello.p2p_port)
+        if conn.writer.is_closing():
+            return None
         self._conns[peer_id] = conn
         conn.send_nowait(m.Welcome(peer_id=peer_id, mac=server_mac,
                                    heartbeat_interval=self.heartbeat_interval,
                                    heartbeat_timeout=self.heartbeat_timeout))
-        log.info("peer %d %s from %s (group %d, p2p %s)", peer_id,
+        log.info("peer %d %s from %s (group %d, p2p %s%s, %s)", peer_id,
                  "registered" if resume is None else
                  f"re-registered (was peer {hello.resume_peer_id}, revision "
-                 f"{hello.resume_revision})", remote, hello.peer_group, p2p_addr)
-        self._feed(st.PeerRegistered(peer_id, hello.peer_group, p2p_addr, resume))
+                 f"{hello.resume_revision})", remote, hello.peer_group, p2p_addr,
+                 "" if reachable else ": not reachable from here, behind NAT?",
+                 "encrypted" if conn.encrypted else "clear text")
+        self._feed(st.PeerRegistered(peer_id, hello.peer_group, p2p_addr, resume,
+                                     reachable=reachable, allow_relay=hello.allow_relay))
         return peer_id
+
+    async def _dial_back(self, host: str, port: int) -> bool:
+        """Whether a pccl p2p listener answers at host:port (the reachability check:
+        it must echo a fresh token)."""
+        token = _secrets.token_bytes(16)
+        writer: asyncio.StreamWriter | None = None
+        try:
+            async with asyncio.timeout(self.dial_back_timeout):
+                reader, writer = await asyncio.open_connection(host, port)
+                body = REACH_MAGIC + token
+                writer.write(len(body).to_bytes(4, "big") + body)
+                n = int.from_bytes(await reader.readexactly(4), "big")
+                return n == len(token) and await reader.readexactly(n) == token
+        except (OSError, TimeoutError, asyncio.IncompleteReadError):
+            return False
+        finally:
+            if writer is not None:
+                writer.close()
+                with contextlib.suppress(OSError):
+                    await writer.wait_closed()
+
+    async def _relay(self, conn: FramedConnection, hello: bytes) -> None:
+        """One end of a relayed ring-link stream (``hello``: token | stream u16). The
+        first end waits (bounded) for the other; the second splices them. The bytes are
+        the peers' encrypted stream: the relay sees ciphertext only."""
+        remote = "{}:{}".format(*conn.peername)
+        token = hello[:16]
+        pair = self.state.relay_tokens.get(token)
+        if pair is None:
+            log.warning("relay connection from %s refused: unknown or expired token", remote)
+            return
+        waiting = self._relay_waiting.pop(hello, None)
+        if waiting is None:
+            if self.relayed_streams + len(self._relay_waiting) >= self.max_relayed_streams:
+                log.warning("relay connection from %s refused: %d streams relayed already "
+                            "(max_relayed_streams)", remote, self.relayed_streams)
+                return
+            paired: asyncio.Future[asyncio.Future[None]] = \
+                asyncio.get_running_loop().create_future()
+            self._relay_waiting[hello] = (conn, paired)
+            try:
+                async with asyncio.timeout(self.establish_timeout):
+                    finished = await paired
+            except TimeoutError:
+                log.info("relay connection from %s dropped: the other end never came", remote)
+                return
+            finally:
+                if self._relay_waiting.get(hello, (None,))[0] is conn:
+                    del self._relay_waiting[hello]
+            await finished
+            return
+        other, paired = waiting
+        finished = asyncio.get_running_loop().create_future()
+        paired.set_result(finished)
+        try:
+            await self._splice(other, conn, pair)
+        finally:
+            finished.set_result(None)
+
+    async def _splice(self, a: FramedConnection, b: FramedConnection,
+                      pair: tuple[int, int]) -> None:
+        log.info("relaying a ring link stream from peer %d to peer %d", *pair)
+        self.relayed_streams += 1
+
+        async def pump(src: FramedConnection, dst: FramedConnection) -> None:
+            while data := await src.reader.read(1 << 16):
+                dst.writer.write(data)
+                self.relayed_bytes += len(data)
+                await dst.writer.drain()
+            if dst.writer.can_write_eof():
+                dst.writer.write_eof()
+
+        pumps = [asyncio.create_task(pump(a, b)), asyncio.create_task(pump(b, a))]
+        try:
+            for done in asyncio.as_completed(pumps):
+                try:
+                    await done
+                except (ConnectionError, OSError):
+                    break  # one end failed: end both
+        finally:
+            self.relayed_streams -= 1
+            for t in pumps:
+                t.cancel()
+            await asyncio.gather(*pumps, return_exceptions=True)
+            a.abort()
+            b.abort()
 
     async def _reject(self, conn: FramedConnection, kind: ErrorKind, message: str) -> None:
         with contextlib.suppress(ConnectionClosed, OSError):
@@ -357,6 +497,10 @@ class MasterNode:
                 if conn is None:
                     continue
                 conn.send_nowait(cmd.msg)
+                if isinstance(cmd.msg, m.EstablishP2P) and cmd.msg.route != "direct":
+                    log.info("round %d: the ring link from peer %d to peer %d is %s",
+                             cmd.msg.epoch, cmd.peer_id, cmd.msg.next_id, _PATHS.get(
+                                 cmd.msg.route, cmd.msg.route))
                 if conn.buffered_bytes() > MAX_WRITE_BACKLOG:
                     log.warning("peer %d dropped: not reading its control messages", cmd.peer_id)
                     conn.abort()
@@ -371,6 +515,9 @@ class MasterNode:
                 conn = self._conns.pop(cmd.peer_id, None)
                 if conn is not None:
                     log.info("peer %d disconnected: %s", cmd.peer_id, cmd.reason)
+                    if cmd.tell:
+                        conn.send_nowait(m.Reject(kind=ErrorKind.PeerConnectionError,
+                                                  message=cmd.reason))
                     # close() flushes what is queued (e.g. a final error) before closing.
                     conn.writer.close()
         # Operations that ended took their deadlines with them: drop those timers.

@@ -31,6 +31,8 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import hashlib
+import os
 from collections import Counter
 from collections.abc import Collection
 
@@ -71,6 +73,11 @@ class PeerRegistered:
     peer_group: int
     p2p_addr: str
     resume: Resume | None = None
+    # Whether the master could dial ``p2p_addr`` (False: behind NAT or a firewall; its
+    # ring neighbours get routes that do not dial it), and whether the peer accepts a
+    # relayed ring link where no direct one is possible.
+    reachable: bool = True
+    allow_relay: bool = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,10 +151,12 @@ class Send:
 
 @dataclasses.dataclass(frozen=True)
 class Disconnect:
-    """Close this peer's connection (it is already forgotten by the state machine)."""
+    """Close this peer's connection (it is already forgotten by the state machine);
+    ``tell``: send it the reason first (as a final Reject)."""
 
     peer_id: int
     reason: str
+    tell: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -190,6 +199,8 @@ class PeerRecord:
     peer_group: int
     p2p_addr: str
     status: PeerStatus = PeerStatus.REGISTERED
+    reachable: bool = True
+    allow_relay: bool = True
 
 
 @dataclasses.dataclass
@@ -200,6 +211,8 @@ class Round:
     members: list[int]
     reported: set[int] = dataclasses.field(default_factory=set)
     unreachable: set[int] = dataclasses.field(default_factory=set)
+    # Why a member is unreachable when the master knew before anyone dialed (no path).
+    reasons: dict[int, str] = dataclasses.field(default_factory=dict)
     # A repair: the master rebuilds the rings of groups that lost a peer or whose links
     # failed, on its own (no votes, nobody admitted); only those groups take part.
     repair: bool = False
@@ -262,8 +275,19 @@ class Sync:
 class MasterState:
     """The master's whole state. Feed it events with :meth:`handle`."""
 
-    def __init__(self, *, max_establish_attempts: int = 3, repair_rings: bool = True) -> None:
+    def __init__(self, *, max_establish_attempts: int = 3, repair_rings: bool = True,
+                 token_key: bytes | None = None, relay: bool = True) -> None:
         self.max_establish_attempts = max_establish_attempts
+        # Route tokens (reverse and relayed ring links) are HMACs under this key.
+        self._token_key = token_key if token_key is not None else os.urandom(32)
+        # Whether the master relays ring links that no direct connection can make.
+        self.relay = relay
+        # The current round's relayed links: token -> (sender, receiver). The relay
+        # splices only connections that present one of these.
+        self.relay_tokens: dict[bytes, tuple[int, int]] = {}
+        # How each ring link of the current rings is made: (sender, receiver) -> "direct",
+        # "reverse" or "relay" (for status pages and logs).
+        self.paths: dict[tuple[int, int], str] = {}
         # False: a ring that lost a peer stays broken until update_topology() (collectives
         # there fail at once); True: the master rebuilds it on its own (see _maybe_repair).
         self.repair_rings = repair_rings
@@ -358,7 +382,13 @@ class MasterState:
             rnd = self.round
             if rnd is not None and rnd.epoch == event.epoch:
                 silent = [p for p in rnd.members if p not in rnd.reported]
-                rnd.unreachable.update(silent)
+                # A silent peer whose link waits for a silent receiver to dial it (back
+                # or at the relay) is not to blame: the receiver is, unless that would
+                # leave nobody to blame.
+                waiting = {a for (a, b), path in self.paths.items()
+                           if path in ("reverse", "relay") and a in silent and b in silent}
+                blamed = [p for p in silent if p not in waiting] or silent
+                rnd.unreachable.update(blamed)
                 rnd.reported.update(silent)
                 self._maybe_finish_round(out)
         elif isinstance(event, RecoveryTimeout):
@@ -377,7 +407,9 @@ class MasterState:
     def _on_registered(self, ev: PeerRegistered, out: list[Command]) -> None:
         if ev.peer_id in self.peers:
             raise ValueError(f"peer id {ev.peer_id} registered twice")
-        self.peers[ev.peer_id] = PeerRecord(ev.peer_id, ev.peer_group, ev.p2p_addr)
+        self.peers[ev.peer_id] = PeerRecord(ev.peer_id, ev.peer_group, ev.p2p_addr,
+                                            reachable=ev.reachable,
+                                            allow_relay=ev.allow_relay)
         self.recovery_awaiting.discard(ev.peer_id)
         res = ev.resume
         if res is not None:
@@ -598,10 +630,11 @@ class MasterState:
         self.attempts = 0
         self._start_round(members, out, repair=True)
 
-    def _forget(self, peer: int, reason: str, out: list[Command]) -> PeerRecord:
+    def _forget(self, peer: int, reason: str, out: list[Command], *,
+                tell: bool = False) -> PeerRecord:
         """Drops ``peer`` everywhere except the round/vote bookkeeping of the caller."""
         rec = self.peers.pop(peer)
-        out.append(Disconnect(peer, reason))
+        out.append(Disconnect(peer, reason, tell))
         self.votes.discard(peer)
         self.pending_votes.pop(peer, None)
         self.fresh.discard(peer)
@@ -678,17 +711,62 @@ class MasterState:
         self.epoch += 1
         self.phase = Phase.ESTABLISH_P2P
         members = sorted(members)  # join order: peer ids are handed out increasingly
-        self.round = Round(self.epoch, members, repair=repair,
-                           groups={self.peers[p].peer_group for p in members})
+        rnd = self.round = Round(self.epoch, members, repair=repair,
+                                 groups={self.peers[p].peer_group for p in members})
+        self.relay_tokens.clear()
+        self.paths.clear()
         for ring in self._rings_of(members).values():
+            n = len(ring)
+            routes = {}
             for i, p in enumerate(ring):
-                nxt = ring[(i + 1) % len(ring)] if len(ring) > 1 else -1
+                if n > 1:
+                    routes[p] = self._route(p, ring[(i + 1) % n], rnd)
+            for i, p in enumerate(ring):
+                nxt = ring[(i + 1) % n] if n > 1 else -1
+                prv = ring[(i - 1) % n] if n > 1 else -1
+                route, token = routes.get(p, ("direct", b""))
+                prev_route, prev_token = routes.get(prv, ("direct", b""))
                 out.append(Send(p, m.EstablishP2P(
                     epoch=self.epoch,
                     ring=list(ring),
                     next_id=nxt,
                     next_addr=self.peers[nxt].p2p_addr if nxt >= 0 else "",
+                    route=route, token=token, prev_id=prv,
+                    prev_addr=self.peers[prv].p2p_addr if prv >= 0 else "",
+                    prev_route=prev_route, prev_token=prev_token,
                 )))
+
+    def _route(self, p: int, nxt: int, rnd: Round) -> tuple[str, bytes]:
+        """How ``p`` gets its streams to ``nxt``: dial it when it is reachable; else be
+        dialed by it when ``p`` is reachable; else meet at the relay if both allow it;
+        else there is no way (``nxt`` fails this round, with the reason)."""
+        a, b = self.peers[p], self.peers[nxt]
+        token = hashlib.blake2b(f"{self.epoch}:{p}:{nxt}".encode(), key=self._token_key,
+                                digest_size=16).digest()
+        if b.reachable:
+            route = ("direct", b"")
+        elif a.reachable:
+            route = ("reverse", token)
+        elif self.relay and a.allow_relay and b.allow_relay:
+            self.relay_tokens[token] = (p, nxt)
+            route = ("relay", token)
+        else:
+            refusers = [x for x in (p, nxt) if not self.peers[x].allow_relay]
+            why = (f"peer {refusers[0]} refuses relaying (allow_relay=False)" if refusers
+                   else "the master does not relay (max_relayed_streams=0)")
+            # Drop a refuser rather than a peer that would have accepted the relay, and
+            # a newcomer rather than a member of the group.
+            blame = sorted(refusers or [p, nxt], key=lambda x: (
+                self.peers[x].status is PeerStatus.ACCEPTED, x != nxt))[0]
+            rnd.reasons[blame] = (
+                f"peers {p} and {nxt} are both unreachable from outside (behind NAT or a "
+                f"firewall), so their ring link would need the relay, and {why}; forward "
+                "a port to one of them (p2p_listen_port and p2p_advertise_address) or "
+                "allow relaying")
+            rnd.unreachable.add(blame)
+            route = ("none", b"")
+        self.paths[(p, nxt)] = route[0]
+        return route
 
     def _rings_of(self, members: list[int]) -> dict[int, list[int]]:
         """Rings per group: the optimized order where there is one, join order else."""
@@ -709,7 +787,9 @@ class MasterState:
             self.attempts += 1
             dropped_accepted = False
             for p in sorted(rnd.unreachable):
-                rec = self._forget(p, "unreachable by its ring neighbour over p2p", out)
+                reason = rnd.reasons.get(p)
+                rec = self._forget(p, reason or "unreachable by its ring neighbour over p2p",
+                                   out, tell=reason is not None)
                 dropped_accepted |= rec.status is PeerStatus.ACCEPTED
             remaining = [p for p in rnd.members if p not in rnd.unreachable]
             if self.attempts < self.max_establish_attempts:

@@ -61,6 +61,7 @@ class Driver:
     reconnect_timeout: float
     collective_timeout: float | None
     insecure: bool
+    allow_relay: bool
     _m: ps.PeerMachine
     _conn: FramedConnection | None
     _node: _core.P2PNode | None
@@ -135,7 +136,8 @@ class Driver:
                     version=PROTOCOL_VERSION, peer_group=self.peer_group,
                     p2p_port=adv_port, p2p_host=adv_host, nonce=nonce, mac=mac,
                     resume_peer_id=resume_id, resume_epoch=resume_epoch,
-                    resume_revision=resume_revision, resume_peers=resume_peers))
+                    resume_revision=resume_revision, resume_peers=resume_peers,
+                    allow_relay=self.allow_relay))
                 reply = await conn.recv()
         except TimeoutError:
             raise MasterConnectionError(
@@ -333,16 +335,41 @@ class Driver:
     async def _establish(self, c: ps.Establish) -> None:
         assert self._node is not None
         msg = c.msg
-        self._node.retain_from_epoch(msg.epoch)
+        node = self._node
+        node.retain_from_epoch(msg.epoch)
         failed: list[int] = []
-        if msg.next_id >= 0:
+
+        async def outbound() -> None:
+            if msg.next_id < 0:
+                return
+            if msg.route == "none":
+                # The master knows (both ends behind NAT, relaying refused) and has
+                # dropped one of the two already: nothing to dial, nothing to report.
+                log.warning("peer %s: no way to reach peer %d (both behind NAT and relaying "
+                            "refused)", self.peer_id, msg.next_id)
+                return
+            addr = {"direct": msg.next_addr, "relay": self.master}.get(msg.route, "")
             try:
-                await self._node.connect_pool(msg.next_addr, msg.next_id, msg.epoch,
-                                              self.p2p_connection_pool_size)
+                await node.connect_pool(addr, msg.next_id, msg.epoch,
+                                        self.p2p_connection_pool_size, route=msg.route,
+                                        token=msg.token or None)
             except PCCLError as e:
-                log.warning("peer %s: p2p pool to peer %d at %s failed: %s",
-                            self.peer_id, msg.next_id, msg.next_addr, e)
+                log.warning("peer %s: p2p pool to peer %d (%s %s) failed: %s",
+                            self.peer_id, msg.next_id, msg.route, msg.next_addr, e)
                 failed.append(msg.next_id)
+
+        async def inbound() -> None:
+            if msg.prev_id < 0 or msg.prev_route in ("direct", "none"):
+                return  # the sender dials us (or cannot, and says so)
+            addr = msg.prev_addr if msg.prev_route == "reverse" else self.master
+            try:
+                await node.open_inbound(msg.prev_route, addr, msg.prev_token)
+            except PCCLError as e:
+                # Not reported: the sender's side reports the link (as for direct links).
+                log.warning("peer %s: p2p pool from peer %d (%s %s) failed: %s",
+                            self.peer_id, msg.prev_id, msg.prev_route, addr, e)
+
+        await asyncio.gather(outbound(), inbound())
         self._feed(ps.PoolsEstablished(msg.epoch, c.generation, tuple(failed)))
 
     async def _install(self, c: ps.InstallRing) -> None:

@@ -65,6 +65,8 @@ class Hello(Message):
     resume_epoch: int = 0
     resume_revision: int = -1
     resume_peers: list[int] = dataclasses.field(default_factory=list)
+    # False: rather fail than have a ring link of this peer relayed (slow).
+    allow_relay: bool = True
 
 
 @message
@@ -133,6 +135,17 @@ class EstablishP2P(Message):
     ring: list[int]
     next_id: int
     next_addr: str
+    # How to get the streams to ``next_id``: "direct" (dial ``next_addr``), "reverse"
+    # (it is behind NAT: it dials us, presenting ``token``), "relay" (both ends dial the
+    # master's relay with ``token``) or "none" (no way: fail the link at once).
+    route: str = "direct"
+    token: bytes = b""
+    # The link from ``prev_id`` to us when it is not direct: "reverse" (dial back the
+    # sender at ``prev_addr``) or "relay", with ``prev_token``.
+    prev_id: int = -1
+    prev_addr: str = ""
+    prev_route: str = "direct"
+    prev_token: bytes = b""
 
 
 @message

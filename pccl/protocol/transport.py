@@ -66,6 +66,10 @@ class FramedConnection:
 
     # --- handshakes -------------------------------------------------------------------
 
+    async def handshake_frame(self) -> bytes:
+        """The next handshake frame (at most ``_core.MAX_HANDSHAKE_FRAME`` bytes)."""
+        return await self._hs_frame()
+
     async def _hs_frame(self) -> bytes:
         try:
             prefix = await self.reader.readexactly(4)
@@ -111,11 +115,14 @@ class FramedConnection:
         except PeerConnectionError as e:
             raise MasterConnectionError(f"control-plane handshake with the master: {e}") from None
 
-    async def accept(self, secret: bytes | None, *, allow_clear: bool) -> None:
-        """The master's side of ``dial``. Raises AuthenticationError (wrong or missing
-        secret, clear text refused), PeerConnectionError / ProtocolError (garbage) or
-        ConnectionClosed; the reason has been told to the dialer where it should know."""
-        first = await self._hs_frame()
+    async def accept(self, secret: bytes | None, *, allow_clear: bool,
+                     first: bytes | None = None) -> None:
+        """The master's side of ``dial`` (``first``: the dialer's first frame, if read
+        already). Raises AuthenticationError (wrong or missing secret, clear text
+        refused), PeerConnectionError / ProtocolError (garbage) or ConnectionClosed; the
+        reason has been told to the dialer where it should know."""
+        if first is None:
+            first = await self._hs_frame()
         if first == _core.CLEAR_HELLO and allow_clear:
             self._hs_send(_STATUS_OK)
             return

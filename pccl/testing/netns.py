@@ -25,6 +25,18 @@ stdin/stdout pipes, which do not care about network namespaces. Needs root and
 iproute2 (``ip``, ``tc``): :func:`netns_unavailable` says why not, and the
 ``pccl_netns`` fixture skips with that reason.
 
+Homes behind NAT (:meth:`VirtualLan.add_nat_host`): a router namespace on the LAN
+(a public address) masquerades, with nftables, for a home namespace on a private
+subnet of its own (``192.168.<n>.0/24``) behind it, and its stateful filter drops
+connections from outside into the home, as a home router does::
+
+    LAN 10.47.0.0/24 -- eth0 [router: nft masquerade, forward: established only] lan0 --
+        -- eth0 192.168.<n>.2 [home]
+
+With ``random_ports=True`` the router maps each connection to a random public port
+(``masquerade random``), so nobody outside can predict a home's public address for a
+connection (what hole punching would need). Needs ``nft`` (Debian's nftables) besides.
+
 Everything created is removed by :meth:`VirtualLan.close` (processes first, then the
 bridge ports and namespaces), which then checks that none of its namespaces is left;
 an ``atexit`` hook removes what an interrupted run could not.
@@ -51,7 +63,8 @@ from typing import Any
 
 from pccl.testing.processes import PeerProcess, stop_process
 
-__all__ = ["Host", "MasterProcess", "NetnsError", "VirtualLan", "netns_unavailable"]
+__all__ = ["Host", "MasterProcess", "NetnsError", "VirtualLan", "nat_unavailable",
+           "netns_unavailable"]
 
 SUBNET = ipaddress.ip_network("10.47.0.0/24")
 _IP_TIMEOUT = 15.0  # one ip/tc command; they take milliseconds
@@ -102,6 +115,14 @@ def _probe() -> str | None:
     finally:
         with contextlib.suppress(OSError, subprocess.TimeoutExpired):
             subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=_IP_TIMEOUT)
+
+
+def nat_unavailable() -> str | None:
+    """Why NAT'd homes cannot be built here (no namespaces, or no ``nft``), or None."""
+    why = netns_unavailable()
+    if why is None and shutil.which("nft") is None:
+        why = "nft (nftables) is not installed: apt-get install nftables"
+    return why
 
 
 @atexit.register
@@ -248,6 +269,7 @@ class VirtualLan:
         self.masters: list[MasterProcess] = []
         self.peers: list[PeerProcess] = []
         self._started = False
+        self._homes: list[str] = []  # namespaces of NAT'd homes (behind a router host)
         self._blocked: dict[str, set[str]] = {}  # bridge port -> source addresses dropped
         self._port_shaped: set[str] = set()  # bridge ports with an ingress shaper
 
@@ -278,6 +300,53 @@ class VirtualLan:
         await _run("ip", "-n", host.ns, "link", "set", "eth0", "up")
         await _run("ip", "-n", host.ns, "link", "set", "lo", "up")
         return host
+
+    async def add_nat_host(self, label: str, *, random_ports: bool = False) -> Host:
+        """A home namespace behind a NAT router (see the module docstring). The returned
+        host's ``address`` is its private one; its ``port`` is the router's bridge port,
+        so :meth:`set_link` unplugs the whole home."""
+        router = await self.add_host(f"{label}-router")
+        n = len(self._homes) + 1
+        if n > 250:
+            raise NetnsError("too many NAT'd homes")
+        home = Host(label=label, ns=f"{self.prefix}-n{n}", address=f"192.168.{n}.2",
+                    port=router.port, index=router.index)
+        self._homes.append(home.ns)
+        _live.add(home.ns)
+        await _run("ip", "netns", "add", home.ns)
+        await _run("ip", "-n", router.ns, "link", "add", "lan0", "type", "veth", "peer",
+                   "name", "eth0", "netns", home.ns)
+        await _run("ip", "-n", router.ns, "addr", "add", f"192.168.{n}.1/24", "dev", "lan0")
+        await _run("ip", "-n", router.ns, "link", "set", "lan0", "up")
+        await _run("ip", "-n", home.ns, "addr", "add", f"{home.address}/24", "dev", "eth0")
+        await _run("ip", "-n", home.ns, "link", "set", "eth0", "up")
+        await _run("ip", "-n", home.ns, "link", "set", "lo", "up")
+        await _run("ip", "-n", home.ns, "route", "add", "default", "via", f"192.168.{n}.1")
+        await _run(*router.exec_prefix, "sysctl", "-q", "-w", "net.ipv4.ip_forward=1")
+        masquerade = "masquerade random" if random_ports else "masquerade"
+        ruleset = f"""
+table ip nat {{
+    chain postrouting {{
+        type nat hook postrouting priority srcnat; policy accept;
+        oifname "eth0" {masquerade}
+    }}
+}}
+table ip filter {{
+    chain forward {{
+        type filter hook forward priority filter; policy drop;
+        ct state established,related accept
+        iifname "lan0" oifname "eth0" accept
+    }}
+}}
+"""
+        proc = await asyncio.create_subprocess_exec(
+            *router.exec_prefix, "nft", "-f", "-", stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        async with asyncio.timeout(_IP_TIMEOUT):
+            _, err = await proc.communicate(ruleset.encode())
+        if proc.returncode != 0:
+            raise NetnsError(f"nft on {router.label} failed: {err.decode().strip()}")
+        return home
 
     async def shape(self, host: Host, rate_bps: float, *, qdisc: str = "tbf",
                     direction: str = "egress") -> None:
@@ -393,7 +462,7 @@ class VirtualLan:
         self.masters.clear()
         if not self._started:
             return
-        mine = [h.ns for h in self.hosts] + [self.bridge_ns]
+        mine = [h.ns for h in self.hosts] + self._homes + [self.bridge_ns]
         for h in self.hosts:
             await _run("ip", "-n", self.bridge_ns, "link", "del", h.port, check=False)
         for ns in mine:

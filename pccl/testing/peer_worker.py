@@ -105,7 +105,8 @@ async def _main(args: argparse.Namespace) -> int:
                              secret=bytes.fromhex(args.secret_hex) if args.secret_hex else None,
                              peer_timeout=args.peer_timeout,
                              p2p_advertise_address=args.p2p_advertise_address or None,
-                             p2p_listen_port=args.p2p_port)
+                             p2p_listen_port=args.p2p_port,
+                             allow_relay=not args.no_relay)
     try:
         await comm.connect(n_attempts=args.attempts)
     except pccl.PCCLError as e:
@@ -146,6 +147,7 @@ def main() -> None:
     parser.add_argument("--peer-timeout", type=float, default=30.0)
     parser.add_argument("--p2p-advertise-address", default="")
     parser.add_argument("--p2p-port", type=int, default=0)
+    parser.add_argument("--no-relay", action="store_true", help="allow_relay=False")
     parser.add_argument("--log-level", default="WARNING")
     args = parser.parse_args()
     logging.basicConfig(level=args.log_level, stream=sys.stderr)

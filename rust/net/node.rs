@@ -6,11 +6,22 @@
 //! `NodeConfig::insecure` opts out (clear text; both ends must agree, a mismatch fails
 //! the handshake with `CoreError::Authentication`).
 //!
+//! Peers behind NAT: a stream need not be dialed by the side that sends on it. The
+//! master picks a `Route` for each ring edge: `Direct` (dial the neighbour), `Reverse`
+//! (the neighbour cannot be dialed; it dials us with a token and we take that TCP
+//! stream as if we had dialed it) or `Relay` (both ends dial the relay on the master's
+//! port with a token and it splices them). Whoever opened the TCP connection, the
+//! sending side runs the dialing handshakes and the receiving side the accepting ones
+//! (`open_inbound`), so the encryption stays end to end.
+//!
+//! The listener also answers the master's reachability check (`REACH_MAGIC`).
+//!
 //! Every task the node spawns is tracked and cancelled by `close()`.
 
 use crate::error::{CoreError, CoreResult};
+use crate::net::frame::write_frame;
 use crate::net::handshake::{self, Purpose, StreamHello};
-use crate::net::stream::{P2PStream, Transport};
+use crate::net::stream::{read_first_frame, P2PStream, Transport};
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -25,6 +36,93 @@ use tokio_util::task::TaskTracker;
 pub const MAX_POOL: u16 = 64;
 /// Most bytes one bandwidth probe stream may send (a bound, not a target).
 pub const MAX_PROBE_BYTES: u64 = 1 << 30;
+
+/// First frame of the master's reachability check: `REACH_MAGIC | token`, answered with
+/// the token (one frame), then closed.
+pub const REACH_MAGIC: &[u8; 8] = b"PCCLRCH\x01";
+/// First frame of a reverse stream (see `Route::Reverse`): `REVERSE_MAGIC | token |
+/// stream u16`.
+pub const REVERSE_MAGIC: &[u8; 8] = b"PCCLREV\x01";
+/// First frame on the relay (the master's port): `RELAY_MAGIC | token | stream u16`.
+pub const RELAY_MAGIC: &[u8; 8] = b"PCCLRLY\x01";
+pub const TOKEN_LEN: usize = 16;
+/// Reverse streams that arrived before their pool was asked for, kept at most.
+const MAX_PARKED: usize = 256;
+
+/// A reverse stream waiting for its pool: (token, stream index).
+type ParkKey = ([u8; TOKEN_LEN], u16);
+
+/// How the sending side of a ring edge gets its TCP streams.
+#[derive(Clone)]
+pub enum Route {
+    /// Dial the neighbour at this address.
+    Direct(SocketAddr),
+    /// The neighbour dials us (it is behind NAT and we are not), with this token.
+    Reverse([u8; TOKEN_LEN]),
+    /// Both ends dial the relay at this address with this token.
+    Relay(SocketAddr, [u8; TOKEN_LEN]),
+}
+
+// Tokens are capabilities (on the relay): logs show the route, never the token.
+impl std::fmt::Debug for Route {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Route::Direct(a) => write!(f, "direct to {a}"),
+            Route::Reverse(_) => write!(f, "a reverse connection"),
+            Route::Relay(a, _) => write!(f, "the relay at {a}"),
+        }
+    }
+}
+
+/// How the receiving side of an edge that is not `Direct` opens its TCP streams.
+#[derive(Clone)]
+pub enum Inbound {
+    /// Dial the sender at this address (the sender's `Route::Reverse`).
+    Reverse(SocketAddr, [u8; TOKEN_LEN]),
+    /// Dial the relay (the sender's `Route::Relay`).
+    Relay(SocketAddr, [u8; TOKEN_LEN]),
+}
+
+impl Route {
+    /// From the names the master uses: "direct" (`addr`: the neighbour), "reverse"
+    /// (`addr` unused) or "relay" (`addr`: the relay).
+    pub fn parse(kind: &str, addr: Option<SocketAddr>, token: &[u8]) -> CoreResult<Route> {
+        let token = parse_token(token);
+        match (kind, addr, token) {
+            ("direct", Some(a), _) => Ok(Route::Direct(a)),
+            ("reverse", _, Some(t)) => Ok(Route::Reverse(t)),
+            ("relay", Some(a), Some(t)) => Ok(Route::Relay(a, t)),
+            _ => Err(CoreError::InvalidArgument(format!(
+                "bad p2p route {kind:?} (direct needs an address; reverse a token; relay both)"
+            ))),
+        }
+    }
+}
+
+impl Inbound {
+    /// "reverse" (`addr`: the sender) or "relay" (`addr`: the relay), with the token.
+    pub fn parse(kind: &str, addr: SocketAddr, token: &[u8]) -> CoreResult<Inbound> {
+        match (kind, parse_token(token)) {
+            ("reverse", Some(t)) => Ok(Inbound::Reverse(addr, t)),
+            ("relay", Some(t)) => Ok(Inbound::Relay(addr, t)),
+            _ => Err(CoreError::InvalidArgument(format!(
+                "bad inbound p2p route {kind:?} (reverse or relay, with a {TOKEN_LEN}-byte token)"
+            ))),
+        }
+    }
+}
+
+fn parse_token(token: &[u8]) -> Option<[u8; TOKEN_LEN]> {
+    token.try_into().ok()
+}
+
+fn route_frame(magic: &[u8; 8], token: &[u8; TOKEN_LEN], stream: u16) -> Vec<u8> {
+    let mut f = Vec::with_capacity(8 + TOKEN_LEN + 2);
+    f.extend_from_slice(magic);
+    f.extend_from_slice(token);
+    f.extend_from_slice(&stream.to_be_bytes());
+    f
+}
 
 #[derive(Clone, Debug)]
 pub struct NodeConfig {
@@ -84,6 +182,9 @@ pub struct Node {
     /// Transfer streams this peer dialed that finished a fetch cleanly, by source, for
     /// the next fetch from the same source (a dial plus handshake costs round trips).
     idle_transfers: Mutex<HashMap<(SocketAddr, u64), Vec<P2PStream>>>,
+    /// Reverse streams received, by (token, stream), until `open_tcp` takes them.
+    parked: Mutex<HashMap<ParkKey, (TcpStream, tokio::time::Instant)>>,
+    parked_changed: Notify,
 }
 
 /// Most idle transfer streams kept per source.
@@ -112,6 +213,8 @@ impl Node {
             tracker: TaskTracker::new(),
             transfers: Default::default(),
             idle_transfers: Mutex::new(HashMap::new()),
+            parked: Mutex::new(HashMap::new()),
+            parked_changed: Notify::new(),
         });
         let weak = Arc::downgrade(&node);
         let cancel = node.cancel.clone();
@@ -182,95 +285,225 @@ impl Node {
         &self.tracker
     }
 
-    async fn handle_incoming(self: Arc<Self>, tcp: TcpStream, remote: SocketAddr) {
+    async fn handle_incoming(self: Arc<Self>, mut tcp: TcpStream, remote: SocketAddr) {
         let _ = tcp.set_nodelay(true);
-        let secret = self.cfg.secret.clone();
         let timeout = self.cfg.handshake_timeout;
-        let result = tokio::select! {
+        let first = tokio::select! {
             _ = self.cancel.cancelled() => return,
-            r = tokio::time::timeout(timeout, async {
-                let mut stream = self.transport.accept(tcp, timeout).await?;
-                let own = self.known_peer_id().await;
-                let hello = handshake::accept(&mut stream, secret.as_deref(), own).await?;
-                Ok::<_, CoreError>((hello, stream))
-            }) => r,
+            r = tokio::time::timeout(timeout, read_first_frame(&mut tcp)) => r,
         };
-        let (hello, stream) = match result {
-            Ok(Ok(h)) => h,
-            Ok(Err(e)) => {
-                // A wrong secret or bytes that are no pccl handshake (a port scanner,
-                // a misdirected client) are worth a warning; a dialer that went away
-                // mid-handshake is not.
-                let (level, hint) = match &e {
-                    CoreError::Authentication(m) if m.contains("insecure") => {
-                        (log::Level::Warn, "")
-                    }
-                    CoreError::Authentication(_) => (
-                        log::Level::Warn,
-                        " (do all peers use the same secret as this one?)",
-                    ),
-                    CoreError::Protocol(_) => (log::Level::Warn, ""),
-                    CoreError::PeerConnection(m) if m.starts_with("garbage") => {
-                        (log::Level::Warn, "")
-                    }
-                    _ => (log::Level::Info, ""),
-                };
-                log::log!(
-                    level,
-                    "peer {}: p2p connection from {remote} refused: {e}{hint}",
-                    self.peer_id()
-                );
-                return;
-            }
+        let first = match first {
+            Ok(Ok(f)) => f,
+            Ok(Err(e)) => return self.log_refused(remote, &e),
             Err(_) => {
                 log::info!(
-                    "peer {}: p2p connection from {remote} refused: handshake timed out",
+                    "peer {}: p2p connection from {remote} refused: no hello in time",
                     self.peer_id()
                 );
                 return;
             }
         };
+        if first.len() == 8 + TOKEN_LEN && first.starts_with(REACH_MAGIC) {
+            // The master checks that our advertised address reaches us: echo its token.
+            let _ = tokio::time::timeout(timeout, write_frame(&mut tcp, &first[8..])).await;
+            return;
+        }
+        if first.len() == 8 + TOKEN_LEN + 2 && first.starts_with(REVERSE_MAGIC) {
+            self.park(&first, tcp, remote);
+            return;
+        }
+        let accepted = tokio::select! {
+            _ = self.cancel.cancelled() => return,
+            r = self.accept_stream(tcp, Some(first)) => r,
+        };
+        if let Err(e) = accepted {
+            self.log_refused(remote, &e);
+        }
+    }
+
+    /// Keeps a reverse stream until the pool it belongs to is dialed (`open_tcp`).
+    fn park(&self, first: &[u8], tcp: TcpStream, remote: SocketAddr) {
+        let mut token = [0u8; TOKEN_LEN];
+        token.copy_from_slice(&first[8..8 + TOKEN_LEN]);
+        let stream = u16::from_be_bytes([first[8 + TOKEN_LEN], first[9 + TOKEN_LEN]]);
+        let now = tokio::time::Instant::now();
+        let keep = self.cfg.connect_timeout + self.cfg.handshake_timeout;
+        let mut parked = self.parked.lock().unwrap();
+        parked.retain(|_, (_, at)| now.duration_since(*at) < keep);
+        if parked.len() >= MAX_PARKED {
+            drop(parked);
+            log::warn!(
+                "peer {}: reverse p2p stream from {remote} dropped: too many waiting",
+                self.peer_id()
+            );
+            return;
+        }
+        parked.insert((token, stream), (tcp, now));
+        drop(parked);
+        self.parked_changed.notify_waiters();
+    }
+
+    fn log_refused(&self, remote: SocketAddr, e: &CoreError) {
+        // A wrong secret or bytes that are no pccl handshake (a port scanner, a
+        // misdirected client) are worth a warning; a dialer that went away mid-handshake
+        // is not.
+        let (level, hint) = match e {
+            CoreError::Authentication(m) if m.contains("insecure") => (log::Level::Warn, ""),
+            CoreError::Authentication(_) => (
+                log::Level::Warn,
+                " (do all peers use the same secret as this one?)",
+            ),
+            CoreError::Protocol(_) => (log::Level::Warn, ""),
+            CoreError::PeerConnection(m) if m.starts_with("garbage") => (log::Level::Warn, ""),
+            _ => (log::Level::Info, ""),
+        };
+        log::log!(
+            level,
+            "peer {}: p2p connection from {remote} refused: {e}{hint}",
+            self.peer_id()
+        );
+    }
+
+    /// The accepting side of one stream over `tcp`, whoever opened it: the transport
+    /// and p2p handshakes (bounded), then the stream goes where its purpose says.
+    /// `first`: the dialer's first frame when already read. Returns the size of the pool
+    /// the stream belongs to.
+    async fn accept_stream(&self, tcp: TcpStream, first: Option<Vec<u8>>) -> CoreResult<u16> {
+        let timeout = self.cfg.handshake_timeout;
+        let secret = self.cfg.secret.clone();
+        let (hello, stream) = tokio::time::timeout(timeout, async {
+            let mut stream = match first {
+                Some(first) => self.transport.accept_first(tcp, first, timeout).await?,
+                None => self.transport.accept(tcp, timeout).await?,
+            };
+            let own = self.known_peer_id().await;
+            let hello = handshake::accept(&mut stream, secret.as_deref(), own).await?;
+            Ok::<_, CoreError>((hello, stream))
+        })
+        .await
+        .map_err(|_| CoreError::PeerConnection("the p2p handshake timed out".into()))??;
         if hello.purpose == Purpose::Probe {
             let timeout = self.cfg.connect_timeout.max(Duration::from_secs(30));
-            let absorbed = tokio::select! {
-                _ = self.cancel.cancelled() => return,
-                r = crate::net::transfer::absorb_probe(stream, MAX_PROBE_BYTES, timeout) => r,
-            };
-            if let Err(e) = absorbed {
+            if let Err(e) =
+                crate::net::transfer::absorb_probe(stream, MAX_PROBE_BYTES, timeout).await
+            {
                 log::info!(
                     "peer {}: bandwidth probe from peer {} failed: {e}",
                     self.peer_id(),
                     hello.from
                 );
             }
-            return;
+            return Ok(1);
         }
         if hello.purpose == Purpose::Transfer {
             let timeout = self.cfg.connect_timeout.max(Duration::from_secs(30));
-            let served = tokio::select! {
-                _ = self.cancel.cancelled() => return,
-                r = crate::net::transfer::serve(&self.transfers, stream, timeout) => r,
-            };
-            if let Err(e) = served {
+            if let Err(e) = crate::net::transfer::serve(&self.transfers, stream, timeout).await {
                 log::info!(
                     "peer {}: serving a transfer to peer {} failed: {e}",
                     self.peer_id(),
                     hello.from
                 );
             }
-            return;
+            return Ok(1);
         }
         let (from, epoch, index, pool) = (hello.from, hello.epoch, hello.stream, hello.pool);
         match self.file_inbound(hello, stream) {
-            Ok(()) => log::debug!(
-                "peer {}: accepted p2p stream {index} of {pool} from peer {from} (epoch {epoch})",
-                self.peer_id()
-            ),
-            Err((level, msg)) => log::log!(
-                level,
-                "peer {}: p2p stream from {remote} dropped: {msg}",
-                self.peer_id()
-            ),
+            Ok(()) => {
+                log::debug!(
+                    "peer {}: accepted p2p stream {index} of {pool} from peer {from} (epoch \
+                     {epoch})",
+                    self.peer_id()
+                );
+                Ok(pool)
+            }
+            Err((level, msg)) => {
+                log::log!(
+                    level,
+                    "peer {}: p2p stream from peer {from} dropped: {msg}",
+                    self.peer_id()
+                );
+                Err(CoreError::PeerConnection(format!(
+                    "p2p stream from peer {from} dropped: {msg}"
+                )))
+            }
+        }
+    }
+
+    /// The receiving side of an edge that is not `Route::Direct`: opens TCP streams as
+    /// `how` says and runs the accepting handshakes on each; the ring then finds them
+    /// among the inbound pools as if they had come to the listener. The first stream's
+    /// hello tells the pool size (the sender's), the rest are opened together.
+    pub async fn open_inbound(&self, how: Inbound) -> CoreResult<()> {
+        let open = |i: u16| {
+            let how = how.clone();
+            async move {
+                let (addr, magic, token, what) = match &how {
+                    Inbound::Reverse(a, t) => (*a, REVERSE_MAGIC, t, "dialing back the peer at"),
+                    Inbound::Relay(a, t) => (*a, RELAY_MAGIC, t, "reaching the relay at"),
+                };
+                let mut tcp = self.connect_tcp(addr, &format!("{what} {addr}")).await?;
+                write_frame(&mut tcp, &route_frame(magic, token, i)).await?;
+                self.accept_stream(tcp, None).await
+            }
+        };
+        let all = async {
+            let pool = open(0).await?;
+            futures::future::try_join_all((1..pool).map(open)).await
+        };
+        tokio::select! {
+            _ = self.cancel.cancelled() => Err(CoreError::Aborted("the p2p node is closing".into())),
+            r = all => r.map(|_| ()),
+        }
+    }
+
+    async fn connect_tcp(&self, addr: SocketAddr, what: &str) -> CoreResult<TcpStream> {
+        let tcp = tokio::time::timeout(self.cfg.connect_timeout, TcpStream::connect(addr))
+            .await
+            .map_err(|_| CoreError::PeerConnection(format!("{what}: timed out")))?
+            .map_err(|e| CoreError::io(what, e))?;
+        let _ = tcp.set_nodelay(true);
+        Ok(tcp)
+    }
+
+    /// The TCP stream for slot `stream` of a pool to peer `to` along `route`.
+    async fn open_tcp(&self, route: &Route, to: u64, stream: u16) -> CoreResult<TcpStream> {
+        match route {
+            Route::Direct(addr) => {
+                self.connect_tcp(*addr, &format!("connecting to peer {to} at {addr}"))
+                    .await
+            }
+            Route::Relay(addr, token) => {
+                let mut tcp = self
+                    .connect_tcp(
+                        *addr,
+                        &format!("reaching peer {to} through the relay at {addr}"),
+                    )
+                    .await?;
+                write_frame(&mut tcp, &route_frame(RELAY_MAGIC, token, stream)).await?;
+                Ok(tcp)
+            }
+            Route::Reverse(token) => {
+                let deadline = tokio::time::Instant::now()
+                    + self.cfg.connect_timeout
+                    + self.cfg.handshake_timeout;
+                loop {
+                    let notified = self.parked_changed.notified();
+                    tokio::pin!(notified);
+                    notified.as_mut().enable();
+                    if let Some((tcp, _)) = self.parked.lock().unwrap().remove(&(*token, stream)) {
+                        let _ = tcp.set_nodelay(true);
+                        return Ok(tcp);
+                    }
+                    tokio::select! {
+                        _ = tokio::time::sleep_until(deadline) => {
+                            return Err(CoreError::PeerConnection(format!(
+                                "peer {to} (behind NAT) did not dial back in time"
+                            )))
+                        }
+                        _ = notified => {}
+                    }
+                }
+            }
         }
     }
 
@@ -317,6 +550,19 @@ impl Node {
         n: u16,
         purpose: Purpose,
     ) -> CoreResult<()> {
+        self.connect_pool_via(Route::Direct(addr), to, epoch, n, purpose)
+            .await
+    }
+
+    /// `connect_pool` along any route.
+    pub async fn connect_pool_via(
+        &self,
+        route: Route,
+        to: u64,
+        epoch: u64,
+        n: u16,
+        purpose: Purpose,
+    ) -> CoreResult<()> {
         if n == 0 || n > MAX_POOL {
             return Err(CoreError::InvalidArgument(format!(
                 "p2p pool size must be in 1..={MAX_POOL}, got {n}"
@@ -331,7 +577,7 @@ impl Node {
                 pool: n,
                 purpose,
             };
-            self.dial_one(addr, hello)
+            self.dial_one(&route, hello)
         });
         let streams = tokio::select! {
             _ = self.cancel.cancelled() => {
@@ -348,7 +594,8 @@ impl Node {
             streams,
         );
         log::debug!(
-            "peer {}: {n} p2p stream(s) open to peer {to} at {addr} ({purpose:?}, epoch {epoch})",
+            "peer {}: {n} p2p stream(s) open to peer {to} via {route:?} ({purpose:?}, epoch \
+             {epoch})",
             self.peer_id()
         );
         Ok(())
@@ -434,16 +681,12 @@ impl Node {
             pool,
             purpose,
         };
-        self.dial_one(addr, hello).await
+        self.dial_one(&Route::Direct(addr), hello).await
     }
 
-    async fn dial_one(&self, addr: SocketAddr, hello: StreamHello) -> CoreResult<P2PStream> {
-        let what = format!("connecting to peer {} at {addr}", hello.to);
-        let tcp = tokio::time::timeout(self.cfg.connect_timeout, TcpStream::connect(addr))
-            .await
-            .map_err(|_| CoreError::PeerConnection(format!("{what}: timed out")))?
-            .map_err(|e| CoreError::io(&what, e))?;
-        let _ = tcp.set_nodelay(true);
+    async fn dial_one(&self, route: &Route, hello: StreamHello) -> CoreResult<P2PStream> {
+        let what = format!("handshaking with peer {} via {route:?}", hello.to);
+        let tcp = self.open_tcp(route, hello.to, hello.stream).await?;
         let timeout = self.cfg.handshake_timeout;
         tokio::time::timeout(timeout, async {
             let mut stream = self.transport.dial(tcp, timeout).await?;
@@ -506,6 +749,7 @@ impl Node {
         self.cancel.cancel();
         self.tracker.close();
         self.tracker.wait().await;
+        self.parked.lock().unwrap().clear();
         self.inbound.lock().unwrap().clear();
         self.outbound.lock().unwrap().clear();
         self.drop_idle_transfers();
@@ -833,6 +1077,90 @@ mod tests {
             .await
             .unwrap_err();
         assert!(matches!(err, CoreError::PeerConnection(_)));
+        b.close().await;
+    }
+
+    /// Writes `msg` on every stream of `out` and reads it back on the matching stream of
+    /// `inn` (the data direction is the pool's, whoever opened the TCP connection).
+    async fn data_flows(out: Vec<P2PStream>, inn: Vec<P2PStream>) {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        assert_eq!(out.len(), inn.len());
+        for (mut o, mut i) in out.into_iter().zip(inn) {
+            o.write_all(b"through the reverse path").await.unwrap();
+            o.flush().await.unwrap();
+            let mut got = [0u8; 24];
+            i.read_exact(&mut got).await.unwrap();
+            assert_eq!(&got, b"through the reverse path");
+        }
+    }
+
+    #[tokio::test]
+    async fn a_reverse_pool_is_dialed_by_the_receiver_and_filed_as_usual() {
+        let any: SocketAddr = "127.0.0.1:0".parse().unwrap();
+        let a = Node::bind(cfg(1, Some(b"k")), any).await.unwrap();
+        let b = Node::bind(cfg(2, Some(b"k")), any).await.unwrap();
+        let token = [7u8; TOKEN_LEN];
+        // The receiver may dial back before the sender asks for the pool: parked.
+        let (sent, opened) = tokio::join!(
+            async {
+                tokio::task::yield_now().await;
+                a.connect_pool_via(Route::Reverse(token), 2, 5, 3, Purpose::Ring)
+                    .await
+            },
+            b.open_inbound(Inbound::Reverse(a.local_addr(), token)),
+        );
+        sent.unwrap();
+        opened.unwrap();
+        let key = |peer| PoolKey {
+            peer,
+            epoch: 5,
+            purpose: Purpose::Ring,
+        };
+        let inn = b
+            .take_inbound(key(1), Duration::from_secs(2))
+            .await
+            .unwrap();
+        let out = a.take_outbound(key(2)).unwrap();
+        data_flows(out, inn).await;
+        a.close().await;
+        b.close().await;
+    }
+
+    #[tokio::test]
+    async fn a_reverse_pool_with_the_wrong_token_times_out_as_a_peer_error() {
+        let any: SocketAddr = "127.0.0.1:0".parse().unwrap();
+        let mut c = cfg(1, Some(b"k"));
+        c.connect_timeout = Duration::from_millis(200);
+        c.handshake_timeout = Duration::from_millis(300);
+        let a = Node::bind(c, any).await.unwrap();
+        let b = Node::bind(cfg(2, Some(b"k")), any).await.unwrap();
+        let (sent, opened) = tokio::join!(
+            a.connect_pool_via(Route::Reverse([1; TOKEN_LEN]), 2, 5, 1, Purpose::Ring),
+            b.open_inbound(Inbound::Reverse(a.local_addr(), [2; TOKEN_LEN])),
+        );
+        assert!(
+            matches!(sent.unwrap_err(), CoreError::PeerConnection(m) if m.contains("dial back"))
+        );
+        assert!(opened.is_err());
+        a.close().await;
+        b.close().await;
+    }
+
+    #[tokio::test]
+    async fn the_listener_echoes_a_reachability_token() {
+        use tokio::io::AsyncWriteExt;
+        let any: SocketAddr = "127.0.0.1:0".parse().unwrap();
+        let b = Node::bind(cfg(2, Some(b"k")), any).await.unwrap();
+        let mut tcp = TcpStream::connect(b.local_addr()).await.unwrap();
+        let mut probe = REACH_MAGIC.to_vec();
+        probe.extend_from_slice(&[9u8; TOKEN_LEN]);
+        write_frame(&mut tcp, &probe).await.unwrap();
+        tcp.flush().await.unwrap();
+        let mut got = Vec::new();
+        assert!(crate::net::frame::read_frame(&mut tcp, &mut got, 64)
+            .await
+            .unwrap());
+        assert_eq!(got, [9u8; TOKEN_LEN]);
         b.close().await;
     }
 }

@@ -288,7 +288,12 @@ fn noise_err(e: snow::Error) -> CoreError {
 
 impl Handshake {
     /// `prologue`: the caller's context; `PROLOGUE_LABEL` is put in front here.
-    pub fn new(dial: bool, psk: Option<&[u8; 32]>, prologue: &[u8], suite: Suite) -> CoreResult<Self> {
+    pub fn new(
+        dial: bool,
+        psk: Option<&[u8; 32]>,
+        prologue: &[u8],
+        suite: Suite,
+    ) -> CoreResult<Self> {
         let role = if dial { Role::Dialer } else { Role::Acceptor };
         let hs = build_state(role, psk, &full_prologue(prologue), suite)?;
         Ok(Handshake {
@@ -315,10 +320,14 @@ impl Handshake {
     /// The dialer's first frame.
     pub fn hello(&mut self) -> CoreResult<Vec<u8>> {
         let HsState::Noise(hs) = &mut self.state else {
-            return Err(CoreError::InvalidUsage("secure handshake: hello out of turn".into()));
+            return Err(CoreError::InvalidUsage(
+                "secure handshake: hello out of turn".into(),
+            ));
         };
         if self.role != Role::Dialer || self.hello_sent {
-            return Err(CoreError::InvalidUsage("secure handshake: hello out of turn".into()));
+            return Err(CoreError::InvalidUsage(
+                "secure handshake: hello out of turn".into(),
+            ));
         }
         let mut msg = [0u8; MAX_HANDSHAKE_FRAME];
         let n = hs.write_message(&[], &mut msg).map_err(noise_err)?;
@@ -335,7 +344,9 @@ impl Handshake {
     pub fn on_frame(&mut self, frame: &[u8]) -> Result<Option<Vec<u8>>, HandshakeFailure> {
         let state = std::mem::replace(&mut self.state, HsState::Failed);
         let (next, out) = match (self.role, state) {
-            (Role::Dialer, HsState::Noise(hs)) if self.hello_sent => self.dialer_reply(*hs, frame)?,
+            (Role::Dialer, HsState::Noise(hs)) if self.hello_sent => {
+                self.dialer_reply(*hs, frame)?
+            }
             (Role::Acceptor, HsState::Noise(hs)) => self.acceptor_hello(*hs, frame)?,
             (Role::Acceptor, HsState::Confirm(t)) => (acceptor_confirm(t, frame)?, None),
             _ => {
@@ -356,7 +367,9 @@ impl Handshake {
         let fail = |e| Err(HandshakeFailure::quiet(e));
         match frame.first().copied() {
             Some(STATUS_OK) => {}
-            Some(STATUS_AUTH_FAILED) => return fail(auth_failed("the peer could not authenticate us")),
+            Some(STATUS_AUTH_FAILED) => {
+                return fail(auth_failed("the peer could not authenticate us"))
+            }
             Some(STATUS_MODE_MISMATCH) => {
                 return fail(CoreError::Authentication(if self.psk {
                     "secure handshake failed: we use a shared secret and the peer has none".into()
@@ -552,12 +565,12 @@ async fn handshake<T: AsyncRead + AsyncWrite + Unpin>(
         timeout,
         run_handshake(io, role, psk, prologue, suite, first),
     )
-        .await
-        .map_err(|_| {
-            CoreError::PeerConnection(format!(
-                "the secure handshake did not finish within {timeout:?}"
-            ))
-        })??;
+    .await
+    .map_err(|_| {
+        CoreError::PeerConnection(format!(
+            "the secure handshake did not finish within {timeout:?}"
+        ))
+    })??;
     let cipher = Arc::new(transport);
     let (read_nonce, write_nonce) = first_nonces(role == Role::Dialer);
     Ok((
@@ -575,7 +588,16 @@ pub async fn secure_dial<S: AsyncRead + AsyncWrite + Unpin>(
     prologue: &[u8],
     timeout: Duration,
 ) -> CoreResult<SecureStream<S>> {
-    let (r, w) = handshake(&mut stream, Role::Dialer, psk, prologue, timeout, SUITE, None).await?;
+    let (r, w) = handshake(
+        &mut stream,
+        Role::Dialer,
+        psk,
+        prologue,
+        timeout,
+        SUITE,
+        None,
+    )
+    .await?;
     Ok(SecureStream::new(stream, r, w))
 }
 
@@ -598,8 +620,16 @@ pub async fn secure_accept_first<S: AsyncRead + AsyncWrite + Unpin>(
     prologue: &[u8],
     timeout: Duration,
 ) -> CoreResult<SecureStream<S>> {
-    let (r, w) =
-        handshake(&mut stream, Role::Acceptor, psk, prologue, timeout, SUITE, first).await?;
+    let (r, w) = handshake(
+        &mut stream,
+        Role::Acceptor,
+        psk,
+        prologue,
+        timeout,
+        SUITE,
+        first,
+    )
+    .await?;
     Ok(SecureStream::new(stream, r, w))
 }
 

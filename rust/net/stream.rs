@@ -186,32 +186,32 @@ impl Transport {
     }
 
     /// The accepting side.
-    pub async fn accept(&self, tcp: TcpStream, timeout: Duration) -> CoreResult<P2PStream> {
+    pub async fn accept(&self, mut tcp: TcpStream, timeout: Duration) -> CoreResult<P2PStream> {
+        let first = tokio::time::timeout(timeout, read_first_frame(&mut tcp))
+            .await
+            .map_err(|_| {
+                CoreError::PeerConnection(format!("no transport hello within {timeout:?}"))
+            })??;
+        self.accept_first(tcp, first, timeout).await
+    }
+
+    /// The accepting side when the dialer's first frame has been read already.
+    pub async fn accept_first(
+        &self,
+        mut tcp: TcpStream,
+        first: Vec<u8>,
+        timeout: Duration,
+    ) -> CoreResult<P2PStream> {
         match self {
             Transport::Secure(psk) => Ok(P2PStream::Secure(Box::new(
-                secure::secure_accept(tcp, psk.as_ref(), PROLOGUE, timeout).await?,
+                secure::secure_accept_first(tcp, Some(first), psk.as_ref(), PROLOGUE, timeout)
+                    .await?,
             ))),
             Transport::Clear => {
-                let mut tcp = tcp;
                 let clear = async {
-                    let mut buf = Vec::new();
-                    match read_frame(&mut tcp, &mut buf, secure::MAX_HANDSHAKE_FRAME).await {
-                        Ok(true) => {}
-                        Ok(false) => {
-                            return Err(CoreError::PeerConnection(
-                                "the peer closed the connection before its hello".into(),
-                            ))
-                        }
-                        Err(CoreError::Protocol(m)) => {
-                            return Err(CoreError::Protocol(format!(
-                                "garbage instead of a p2p hello: {m}"
-                            )))
-                        }
-                        Err(e) => return Err(e),
-                    }
-                    if buf.as_slice() == secure::CLEAR_HELLO {
+                    if first.as_slice() == secure::CLEAR_HELLO {
                         write_frame(&mut tcp, &[0]).await
-                    } else if buf.starts_with(secure::HELLO_MAGIC) {
+                    } else if first.starts_with(secure::HELLO_MAGIC) {
                         let _ = write_frame(&mut tcp, &[secure::STATUS_TRANSPORT_MISMATCH]).await;
                         Err(CoreError::Authentication(
                             "the peer encrypts its p2p streams and we run in clear text \
@@ -232,5 +232,21 @@ impl Transport {
                 Ok(P2PStream::Clear(tcp))
             }
         }
+    }
+}
+
+/// The first frame a dialer sends on a p2p port (any of the hellos), capped at
+/// `secure::MAX_HANDSHAKE_FRAME`.
+pub async fn read_first_frame(tcp: &mut TcpStream) -> CoreResult<Vec<u8>> {
+    let mut buf = Vec::new();
+    match read_frame(tcp, &mut buf, secure::MAX_HANDSHAKE_FRAME).await {
+        Ok(true) => Ok(buf),
+        Ok(false) => Err(CoreError::PeerConnection(
+            "the peer closed the connection before its hello".into(),
+        )),
+        Err(CoreError::Protocol(m)) => Err(CoreError::PeerConnection(format!(
+            "garbage instead of a p2p hello: {m}"
+        ))),
+        Err(e) => Err(e),
     }
 }

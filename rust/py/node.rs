@@ -3,6 +3,7 @@
 
 use crate::error::{CoreError, CoreResult};
 use crate::net::handshake::Purpose;
+use crate::net::node::{Inbound, Route};
 use crate::net::{Node, NodeConfig};
 use crate::ring::Ring;
 use pyo3::prelude::*;
@@ -98,7 +99,11 @@ impl PyP2PNode {
         self.node.set_peer_id(peer_id)
     }
 
-    /// Dials `pool_size` authenticated streams to peer `to` at `addr` for `epoch`.
+    /// Dials `pool_size` authenticated streams to peer `to` for `epoch`. `route`:
+    /// "direct" (to `addr`), "reverse" (peer `to` dials us with `token`; `addr` unused)
+    /// or "relay" (through the relay at `addr` with `token`).
+    #[pyo3(signature = (addr, to, epoch, pool_size, route="direct", token=None))]
+    #[allow(clippy::too_many_arguments)]
     fn connect_pool<'py>(
         &self,
         py: Python<'py>,
@@ -106,11 +111,39 @@ impl PyP2PNode {
         to: u64,
         epoch: u64,
         pool_size: u16,
+        route: &str,
+        token: Option<Vec<u8>>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let node = self.node.clone();
+        let kind = route.to_owned();
+        future_into_py(py, async move {
+            let sock = if addr.is_empty() {
+                None
+            } else {
+                Some(resolve(&addr).await?)
+            };
+            let route = Route::parse(&kind, sock, token.as_deref().unwrap_or_default())?;
+            node.connect_pool_via(route, to, epoch, pool_size, Purpose::Ring)
+                .await?;
+            Ok(())
+        })
+    }
+
+    /// The receiving side of a ring edge whose sender cannot dial us: opens the
+    /// sender's pool of streams, "reverse" (dialing the sender at `addr`) or "relay"
+    /// (through the relay at `addr`), with `token`, and accepts the sender's
+    /// handshakes on them.
+    fn open_inbound<'py>(
+        &self,
+        py: Python<'py>,
+        route: String,
+        addr: String,
+        token: Vec<u8>,
     ) -> PyResult<Bound<'py, PyAny>> {
         let node = self.node.clone();
         future_into_py(py, async move {
             let sock = resolve(&addr).await?;
-            node.connect_pool(sock, to, epoch, pool_size, Purpose::Ring)
+            node.open_inbound(Inbound::parse(&route, sock, &token)?)
                 .await?;
             Ok(())
         })

@@ -8,6 +8,9 @@ use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 use snow::StatelessTransportState;
 
+/// What `on_frame` returns: the frame to send, the error to raise.
+type Step<'py> = (Option<Bound<'py, PyBytes>>, Option<Py<PyAny>>);
+
 /// One side of a secure handshake, driven frame by frame.
 ///
 /// Dialer: send `hello()`, feed the reply to `on_frame`, send what it returns; done.
@@ -40,11 +43,7 @@ impl PySecureHandshake {
         Ok(PyBytes::new(py, &hs.hello()?))
     }
 
-    fn on_frame<'py>(
-        &mut self,
-        py: Python<'py>,
-        frame: &[u8],
-    ) -> PyResult<(Option<Bound<'py, PyBytes>>, Option<Py<PyAny>>)> {
+    fn on_frame<'py>(&mut self, py: Python<'py>, frame: &[u8]) -> PyResult<Step<'py>> {
         let hs = self.inner.as_mut().ok_or_else(used_up)?;
         Ok(match hs.on_frame(frame) {
             Ok(out) => (out.map(|f| PyBytes::new(py, &f)), None),
@@ -140,7 +139,10 @@ impl SecureSession {
             return Err(integrity("bad record length"));
         }
         let mut plain = vec![0u8; record.len()];
-        match self.transport.read_message(self.read_nonce, record, &mut plain) {
+        match self
+            .transport
+            .read_message(self.read_nonce, record, &mut plain)
+        {
             Ok(n) => {
                 self.read_nonce += 1;
                 Ok(PyBytes::new(py, &plain[..n]))
@@ -154,15 +156,24 @@ impl SecureSession {
 }
 
 fn integrity(what: &str) -> PyErr {
-    CoreError::Protocol(format!("secure connection: integrity check failed ({what})")).into()
+    CoreError::Protocol(format!(
+        "secure connection: integrity check failed ({what})"
+    ))
+    .into()
 }
 
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PySecureHandshake>()?;
     m.add_class::<SecureSession>()?;
-    m.add("SECURE_HELLO_MAGIC", PyBytes::new(m.py(), secure::HELLO_MAGIC))?;
+    m.add(
+        "SECURE_HELLO_MAGIC",
+        PyBytes::new(m.py(), secure::HELLO_MAGIC),
+    )?;
     m.add("CLEAR_HELLO", PyBytes::new(m.py(), secure::CLEAR_HELLO))?;
     m.add("MAX_HANDSHAKE_FRAME", secure::MAX_HANDSHAKE_FRAME)?;
-    m.add("STATUS_TRANSPORT_MISMATCH", secure::STATUS_TRANSPORT_MISMATCH)?;
+    m.add(
+        "STATUS_TRANSPORT_MISMATCH",
+        secure::STATUS_TRANSPORT_MISMATCH,
+    )?;
     Ok(())
 }

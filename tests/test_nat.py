@@ -1,0 +1,133 @@
+"""Peers behind real kernel NAT: each home is a network namespace behind a router
+namespace that masquerades with nftables and drops connections from outside (a home
+router), on the same LAN as the master and the public peers (``VirtualLan.add_nat_host``).
+No port is forwarded anywhere. The master finds out who cannot be dialed (its dial-back
+check), has the NAT'd end of a ring link dial instead (reverse), relays the links
+between two NAT'd peers (or refuses to, with allow_relay=False, and says why). Every
+result is bit-identical to the reference. Skipped unless root with iproute2 and nft."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from reference import ring_reference
+
+import pccl
+from pccl.testing import PeerProcess
+from pccl.testing.data import deterministic_tensor, digest
+from pccl.testing.netns import Host, MasterProcess, VirtualLan, nat_unavailable
+
+pytestmark = [pytest.mark.netns, pytest.mark.multiprocess,
+              pytest.mark.skipif(nat_unavailable() is not None,
+                                 reason=str(nat_unavailable()))]
+
+COUNT = 50_000
+
+
+class Run:
+    def __init__(self, lan: VirtualLan, master: MasterProcess) -> None:
+        self.lan = lan
+        self.master = master
+        self.peers: list[PeerProcess] = []
+
+    @classmethod
+    async def start(cls, lan: VirtualLan) -> Run:
+        master = await lan.start_master(await lan.add_host("master"),
+                                        heartbeat_interval=0.2, heartbeat_timeout=3.0)
+        return cls(lan, master)
+
+    async def spawn(self, host: Host, *extra: str) -> PeerProcess:
+        """Starts a peer; the accepted ones vote it in. Returns it once registered."""
+        before = len(self.master.registered)
+        proc = await self.lan.spawn_peer(
+            host, self.master.address, reply_timeout=60.0,
+            extra_args=["--peer-timeout", "5", "--attempts", "3", *extra])
+        await self.master.wait_for(lambda m: len(m.registered) > before)
+        if self.peers:
+            await asyncio.gather(*(p.call("update_topology") for p in self.peers))
+        return proc
+
+    async def join(self, host: Host, *extra: str) -> PeerProcess:
+        proc = await self.spawn(host, *extra)
+        await proc.wait_accepted(timeout=60)
+        self.peers.append(proc)
+        return proc
+
+    async def reduce_exactly(self, name: str) -> None:
+        """SUM of each peer's tensor ``name`` (seeded by its id): bit-identical to the
+        reference in ring order, on every peer."""
+        for p in self.peers:
+            await p.call("make_tensor", name=name, dtype="float32", count=COUNT,
+                         seed=p.peer_id + len(name))
+        ring = (await self.peers[0].call("info"))["ring"]
+        inputs = [deterministic_tensor("float32", COUNT, seed=pid + len(name)) for pid in ring]
+        want = digest(ring_reference(inputs, pccl.ReduceOp.SUM, "float32"))
+        results = await asyncio.gather(*(p.call("all_reduce", name=name) for p in self.peers))
+        assert [r["digest"] for r in results] == [want] * len(self.peers)
+        assert all(r["world_size"] == len(self.peers) for r in results)
+
+    def log_has(self, text: str) -> bool:
+        return any(text in line for line in self.master.log)
+
+
+async def test_a_peer_behind_nat_joins_by_reverse_connections() -> None:
+    async with VirtualLan() as lan:
+        run = await Run.start(lan)
+        for label in ("a", "b"):
+            await run.join(await lan.add_host(label))
+        nat = await run.join(await lan.add_nat_host("home"))
+        # The master saw it come from its router's public address, could not dial it
+        # back, and had it dial its ring neighbour instead.
+        assert run.master.peer_host(nat.peer_id).startswith("10.47.0.")
+        assert run.log_has("not reachable from here, behind NAT?")
+        assert run.log_has("dialed in reverse")
+        assert not run.log_has("relayed through")
+        await run.reduce_exactly("x")
+        await run.reduce_exactly("yy")
+
+
+async def test_two_peers_behind_nat_reduce_through_the_relay() -> None:
+    async with VirtualLan() as lan:
+        run = await Run.start(lan)
+        await run.join(await lan.add_nat_host("home1"))
+        await run.join(await lan.add_nat_host("home2", random_ports=True))
+        assert run.log_has("relayed through this master")
+        assert run.log_has("relaying a ring link stream")
+        await run.reduce_exactly("x")
+        await run.reduce_exactly("yy")
+
+
+async def test_allow_relay_false_fails_with_the_reason() -> None:
+    async with VirtualLan() as lan:
+        run = await Run.start(lan)
+        await run.join(await lan.add_nat_host("home1"))
+        refuser = await run.spawn(await lan.add_nat_host("home2"), "--no-relay")
+        with pytest.raises(pccl.MasterConnectionError, match="allow_relay=False"):
+            await refuser.wait_accepted(timeout=60)
+        assert run.log_has("relaying refused")
+        # The first peer goes on alone.
+        await run.reduce_exactly("x")
+
+
+async def test_sigkill_of_a_nat_peer_mid_reduce_fails_cleanly_and_the_rest_go_on() -> None:
+    async with VirtualLan() as lan:
+        run = await Run.start(lan)
+        await run.join(await lan.add_host("a"))
+        await run.join(await lan.add_host("b"))
+        victim = await run.join(await lan.add_nat_host("home"))
+        await run.reduce_exactly("warm")
+        for p in run.peers:
+            await p.call("make_tensor", name="big", dtype="float32", count=4_000_000, seed=1)
+        reduces = [asyncio.create_task(p.call("all_reduce", name="big")) for p in run.peers]
+        await asyncio.sleep(0.05)  # let the ring start moving bytes (not a sync point)
+        victim.kill()
+        outcomes = await asyncio.gather(*reduces, return_exceptions=True)
+        survivors = [p for p in run.peers if p is not victim]
+        for p, o in zip(run.peers, outcomes):
+            if p is not victim:
+                assert isinstance(o, pccl.PCCLError) or o["world_size"] == 3, o
+        run.peers = survivors
+        await run.master.wait_for(lambda m: victim.peer_id in m.gone, timeout=30)
+        await asyncio.gather(*(p.call("update_topology") for p in survivors))
+        await run.reduce_exactly("after")
