@@ -404,7 +404,8 @@ class MasterNode:
         the peers' encrypted stream: the relay sees ciphertext only."""
         remote = "{}:{}".format(*conn.peername)
         token = hello[:16]
-        pair = self.state.relay_tokens.get(token)
+        transfer = self.state.transfer_tokens.get(token)
+        pair = self.state.relay_tokens.get(token) or transfer
         if pair is None:
             log.warning("relay connection from %s refused: unknown or expired token", remote)
             return
@@ -414,6 +415,11 @@ class MasterNode:
                 log.warning("relay connection from %s refused: %d streams relayed already "
                             "(max_relayed_streams)", remote, self.relayed_streams)
                 return
+            holder = self._conns.get(transfer[1]) if transfer is not None else None
+            if holder is not None:
+                # A fetcher's stream to a holder behind NAT: ask the holder for its end.
+                holder.send_nowait(m.RelayOpen(token=token,
+                                               stream=int.from_bytes(hello[16:], "big")))
             paired: asyncio.Future[asyncio.Future[None]] = \
                 asyncio.get_running_loop().create_future()
             self._relay_waiting[hello] = (conn, paired)
@@ -438,7 +444,7 @@ class MasterNode:
 
     async def _splice(self, a: FramedConnection, b: FramedConnection,
                       pair: tuple[int, int]) -> None:
-        log.info("relaying a ring link stream from peer %d to peer %d", *pair)
+        log.info("relaying a stream from peer %d to peer %d", *pair)
         self.relayed_streams += 1
 
         async def pump(src: FramedConnection, dst: FramedConnection) -> None:

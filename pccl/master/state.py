@@ -288,6 +288,9 @@ class MasterState:
         # How each ring link of the current rings is made: (sender, receiver) -> "direct",
         # "reverse" or "relay" (for status pages and logs).
         self.paths: dict[tuple[int, int], str] = {}
+        # Shared-state transfers through the relay: token -> (fetcher, holder). Kept
+        # until the next sync plan of either (bounded by the peers' count squared).
+        self.transfer_tokens: dict[bytes, tuple[int, int]] = {}
         # False: a ring that lost a peer stays broken until update_topology() (collectives
         # there fail at once); True: the master rebuilds it on its own (see _maybe_repair).
         self.repair_rings = repair_rings
@@ -1160,6 +1163,9 @@ class MasterState:
         sync.planned = True
         sync.revision = revision
         sync.participants = participants
+        stale = set(participants)
+        self.transfer_tokens = {t: fh for t, fh in self.transfer_tokens.items()
+                                if fh[0] not in stale and fh[0] in self.peers}
         for n, p in enumerate(participants):
             i = inits[p]
             mine = dict(zip(i.keys, i.hashes))
@@ -1174,16 +1180,27 @@ class MasterState:
                     if unequal[k] and i.strategy != RECEIVE_ONLY and p not in fresh:
                         continue  # allowed to differ; only fresh receivers take it
                     srcs = holders[k][popular[k]]
-                    # Rotate per fetcher and per key so the load spreads over sources.
+                    # Rotate per fetcher and per key so the load spreads over sources;
+                    # holders the fetcher can dial come first (the rest need the relay).
                     r = (n + len(keys)) % len(srcs)
                     srcs = srcs[r:] + srcs[:r]
+                    srcs.sort(key=lambda s: not self.peers[s].reachable)
                     keys.append(k)
                     hashes.append(popular[k])
                     sources.append(srcs)
             ids = sorted({s for srcs in sources for s in srcs})
+            relays = []
+            for s in ids:
+                token = b""
+                if not self.peers[s].reachable and self.relay:
+                    token = hashlib.blake2b(f"sync:{self.epoch}:{revision}:{p}:{s}".encode(),
+                                            key=self._token_key, digest_size=16).digest()
+                    self.transfer_tokens[token] = (p, s)
+                relays.append(token)
             out.append(Send(p, m.SyncPlan(
                 revision=revision, fetch_keys=keys, fetch_hashes=hashes, fetch_sources=sources,
-                source_ids=ids, source_addrs=[self.peers[s].p2p_addr for s in ids])))
+                source_ids=ids, source_addrs=[self.peers[s].p2p_addr for s in ids],
+                source_relays=relays)))
 
     def _on_sync_done(self, peer: int, msg: m.SyncDone, out: list[Command]) -> None:
         sync = self.syncs.get(self.peers[peer].peer_group)

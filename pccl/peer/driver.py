@@ -207,6 +207,8 @@ class Driver:
             self._spawn(self._establish(c), f"pccl-establish-{self.peer_id}-{c.msg.epoch}")
         elif isinstance(c, ps.Probe):
             self._spawn(self._probe(c), f"pccl-probe-{self.peer_id}")
+        elif isinstance(c, ps.OpenRelay):
+            self._spawn(self._open_relay(c), f"pccl-relay-{self.peer_id}")
         elif isinstance(c, ps.Rejoin):
             self._waiters[ps.REJOIN] = asyncio.get_running_loop().create_future()
             self._spawn(self._rejoin(), f"pccl-rejoin-{self.peer_id}")
@@ -384,6 +386,15 @@ class Driver:
         except PCCLError as e:
             error = str(e) or type(e).__name__
         self._feed(ps.RingInstalled(c.epoch, c.generation, error))
+
+    async def _open_relay(self, c: ps.OpenRelay) -> None:
+        """Serves one relayed transfer stream (a fetcher that cannot dial this peer)."""
+        assert self._node is not None
+        try:
+            await self._node.open_inbound("relay", self.master, c.token, stream=c.stream)
+        except PCCLError as e:
+            log.warning("peer %s: serving shared state through the relay failed: %s",
+                        self.peer_id, e)
 
     async def _probe(self, c: ps.Probe) -> None:
         assert self._node is not None
@@ -593,7 +604,7 @@ class Driver:
                     prefault = loop.create_task(asyncio.to_thread(
                         prefault_all, [by_key[k].data for k in plan.fetch_keys]))
                 fetcher = Fetcher(node, self.peer_id, self.p2p_connection_pool_size,
-                                  self.peer_timeout)
+                                  self.peer_timeout, self.master)
                 report = SyncReporter(lambda: self._node, self.peer_id, progress,
                                       progress_interval, served_before, fetcher, fetched,
                                       [by_key[k].nbytes for k in plan.fetch_keys])

@@ -39,8 +39,10 @@ class Fetcher:
     """Fetches one sync's plan through ``node`` (a :class:`pccl._core.P2PNode`). ``op`` is
     the running fetch (None before it starts): :class:`SyncReporter` reads its progress."""
 
-    def __init__(self, node: Any, peer_id: int | None, pool: int, peer_timeout: float) -> None:
+    def __init__(self, node: Any, peer_id: int | None, pool: int, peer_timeout: float,
+                 master: str = "") -> None:
         self.node, self.peer_id, self.pool, self.peer_timeout = node, peer_id, pool, peer_timeout
+        self.master = master  # the relay's address
         self.op: Any = None
 
     async def fetch_planned(self, plan: m.SyncPlan, by_key: dict[str, RawTensor],
@@ -50,6 +52,9 @@ class Fetcher:
         ended by then, cancelled or not: nothing writes into the buffers afterwards."""
         keys = list(plan.fetch_keys)
         outs = [by_key[k].data if in_place else byte_buffer(by_key[k].nbytes) for k in keys]
+        for sid, token in zip(plan.source_ids, plan.source_relays):
+            # A holder behind NAT: its transfer streams go through the master's relay.
+            await self.node.set_transfer_relay(sid, self.master if token else "", token)
         try:
             op = self.node.start_fetch(
                 [(k, out, bytes(want), list(sources))

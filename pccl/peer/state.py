@@ -297,6 +297,15 @@ class Probe:
 
 
 @dataclasses.dataclass(frozen=True)
+class OpenRelay:
+    """Open this peer's end of a relayed transfer stream (it serves shared state to a
+    fetcher that cannot dial it)."""
+
+    token: bytes
+    stream: int
+
+
+@dataclasses.dataclass(frozen=True)
 class Rejoin:
     """Lost the master while accepted: register again (``Welcomed`` ... ``ACCEPT``), or
     feed :class:`RejoinFailed`."""
@@ -310,7 +319,7 @@ class Log:
 
 
 Command = (Send | Resolve | Fail | Establish | InstallRing | RunRing | AbortRing | Probe
-           | Rejoin | Log)
+           | OpenRelay | Rejoin | Log)
 
 
 class ProtocolViolation(Exception):
@@ -575,6 +584,8 @@ class PeerMachine:
                 self._fail(SYNC, kind, msg.message, out)
             else:
                 self._resolve(SYNC, msg, out)
+        elif isinstance(msg, m.RelayOpen):
+            out.append(OpenRelay(msg.token, msg.stream))
         elif isinstance(msg, m.Reject):
             self._lose(ErrorKind.MasterConnectionError,
                        f"the master dropped this peer: {msg.message}", True, out)

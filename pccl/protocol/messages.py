@@ -342,6 +342,21 @@ class SyncPlan(Message):
     fetch_sources: list[list[int]]
     source_ids: list[int]
     source_addrs: list[str]
+    # Per source (aligned with ``source_ids``): b"" to dial it, or a relay token when it
+    # is behind NAT (fetch through the master's relay; the master asks the holder to
+    # open its end of each stream with RelayOpen).
+    source_relays: list[bytes] = dataclasses.field(default_factory=list)
+
+
+@message
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RelayOpen(Message):
+    """M->P: a peer is fetching shared state from you through the relay: open your end
+    of its stream ``stream`` (dial the master's port with ``token`` and serve it)."""
+
+    TYPE: ClassVar[str] = "relay_open"
+    token: bytes
+    stream: int
 
 
 @message

@@ -227,6 +227,8 @@ class SimPeer:
         elif isinstance(c, ps.Probe):
             sim.later(sim.delay(), self.feed, ps.Probed(
                 tuple(c.msg.target_ids), tuple(1e9 for _ in c.msg.target_ids), c.generation))
+        elif isinstance(c, ps.OpenRelay):
+            pass  # every simulated peer is reachable: nothing is relayed
         elif isinstance(c, ps.Rejoin):
             self.rejoin_deadline = sim.now + sim.reconnect_timeout
             sim.later(sim.delay(), sim.rejoin, self)

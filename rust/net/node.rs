@@ -49,6 +49,9 @@ pub const TOKEN_LEN: usize = 16;
 /// Reverse streams that arrived before their pool was asked for, kept at most.
 const MAX_PARKED: usize = 256;
 
+/// How transfer streams reach a holder behind NAT: (relay, token, streams so far).
+type TransferRelay = (SocketAddr, [u8; TOKEN_LEN], u16);
+
 /// A reverse stream waiting for its pool: (token, stream index).
 type ParkKey = ([u8; TOKEN_LEN], u16);
 
@@ -185,6 +188,9 @@ pub struct Node {
     /// Reverse streams received, by (token, stream), until `open_tcp` takes them.
     parked: Mutex<HashMap<ParkKey, (TcpStream, tokio::time::Instant)>>,
     parked_changed: Notify,
+    /// Holders behind NAT: transfer streams to them go through this relay with this
+    /// token, each stream numbered by the counter (the relay pairs by token and number).
+    transfer_relays: Mutex<HashMap<u64, TransferRelay>>,
 }
 
 /// Most idle transfer streams kept per source.
@@ -215,6 +221,7 @@ impl Node {
             idle_transfers: Mutex::new(HashMap::new()),
             parked: Mutex::new(HashMap::new()),
             parked_changed: Notify::new(),
+            transfer_relays: Mutex::new(HashMap::new()),
         });
         let weak = Arc::downgrade(&node);
         let cancel = node.cancel.clone();
@@ -433,7 +440,9 @@ impl Node {
     /// `how` says and runs the accepting handshakes on each; the ring then finds them
     /// among the inbound pools as if they had come to the listener. The first stream's
     /// hello tells the pool size (the sender's), the rest are opened together.
-    pub async fn open_inbound(&self, how: Inbound) -> CoreResult<()> {
+    /// With `stream`: that one stream only (a relayed transfer stream a fetcher asked for).
+    pub async fn open_inbound(&self, how: Inbound, stream: Option<u16>) -> CoreResult<()> {
+        let (first, one) = (stream.unwrap_or(0), stream.is_some());
         let open = |i: u16| {
             let how = how.clone();
             async move {
@@ -447,7 +456,10 @@ impl Node {
             }
         };
         let all = async {
-            let pool = open(0).await?;
+            let pool = open(first).await?;
+            if one {
+                return Ok(vec![]);
+            }
             futures::future::try_join_all((1..pool).map(open)).await
         };
         tokio::select! {
@@ -577,7 +589,7 @@ impl Node {
                 pool: n,
                 purpose,
             };
-            self.dial_one(&route, hello)
+            self.dial_one(&route, hello, i)
         });
         let streams = tokio::select! {
             _ = self.cancel.cancelled() => {
@@ -601,9 +613,39 @@ impl Node {
         Ok(())
     }
 
-    /// One authenticated transfer stream to peer `to` (see `transfer.rs`).
+    /// One authenticated transfer stream to peer `to` (see `transfer.rs`): dialed at
+    /// `addr`, or through the relay when `set_transfer_relay` says so.
     pub async fn dial_transfer(&self, addr: SocketAddr, to: u64) -> CoreResult<P2PStream> {
-        self.dial_purpose(addr, to, 0, 1, Purpose::Transfer).await
+        let relay = self.transfer_relays.lock().unwrap().get_mut(&to).map(|r| {
+            r.2 = r.2.wrapping_add(1);
+            (Route::Relay(r.0, r.1), r.2)
+        });
+        let Some((route, slot)) = relay else {
+            return self.dial_purpose(addr, to, 0, 1, Purpose::Transfer).await;
+        };
+        let hello = StreamHello {
+            from: self.peer_id(),
+            to,
+            epoch: 0,
+            stream: 0,
+            pool: 1,
+            purpose: Purpose::Transfer,
+        };
+        self.dial_one(&route, hello, slot).await
+    }
+
+    /// Transfer streams to peer `to` go through the relay at `relay` with `token` (a
+    /// holder behind NAT), or are dialed again (`None`).
+    pub fn set_transfer_relay(&self, to: u64, relay: Option<(SocketAddr, [u8; TOKEN_LEN])>) {
+        let mut relays = self.transfer_relays.lock().unwrap();
+        match relay {
+            Some((addr, token)) => {
+                relays.insert(to, (addr, token, 0));
+            }
+            None => {
+                relays.remove(&to);
+            }
+        }
     }
 
     /// An idle transfer stream to peer `to` at `addr` from an earlier fetch, if any
@@ -681,12 +723,18 @@ impl Node {
             pool,
             purpose,
         };
-        self.dial_one(&Route::Direct(addr), hello).await
+        self.dial_one(&Route::Direct(addr), hello, stream).await
     }
 
-    async fn dial_one(&self, route: &Route, hello: StreamHello) -> CoreResult<P2PStream> {
+    /// `slot`: the stream's number on a reverse or relayed route.
+    async fn dial_one(
+        &self,
+        route: &Route,
+        hello: StreamHello,
+        slot: u16,
+    ) -> CoreResult<P2PStream> {
         let what = format!("handshaking with peer {} via {route:?}", hello.to);
-        let tcp = self.open_tcp(route, hello.to, hello.stream).await?;
+        let tcp = self.open_tcp(route, hello.to, slot).await?;
         let timeout = self.cfg.handshake_timeout;
         tokio::time::timeout(timeout, async {
             let mut stream = self.transport.dial(tcp, timeout).await?;
@@ -1107,7 +1155,7 @@ mod tests {
                 a.connect_pool_via(Route::Reverse(token), 2, 5, 3, Purpose::Ring)
                     .await
             },
-            b.open_inbound(Inbound::Reverse(a.local_addr(), token)),
+            b.open_inbound(Inbound::Reverse(a.local_addr(), token), None),
         );
         sent.unwrap();
         opened.unwrap();
@@ -1136,7 +1184,7 @@ mod tests {
         let b = Node::bind(cfg(2, Some(b"k")), any).await.unwrap();
         let (sent, opened) = tokio::join!(
             a.connect_pool_via(Route::Reverse([1; TOKEN_LEN]), 2, 5, 1, Purpose::Ring),
-            b.open_inbound(Inbound::Reverse(a.local_addr(), [2; TOKEN_LEN])),
+            b.open_inbound(Inbound::Reverse(a.local_addr(), [2; TOKEN_LEN]), None),
         );
         assert!(
             matches!(sent.unwrap_err(), CoreError::PeerConnection(m) if m.contains("dial back"))

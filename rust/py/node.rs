@@ -133,18 +133,46 @@ impl PyP2PNode {
     /// sender's pool of streams, "reverse" (dialing the sender at `addr`) or "relay"
     /// (through the relay at `addr`), with `token`, and accepts the sender's
     /// handshakes on them.
+    /// With `stream`, that one stream only (a relayed transfer stream).
+    #[pyo3(signature = (route, addr, token, stream=None))]
     fn open_inbound<'py>(
         &self,
         py: Python<'py>,
         route: String,
         addr: String,
         token: Vec<u8>,
+        stream: Option<u16>,
     ) -> PyResult<Bound<'py, PyAny>> {
         let node = self.node.clone();
         future_into_py(py, async move {
             let sock = resolve(&addr).await?;
-            node.open_inbound(Inbound::parse(&route, sock, &token)?)
+            node.open_inbound(Inbound::parse(&route, sock, &token)?, stream)
                 .await?;
+            Ok(())
+        })
+    }
+
+    /// Shared-state transfers from peer `to` go through the relay at `relay` with
+    /// `token` (a holder behind NAT); an empty `relay` dials it directly again.
+    fn set_transfer_relay<'py>(
+        &self,
+        py: Python<'py>,
+        to: u64,
+        relay: String,
+        token: Vec<u8>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let node = self.node.clone();
+        future_into_py(py, async move {
+            if relay.is_empty() {
+                node.set_transfer_relay(to, None);
+                return Ok(());
+            }
+            let sock = resolve(&relay).await?;
+            let token: [u8; crate::net::node::TOKEN_LEN] = token
+                .as_slice()
+                .try_into()
+                .map_err(|_| CoreError::InvalidArgument("a relay token has 16 bytes".into()))?;
+            node.set_transfer_relay(to, Some((sock, token)));
             Ok(())
         })
     }
