@@ -95,8 +95,11 @@ def establish(epoch: int, ring: list[int]) -> list[Command]:
     out: list[Command] = []
     for i, p in enumerate(ring):
         nxt = ring[(i + 1) % len(ring)] if len(ring) > 1 else -1
+        prv = ring[(i - 1) % len(ring)] if len(ring) > 1 else -1
         out.append(Send(p, m.EstablishP2P(epoch=epoch, ring=list(ring), next_id=nxt,
-                                          next_addr=addr(nxt) if nxt >= 0 else "")))
+                                          next_addr=addr(nxt) if nxt >= 0 else "",
+                                          prev_id=prv,
+                                          prev_addr=addr(prv) if prv >= 0 else "")))
     return out
 
 
@@ -256,8 +259,7 @@ def test_second_peer_waits_for_a_vote_of_the_accepted_peer() -> None:
         Send(1, m.PendingAnswer(req=7, pending=True, count=1))]
 
     assert vote(st, 1) == [
-        Send(1, m.EstablishP2P(epoch=2, ring=[1, 2], next_id=2, next_addr=addr(2))),
-        Send(2, m.EstablishP2P(epoch=2, ring=[1, 2], next_id=1, next_addr=addr(1))),
+        *establish(2, [1, 2]),
     ]
     assert st.phase is Phase.ESTABLISH_P2P
     assert report(st, 2, 2) == []
@@ -948,6 +950,7 @@ STRAY: dict[str, m.Message] = {
     "sync_outcome": m.SyncOutcome(ok=True, kind="", message="", revision=0),
     "probe_request": m.ProbeRequest(target_ids=[], target_addrs=[], seconds=0.1),
     "optimize_failed": m.OptimizeFailed(message="x"),
+    "relay_open": m.RelayOpen(token=b"t" * 16, stream=0),
 }
 # What the master does act on (or, for pong, deliberately ignores).
 HANDLED = {"update_topology", "p2p_report", "coll_init", "coll_done", "pending_query", "leave",
@@ -1060,7 +1063,8 @@ SCRIPT: list[Event] = [
 
 @pytest.mark.parametrize("repair_rings", [False, True])
 def test_same_events_give_the_same_commands(repair_rings: bool) -> None:
-    a, b = MasterState(repair_rings=repair_rings), MasterState(repair_rings=repair_rings)
+    a = MasterState(repair_rings=repair_rings, token_key=bytes(32))
+    b = MasterState(repair_rings=repair_rings, token_key=bytes(32))
     out_a = [a.handle(e) for e in SCRIPT]
     out_b = [b.handle(e) for e in SCRIPT]
     assert out_a == out_b
@@ -1197,8 +1201,8 @@ class MasterPopulation(RuleBasedStateMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        self.st = MasterState(repair_rings=self.REPAIR)
-        self.twin = MasterState(repair_rings=self.REPAIR)
+        self.st = MasterState(repair_rings=self.REPAIR, token_key=bytes(32))
+        self.twin = MasterState(repair_rings=self.REPAIR, token_key=bytes(32))
         self.model: dict[int, _Peer] = {}
         self.next_pid = 1
         self.next_req = 1
@@ -1356,8 +1360,10 @@ class MasterPopulation(RuleBasedStateMachine):
         """Most runs start from an established population, so the rules below spend
         their steps on the interesting parts rather than on getting there."""
         assert not self.st.peers
-        self.st = MasterState(max_establish_attempts=attempts, repair_rings=self.REPAIR)
-        self.twin = MasterState(max_establish_attempts=attempts, repair_rings=self.REPAIR)
+        self.st = MasterState(max_establish_attempts=attempts, repair_rings=self.REPAIR,
+                              token_key=bytes(32))
+        self.twin = MasterState(max_establish_attempts=attempts, repair_rings=self.REPAIR,
+                                token_key=bytes(32))
         for g in groups:
             self.register(g)
         self.settle()
@@ -1796,9 +1802,8 @@ def test_a_lost_peer_is_dropped_from_the_ring_without_a_vote() -> None:
     out = tell(st, 2, done(0, 1, ok=False, kind="PeerConnectionError", message="x"))
     assert [p for p, msg in sends(out, m.CollectiveOutcome)] == [1, 2]
     # Once nothing runs on the ring, the master rebuilds it from the survivors.
-    assert sends(out, m.EstablishP2P) == [
-        (1, m.EstablishP2P(epoch=3, ring=[1, 2], next_id=2, next_addr=addr(2))),
-        (2, m.EstablishP2P(epoch=3, ring=[1, 2], next_id=1, next_addr=addr(1)))]
+    assert sends(out, m.EstablishP2P) == [(c.peer_id, c.msg) for c in establish(3, [1, 2])
+                                          if isinstance(c, Send)]
     assert st.round is not None and st.round.repair
     # A relaunch called while the repair runs waits for it, then runs on the new ring.
     assert tell(st, 1, coll_init(0)) == []
@@ -2032,3 +2037,24 @@ def test_a_question_asked_again_replaces_the_abandoned_one() -> None:
     assert tell(st, 1, m.PendingQuery(req=2)) == []
     assert sends(tell(st, 2, m.PendingQuery(req=3)), m.PendingAnswer) == [
         (1, m.PendingAnswer(req=2, pending=False)), (2, m.PendingAnswer(req=3, pending=False))]
+
+
+def test_askers_are_answered_when_a_failed_repair_drops_the_last_one_missing() -> None:
+    # Regression (found by RepairingPopulation): every remaining member asked
+    # are_peers_pending() while a repair ran; the repair failed and dropped the one
+    # member that had not asked, and nothing answered the askers: the run hung with a
+    # joiner waiting.
+    st = run_with([0, 0, 0, 0], repair_rings=True, max_establish_attempts=1)
+    lose(st, 3)
+    rnd = st.round
+    assert rnd is not None and rnd.repair and rnd.members == [1, 2, 4]
+    join(st, 5)
+    assert tell(st, 2, m.PendingQuery(req=1)) == []
+    assert tell(st, 4, m.PendingQuery(req=2)) == []
+    report(st, 1, rnd.epoch)
+    report(st, 2, rnd.epoch)
+    out = report(st, 4, rnd.epoch, failed=[1])  # 1 unreachable: dropped, repair fails
+    assert st.accepted() == [2, 4] and st.phase is Phase.IDLE
+    assert [c for c in out if isinstance(c, Send) and isinstance(c.msg, m.PendingAnswer)] == [
+        Send(2, m.PendingAnswer(req=1, pending=True, count=1)),
+        Send(4, m.PendingAnswer(req=2, pending=True, count=1))]

@@ -497,6 +497,7 @@ class MasterState:
         if peer in self.pending_votes:
             # Its earlier question was given up (a cancelled caller): this one replaces it.
             self.pending_votes[peer] = msg.req
+            self._maybe_answer_pending(out)
             return
         if not self.pending_votes:
             self.pending_deadline = self._arm(("pending",), msg.timeout, out)
@@ -868,6 +869,10 @@ class MasterState:
         for col in list(self.collectives.values()):
             if col.op_id < 0 and (col.group, col.tag) in self.collectives:
                 self._maybe_perform(col, out)
+        # A repair that dropped a peer may leave every remaining member asking
+        # are_peers_pending(): answer them now (found by the population test: nothing
+        # else would, and the run hung with joiners waiting).
+        self._maybe_answer_pending(out)
 
     def _broadcast_world(self, targets: list[int], out: list[Command]) -> None:
         sizes = self.group_sizes()

@@ -426,7 +426,7 @@ class Sim:
         self.now = 0.0
         self._queue: list[tuple[float, int, Callable[..., None], tuple[Any, ...]]] = []
         self._seq = 0
-        self.master = ms.MasterState(repair_rings=True)
+        self.master = ms.MasterState(repair_rings=True, token_key=bytes(32))  # reproducible
         self.peers: dict[int, SimPeer] = {}
         self.steps = steps
         self.collective_timeout = collective_timeout
@@ -671,7 +671,7 @@ class Sim:
         self.restarts += 1
         self.trace("MASTER RESTART")
         self.master_gen += 1
-        self.master = ms.MasterState(repair_rings=True)
+        self.master = ms.MasterState(repair_rings=True, token_key=bytes(32))  # reproducible
         self._timed_epoch = -1
         for p in sorted(self.peers.values(), key=lambda p: p.id):
             p.link_up = False  # every connection to the dead master is gone
