@@ -164,6 +164,12 @@ def bench_loopback(k: int, nbytes: int, rounds: int) -> dict[str, Any]:
 # =====================================================================================
 
 
+def _insecure() -> bool:
+    """Clear-text pccl (insecure=True) when PCCL_BENCH_INSECURE=1 (set by
+    bench/transport.py around a run; spawned children inherit it)."""
+    return os.environ.get("PCCL_BENCH_INSECURE") == "1"
+
+
 def _master_proc(addr_q: Any, stop: Any, life_s: float) -> None:
     import pccl
 
@@ -171,7 +177,7 @@ def _master_proc(addr_q: Any, stop: Any, life_s: float) -> None:
         # A long heartbeat timeout: on a small, busy machine a peer's event loop can be
         # late to answer a ping without being dead.
         master = pccl.MasterNode(listen="127.0.0.1:0", heartbeat_interval=1.0,
-                                 heartbeat_timeout=30.0)
+                                 heartbeat_timeout=30.0, insecure=_insecure())
         await master.start()
         try:
             addr_q.put({"done": True, "address": master.address})
@@ -203,7 +209,7 @@ async def _pccl_peer(rank: int, k: int, master: str, pool: int, advertise: str |
 
     comm = pccl.Communicator(master=master, p2p_connection_pool_size=pool,
                              p2p_advertise_address=advertise, peer_timeout=30.0,
-                             timeout=30.0)
+                             timeout=30.0, insecure=_insecure())
 
     def sync(timeout: float) -> Any:
         # In a thread, so the event loop keeps answering the master while we wait.

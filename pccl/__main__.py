@@ -136,9 +136,31 @@ def main(argv: list[str] | None = None) -> None:
                       help="peer processes to start, 2..16 (%(default)s)")
     demo.add_argument("--log-level", default="WARNING", type=str.upper,
                       choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    doctor = sub.add_parser("doctor", help="check this machine before it joins a run")
+    doctor.add_argument("--master", required=True, metavar="HOST:PORT")
+    doctor.add_argument("--secret-file", type=Path, default=None, metavar="FILE")
+    doctor.add_argument("--insecure", action="store_true",
+                        help="check a clear-text setup (Communicator(insecure=True))")
+    doctor.add_argument("--p2p-port", type=int, default=0, metavar="PORT",
+                        help="the p2p port this peer will listen on (0: any)")
+    doctor.add_argument("--timeout", type=float, default=10.0, metavar="S")
+    doctor.add_argument("--log-level", default="ERROR", type=str.upper,
+                        choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     args = p.parse_args(argv)
     logging.basicConfig(level=args.log_level,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.command == "doctor":
+        from pccl.doctor import diagnose
+
+        try:
+            secret = _read_secret(args.secret_file)
+        except _UserError as e:
+            print(f"python -m pccl doctor: error: {e}", file=sys.stderr)
+            sys.exit(2)
+        report = asyncio.run(diagnose(args.master, secret, insecure=args.insecure,
+                                      p2p_port=args.p2p_port, timeout=args.timeout))
+        print(report.render(), flush=True)
+        sys.exit(1 if report.failed else 0)
     if args.command == "master":
         sys.exit(_serve("python -m pccl master", args))
     else:

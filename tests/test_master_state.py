@@ -951,6 +951,10 @@ STRAY: dict[str, m.Message] = {
     "probe_request": m.ProbeRequest(target_ids=[], target_addrs=[], seconds=0.1),
     "optimize_failed": m.OptimizeFailed(message="x"),
     "relay_open": m.RelayOpen(token=b"t" * 16, stream=0),
+    "doctor_hello": m.DoctorHello(version=1, nonce=b"n", mac=b"", p2p_port=1),
+    "doctor_report": m.DoctorReport(observed="1.2.3.4:5", reachable=False, mac=b"",
+                                    master_time=0.0),
+    "doctor_echo": m.DoctorEcho(payload=b"", reply_bytes=0),
 }
 # What the master does act on (or, for pong, deliberately ignores).
 HANDLED = {"update_topology", "p2p_report", "coll_init", "coll_done", "pending_query", "leave",

@@ -154,3 +154,24 @@ async def test_a_nat_joiner_fetches_shared_state_from_a_nat_holder_through_the_r
         assert infos[1]["rx_bytes"] == 4 * (big + small)
         assert infos[0]["tx_bytes"] > 0
         await run.reduce_exactly("after")
+
+
+async def test_doctor_behind_nat_says_so_and_is_still_ready() -> None:
+    import subprocess
+    import sys
+
+    async with VirtualLan() as lan:
+        run = await Run.start(lan)
+        home = await lan.add_nat_host("home")
+        proc = await asyncio.create_subprocess_exec(
+            *home.exec_prefix, sys.executable, "-m", "pccl", "doctor", "--master",
+            run.master.address, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        async with asyncio.timeout(60):
+            out, err = await proc.communicate()
+        text = out.decode()
+        assert proc.returncode == 0, (text, err.decode())
+        assert f"this machine is {home.address}:" in text and "behind NAT" in text
+        assert "[warn] reachability: the master could not dial" in text
+        # The other warning: this master runs without a secret.
+        assert "no shared secret" in text and "verdict: ready, with 2 warning(s)" in text
+        assert not run.master.registered  # the doctor registered nothing

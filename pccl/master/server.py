@@ -15,6 +15,7 @@ import logging
 import os
 import secrets as _secrets
 import socket
+import time
 from collections.abc import Callable
 from types import TracebackType
 from typing import Any
@@ -44,6 +45,8 @@ _PATHS = {
 
 log = logging.getLogger(__name__)
 
+# Echo round trips a ``pccl doctor`` connection may ask for.
+DOCTOR_ECHOES = 32
 # A peer that does not read its control messages is dropped past this much backlog.
 MAX_WRITE_BACKLOG = 64 * 1024 * 1024
 
@@ -323,6 +326,9 @@ class MasterNode:
             return None
         except ConnectionClosed:
             return None
+        if isinstance(hello, m.DoctorHello):
+            await self._doctor(conn, hello, nonce, remote)
+            return None
         if not isinstance(hello, m.Hello):
             log.warning("connection from %s dropped: expected hello, got %s", remote, hello.TYPE)
             return None
@@ -377,6 +383,38 @@ class MasterNode:
         self._feed(st.PeerRegistered(peer_id, hello.peer_group, p2p_addr, resume,
                                      reachable=reachable, allow_relay=hello.allow_relay))
         return peer_id
+
+    async def _doctor(self, conn: FramedConnection, hello: m.DoctorHello, nonce: bytes,
+                      remote: str) -> None:
+        """Answers ``pccl doctor`` (registers nothing): checks its secret, dials its
+        p2p port back, reports what it saw, then echoes a few times (bounded)."""
+        if hello.version != PROTOCOL_VERSION:
+            await self._reject(conn, ErrorKind.ProtocolError,
+                               f"protocol version {hello.version} is not supported "
+                               f"(master speaks {PROTOCOL_VERSION})")
+            return
+        mac = b""
+        if self.secret is not None:
+            if not hmac.compare_digest(hello.mac, peer_mac(self.secret, nonce, hello.nonce)):
+                log.warning("doctor at %s rejected: wrong or missing shared secret", remote)
+                await self._reject(conn, ErrorKind.AuthenticationError,
+                                   "the master rejected this machine's shared secret")
+                return
+            mac = master_mac(self.secret, nonce, hello.nonce)
+        host = conn.peername[0]
+        reachable = 0 < hello.p2p_port < 65536 and await self._dial_back(host, hello.p2p_port)
+        log.info("doctor from %s: p2p port %d %s", remote, hello.p2p_port,
+                 "reachable" if reachable else "not reachable")
+        with contextlib.suppress(ConnectionClosed, ProtocolError, TimeoutError):
+            await conn.send(m.DoctorReport(observed=remote, reachable=reachable, mac=mac,
+                                           master_time=time.time()))
+            for _ in range(DOCTOR_ECHOES):
+                async with asyncio.timeout(self.heartbeat_timeout * 4):
+                    req = await conn.recv()
+                if not isinstance(req, m.DoctorEcho):
+                    return
+                await conn.send(m.DoctorEcho(payload=bytes(min(req.reply_bytes, 8 << 20)),
+                                             reply_bytes=0, master_time=time.time()))
 
     async def _dial_back(self, host: str, port: int) -> bool:
         """Whether a pccl p2p listener answers at host:port (the reachability check:

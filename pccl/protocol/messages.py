@@ -71,6 +71,45 @@ class Hello(Message):
 
 @message
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class DoctorHello(Message):
+    """P->M instead of ``hello``, from ``pccl doctor``: check me, do not register me.
+    ``mac`` as in ``hello``; ``p2p_port``: a port the master should try to dial back."""
+
+    TYPE: ClassVar[str] = "doctor_hello"
+    version: int
+    nonce: bytes
+    mac: bytes
+    p2p_port: int
+
+
+@message
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DoctorReport(Message):
+    """M->P: the address the master sees the doctor's connection from, whether it
+    could dial ``p2p_port`` back on that host, and its proof of the secret (as in
+    ``welcome``)."""
+
+    TYPE: ClassVar[str] = "doctor_report"
+    observed: str
+    reachable: bool
+    mac: bytes
+    master_time: float
+
+
+@message
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DoctorEcho(Message):
+    """P->M after a doctor report (at most ``DOCTOR_ECHOES`` times): the master answers
+    with ``reply_bytes`` zero bytes (at most 8 MiB) and its wall clock."""
+
+    TYPE: ClassVar[str] = "doctor_echo"
+    payload: bytes
+    reply_bytes: int
+    master_time: float = 0.0
+
+
+@message
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class Welcome(Message):
     """M->P. ``mac`` is HMAC(secret, "pccl-master" | peer nonce | master nonce) or empty."""
 
