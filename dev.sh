@@ -74,7 +74,18 @@ check() {
     echo "all checks passed" >&2
 }
 
+# The NAT tests build routers out of network namespaces with nftables: install it when
+# root on Debian/Ubuntu and it is missing (otherwise those tests skip, saying why).
+system_tools() {
+    if ! command -v nft >/dev/null 2>&1 && [ "$(id -u)" = 0 ] \
+            && command -v apt-get >/dev/null 2>&1; then
+        { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nftables; } \
+            >/dev/null 2>&1 || echo "nftables did not install: the NAT tests will skip" >&2
+    fi
+}
+
 setup() {
+    system_tools
     venv
     # torch is optional for users; the tests that use it run whenever it installs.
     "$VENV/bin/python" -m pip install -q -e ".[test,docs]"

@@ -2,9 +2,11 @@
 namespace that masquerades with nftables and drops connections from outside (a home
 router), on the same LAN as the master and the public peers (``VirtualLan.add_nat_host``).
 No port is forwarded anywhere. The master finds out who cannot be dialed (its dial-back
-check), has the NAT'd end of a ring link dial instead (reverse), relays the links
-between two NAT'd peers (or refuses to, with allow_relay=False, and says why). Every
-result is bit-identical to the reference. Skipped unless root with iproute2 and nft."""
+check) and has the NAT'd end of a ring link dial instead (reverse); two NAT'd neighbours
+punch a hole (simultaneous open), or, behind a NAT that maps every connection to a new
+port, go through the master's relay (or refuse to, with allow_relay=False, and are told
+why). Every result is bit-identical to the reference. Skipped unless root with iproute2
+and nft."""
 
 from __future__ import annotations
 
@@ -87,13 +89,24 @@ async def test_a_peer_behind_nat_joins_by_reverse_connections() -> None:
         await run.reduce_exactly("yy")
 
 
-async def test_two_peers_behind_nat_reduce_through_the_relay() -> None:
+async def test_two_peers_behind_nat_punch_a_hole_even_when_refusing_the_relay() -> None:
+    async with VirtualLan() as lan:
+        run = await Run.start(lan)
+        await run.join(await lan.add_nat_host("home1"))
+        await run.join(await lan.add_nat_host("home2"), "--no-relay")
+        assert run.log_has("is hole-punched")
+        assert not run.log_has("relaying a stream")  # both links are direct TCP
+        await run.reduce_exactly("x")
+        await run.reduce_exactly("yy")
+
+
+async def test_behind_a_symmetric_nat_the_link_falls_back_to_the_relay() -> None:
     async with VirtualLan() as lan:
         run = await Run.start(lan)
         await run.join(await lan.add_nat_host("home1"))
         await run.join(await lan.add_nat_host("home2", random_ports=True))
-        assert run.log_has("relayed through this master")
-        assert run.log_has("relaying a stream")
+        assert run.log_has("is hole-punched")  # tried first...
+        assert run.log_has("relaying a stream")  # ...and the relay took over
         await run.reduce_exactly("x")
         await run.reduce_exactly("yy")
 
@@ -102,10 +115,11 @@ async def test_allow_relay_false_fails_with_the_reason() -> None:
     async with VirtualLan() as lan:
         run = await Run.start(lan)
         await run.join(await lan.add_nat_host("home1"))
-        refuser = await run.spawn(await lan.add_nat_host("home2"), "--no-relay")
-        with pytest.raises(pccl.MasterConnectionError, match="allow_relay=False"):
+        refuser = await run.spawn(await lan.add_nat_host("home2", random_ports=True),
+                                  "--no-relay")
+        with pytest.raises(pccl.MasterConnectionError,
+                           match="hole punching between them failed.*allow_relay=False"):
             await refuser.wait_accepted(timeout=60)
-        assert run.log_has("relaying refused")
         # The first peer goes on alone.
         await run.reduce_exactly("x")
 

@@ -40,7 +40,8 @@ RELAY_MAGIC = b"PCCLRLY\x01"
 _PATHS = {
     "reverse": "dialed in reverse (the receiver is behind NAT and dials the sender)",
     "relay": "relayed through this master (both ends are behind NAT)",
-    "none": "impossible (both ends behind NAT and relaying refused)",
+    "punch": "hole-punched (both ends are behind NAT; through this master's relay if "
+             "that fails and both allow it)",
 }
 
 log = logging.getLogger(__name__)
@@ -380,8 +381,13 @@ class MasterNode:
                  f"{hello.resume_revision})", remote, hello.peer_group, p2p_addr,
                  "" if reachable else ": not reachable from here, behind NAT?",
                  "encrypted" if conn.encrypted else "clear text")
+        punch_addr = ""
+        if 0 < hello.p2p_punch_port < 65536:
+            punch_addr = (f"[{host}]:{hello.p2p_punch_port}" if ":" in host
+                          else f"{host}:{hello.p2p_punch_port}")
         self._feed(st.PeerRegistered(peer_id, hello.peer_group, p2p_addr, resume,
-                                     reachable=reachable, allow_relay=hello.allow_relay))
+                                     reachable=reachable, allow_relay=hello.allow_relay,
+                                     punch_addr=punch_addr))
         return peer_id
 
     async def _doctor(self, conn: FramedConnection, hello: m.DoctorHello, nonce: bytes,

@@ -78,6 +78,8 @@ class PeerRegistered:
     # relayed ring link where no direct one is possible.
     reachable: bool = True
     allow_relay: bool = True
+    # Where its hole-punched links come from ("host:port" as seen here; "" = none).
+    punch_addr: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -201,6 +203,7 @@ class PeerRecord:
     status: PeerStatus = PeerStatus.REGISTERED
     reachable: bool = True
     allow_relay: bool = True
+    punch_addr: str = ""
 
 
 @dataclasses.dataclass
@@ -213,6 +216,9 @@ class Round:
     unreachable: set[int] = dataclasses.field(default_factory=set)
     # Why a member is unreachable when the master knew before anyone dialed (no path).
     reasons: dict[int, str] = dataclasses.field(default_factory=dict)
+    # (sender, receiver) -> who to drop if that link fails (hole punching without a
+    # relay to fall back on: the refuser or the newcomer, not the reporter's neighbour).
+    blame: dict[tuple[int, int], int] = dataclasses.field(default_factory=dict)
     # A repair: the master rebuilds the rings of groups that lost a peer or whose links
     # failed, on its own (no votes, nobody admitted); only those groups take part.
     repair: bool = False
@@ -389,7 +395,7 @@ class MasterState:
                 # or at the relay) is not to blame: the receiver is, unless that would
                 # leave nobody to blame.
                 waiting = {a for (a, b), path in self.paths.items()
-                           if path in ("reverse", "relay") and a in silent and b in silent}
+                           if path in ("reverse", "punch") and a in silent and b in silent}
                 blamed = [p for p in silent if p not in waiting] or silent
                 rnd.unreachable.update(blamed)
                 rnd.reported.update(silent)
@@ -412,7 +418,8 @@ class MasterState:
             raise ValueError(f"peer id {ev.peer_id} registered twice")
         self.peers[ev.peer_id] = PeerRecord(ev.peer_id, ev.peer_group, ev.p2p_addr,
                                             reachable=ev.reachable,
-                                            allow_relay=ev.allow_relay)
+                                            allow_relay=ev.allow_relay,
+                                            punch_addr=ev.punch_addr)
         self.recovery_awaiting.discard(ev.peer_id)
         res = ev.resume
         if res is not None:
@@ -459,7 +466,8 @@ class MasterState:
             rnd = self.round
             if rnd is not None and msg.epoch == rnd.epoch and peer in rnd.members:
                 rnd.reported.add(peer)
-                rnd.unreachable.update(p for p in msg.failed if p in rnd.members)
+                rnd.unreachable.update(rnd.blame.get((peer, p), p) for p in msg.failed
+                                       if p in rnd.members)
                 self._maybe_finish_round(out)
         elif isinstance(msg, m.CollectiveInit):
             self._on_collective_init(peer, msg, out)
@@ -736,14 +744,16 @@ class MasterState:
                     next_id=nxt,
                     next_addr=self.peers[nxt].p2p_addr if nxt >= 0 else "",
                     route=route, token=token, prev_id=prv,
-                    prev_addr=self.peers[prv].p2p_addr if prv >= 0 else "",
+                    prev_addr=("" if prv < 0 else self.peers[prv].punch_addr
+                               if prev_route == "punch" else self.peers[prv].p2p_addr),
                     prev_route=prev_route, prev_token=prev_token,
                 )))
 
     def _route(self, p: int, nxt: int, rnd: Round) -> tuple[str, bytes]:
         """How ``p`` gets its streams to ``nxt``: dial it when it is reachable; else be
-        dialed by it when ``p`` is reachable; else meet at the relay if both allow it;
-        else there is no way (``nxt`` fails this round, with the reason)."""
+        dialed by it when ``p`` is reachable; else punch a hole between the two, with
+        the relay to fall back on if both allow it (if not, a failed punch drops one of
+        them, with the reason)."""
         a, b = self.peers[p], self.peers[nxt]
         token = hashlib.blake2b(f"{self.epoch}:{p}:{nxt}".encode(), key=self._token_key,
                                 digest_size=16).digest()
@@ -751,24 +761,26 @@ class MasterState:
             route = ("direct", b"")
         elif a.reachable:
             route = ("reverse", token)
-        elif self.relay and a.allow_relay and b.allow_relay:
-            self.relay_tokens[token] = (p, nxt)
-            route = ("relay", token)
         else:
-            refusers = [x for x in (p, nxt) if not self.peers[x].allow_relay]
-            why = (f"peer {refusers[0]} refuses relaying (allow_relay=False)" if refusers
-                   else "the master does not relay (max_relayed_streams=0)")
-            # Drop a refuser rather than a peer that would have accepted the relay, and
-            # a newcomer rather than a member of the group.
-            blame = sorted(refusers or [p, nxt], key=lambda x: (
-                self.peers[x].status is PeerStatus.ACCEPTED, x != nxt))[0]
-            rnd.reasons[blame] = (
-                f"peers {p} and {nxt} are both unreachable from outside (behind NAT or a "
-                f"firewall), so their ring link would need the relay, and {why}; forward "
-                "a port to one of them (p2p_listen_port and p2p_advertise_address) or "
-                "allow relaying")
-            rnd.unreachable.add(blame)
-            route = ("none", b"")
+            # Both behind NAT: punch a hole (simultaneous open to each other's public
+            # address as seen here); if that fails, the relay, where allowed.
+            route = ("punch", token)
+            if self.relay and a.allow_relay and b.allow_relay:
+                self.relay_tokens[token] = (p, nxt)
+            else:
+                refusers = [x for x in (p, nxt) if not self.peers[x].allow_relay]
+                why = (f"peer {refusers[0]} refuses relaying (allow_relay=False)"
+                       if refusers else "the master does not relay (max_relayed_streams=0)")
+                # Drop a refuser rather than a peer that would have accepted the relay,
+                # and a newcomer rather than a member of the group.
+                blame = sorted(refusers or [p, nxt], key=lambda x: (
+                    self.peers[x].status is PeerStatus.ACCEPTED, x != nxt))[0]
+                rnd.blame[(p, nxt)] = blame
+                rnd.reasons[blame] = (
+                    f"peers {p} and {nxt} are both unreachable from outside (behind NAT or a "
+                    f"firewall), hole punching between them failed (a NAT that maps each "
+                    f"connection to a new port?), and {why}; forward a port to one of them "
+                    "(p2p_listen_port and p2p_advertise_address) or allow relaying")
         self.paths[(p, nxt)] = route[0]
         return route
 

@@ -137,7 +137,7 @@ class Driver:
                     p2p_port=adv_port, p2p_host=adv_host, nonce=nonce, mac=mac,
                     resume_peer_id=resume_id, resume_epoch=resume_epoch,
                     resume_revision=resume_revision, resume_peers=resume_peers,
-                    allow_relay=self.allow_relay))
+                    allow_relay=self.allow_relay, p2p_punch_port=int(self._node.punch_port)))
                 reply = await conn.recv()
         except TimeoutError:
             raise MasterConnectionError(
@@ -344,28 +344,23 @@ class Driver:
         async def outbound() -> None:
             if msg.next_id < 0:
                 return
-            if msg.route == "none":
-                # The master knows (both ends behind NAT, relaying refused) and has
-                # dropped one of the two already: nothing to dial, nothing to report.
-                log.warning("peer %s: no way to reach peer %d (both behind NAT and relaying "
-                            "refused)", self.peer_id, msg.next_id)
-                return
-            addr = {"direct": msg.next_addr, "relay": self.master}.get(msg.route, "")
+            addr = self.master if msg.route == "relay" else msg.next_addr
             try:
                 await node.connect_pool(addr, msg.next_id, msg.epoch,
                                         self.p2p_connection_pool_size, route=msg.route,
-                                        token=msg.token or None)
+                                        token=msg.token or None, relay=self.master)
             except PCCLError as e:
                 log.warning("peer %s: p2p pool to peer %d (%s %s) failed: %s",
                             self.peer_id, msg.next_id, msg.route, msg.next_addr, e)
                 failed.append(msg.next_id)
 
         async def inbound() -> None:
-            if msg.prev_id < 0 or msg.prev_route in ("direct", "none"):
-                return  # the sender dials us (or cannot, and says so)
-            addr = msg.prev_addr if msg.prev_route == "reverse" else self.master
+            if msg.prev_id < 0 or msg.prev_route == "direct":
+                return  # the sender dials us
+            addr = self.master if msg.prev_route == "relay" else msg.prev_addr
             try:
-                await node.open_inbound(msg.prev_route, addr, msg.prev_token)
+                await node.open_inbound(msg.prev_route, addr, msg.prev_token,
+                                        relay=self.master)
             except PCCLError as e:
                 # Not reported: the sender's side reports the link (as for direct links).
                 log.warning("peer %s: p2p pool from peer %d (%s %s) failed: %s",

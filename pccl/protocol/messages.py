@@ -67,6 +67,8 @@ class Hello(Message):
     resume_peers: list[int] = dataclasses.field(default_factory=list)
     # False: rather fail than have a ring link of this peer relayed (slow).
     allow_relay: bool = True
+    # The port this peer's hole-punched ring links are sent from (0: none).
+    p2p_punch_port: int = 0
 
 
 @message
@@ -175,12 +177,13 @@ class EstablishP2P(Message):
     next_id: int
     next_addr: str
     # How to get the streams to ``next_id``: "direct" (dial ``next_addr``), "reverse"
-    # (it is behind NAT: it dials us, presenting ``token``), "relay" (both ends dial the
-    # master's relay with ``token``) or "none" (no way: fail the link at once).
+    # (it is behind NAT: it dials us, presenting ``token``), "punch" (both behind NAT:
+    # one simultaneous-open connection to ``next_addr`` from our listening port, else
+    # the master's relay with ``token``) or "relay" (the relay only).
     route: str = "direct"
     token: bytes = b""
     # The link from ``prev_id`` to us when it is not direct: "reverse" (dial back the
-    # sender at ``prev_addr``) or "relay", with ``prev_token``.
+    # sender at ``prev_addr``), "punch" or "relay", with ``prev_token``.
     prev_id: int = -1
     prev_addr: str = ""
     prev_route: str = "direct"

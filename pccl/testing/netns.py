@@ -28,14 +28,18 @@ iproute2 (``ip``, ``tc``): :func:`netns_unavailable` says why not, and the
 Homes behind NAT (:meth:`VirtualLan.add_nat_host`): a router namespace on the LAN
 (a public address) masquerades, with nftables, for a home namespace on a private
 subnet of its own (``192.168.<n>.0/24``) behind it, and its stateful filter drops
-connections from outside into the home, as a home router does::
+connections from outside into the home (silently, without a reset, as most home routers
+do), while replies to what the home opened come in::
 
     LAN 10.47.0.0/24 -- eth0 [router: nft masquerade, forward: established only] lan0 --
         -- eth0 192.168.<n>.2 [home]
 
-With ``random_ports=True`` the router maps each connection to a random public port
-(``masquerade random``), so nobody outside can predict a home's public address for a
-connection (what hole punching would need). Needs ``nft`` (Debian's nftables) besides.
+By default the router keeps a connection's source port when it can (Linux
+masquerade), so two homes can punch a hole to each other: both connect from their p2p
+port to the other's public address at once, and each router takes the other's SYN for
+the reply to its own. With ``random_ports=True`` it maps each connection to a random
+public port (``masquerade random``, a "symmetric" NAT): nobody outside can predict a
+home's address for a connection, and hole punching fails. Needs ``nft`` (Debian's nftables) besides.
 
 Everything created is removed by :meth:`VirtualLan.close` (processes first, then the
 bridge ports and namespaces), which then checks that none of its namespaces is left;
@@ -336,6 +340,10 @@ table ip filter {{
         type filter hook forward priority filter; policy drop;
         ct state established,related accept
         iifname "lan0" oifname "eth0" accept
+    }}
+    chain input {{
+        type filter hook input priority filter; policy accept;
+        iifname "eth0" ct state new drop
     }}
 }}
 """

@@ -23,11 +23,12 @@ use crate::net::frame::write_frame;
 use crate::net::handshake::{self, Purpose, StreamHello};
 use crate::net::stream::{read_first_frame, P2PStream, Transport};
 use std::collections::HashMap;
+use std::io;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
-use tokio::net::{TcpListener, TcpStream};
+use tokio::net::{TcpSocket, TcpStream};
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
@@ -45,7 +46,14 @@ pub const REACH_MAGIC: &[u8; 8] = b"PCCLRCH\x01";
 pub const REVERSE_MAGIC: &[u8; 8] = b"PCCLREV\x01";
 /// First frame on the relay (the master's port): `RELAY_MAGIC | token | stream u16`.
 pub const RELAY_MAGIC: &[u8; 8] = b"PCCLRLY\x01";
+/// First frame each way on a hole-punched connection: `PUNCH_MAGIC | token | role u8`
+/// (0: the sender of the ring link, 1: its receiver).
+pub const PUNCH_MAGIC: &[u8; 8] = b"PCCLPCH\x01";
+/// How long both ends of a hole-punched link try before they fall back to the relay.
+pub const PUNCH_TIMEOUT: Duration = Duration::from_secs(5);
 pub const TOKEN_LEN: usize = 16;
+/// Parked punch connections use stream numbers from here (+ the remote's role).
+const PUNCH_SLOT: u16 = 0xFF00;
 /// Reverse streams that arrived before their pool was asked for, kept at most.
 const MAX_PARKED: usize = 256;
 
@@ -64,6 +72,10 @@ pub enum Route {
     Reverse([u8; TOKEN_LEN]),
     /// Both ends dial the relay at this address with this token.
     Relay(SocketAddr, [u8; TOKEN_LEN]),
+    /// Both ends are behind NAT: open one TCP connection by simultaneous open from our
+    /// listening port to the neighbour's predicted public address (first field), with
+    /// this token; if that fails, meet at the relay (second field) instead.
+    Punch(SocketAddr, SocketAddr, [u8; TOKEN_LEN]),
 }
 
 // Tokens are capabilities (on the relay): logs show the route, never the token.
@@ -73,6 +85,7 @@ impl std::fmt::Debug for Route {
             Route::Direct(a) => write!(f, "direct to {a}"),
             Route::Reverse(_) => write!(f, "a reverse connection"),
             Route::Relay(a, _) => write!(f, "the relay at {a}"),
+            Route::Punch(a, _, _) => write!(f, "hole punching to {a}"),
         }
     }
 }
@@ -84,17 +97,27 @@ pub enum Inbound {
     Reverse(SocketAddr, [u8; TOKEN_LEN]),
     /// Dial the relay (the sender's `Route::Relay`).
     Relay(SocketAddr, [u8; TOKEN_LEN]),
+    /// The sender's `Route::Punch`: (its predicted public address, the relay, token).
+    Punch(SocketAddr, SocketAddr, [u8; TOKEN_LEN]),
 }
 
 impl Route {
     /// From the names the master uses: "direct" (`addr`: the neighbour), "reverse"
     /// (`addr` unused) or "relay" (`addr`: the relay).
-    pub fn parse(kind: &str, addr: Option<SocketAddr>, token: &[u8]) -> CoreResult<Route> {
+    pub fn parse(
+        kind: &str,
+        addr: Option<SocketAddr>,
+        token: &[u8],
+        relay: Option<SocketAddr>,
+    ) -> CoreResult<Route> {
         let token = parse_token(token);
         match (kind, addr, token) {
             ("direct", Some(a), _) => Ok(Route::Direct(a)),
             ("reverse", _, Some(t)) => Ok(Route::Reverse(t)),
             ("relay", Some(a), Some(t)) => Ok(Route::Relay(a, t)),
+            ("punch", Some(a), Some(t)) if relay.is_some() => {
+                Ok(Route::Punch(a, relay.unwrap(), t))
+            }
             _ => Err(CoreError::InvalidArgument(format!(
                 "bad p2p route {kind:?} (direct needs an address; reverse a token; relay both)"
             ))),
@@ -104,10 +127,16 @@ impl Route {
 
 impl Inbound {
     /// "reverse" (`addr`: the sender) or "relay" (`addr`: the relay), with the token.
-    pub fn parse(kind: &str, addr: SocketAddr, token: &[u8]) -> CoreResult<Inbound> {
+    pub fn parse(
+        kind: &str,
+        addr: SocketAddr,
+        token: &[u8],
+        relay: Option<SocketAddr>,
+    ) -> CoreResult<Inbound> {
         match (kind, parse_token(token)) {
             ("reverse", Some(t)) => Ok(Inbound::Reverse(addr, t)),
             ("relay", Some(t)) => Ok(Inbound::Relay(addr, t)),
+            ("punch", Some(t)) if relay.is_some() => Ok(Inbound::Punch(addr, relay.unwrap(), t)),
             _ => Err(CoreError::InvalidArgument(format!(
                 "bad inbound p2p route {kind:?} (reverse or relay, with a {TOKEN_LEN}-byte token)"
             ))),
@@ -117,6 +146,20 @@ impl Inbound {
 
 fn parse_token(token: &[u8]) -> Option<[u8; TOKEN_LEN]> {
     token.try_into().ok()
+}
+
+/// A TCP socket for `addr`'s family with SO_REUSEADDR and SO_REUSEPORT, so that the
+/// listener and the hole-punching connects can share the listening port.
+fn reusable_socket(addr: SocketAddr) -> io::Result<TcpSocket> {
+    let s = if addr.is_ipv4() {
+        TcpSocket::new_v4()?
+    } else {
+        TcpSocket::new_v6()?
+    };
+    s.set_reuseaddr(true)?;
+    #[cfg(unix)]
+    s.set_reuseport(true)?;
+    Ok(s)
 }
 
 fn route_frame(magic: &[u8; 8], token: &[u8; TOKEN_LEN], stream: u16) -> Vec<u8> {
@@ -173,6 +216,9 @@ pub struct Node {
     peer_id: AtomicU64,
     id_known: Notify,
     local_addr: SocketAddr,
+    /// Reserves `punch_addr`'s port (bound, never listening) until `close()`.
+    punch_socket: Mutex<Option<TcpSocket>>,
+    punch_addr: SocketAddr,
     inbound: Mutex<HashMap<PoolKey, Pool>>,
     outbound: Mutex<HashMap<PoolKey, Vec<P2PStream>>>,
     /// Streams of epochs older than this are refused and dropped.
@@ -199,13 +245,29 @@ const MAX_IDLE_TRANSFERS: usize = 16;
 impl Node {
     /// Binds the listener and starts accepting.
     pub async fn bind(cfg: NodeConfig, addr: SocketAddr) -> CoreResult<Arc<Node>> {
-        let listener = TcpListener::bind(addr)
-            .await
+        let listener = reusable_socket(addr)
+            .and_then(|s| {
+                s.bind(addr)?;
+                s.listen(1024)
+            })
             .map_err(|e| CoreError::io(format!("binding the p2p listener on {addr}"), e))?;
         let local_addr = listener
             .local_addr()
             .map_err(|e| CoreError::io("reading the p2p listener address", e))?;
+        // A second port, held for the sending side of hole-punched links: a link and the
+        // one back between the same two peers (a ring of two) must not share both ports.
+        let punch_socket = reusable_socket(addr)
+            .and_then(|s| {
+                s.bind(SocketAddr::new(local_addr.ip(), 0))?;
+                Ok(s)
+            })
+            .map_err(|e| CoreError::io("binding the p2p punch port", e))?;
+        let punch_addr = punch_socket
+            .local_addr()
+            .map_err(|e| CoreError::io("reading the p2p punch port", e))?;
         let node = Arc::new(Node {
+            punch_socket: Mutex::new(Some(punch_socket)),
+            punch_addr,
             peer_id: AtomicU64::new(cfg.peer_id),
             id_known: Notify::new(),
             transport: Transport::new(cfg.secret.as_deref(), cfg.insecure),
@@ -254,6 +316,11 @@ impl Node {
 
     pub fn local_addr(&self) -> SocketAddr {
         self.local_addr
+    }
+
+    /// The port the sending side of hole-punched links connects from.
+    pub fn punch_addr(&self) -> SocketAddr {
+        self.punch_addr
     }
 
     pub fn peer_id(&self) -> u64 {
@@ -317,6 +384,14 @@ impl Node {
         }
         if first.len() == 8 + TOKEN_LEN + 2 && first.starts_with(REVERSE_MAGIC) {
             self.park(&first, tcp, remote);
+            return;
+        }
+        if first.len() == 8 + TOKEN_LEN + 1 && first.starts_with(PUNCH_MAGIC) {
+            // A neighbour's hole-punching connect that reached our listener: the punch
+            // loop of that link takes it (keyed by the token and its role + PUNCH_SLOT).
+            let mut key = first[..8 + TOKEN_LEN].to_vec();
+            key.extend_from_slice(&(PUNCH_SLOT + first[8 + TOKEN_LEN] as u16).to_be_bytes());
+            self.park(&key, tcp, remote);
             return;
         }
         let accepted = tokio::select! {
@@ -442,13 +517,42 @@ impl Node {
     /// hello tells the pool size (the sender's), the rest are opened together.
     /// With `stream`: that one stream only (a relayed transfer stream a fetcher asked for).
     pub async fn open_inbound(&self, how: Inbound, stream: Option<u16>) -> CoreResult<()> {
+        let how = match how {
+            Inbound::Punch(remote, relay, token) => {
+                let punched = tokio::select! {
+                    _ = self.cancel.cancelled() => {
+                        return Err(CoreError::Aborted("the p2p node is closing".into()))
+                    }
+                    r = self.punch(remote, &token, false) => r,
+                };
+                match punched {
+                    Ok(tcp) => {
+                        log::info!(
+                            "peer {}: hole punched a ring link from {remote}",
+                            self.peer_id()
+                        );
+                        return self.accept_stream(tcp, None).await.map(|_| ());
+                    }
+                    Err(e) => {
+                        log::warn!(
+                            "peer {}: {e}; taking the link through the relay",
+                            self.peer_id()
+                        );
+                        Inbound::Relay(relay, token)
+                    }
+                }
+            }
+            other => other,
+        };
         let (first, one) = (stream.unwrap_or(0), stream.is_some());
         let open = |i: u16| {
             let how = how.clone();
             async move {
                 let (addr, magic, token, what) = match &how {
                     Inbound::Reverse(a, t) => (*a, REVERSE_MAGIC, t, "dialing back the peer at"),
-                    Inbound::Relay(a, t) => (*a, RELAY_MAGIC, t, "reaching the relay at"),
+                    Inbound::Relay(a, t) | Inbound::Punch(_, a, t) => {
+                        (*a, RELAY_MAGIC, t, "reaching the relay at")
+                    }
                 };
                 let mut tcp = self.connect_tcp(addr, &format!("{what} {addr}")).await?;
                 write_frame(&mut tcp, &route_frame(magic, token, i)).await?;
@@ -498,25 +602,110 @@ impl Node {
                 let deadline = tokio::time::Instant::now()
                     + self.cfg.connect_timeout
                     + self.cfg.handshake_timeout;
-                loop {
-                    let notified = self.parked_changed.notified();
-                    tokio::pin!(notified);
-                    notified.as_mut().enable();
-                    if let Some((tcp, _)) = self.parked.lock().unwrap().remove(&(*token, stream)) {
+                self.wait_parked(token, stream, deadline)
+                    .await
+                    .ok_or_else(|| {
+                        CoreError::PeerConnection(format!(
+                            "peer {to} (behind NAT) did not dial back in time"
+                        ))
+                    })
+            }
+            Route::Punch(remote, _, token) => self.punch(*remote, token, true).await,
+        }
+    }
+
+    /// A parked stream for (token, slot), waiting for it until `deadline`.
+    async fn wait_parked(
+        &self,
+        token: &[u8; TOKEN_LEN],
+        slot: u16,
+        deadline: tokio::time::Instant,
+    ) -> Option<TcpStream> {
+        loop {
+            let notified = self.parked_changed.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            if let Some((tcp, _)) = self.parked.lock().unwrap().remove(&(*token, slot)) {
+                let _ = tcp.set_nodelay(true);
+                return Some(tcp);
+            }
+            tokio::select! {
+                _ = tokio::time::sleep_until(deadline) => return None,
+                _ = notified => {}
+            }
+        }
+    }
+
+    /// One TCP connection to the neighbour at `remote` (its predicted public address)
+    /// through both NATs: connects from our punch port (the sender) or our listening
+    /// port (the receiver; SO_REUSEPORT lets both share it) until the
+    /// neighbour's connect and ours meet (a simultaneous open; or one side's connect
+    /// lands on the other's listener, which parks it for us). Each side then sends
+    /// `PUNCH_MAGIC | token | role` and checks the other's. `sender`: our role is the
+    /// ring link's sender. Fails after `PUNCH_TIMEOUT` (e.g. a NAT that maps every
+    /// connection to a new port: then the caller takes the relay).
+    async fn punch(
+        &self,
+        remote: SocketAddr,
+        token: &[u8; TOKEN_LEN],
+        sender: bool,
+    ) -> CoreResult<TcpStream> {
+        let (mine, theirs) = if sender { (0u8, 1u8) } else { (1u8, 0u8) };
+        let hello = |role: u8| {
+            let mut f = PUNCH_MAGIC.to_vec();
+            f.extend_from_slice(token);
+            f.push(role);
+            f
+        };
+        let deadline = tokio::time::Instant::now() + PUNCH_TIMEOUT.min(self.cfg.connect_timeout);
+        let failed = || {
+            CoreError::PeerConnection(format!(
+                "hole punching to {remote} failed within {:?} (a NAT that maps each \
+                 connection to a new port, or a firewall)",
+                PUNCH_TIMEOUT.min(self.cfg.connect_timeout)
+            ))
+        };
+        while tokio::time::Instant::now() < deadline {
+            let attempt = async {
+                let s = reusable_socket(remote)?;
+                s.bind(if sender {
+                    self.punch_addr
+                } else {
+                    self.local_addr
+                })?;
+                s.connect(remote).await
+            };
+            tokio::select! {
+                parked = self.wait_parked(token, PUNCH_SLOT + theirs as u16, deadline) => {
+                    // Their connect reached our listener; they wait for our hello.
+                    let Some(mut tcp) = parked else { break };
+                    write_frame(&mut tcp, &hello(mine)).await?;
+                    return Ok(tcp);
+                }
+                r = tokio::time::timeout_at(deadline, attempt) => match r {
+                    Ok(Ok(mut tcp)) => {
                         let _ = tcp.set_nodelay(true);
-                        return Ok(tcp);
-                    }
-                    tokio::select! {
-                        _ = tokio::time::sleep_until(deadline) => {
-                            return Err(CoreError::PeerConnection(format!(
-                                "peer {to} (behind NAT) did not dial back in time"
-                            )))
+                        write_frame(&mut tcp, &hello(mine)).await?;
+                        let mut buf = Vec::new();
+                        let answer = tokio::time::timeout(
+                            self.cfg.handshake_timeout,
+                            crate::net::frame::read_frame(&mut tcp, &mut buf, 64),
+                        )
+                        .await;
+                        if matches!(answer, Ok(Ok(true))) && buf == hello(theirs) {
+                            return Ok(tcp);
                         }
-                        _ = notified => {}
+                        // Someone else, or a half-open leftover: try again.
                     }
+                    Ok(Err(_)) => {
+                        // Refused or unreachable for now (their NAT has no mapping yet).
+                        tokio::time::sleep(Duration::from_millis(100)).await;
+                    }
+                    Err(_) => break,
                 }
             }
         }
+        Err(failed())
     }
 
     /// Files an accepted stream; on refusal, why and how loudly to say so (the lock is
@@ -580,6 +769,49 @@ impl Node {
                 "p2p pool size must be in 1..={MAX_POOL}, got {n}"
             )));
         }
+        let (route, n) = match route {
+            Route::Punch(remote, relay, token) => {
+                let hello = StreamHello {
+                    from: self.peer_id(),
+                    to,
+                    epoch,
+                    stream: 0,
+                    pool: 1,
+                    purpose,
+                };
+                // One punched connection per link (one port pair); the ring spreads its
+                // pieces over however many streams a link has.
+                let punched = tokio::select! {
+                    _ = self.cancel.cancelled() => {
+                        return Err(CoreError::Aborted("the p2p node is closing".into()))
+                    }
+                    r = self.dial_one(&route, hello, 0) => r,
+                };
+                match punched {
+                    Ok(stream) => {
+                        log::info!(
+                            "peer {}: hole punched the ring link to peer {to} at {remote}",
+                            self.peer_id()
+                        );
+                        let key = PoolKey {
+                            peer: to,
+                            epoch,
+                            purpose,
+                        };
+                        self.outbound.lock().unwrap().insert(key, vec![stream]);
+                        return Ok(());
+                    }
+                    Err(e) => {
+                        log::warn!(
+                            "peer {}: {e}; taking the link to peer {to} through the relay",
+                            self.peer_id()
+                        );
+                        (Route::Relay(relay, token), n)
+                    }
+                }
+            }
+            other => (other, n),
+        };
         let dials = (0..n).map(|i| {
             let hello = StreamHello {
                 from: self.peer_id(),
@@ -798,6 +1030,7 @@ impl Node {
         self.tracker.close();
         self.tracker.wait().await;
         self.parked.lock().unwrap().clear();
+        self.punch_socket.lock().unwrap().take();
         self.inbound.lock().unwrap().clear();
         self.outbound.lock().unwrap().clear();
         self.drop_idle_transfers();

@@ -89,6 +89,12 @@ impl PyP2PNode {
         self.node.local_addr().port()
     }
 
+    /// The port the sending side of hole-punched ring links connects from.
+    #[getter]
+    fn punch_port(&self) -> u16 {
+        self.node.punch_addr().port()
+    }
+
     #[getter]
     fn peer_id(&self) -> u64 {
         self.node.peer_id()
@@ -100,9 +106,10 @@ impl PyP2PNode {
     }
 
     /// Dials `pool_size` authenticated streams to peer `to` for `epoch`. `route`:
-    /// "direct" (to `addr`), "reverse" (peer `to` dials us with `token`; `addr` unused)
-    /// or "relay" (through the relay at `addr` with `token`).
-    #[pyo3(signature = (addr, to, epoch, pool_size, route="direct", token=None))]
+    /// "direct" (to `addr`), "reverse" (peer `to` dials us with `token`; `addr` unused),
+    /// "relay" (through the relay at `addr` with `token`) or "punch" (one hole-punched
+    /// connection to `addr`, else the relay at `relay`).
+    #[pyo3(signature = (addr, to, epoch, pool_size, route="direct", token=None, relay=None))]
     #[allow(clippy::too_many_arguments)]
     fn connect_pool<'py>(
         &self,
@@ -113,6 +120,7 @@ impl PyP2PNode {
         pool_size: u16,
         route: &str,
         token: Option<Vec<u8>>,
+        relay: Option<String>,
     ) -> PyResult<Bound<'py, PyAny>> {
         let node = self.node.clone();
         let kind = route.to_owned();
@@ -122,7 +130,11 @@ impl PyP2PNode {
             } else {
                 Some(resolve(&addr).await?)
             };
-            let route = Route::parse(&kind, sock, token.as_deref().unwrap_or_default())?;
+            let relay = match relay {
+                Some(r) => Some(resolve(&r).await?),
+                None => None,
+            };
+            let route = Route::parse(&kind, sock, token.as_deref().unwrap_or_default(), relay)?;
             node.connect_pool_via(route, to, epoch, pool_size, Purpose::Ring)
                 .await?;
             Ok(())
@@ -133,8 +145,9 @@ impl PyP2PNode {
     /// sender's pool of streams, "reverse" (dialing the sender at `addr`) or "relay"
     /// (through the relay at `addr`), with `token`, and accepts the sender's
     /// handshakes on them.
-    /// With `stream`, that one stream only (a relayed transfer stream).
-    #[pyo3(signature = (route, addr, token, stream=None))]
+    /// With `stream`, that one stream only (a relayed transfer stream). "punch": one
+    /// hole-punched connection to the sender at `addr`, else the relay at `relay`.
+    #[pyo3(signature = (route, addr, token, stream=None, relay=None))]
     fn open_inbound<'py>(
         &self,
         py: Python<'py>,
@@ -142,11 +155,16 @@ impl PyP2PNode {
         addr: String,
         token: Vec<u8>,
         stream: Option<u16>,
+        relay: Option<String>,
     ) -> PyResult<Bound<'py, PyAny>> {
         let node = self.node.clone();
         future_into_py(py, async move {
             let sock = resolve(&addr).await?;
-            node.open_inbound(Inbound::parse(&route, sock, &token)?, stream)
+            let relay = match relay {
+                Some(r) => Some(resolve(&r).await?),
+                None => None,
+            };
+            node.open_inbound(Inbound::parse(&route, sock, &token, relay)?, stream)
                 .await?;
             Ok(())
         })
