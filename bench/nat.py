@@ -9,8 +9,10 @@ Layouts (same machine, same run):
 - direct: every peer public;
 - reverse: --nat peers behind NAT, joined alternately with public ones, so every ring
   link into a NAT'd peer is dialed by that peer (no relay);
-- relay: the --nat NAT'd peers joined one after the other, so the links between them go
-  through the master's relay (and the rest are reverse or direct).
+- punch: the --nat NAT'd peers joined one after the other, so the links between them
+  are hole-punched (their routers keep source ports), the rest reverse or direct;
+- relay: the same behind "symmetric" NATs (a random public port per connection): the
+  punch fails (after 5 s) and the links between them go through the master's relay.
 
 For each: the time of the round that admits the last peer (every peer calls
 update_topology(); the round rebuilds every ring link), measured from the test side
@@ -43,11 +45,12 @@ async def layout(name: str, k: int, nat: int, count: int, iters: int) -> dict[st
             kinds = [("nat" if i % 2 else "pub") if i < 2 * nat else "pub" for i in range(k)]
         else:
             kinds = ["nat"] * nat + ["pub"] * (k - nat)
+        symmetric = name == "relay"
         peers: list[PeerProcess] = []
         last_round = 0.0
         for i, kind in enumerate(kinds):
-            host = await (lan.add_nat_host(f"home{i}") if kind == "nat"
-                          else lan.add_host(f"pub{i}"))
+            host = await (lan.add_nat_host(f"home{i}", random_ports=symmetric)
+                          if kind == "nat" else lan.add_host(f"pub{i}"))
             before = len(master.registered)
             proc = await lan.spawn_peer(host, master.address, reply_timeout=300.0,
                                         extra_args=["--peer-timeout", "60", "--pool", "2"])
@@ -70,22 +73,25 @@ async def layout(name: str, k: int, nat: int, count: int, iters: int) -> dict[st
         nbytes = 4 * count
         relayed = sum("relaying a stream" in line for line in master.log)
         reverse = sum("dialed in reverse" in line for line in master.log)
+        punched = sum("is hole-punched" in line for line in master.log)
         return {"layout": name, "peers": k, "nat_peers": kinds.count("nat"),
                 "ring_round_s": last_round, "allreduce_median_s": med,
                 "busbw_MBps": nbytes * 2 * (k - 1) / k / med / 1e6,
-                "relayed_streams_logged": relayed, "reverse_links_logged": reverse}
+                "relayed_streams_logged": relayed, "reverse_links_logged": reverse,
+                "punch_links_logged": punched}
 
 
 async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     out: dict[str, Any] = {"config": vars(args), "runs": []}
     count = int(args.mib * (1 << 20)) // 4
-    for name in ("direct", "reverse", "relay"):
+    for name in ("direct", "reverse", "punch", "relay"):
         r = await layout(name, args.peers, args.nat, count, args.iters)
         out["runs"].append(r)
         print(f"{name:>8}: ring round {r['ring_round_s']:.2f} s, all-reduce "
               f"{r['allreduce_median_s'] * 1e3:.0f} ms ({r['busbw_MBps']:.0f} MB/s busbw), "
-              f"{r['reverse_links_logged']} reverse link(s), "
-              f"{r['relayed_streams_logged']} relayed stream(s)", flush=True)
+              f"routes logged over all rounds: {r['reverse_links_logged']} reverse, "
+              f"{r['punch_links_logged']} punch, {r['relayed_streams_logged']} relayed "
+              "stream(s)", flush=True)
     return out
 
 

@@ -381,13 +381,11 @@ class MasterNode:
                  f"{hello.resume_revision})", remote, hello.peer_group, p2p_addr,
                  "" if reachable else ": not reachable from here, behind NAT?",
                  "encrypted" if conn.encrypted else "clear text")
-        punch_addr = ""
-        if 0 < hello.p2p_punch_port < 65536:
-            punch_addr = (f"[{host}]:{hello.p2p_punch_port}" if ":" in host
-                          else f"{host}:{hello.p2p_punch_port}")
+        punch_addrs = tuple(f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+                            for port in hello.p2p_punch_ports[:16] if 0 < port < 65536)
         self._feed(st.PeerRegistered(peer_id, hello.peer_group, p2p_addr, resume,
                                      reachable=reachable, allow_relay=hello.allow_relay,
-                                     punch_addr=punch_addr))
+                                     punch_addrs=punch_addrs))
         return peer_id
 
     async def _doctor(self, conn: FramedConnection, hello: m.DoctorHello, nonce: bytes,

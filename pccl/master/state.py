@@ -78,8 +78,9 @@ class PeerRegistered:
     # relayed ring link where no direct one is possible.
     reachable: bool = True
     allow_relay: bool = True
-    # Where its hole-punched links come from ("host:port" as seen here; "" = none).
-    punch_addr: str = ""
+    # Where its hole-punched links come from ("host:port" as seen here), the one of a
+    # link of epoch e at [e % len].
+    punch_addrs: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -203,7 +204,7 @@ class PeerRecord:
     status: PeerStatus = PeerStatus.REGISTERED
     reachable: bool = True
     allow_relay: bool = True
-    punch_addr: str = ""
+    punch_addrs: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass
@@ -419,7 +420,7 @@ class MasterState:
         self.peers[ev.peer_id] = PeerRecord(ev.peer_id, ev.peer_group, ev.p2p_addr,
                                             reachable=ev.reachable,
                                             allow_relay=ev.allow_relay,
-                                            punch_addr=ev.punch_addr)
+                                            punch_addrs=ev.punch_addrs)
         self.recovery_awaiting.discard(ev.peer_id)
         res = ev.resume
         if res is not None:
@@ -744,10 +745,19 @@ class MasterState:
                     next_id=nxt,
                     next_addr=self.peers[nxt].p2p_addr if nxt >= 0 else "",
                     route=route, token=token, prev_id=prv,
-                    prev_addr=("" if prv < 0 else self.peers[prv].punch_addr
-                               if prev_route == "punch" else self.peers[prv].p2p_addr),
+                    prev_addr=self._inbound_addr(prv, prev_route),
                     prev_route=prev_route, prev_token=prev_token,
                 )))
+
+    def _inbound_addr(self, prv: int, route: str) -> str:
+        """Where the receiver of ``prv``'s ring link meets it: its punch port of this
+        epoch for a punched link, else its p2p address."""
+        if prv < 0:
+            return ""
+        rec = self.peers[prv]
+        if route == "punch" and rec.punch_addrs:
+            return rec.punch_addrs[self.epoch % len(rec.punch_addrs)]
+        return rec.p2p_addr
 
     def _route(self, p: int, nxt: int, rnd: Round) -> tuple[str, bytes]:
         """How ``p`` gets its streams to ``nxt``: dial it when it is reachable; else be

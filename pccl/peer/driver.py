@@ -137,7 +137,8 @@ class Driver:
                     p2p_port=adv_port, p2p_host=adv_host, nonce=nonce, mac=mac,
                     resume_peer_id=resume_id, resume_epoch=resume_epoch,
                     resume_revision=resume_revision, resume_peers=resume_peers,
-                    allow_relay=self.allow_relay, p2p_punch_port=int(self._node.punch_port)))
+                    allow_relay=self.allow_relay,
+                    p2p_punch_ports=[int(p) for p in self._node.punch_ports]))
                 reply = await conn.recv()
         except TimeoutError:
             raise MasterConnectionError(

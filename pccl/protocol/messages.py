@@ -67,8 +67,9 @@ class Hello(Message):
     resume_peers: list[int] = dataclasses.field(default_factory=list)
     # False: rather fail than have a ring link of this peer relayed (slow).
     allow_relay: bool = True
-    # The port this peer's hole-punched ring links are sent from (0: none).
-    p2p_punch_port: int = 0
+    # The ports this peer's hole-punched ring links are sent from: a link of epoch e
+    # from ``p2p_punch_ports[e % len]`` (empty: none).
+    p2p_punch_ports: list[int] = dataclasses.field(default_factory=list)
 
 
 @message

@@ -49,6 +49,8 @@ pub const RELAY_MAGIC: &[u8; 8] = b"PCCLRLY\x01";
 /// First frame each way on a hole-punched connection: `PUNCH_MAGIC | token | role u8`
 /// (0: the sender of the ring link, 1: its receiver).
 pub const PUNCH_MAGIC: &[u8; 8] = b"PCCLPCH\x01";
+/// Ports held for sending hole-punched links (see `Node::punch_addrs`).
+pub const PUNCH_PORTS: usize = 4;
 /// How long both ends of a hole-punched link try before they fall back to the relay.
 pub const PUNCH_TIMEOUT: Duration = Duration::from_secs(5);
 pub const TOKEN_LEN: usize = 16;
@@ -148,6 +150,13 @@ fn parse_token(token: &[u8]) -> Option<[u8; TOKEN_LEN]> {
     token.try_into().ok()
 }
 
+/// Closing `tcp` will reset it instead of lingering in TIME_WAIT (a zero linger time
+/// never blocks, which is what tokio's deprecation of `set_linger` is about).
+#[allow(deprecated)]
+fn zero_linger(tcp: &TcpStream) {
+    let _ = tcp.set_linger(Some(Duration::ZERO));
+}
+
 /// A TCP socket for `addr`'s family with SO_REUSEADDR and SO_REUSEPORT, so that the
 /// listener and the hole-punching connects can share the listening port.
 fn reusable_socket(addr: SocketAddr) -> io::Result<TcpSocket> {
@@ -216,9 +225,9 @@ pub struct Node {
     peer_id: AtomicU64,
     id_known: Notify,
     local_addr: SocketAddr,
-    /// Reserves `punch_addr`'s port (bound, never listening) until `close()`.
-    punch_socket: Mutex<Option<TcpSocket>>,
-    punch_addr: SocketAddr,
+    /// Reserve the ports of `punch_addrs` (bound, never listening) until `close()`.
+    punch_sockets: Mutex<Vec<TcpSocket>>,
+    punch_addrs: Vec<SocketAddr>,
     inbound: Mutex<HashMap<PoolKey, Pool>>,
     outbound: Mutex<HashMap<PoolKey, Vec<P2PStream>>>,
     /// Streams of epochs older than this are refused and dropped.
@@ -254,20 +263,28 @@ impl Node {
         let local_addr = listener
             .local_addr()
             .map_err(|e| CoreError::io("reading the p2p listener address", e))?;
-        // A second port, held for the sending side of hole-punched links: a link and the
-        // one back between the same two peers (a ring of two) must not share both ports.
-        let punch_socket = reusable_socket(addr)
-            .and_then(|s| {
-                s.bind(SocketAddr::new(local_addr.ip(), 0))?;
-                Ok(s)
-            })
-            .map_err(|e| CoreError::io("binding the p2p punch port", e))?;
-        let punch_addr = punch_socket
-            .local_addr()
-            .map_err(|e| CoreError::io("reading the p2p punch port", e))?;
+        // Ports held for the sending side of hole-punched links: a link and the one back
+        // between the same two peers (a ring of two) must not share both ports, and a
+        // round that punches the same pair again while the last round's link is still
+        // open uses the next port (`PUNCH_PORTS`, by epoch).
+        let mut punch_sockets = Vec::with_capacity(PUNCH_PORTS);
+        let mut punch_addrs = Vec::with_capacity(PUNCH_PORTS);
+        for _ in 0..PUNCH_PORTS {
+            let s = reusable_socket(addr)
+                .and_then(|s| {
+                    s.bind(SocketAddr::new(local_addr.ip(), 0))?;
+                    Ok(s)
+                })
+                .map_err(|e| CoreError::io("binding a p2p punch port", e))?;
+            punch_addrs.push(
+                s.local_addr()
+                    .map_err(|e| CoreError::io("reading a p2p punch port", e))?,
+            );
+            punch_sockets.push(s);
+        }
         let node = Arc::new(Node {
-            punch_socket: Mutex::new(Some(punch_socket)),
-            punch_addr,
+            punch_sockets: Mutex::new(punch_sockets),
+            punch_addrs,
             peer_id: AtomicU64::new(cfg.peer_id),
             id_known: Notify::new(),
             transport: Transport::new(cfg.secret.as_deref(), cfg.insecure),
@@ -318,9 +335,10 @@ impl Node {
         self.local_addr
     }
 
-    /// The port the sending side of hole-punched links connects from.
-    pub fn punch_addr(&self) -> SocketAddr {
-        self.punch_addr
+    /// The ports the sending side of hole-punched links connects from: the one of a
+    /// link of `epoch` is `[epoch % PUNCH_PORTS]`.
+    pub fn punch_addrs(&self) -> &[SocketAddr] {
+        &self.punch_addrs
     }
 
     pub fn peer_id(&self) -> u64 {
@@ -523,7 +541,7 @@ impl Node {
                     _ = self.cancel.cancelled() => {
                         return Err(CoreError::Aborted("the p2p node is closing".into()))
                     }
-                    r = self.punch(remote, &token, false) => r,
+                    r = self.punch(remote, &token, false, 0) => r,
                 };
                 match punched {
                     Ok(tcp) => {
@@ -582,7 +600,13 @@ impl Node {
     }
 
     /// The TCP stream for slot `stream` of a pool to peer `to` along `route`.
-    async fn open_tcp(&self, route: &Route, to: u64, stream: u16) -> CoreResult<TcpStream> {
+    async fn open_tcp(
+        &self,
+        route: &Route,
+        to: u64,
+        stream: u16,
+        epoch: u64,
+    ) -> CoreResult<TcpStream> {
         match route {
             Route::Direct(addr) => {
                 self.connect_tcp(*addr, &format!("connecting to peer {to} at {addr}"))
@@ -610,7 +634,7 @@ impl Node {
                         ))
                     })
             }
-            Route::Punch(remote, _, token) => self.punch(*remote, token, true).await,
+            Route::Punch(remote, _, token) => self.punch(*remote, token, true, epoch).await,
         }
     }
 
@@ -649,6 +673,7 @@ impl Node {
         remote: SocketAddr,
         token: &[u8; TOKEN_LEN],
         sender: bool,
+        epoch: u64,
     ) -> CoreResult<TcpStream> {
         let (mine, theirs) = if sender { (0u8, 1u8) } else { (1u8, 0u8) };
         let hello = |role: u8| {
@@ -669,7 +694,7 @@ impl Node {
             let attempt = async {
                 let s = reusable_socket(remote)?;
                 s.bind(if sender {
-                    self.punch_addr
+                    self.punch_addrs[(epoch % PUNCH_PORTS as u64) as usize]
                 } else {
                     self.local_addr
                 })?;
@@ -679,12 +704,16 @@ impl Node {
                 parked = self.wait_parked(token, PUNCH_SLOT + theirs as u16, deadline) => {
                     // Their connect reached our listener; they wait for our hello.
                     let Some(mut tcp) = parked else { break };
+                    zero_linger(&tcp);
                     write_frame(&mut tcp, &hello(mine)).await?;
                     return Ok(tcp);
                 }
                 r = tokio::time::timeout_at(deadline, attempt) => match r {
                     Ok(Ok(mut tcp)) => {
                         let _ = tcp.set_nodelay(true);
+                        // The next round punches the same pair of ports again: closing
+                        // with a reset leaves no TIME_WAIT to block that 4-tuple.
+                        zero_linger(&tcp);
                         write_frame(&mut tcp, &hello(mine)).await?;
                         let mut buf = Vec::new();
                         let answer = tokio::time::timeout(
@@ -966,7 +995,7 @@ impl Node {
         slot: u16,
     ) -> CoreResult<P2PStream> {
         let what = format!("handshaking with peer {} via {route:?}", hello.to);
-        let tcp = self.open_tcp(route, hello.to, slot).await?;
+        let tcp = self.open_tcp(route, hello.to, slot, hello.epoch).await?;
         let timeout = self.cfg.handshake_timeout;
         tokio::time::timeout(timeout, async {
             let mut stream = self.transport.dial(tcp, timeout).await?;
@@ -1030,7 +1059,7 @@ impl Node {
         self.tracker.close();
         self.tracker.wait().await;
         self.parked.lock().unwrap().clear();
-        self.punch_socket.lock().unwrap().take();
+        self.punch_sockets.lock().unwrap().clear();
         self.inbound.lock().unwrap().clear();
         self.outbound.lock().unwrap().clear();
         self.drop_idle_transfers();

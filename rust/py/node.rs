@@ -89,10 +89,11 @@ impl PyP2PNode {
         self.node.local_addr().port()
     }
 
-    /// The port the sending side of hole-punched ring links connects from.
+    /// The ports the sending side of hole-punched ring links connects from (the one of
+    /// a link of epoch `e` is `[e % len]`).
     #[getter]
-    fn punch_port(&self) -> u16 {
-        self.node.punch_addr().port()
+    fn punch_ports(&self) -> Vec<u16> {
+        self.node.punch_addrs().iter().map(|a| a.port()).collect()
     }
 
     #[getter]
