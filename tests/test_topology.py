@@ -131,3 +131,40 @@ async def test_reduce_against_an_optimizing_peer_is_called_off(pccl_cluster) -> 
         await c.all_reduce(x)
     await c.optimize_topology()
     await asyncio.gather(*votes)
+
+
+def test_the_solver_is_told_the_path_types_of_peers_behind_nat() -> None:
+    """Peers 3 and 4 cannot be dialed: nobody probes them (a probe would fail), links
+    into them count as a typical direct link when their sender can be dialed (they dial
+    it: reverse) and as much less between two of them (punched or relayed); the ring
+    found puts them apart."""
+    from pccl import topology
+    from pccl.master import state as st
+    from pccl.protocol import messages as m
+
+    s = st.MasterState(token_key=bytes(32))
+    for p in (1, 2, 3, 4):
+        s.handle(st.PeerRegistered(p, 0, f"h:{p}", reachable=p < 3))
+    s.handle(st.Received(1, m.P2PReport(epoch=1, failed=[])))
+    s.handle(st.Received(1, m.UpdateTopology()))
+    for p in (1, 2, 3, 4):
+        s.handle(st.Received(p, m.P2PReport(epoch=2, failed=[])))
+    assert s.rings[0] == [1, 2, 3, 4]  # join order: the NAT'd pair is adjacent
+    out = []
+    for p in (1, 2, 3, 4):
+        out += s.handle(st.Received(p, m.OptimizeTopology()))
+    probes = {c.peer_id: c.msg.target_ids for c in out
+              if isinstance(c, st.Send) and isinstance(c.msg, m.ProbeRequest)}
+    assert probes == {1: [2], 2: [1], 3: [1, 2], 4: [1, 2]}
+    for p, targets in probes.items():
+        out = s.handle(st.Received(p, m.ProbeReport(target_ids=targets,
+                                                    rates=[100e6] * len(targets))))
+    solve = next(c for c in out if isinstance(c, st.Solve))
+    idx = {p: k for k, p in enumerate(solve.members)}
+    bw = solve.bw
+    assert bw[idx[1]][idx[3]] == bw[idx[2]][idx[4]] == 100e6  # reverse: as direct
+    assert bw[idx[3]][idx[4]] == bw[idx[4]][idx[3]] == 100e6 * s.nat_pair_factor
+    import numpy as np
+    ring = [solve.members[k] for k in topology.solve_exact(np.array(bw))]
+    pairs = {(ring[k], ring[(k + 1) % 4]) for k in range(4)}
+    assert (3, 4) not in pairs and (4, 3) not in pairs, ring

@@ -1310,8 +1310,8 @@ class MasterState:
                 continue  # one ring only: nothing to choose
             for i in members:
                 for j in members:
-                    if i == j:
-                        continue
+                    if i == j or not self.peers[j].reachable:
+                        continue  # a peer behind NAT cannot be dialed: estimated instead
                     seen = self.bandwidth.get((i, j))
                     if seen is None or self.opt_round - seen[1] > self.max_bandwidth_age:
                         plan.setdefault(i, []).append(j)
@@ -1341,11 +1341,31 @@ class MasterState:
         if not self.opt_probers:
             self._solve_all(out)
 
+    #: What the solver assumes of a link between two peers behind NAT, against a direct
+    #: one: it is hole-punched (one stream instead of a pool) or, if that fails, relayed
+    #: through the master (every byte twice through one process). A guess, not a
+    #: measurement (the probes cannot reach such a pair); it makes the solver place NAT'd
+    #: peers between dialable ones where the group allows.
+    nat_pair_factor = 0.25
+
+    def _edge_bandwidth(self, i: int, j: int, typical: float) -> float:
+        """The solver's bytes/s for ring link i -> j: measured when j can be dialed; a
+        link into a peer behind NAT is made by a connection it opens (reverse), as good
+        as a ``typical`` measured link, or punched / relayed when i is behind NAT too."""
+        if self.peers[j].reachable:
+            return self.bandwidth.get((i, j), (0.0, 0))[0]
+        if self.peers[i].reachable:
+            return typical
+        return typical * self.nat_pair_factor
+
     def _solve_all(self, out: list[Command]) -> None:
         groups = {g: ms for g, ms in self._groups().items() if len(ms) >= 3}
         self.opt_solving = set(groups)
         for g, members in sorted(groups.items()):
-            bw = [[0.0 if i == j else self.bandwidth.get((i, j), (0.0, 0))[0]
+            measured = sorted(r for (a, b), (r, _) in self.bandwidth.items()
+                              if a in members and b in members and r > 0)
+            typical = measured[len(measured) // 2] if measured else 1.0
+            bw = [[0.0 if i == j else self._edge_bandwidth(i, j, typical)
                    for j in members] for i in members]
             out.append(Solve(self.opt_round, g, list(members), bw))
         if not groups:
