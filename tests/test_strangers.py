@@ -152,3 +152,43 @@ async def test_a_stranger_with_the_right_protocol_and_a_wrong_secret_is_told_so(
                     await node.connect_pool(f"127.0.0.1:{cluster.comms[0].p2p_port}", 1, 1, 1)
         finally:
             await node.close()
+
+
+async def test_a_replayed_handshake_and_session_are_refused() -> None:
+    """Everything a real peer sent to the master (its handshake and its encrypted
+    registration), recorded on the wire and replayed on a new connection: the master's
+    fresh ephemeral key makes the replayed key confirmation fail; nobody registers."""
+    from pccl.testing import LinkEmulator
+
+    async with Cluster(1, secret=SECRET) as cluster:
+        async with LinkEmulator(cluster.master.address, record=True) as link:
+            late = cluster.new_comm(master=link.address)
+            await cluster.admit([late])
+            sent = b"".join(v for k, v in link.recorded().items() if "client->server" in k)
+            assert sent[4:12] == b"PCCLSEC\x01"  # the recorded handshake's hello
+            before = sorted(cluster.master.state.peers)
+            got = await _talk(cluster.master.address, [sent])
+            assert len(got) <= MAX_REPLY, got
+            assert sorted(cluster.master.state.peers) == before
+
+
+async def test_the_secret_never_appears_in_logs_or_errors(caplog) -> None:
+    import logging
+
+    caplog.set_level(logging.DEBUG)
+    secret = "hunter2-and-some-more"
+    errors: list[str] = []
+    async with Cluster(2, secret=secret.encode()) as cluster:
+        xs = [np.ones(64, np.float32) for _ in range(2)]
+        await asyncio.gather(*(c.all_reduce(x) for c, x in zip(cluster.comms, xs)))
+        for wrong in (secret + "x", secret[:-1]):
+            comm = pccl.Communicator(master=cluster.master.address, secret=wrong)
+            try:
+                await comm.connect(n_attempts=1)
+            except pccl.PCCLError as e:
+                errors.append(str(e))
+            finally:
+                await comm.close()
+    assert len(errors) == 2
+    texts = [r.getMessage() for r in caplog.records] + errors
+    assert not [t for t in texts if secret[:8] in t]
