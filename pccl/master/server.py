@@ -333,20 +333,9 @@ class MasterNode:
         if not isinstance(hello, m.Hello):
             log.warning("connection from %s dropped: expected hello, got %s", remote, hello.TYPE)
             return None
-        if hello.version != PROTOCOL_VERSION:
-            await self._reject(conn, ErrorKind.ProtocolError,
-                               f"protocol version {hello.version} is not supported "
-                               f"(master speaks {PROTOCOL_VERSION})")
-            log.warning("peer at %s rejected: protocol version %d", remote, hello.version)
+        server_mac = await self._check_hello(conn, hello, nonce, f"peer at {remote}")
+        if server_mac is None:
             return None
-        server_mac = b""
-        if self.secret is not None:
-            if not hmac.compare_digest(hello.mac, peer_mac(self.secret, nonce, hello.nonce)):
-                log.warning("peer at %s rejected: wrong or missing shared secret", remote)
-                await self._reject(conn, ErrorKind.AuthenticationError,
-                                   "the master rejected this peer's shared secret")
-                return None
-            server_mac = master_mac(self.secret, nonce, hello.nonce)
         if not (0 < hello.p2p_port < 65536):
             await self._reject(conn, ErrorKind.ProtocolError, f"invalid p2p port {hello.p2p_port}")
             return None
@@ -392,19 +381,9 @@ class MasterNode:
                       remote: str) -> None:
         """Answers ``pccl doctor`` (registers nothing): checks its secret, dials its
         p2p port back, reports what it saw, then echoes a few times (bounded)."""
-        if hello.version != PROTOCOL_VERSION:
-            await self._reject(conn, ErrorKind.ProtocolError,
-                               f"protocol version {hello.version} is not supported "
-                               f"(master speaks {PROTOCOL_VERSION})")
+        mac = await self._check_hello(conn, hello, nonce, f"doctor at {remote}")
+        if mac is None:
             return
-        mac = b""
-        if self.secret is not None:
-            if not hmac.compare_digest(hello.mac, peer_mac(self.secret, nonce, hello.nonce)):
-                log.warning("doctor at %s rejected: wrong or missing shared secret", remote)
-                await self._reject(conn, ErrorKind.AuthenticationError,
-                                   "the master rejected this machine's shared secret")
-                return
-            mac = master_mac(self.secret, nonce, hello.nonce)
         host = conn.peername[0]
         reachable = 0 < hello.p2p_port < 65536 and await self._dial_back(host, hello.p2p_port)
         log.info("doctor from %s: p2p port %d %s", remote, hello.p2p_port,
@@ -419,6 +398,25 @@ class MasterNode:
                     return
                 await conn.send(m.DoctorEcho(payload=bytes(min(req.reply_bytes, 8 << 20)),
                                              reply_bytes=0, master_time=time.time()))
+
+    async def _check_hello(self, conn: FramedConnection, hello: m.Hello | m.DoctorHello,
+                           nonce: bytes, who: str) -> bytes | None:
+        """The protocol version and the secret's MAC of a ``hello`` (or a doctor's):
+        the master's own MAC to answer with, or None once the dialer was rejected."""
+        if hello.version != PROTOCOL_VERSION:
+            await self._reject(conn, ErrorKind.ProtocolError,
+                               f"protocol version {hello.version} is not supported "
+                               f"(master speaks {PROTOCOL_VERSION})")
+            log.warning("%s rejected: protocol version %d", who, hello.version)
+            return None
+        if self.secret is None:
+            return b""
+        if not hmac.compare_digest(hello.mac, peer_mac(self.secret, nonce, hello.nonce)):
+            log.warning("%s rejected: wrong or missing shared secret", who)
+            await self._reject(conn, ErrorKind.AuthenticationError,
+                               "the master rejected this peer's shared secret")
+            return None
+        return master_mac(self.secret, nonce, hello.nonce)
 
     async def _dial_back(self, host: str, port: int) -> bool:
         """Whether a pccl p2p listener answers at host:port (the reachability check:
