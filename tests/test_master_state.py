@@ -38,6 +38,7 @@ from pccl.master.state import (
     Phase,
     Received,
     RecoveryTimeout,
+    Relayed,
     Resume,
     RoundTimeout,
     Send,
@@ -2062,3 +2063,24 @@ def test_askers_are_answered_when_a_failed_repair_drops_the_last_one_missing() -
     assert [c for c in out if isinstance(c, Send) and isinstance(c.msg, m.PendingAnswer)] == [
         Send(2, m.PendingAnswer(req=1, pending=True, count=1)),
         Send(4, m.PendingAnswer(req=2, pending=True, count=1))]
+
+
+def test_a_pair_whose_hole_punching_failed_is_relayed_at_once_next_time() -> None:
+    st = MasterState(token_key=bytes(32))
+    st.handle(PeerRegistered(1, 0, addr(1), reachable=False))
+    report_all(st)  # admitted alone
+    st.handle(PeerRegistered(2, 0, addr(2), reachable=False))
+    vote(st, 1)
+    assert st.paths == {(1, 2): "punch", (2, 1): "punch"}
+    token_12 = next(t for t, pair in st.relay_tokens.items() if pair == (1, 2))
+    assert st.handle(Relayed(token_12)) == []  # the server saw 1 -> 2 fall back
+    assert st.punch_failed == {(1, 2)}
+    report_all(st)
+    st.handle(PeerRegistered(3, 0, addr(3)))  # dialable: the next round rebuilds
+    out = vote(st, 1) + vote(st, 2)
+    sent = {c.peer_id: c.msg for c in out
+            if isinstance(c, Send) and isinstance(c.msg, m.EstablishP2P)}
+    assert sent[1].route == "relay" and sent[2].prev_route == "relay"  # no second punch
+    assert sent[2].route == "direct" and sent[3].route == "reverse"
+    lose(st, 2)
+    assert st.punch_failed == set()

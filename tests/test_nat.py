@@ -108,6 +108,10 @@ async def test_behind_a_symmetric_nat_the_link_falls_back_to_the_relay() -> None
         assert run.log_has("is hole-punched")  # tried first...
         assert run.log_has("relaying a stream")  # ...and the relay took over
         await run.reduce_exactly("x")
+        # The next round relays that pair at once (no second 5 s punch).
+        assert not run.log_has("is relayed through this master")
+        await run.join(await lan.add_host("public"))
+        assert run.log_has("is relayed through this master")
         await run.reduce_exactly("yy")
 
 

@@ -477,6 +477,8 @@ class MasterNode:
         other, paired = waiting
         finished = asyncio.get_running_loop().create_future()
         paired.set_result(finished)
+        if transfer is None:
+            self._feed(st.Relayed(token))  # a punched link that fell back, perhaps
         try:
             await self._splice(other, conn, pair)
         finally:

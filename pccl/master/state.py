@@ -139,8 +139,16 @@ class RoundTimeout:
     epoch: int
 
 
+@dataclasses.dataclass(frozen=True)
+class Relayed:
+    """A relayed stream of ring link ``token`` started: for a link routed "punch", the
+    hole punching between its two peers failed (the server sees the fallback)."""
+
+    token: bytes
+
+
 Event = (PeerRegistered | PeerLost | Received | Solved | BetterRing | RecoveryTimeout
-         | RoundTimeout | DeadlineExpired)
+         | RoundTimeout | DeadlineExpired | Relayed)
 
 
 # --- commands -----------------------------------------------------------------------
@@ -295,6 +303,9 @@ class MasterState:
         # How each ring link of the current rings is made: (sender, receiver) -> "direct",
         # "reverse" or "relay" (for status pages and logs).
         self.paths: dict[tuple[int, int], str] = {}
+        # Ring links whose hole punching failed (symmetric NAT): the next rounds relay
+        # them at once instead of trying for PUNCH_TIMEOUT again. Forgotten with a peer.
+        self.punch_failed: set[tuple[int, int]] = set()
         # Shared-state transfers through the relay: token -> (fetcher, holder). Kept
         # until the next sync plan of either (bounded by the peers' count squared).
         self.transfer_tokens: dict[bytes, tuple[int, int]] = {}
@@ -388,6 +399,10 @@ class MasterState:
             if event.round_id == self.opt_round and set(event.ring) == members:
                 self.ring_order[event.group] = list(event.ring)
                 self.rings_stale = True  # the next update_topology() rebuilds in it
+        elif isinstance(event, Relayed):
+            pair = self.relay_tokens.get(event.token)
+            if pair is not None and self.paths.get(pair) == "punch":
+                self.punch_failed.add(pair)
         elif isinstance(event, RoundTimeout):
             rnd = self.round
             if rnd is not None and rnd.epoch == event.epoch:
@@ -648,6 +663,7 @@ class MasterState:
         """Drops ``peer`` everywhere except the round/vote bookkeeping of the caller."""
         rec = self.peers.pop(peer)
         out.append(Disconnect(peer, reason, tell))
+        self.punch_failed = {pair for pair in self.punch_failed if peer not in pair}
         self.votes.discard(peer)
         self.pending_votes.pop(peer, None)
         self.fresh.discard(peer)
@@ -773,9 +789,12 @@ class MasterState:
             route = ("reverse", token)
         else:
             # Both behind NAT: punch a hole (simultaneous open to each other's public
-            # address as seen here); if that fails, the relay, where allowed.
-            route = ("punch", token)
-            if self.relay and a.allow_relay and b.allow_relay:
+            # address as seen here); if that fails, the relay, where allowed (at once
+            # when punching between these two failed before).
+            relay_ok = self.relay and a.allow_relay and b.allow_relay
+            route = ("relay" if relay_ok and (p, nxt) in self.punch_failed else "punch",
+                     token)
+            if relay_ok:
                 self.relay_tokens[token] = (p, nxt)
             else:
                 refusers = [x for x in (p, nxt) if not self.peers[x].allow_relay]
