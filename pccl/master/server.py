@@ -422,21 +422,17 @@ class MasterNode:
         """Whether a pccl p2p listener answers at host:port (the reachability check:
         it must echo a fresh token)."""
         token = _secrets.token_bytes(16)
-        writer: asyncio.StreamWriter | None = None
+        conn: FramedConnection | None = None
         try:
             async with asyncio.timeout(self.dial_back_timeout):
-                reader, writer = await asyncio.open_connection(host, port)
-                body = REACH_MAGIC + token
-                writer.write(len(body).to_bytes(4, "big") + body)
-                n = int.from_bytes(await reader.readexactly(4), "big")
-                return n == len(token) and await reader.readexactly(n) == token
-        except (OSError, TimeoutError, asyncio.IncompleteReadError):
+                conn = FramedConnection(*await asyncio.open_connection(host, port))
+                conn.send_handshake_frame(REACH_MAGIC + token)
+                return await conn.handshake_frame() == token
+        except (OSError, TimeoutError, ConnectionClosed, ProtocolError):
             return False
         finally:
-            if writer is not None:
-                writer.close()
-                with contextlib.suppress(OSError):
-                    await writer.wait_closed()
+            if conn is not None:
+                await conn.close()
 
     async def _relay(self, conn: FramedConnection, hello: bytes) -> None:
         """One end of a relayed ring-link stream (``hello``: token | stream u16). The

@@ -293,15 +293,17 @@ class MasterState:
     def __init__(self, *, max_establish_attempts: int = 3, repair_rings: bool = True,
                  token_key: bytes | None = None, relay: bool = True) -> None:
         self.max_establish_attempts = max_establish_attempts
-        # Route tokens (reverse and relayed ring links) are HMACs under this key.
+        # Route tokens (ring links that are not direct, relayed transfers) are keyed
+        # hashes under this key (see _token).
         self._token_key = token_key if token_key is not None else os.urandom(32)
         # Whether the master relays ring links that no direct connection can make.
         self.relay = relay
-        # The current round's relayed links: token -> (sender, receiver). The relay
+        # The current round's links that may go through the relay (routed "relay", or
+        # "punch" with the relay to fall back on): token -> (sender, receiver). The relay
         # splices only connections that present one of these.
         self.relay_tokens: dict[bytes, tuple[int, int]] = {}
-        # How each ring link of the current rings is made: (sender, receiver) -> "direct",
-        # "reverse" or "relay" (for status pages and logs).
+        # How each ring link of the current round is made: (sender, receiver) -> "direct",
+        # "reverse", "punch" or "relay" (for status pages and logs).
         self.paths: dict[tuple[int, int], str] = {}
         # Ring links whose hole punching failed (symmetric NAT): the next rounds relay
         # them at once instead of trying for PUNCH_TIMEOUT again. Forgotten with a peer.
@@ -407,8 +409,8 @@ class MasterState:
             rnd = self.round
             if rnd is not None and rnd.epoch == event.epoch:
                 silent = [p for p in rnd.members if p not in rnd.reported]
-                # A silent peer whose link waits for a silent receiver to dial it (back
-                # or at the relay) is not to blame: the receiver is, unless that would
+                # A silent peer whose link waits for a silent receiver (to dial it back,
+                # or to punch a hole) is not to blame: the receiver is, unless that would
                 # leave nobody to blame.
                 waiting = {a for (a, b), path in self.paths.items()
                            if path in ("reverse", "punch") and a in silent and b in silent}
@@ -765,6 +767,11 @@ class MasterState:
                     prev_route=prev_route, prev_token=prev_token,
                 )))
 
+    def _token(self, label: str) -> bytes:
+        """A route token: unguessable without the master's key, the same for the same
+        label (so a deterministic state stays deterministic under a fixed key)."""
+        return hashlib.blake2b(label.encode(), key=self._token_key, digest_size=16).digest()
+
     def _inbound_addr(self, prv: int, route: str) -> str:
         """Where the receiver of ``prv``'s ring link meets it: its punch port of this
         epoch for a punched link, else its p2p address."""
@@ -781,8 +788,7 @@ class MasterState:
         the relay to fall back on if both allow it (if not, a failed punch drops one of
         them, with the reason)."""
         a, b = self.peers[p], self.peers[nxt]
-        token = hashlib.blake2b(f"{self.epoch}:{p}:{nxt}".encode(), key=self._token_key,
-                                digest_size=16).digest()
+        token = self._token(f"{self.epoch}:{p}:{nxt}")
         if b.reachable:
             route = ("direct", b"")
         elif a.reachable:
@@ -1239,8 +1245,7 @@ class MasterState:
             for s in ids:
                 token = b""
                 if not self.peers[s].reachable and self.relay:
-                    token = hashlib.blake2b(f"sync:{self.epoch}:{revision}:{p}:{s}".encode(),
-                                            key=self._token_key, digest_size=16).digest()
+                    token = self._token(f"sync:{self.epoch}:{revision}:{p}:{s}")
                     self.transfer_tokens[token] = (p, s)
                 relays.append(token)
             out.append(Send(p, m.SyncPlan(

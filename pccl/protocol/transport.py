@@ -67,10 +67,8 @@ class FramedConnection:
     # --- handshakes -------------------------------------------------------------------
 
     async def handshake_frame(self) -> bytes:
-        """The next handshake frame (at most ``_core.MAX_HANDSHAKE_FRAME`` bytes)."""
-        return await self._hs_frame()
-
-    async def _hs_frame(self) -> bytes:
+        """The next handshake frame (at most ``_core.MAX_HANDSHAKE_FRAME`` bytes):
+        ``ConnectionClosed`` on EOF or reset, ``ProtocolError`` past the cap."""
         try:
             prefix = await self.reader.readexactly(4)
             return await self.reader.readexactly(
@@ -78,7 +76,8 @@ class FramedConnection:
         except (asyncio.IncompleteReadError, ConnectionError) as e:
             raise ConnectionClosed(str(e) or "connection closed during the handshake") from None
 
-    def _hs_send(self, body: bytes) -> None:
+    def send_handshake_frame(self, body: bytes) -> None:
+        """Queues one handshake frame (length-prefixed, outside any record layer)."""
         if not self.writer.is_closing():
             self.writer.write(len(body).to_bytes(4, "big") + body)
 
@@ -89,8 +88,8 @@ class FramedConnection:
         MasterConnectionError when it goes away. The caller bounds the time."""
         try:
             if insecure:
-                self._hs_send(_core.CLEAR_HELLO)
-                status = await self._hs_frame()
+                self.send_handshake_frame(_core.CLEAR_HELLO)
+                status = await self.handshake_frame()
                 if status == _STATUS_TRANSPORT_MISMATCH:
                     raise AuthenticationError(
                         "the master requires encryption and this peer runs in clear text "
@@ -101,10 +100,10 @@ class FramedConnection:
                         "the remote end does not speak the pccl control protocol")
                 return
             hs = _core.SecureHandshake(True, secret, PROLOGUE)
-            self._hs_send(hs.hello())
-            out, err = hs.on_frame(await self._hs_frame())
+            self.send_handshake_frame(hs.hello())
+            out, err = hs.on_frame(await self.handshake_frame())
             if out is not None:
-                self._hs_send(out)
+                self.send_handshake_frame(out)
             if err is not None:
                 raise err
             self.session = hs.session()
@@ -122,21 +121,21 @@ class FramedConnection:
         refused), PeerConnectionError / ProtocolError (garbage) or ConnectionClosed; the
         reason has been told to the dialer where it should know."""
         if first is None:
-            first = await self._hs_frame()
+            first = await self.handshake_frame()
         if first == _core.CLEAR_HELLO and allow_clear:
-            self._hs_send(_STATUS_OK)
+            self.send_handshake_frame(_STATUS_OK)
             return
         hs = _core.SecureHandshake(False, secret, PROLOGUE)
         frame_in = first
         while True:
             out, err = hs.on_frame(frame_in)
             if out is not None:
-                self._hs_send(out)
+                self.send_handshake_frame(out)
             if err is not None:
                 raise err
             if hs.done:
                 break
-            frame_in = await self._hs_frame()
+            frame_in = await self.handshake_frame()
         self.session = hs.session()
 
     # --- messages ---------------------------------------------------------------------

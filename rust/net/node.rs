@@ -112,14 +112,11 @@ impl Route {
         token: &[u8],
         relay: Option<SocketAddr>,
     ) -> CoreResult<Route> {
-        let token = parse_token(token);
-        match (kind, addr, token) {
-            ("direct", Some(a), _) => Ok(Route::Direct(a)),
-            ("reverse", _, Some(t)) => Ok(Route::Reverse(t)),
-            ("relay", Some(a), Some(t)) => Ok(Route::Relay(a, t)),
-            ("punch", Some(a), Some(t)) if relay.is_some() => {
-                Ok(Route::Punch(a, relay.unwrap(), t))
-            }
+        match (kind, addr, parse_token(token), relay) {
+            ("direct", Some(a), _, _) => Ok(Route::Direct(a)),
+            ("reverse", _, Some(t), _) => Ok(Route::Reverse(t)),
+            ("relay", Some(a), Some(t), _) => Ok(Route::Relay(a, t)),
+            ("punch", Some(a), Some(t), Some(r)) => Ok(Route::Punch(a, r, t)),
             _ => Err(CoreError::InvalidArgument(format!(
                 "bad p2p route {kind:?} (direct needs an address; reverse a token; relay both)"
             ))),
@@ -135,10 +132,10 @@ impl Inbound {
         token: &[u8],
         relay: Option<SocketAddr>,
     ) -> CoreResult<Inbound> {
-        match (kind, parse_token(token)) {
-            ("reverse", Some(t)) => Ok(Inbound::Reverse(addr, t)),
-            ("relay", Some(t)) => Ok(Inbound::Relay(addr, t)),
-            ("punch", Some(t)) if relay.is_some() => Ok(Inbound::Punch(addr, relay.unwrap(), t)),
+        match (kind, parse_token(token), relay) {
+            ("reverse", Some(t), _) => Ok(Inbound::Reverse(addr, t)),
+            ("relay", Some(t), _) => Ok(Inbound::Relay(addr, t)),
+            ("punch", Some(t), Some(r)) => Ok(Inbound::Punch(addr, r, t)),
             _ => Err(CoreError::InvalidArgument(format!(
                 "bad inbound p2p route {kind:?} (reverse or relay, with a {TOKEN_LEN}-byte token)"
             ))),
@@ -148,6 +145,11 @@ impl Inbound {
 
 fn parse_token(token: &[u8]) -> Option<[u8; TOKEN_LEN]> {
     token.try_into().ok()
+}
+
+/// The token of a route frame (`MAGIC | token | ...`), its length checked by the caller.
+fn frame_token(frame: &[u8]) -> [u8; TOKEN_LEN] {
+    parse_token(&frame[8..8 + TOKEN_LEN]).expect("a checked route frame")
 }
 
 /// Closing `tcp` will reset it instead of lingering in TIME_WAIT (a zero linger time
@@ -401,15 +403,15 @@ impl Node {
             return;
         }
         if first.len() == 8 + TOKEN_LEN + 2 && first.starts_with(REVERSE_MAGIC) {
-            self.park(&first, tcp, remote);
+            let slot = u16::from_be_bytes([first[8 + TOKEN_LEN], first[9 + TOKEN_LEN]]);
+            self.park(frame_token(&first), slot, tcp, remote);
             return;
         }
         if first.len() == 8 + TOKEN_LEN + 1 && first.starts_with(PUNCH_MAGIC) {
             // A neighbour's hole-punching connect that reached our listener: the punch
             // loop of that link takes it (keyed by the token and its role + PUNCH_SLOT).
-            let mut key = first[..8 + TOKEN_LEN].to_vec();
-            key.extend_from_slice(&(PUNCH_SLOT + first[8 + TOKEN_LEN] as u16).to_be_bytes());
-            self.park(&key, tcp, remote);
+            let slot = PUNCH_SLOT + first[8 + TOKEN_LEN] as u16;
+            self.park(frame_token(&first), slot, tcp, remote);
             return;
         }
         let accepted = tokio::select! {
@@ -421,11 +423,8 @@ impl Node {
         }
     }
 
-    /// Keeps a reverse stream until the pool it belongs to is dialed (`open_tcp`).
-    fn park(&self, first: &[u8], tcp: TcpStream, remote: SocketAddr) {
-        let mut token = [0u8; TOKEN_LEN];
-        token.copy_from_slice(&first[8..8 + TOKEN_LEN]);
-        let stream = u16::from_be_bytes([first[8 + TOKEN_LEN], first[9 + TOKEN_LEN]]);
+    /// Keeps a reverse (or punch) connection until its link asks for (token, slot).
+    fn park(&self, token: [u8; TOKEN_LEN], slot: u16, tcp: TcpStream, remote: SocketAddr) {
         let now = tokio::time::Instant::now();
         let keep = self.cfg.connect_timeout + self.cfg.handshake_timeout;
         let mut parked = self.parked.lock().unwrap();
@@ -438,7 +437,7 @@ impl Node {
             );
             return;
         }
-        parked.insert((token, stream), (tcp, now));
+        parked.insert((token, slot), (tcp, now));
         drop(parked);
         self.parked_changed.notify_waiters();
     }
@@ -877,13 +876,13 @@ impl Node {
     /// One authenticated transfer stream to peer `to` (see `transfer.rs`): dialed at
     /// `addr`, or through the relay when `set_transfer_relay` says so.
     pub async fn dial_transfer(&self, addr: SocketAddr, to: u64) -> CoreResult<P2PStream> {
-        let relay = self.transfer_relays.lock().unwrap().get_mut(&to).map(|r| {
-            r.2 = r.2.wrapping_add(1);
-            (Route::Relay(r.0, r.1), r.2)
-        });
-        let Some((route, slot)) = relay else {
-            return self.dial_purpose(addr, to, 0, 1, Purpose::Transfer).await;
-        };
+        let (route, slot) = self.transfer_relays.lock().unwrap().get_mut(&to).map_or(
+            (Route::Direct(addr), 0),
+            |r| {
+                r.2 = r.2.wrapping_add(1);
+                (Route::Relay(r.0, r.1), r.2)
+            },
+        );
         let hello = StreamHello {
             from: self.peer_id(),
             to,

@@ -648,21 +648,6 @@ where
     secure_split_with(Joined { read, write }, true, psk, prologue, timeout, SUITE).await
 }
 
-/// `secure_accept` over a stream split already.
-pub async fn secure_accept_split<R, W>(
-    read: R,
-    write: W,
-    psk: Option<&[u8; 32]>,
-    prologue: &[u8],
-    timeout: Duration,
-) -> CoreResult<(SecureReadHalf<R>, SecureWriteHalf<W>)>
-where
-    R: AsyncRead + Unpin,
-    W: AsyncWrite + Unpin,
-{
-    secure_split_with(Joined { read, write }, false, psk, prologue, timeout, SUITE).await
-}
-
 /// Either side with an explicit suite (for `secure_bench`).
 #[doc(hidden)]
 pub async fn secure_split_with<R, W>(
