@@ -74,13 +74,21 @@ check() {
     echo "all checks passed" >&2
 }
 
-# The NAT tests build routers out of network namespaces with nftables: install it when
-# root on Debian/Ubuntu and it is missing (otherwise those tests skip, saying why).
+# System tools some tests drive for real, installed when root on Debian/Ubuntu and
+# missing (otherwise those tests skip, saying why): nftables (the NAT tests build routers
+# out of network namespaces), chromium + chromium-driver (the status page in a headless
+# browser), slurm-wlm + munge (a real single-node Slurm for the launcher test).
 system_tools() {
-    if ! command -v nft >/dev/null 2>&1 && [ "$(id -u)" = 0 ] \
-            && command -v apt-get >/dev/null 2>&1; then
-        { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nftables; } \
-            >/dev/null 2>&1 || echo "nftables did not install: the NAT tests will skip" >&2
+    local want=() cmd pkg
+    for cmd_pkg in nft:nftables chromium:chromium chromedriver:chromium-driver \
+            slurmctld:slurm-wlm munged:munge; do
+        cmd=${cmd_pkg%%:*} pkg=${cmd_pkg#*:}
+        command -v "$cmd" >/dev/null 2>&1 || [ -x "/usr/sbin/$cmd" ] || want+=("$pkg")
+    done
+    if [ "${#want[@]}" -gt 0 ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+        { apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
+            apt-get install -y -qq --no-install-recommends "${want[@]}"; } >/dev/null 2>&1 \
+            || echo "${want[*]} did not install: the tests that need them will skip" >&2
     fi
 }
 
@@ -92,6 +100,15 @@ setup() {
     if [ "${PCCL_SKIP_TORCH:-0}" != "1" ]; then
         "$VENV/bin/python" -m pip install -q -e ".[torch]" \
             || echo "torch did not install: its tests will be skipped" >&2
+    fi
+    # Ray is optional too (pccl.launch.ray); its launcher test runs whenever it installs.
+    if [ "${PCCL_SKIP_RAY:-0}" != "1" ]; then
+        "$VENV/bin/python" -m pip install -q "$("$VENV/bin/python" - <<'PYEOF'
+import tomllib
+with open("pyproject.toml", "rb") as f:
+    print(tomllib.load(f)["project"]["optional-dependencies"]["ray"][0])
+PYEOF
+        )" || echo "ray did not install: its tests will be skipped" >&2
     fi
 }
 
