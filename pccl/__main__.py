@@ -60,6 +60,12 @@ def _add_master_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--insecure", action="store_true",
                    help="also accept peers whose control connection is in clear text "
                         "(Communicator(insecure=True)); encrypted ones are accepted either way")
+    p.add_argument("--status", default="127.0.0.1:48180", metavar="HOST:PORT",
+                   help="serve the read-only status page, /api/status and /metrics here "
+                        "(default %(default)s; 'off': none); a non-loopback address needs "
+                        "--status-token-file")
+    p.add_argument("--status-token-file", type=Path, default=None, metavar="FILE",
+                   help="file holding the bearer token the status server asks for")
     p.add_argument("--log-level", default="INFO", type=str.upper,
                    choices=["DEBUG", "INFO", "WARNING", "ERROR"])
 
@@ -90,7 +96,10 @@ async def _run_master(args: argparse.Namespace) -> None:
                         recovery_grace=args.recovery_grace,
                         repair_rings=args.repair_rings, insecure=args.insecure,
                         dial_back_timeout=args.dial_back_timeout,
-                        max_relayed_streams=args.max_relayed_streams)
+                        max_relayed_streams=args.max_relayed_streams,
+                        status_listen=None if args.status == "off" else args.status,
+                        status_token=(_read_secret(args.status_token_file) or b"").decode()
+                        or None)
     await master.start()
     print(f"pccl master listening on {master.address}", flush=True)
     loop = asyncio.get_running_loop()

@@ -123,6 +123,7 @@ class Communicator(Driver):
         collective_timeout: float | None = 1800.0,
         insecure: bool = False,
         allow_relay: bool = True,
+        metrics_listen: str | None = None,
     ) -> None:
         check_int(p2p_connection_pool_size, "p2p_connection_pool_size", 1, 64)
         check_int(peer_group, "peer_group", 0, (1 << 32) - 1)
@@ -155,6 +156,9 @@ class Communicator(Driver):
         self.reconnect_timeout = reconnect_timeout
         self.insecure = insecure
         self.allow_relay = allow_relay
+        # "host:port": this peer's own Prometheus /metrics (bytes per link, retries, time
+        # in collectives); None: not served.
+        self.metrics_listen = metrics_listen
 
         self._m = ps.PeerMachine(reconnect=reconnect_timeout > 0)
         self._conn: FramedConnection | None = None

@@ -98,6 +98,8 @@ class MasterNode:
         insecure: bool = False,
         dial_back_timeout: float = 2.0,
         max_relayed_streams: int = 256,
+        status_listen: str | None = None,
+        status_token: str | None = None,
     ) -> None:
         for name, value in (("heartbeat_interval", heartbeat_interval),
                             ("heartbeat_timeout", heartbeat_timeout),
@@ -142,6 +144,17 @@ class MasterNode:
                 f"MasterNode(max_relayed_streams=...) must be an integer >= 0 (0: no relay), "
                 f"got {max_relayed_streams!r}")
         self.max_relayed_streams = max_relayed_streams
+        # The read-only status page, /api/status and /metrics (pccl/master/status.py): off
+        # (None) unless given "host:port"; a non-loopback host needs status_token.
+        if status_listen is not None:
+            split_host_port(status_listen)
+            if not _loopback_only(split_host_port(status_listen)[0]) and not status_token:
+                raise InvalidArgumentError(
+                    f"MasterNode(status_listen={status_listen!r}) is reachable from other "
+                    f"machines: give status_token=... (clients send 'Authorization: Bearer "
+                    f"TOKEN'), or listen on 127.0.0.1")
+        self.status_listen = status_listen
+        self.status_token = status_token
         self._relay_waiting: dict[bytes, tuple[FramedConnection, asyncio.Future[Any]]] = {}
         self.relayed_streams = 0  # carried now
         self.relayed_bytes = 0  # carried so far, both directions
