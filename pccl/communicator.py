@@ -24,6 +24,7 @@ from pccl.errors import (
 )
 from pccl.peer import state as ps
 from pccl.peer.driver import Driver
+from pccl.peer.metrics import MetricsServer, PeerMetrics
 from pccl.peer.options import (
     DEFAULT_TIMEOUT,
     QuantizationOptions,
@@ -161,6 +162,11 @@ class Communicator(Driver):
         self.metrics_listen = metrics_listen
 
         self._m = ps.PeerMachine(reconnect=reconnect_timeout > 0)
+        # This peer's counters (heartbeats carry them to the master; metrics_listen
+        # serves them as Prometheus metrics).
+        self.metrics = PeerMetrics()
+        self._m.traffic = self.metrics.heartbeat
+        self._metrics_server: MetricsServer | None = None
         self._conn: FramedConnection | None = None
         self._node: _core.P2PNode | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -173,6 +179,30 @@ class Communicator(Driver):
         # One future per waiting call (pccl.peer.state.Waiter); the machine answers them.
         self._waiters: dict[ps.Waiter, asyncio.Future[Any]] = {}
         self._rings: dict[int, Any] = {}  # tag -> the ring op running it
+
+    @classmethod
+    def from_env(cls, env: Any = None, **overrides: Any) -> Communicator:
+        """A Communicator configured from environment variables, keyword arguments winning.
+
+        ``env`` is a ``Mapping[str, str]`` (default: ``os.environ``). Every parameter of
+        the constructor has a variable: ``PCCL_MASTER``, ``PCCL_PEER_GROUP`` (a number, or
+        ``local_rank``: the launcher's local rank from ``LOCAL_RANK``, ``SLURM_LOCALID``
+        or ``OMPI_COMM_WORLD_LOCAL_RANK``), ``PCCL_SECRET`` or ``PCCL_SECRET_FILE``,
+        ``PCCL_P2P_PORT`` (a port, or ``BASE+local_rank``), ``PCCL_POOL_SIZE``,
+        ``PCCL_TIMEOUT``, ... (:mod:`pccl.config` has the rules and the table). A value
+        that cannot be read raises :class:`InvalidArgumentError` naming the variable; an
+        unknown keyword raises ``TypeError``, as the constructor does.
+
+        Example::
+
+            comm = pccl.Communicator.from_env({"PCCL_MASTER": "10.0.0.5:48148",
+                                                "PCCL_PEER_GROUP": "local_rank",
+                                                "LOCAL_RANK": "1"})
+            assert (comm.master, comm.peer_group) == ("10.0.0.5:48148", 1)
+        """
+        from pccl.config import from_env
+
+        return from_env(cls, env, **overrides)
 
     # --- the machine's state, read-only -------------------------------------------------
 
@@ -203,6 +233,9 @@ class Communicator(Driver):
         check_int(n_attempts, "n_attempts", 1, 1 << 20)
         self._home_loop = asyncio.get_running_loop()
         try:
+            if self.metrics_listen is not None:
+                self._metrics_server = MetricsServer(self.metrics, self.metrics_listen)
+                await self._metrics_server.start()
             await self._open(n_attempts)
             await self._waiters[ps.ACCEPT]
         except BaseException:
@@ -231,6 +264,9 @@ class Communicator(Driver):
         if self._node is not None:
             node, self._node = self._node, None
             await node.close()
+        if self._metrics_server is not None:
+            metrics_server, self._metrics_server = self._metrics_server, None
+            await metrics_server.stop()
         if handles:
             # all_reduce_async() handles still pending fail with MasterConnectionError
             # ("closed"). A caller may still await them and get that; one that dropped

@@ -118,6 +118,7 @@ async def all_reduce_with_retry(comm: Communicator, descriptors: list[ReduceDesc
         log.info("peer %s: %d all-reduce(s) failed (%s); retrying%s (attempt %d/%d)",
                  comm.peer_id, len(todo), failures[0],
                  " after update_topology()" if vote else "", attempt + 1, max_attempts)
+        comm.metrics.retries.labels("update_topology" if vote else "retry").inc()
         if vote:
             await comm.update_topology()
     raise PeerConnectionError(

@@ -28,6 +28,7 @@ from pccl.errors import (
     ProtocolError,
 )
 from pccl.master import state as st
+from pccl.master import status
 from pccl.protocol import MAX_FRAME, PROTOCOL_VERSION
 from pccl.protocol import messages as m
 from pccl.protocol.auth import DEFAULT_PORT, master_mac, peer_mac, split_host_port
@@ -147,12 +148,7 @@ class MasterNode:
         # The read-only status page, /api/status and /metrics (pccl/master/status.py): off
         # (None) unless given "host:port"; a non-loopback host needs status_token.
         if status_listen is not None:
-            split_host_port(status_listen)
-            if not _loopback_only(split_host_port(status_listen)[0]) and not status_token:
-                raise InvalidArgumentError(
-                    f"MasterNode(status_listen={status_listen!r}) is reachable from other "
-                    f"machines: give status_token=... (clients send 'Authorization: Bearer "
-                    f"TOKEN'), or listen on 127.0.0.1")
+            status.check_listen(status_listen, status_token)
         self.status_listen = status_listen
         self.status_token = status_token
         self._relay_waiting: dict[bytes, tuple[FramedConnection, asyncio.Future[Any]]] = {}
@@ -175,8 +171,35 @@ class MasterNode:
         self._changed = asyncio.Event()
         self._address = ""
         self._stopped = asyncio.Event()
+        # What the status page shows and the metrics count (made by start(), and it logs
+        # the state's notes at INFO whether or not a status server runs).
+        self.monitor: status.RunMonitor | None = None
+        self._status: status.StatusServer | None = None
         self.solver_budget = 1.0  # seconds the ring solver may take per group
         self.improve_steps = 100  # background improvement: steps of ~50 ms after solving
+
+    @classmethod
+    def from_env(cls, env: Any = None, **overrides: Any) -> MasterNode:
+        """A MasterNode configured from environment variables, keyword arguments winning.
+
+        ``env`` is a ``Mapping[str, str]`` (default: ``os.environ``). Every parameter of
+        the constructor has a variable: ``PCCL_MASTER_LISTEN``, ``PCCL_SECRET`` or
+        ``PCCL_SECRET_FILE``, ``PCCL_STATUS_LISTEN``, ``PCCL_STATUS_TOKEN`` or
+        ``PCCL_STATUS_TOKEN_FILE``, ``PCCL_HEARTBEAT_TIMEOUT``, ... (:mod:`pccl.config`
+        has the rules and the table). ``pccl-master`` reads the same variables. A value
+        that cannot be read raises :class:`InvalidArgumentError` naming the variable; an
+        unknown keyword raises ``TypeError``, as the constructor does.
+
+        Example::
+
+            master = pccl.MasterNode.from_env({"PCCL_MASTER_LISTEN": "0.0.0.0:48148",
+                                               "PCCL_REPAIR_RINGS": "off"},
+                                              listen="127.0.0.1:0")
+            assert (master.listen, master.state.repair_rings) == ("127.0.0.1:0", False)
+        """
+        from pccl.config import from_env
+
+        return from_env(cls, env, **overrides)
 
     # --- lifecycle ------------------------------------------------------------------
 
@@ -204,6 +227,16 @@ class MasterNode:
         self._address = f"[{shown}]:{sock[1]}" if ":" in shown else f"{shown}:{sock[1]}"
         self._heartbeat = asyncio.create_task(self._heartbeat_loop(), name="pccl-master-heartbeat")
         log.info("master listening on %s", self._address)
+        self.monitor = status.RunMonitor(self)
+        if self.status_listen is not None:
+            self._status = status.StatusServer(self.monitor, self.status_listen,
+                                               self.status_token)
+            try:
+                await self._status.start()
+            except BaseException:
+                self._status = None
+                await self.stop()
+                raise
         if self.secret is None and not _loopback_only(host):
             log.warning(
                 "master listening on %s WITHOUT AUTHENTICATION: anyone who can reach this "
@@ -213,6 +246,12 @@ class MasterNode:
                 "only; docs/deploying.md says what the secret protects (it authenticates "
                 "every connection and keys its encryption; without it connections are "
                 "encrypted but anyone may open one)", self._address)
+
+    @property
+    def status_address(self) -> str | None:
+        """The status server's "host:port" (the real port when given port 0), or None
+        when it does not run."""
+        return self._status.address if self._status is not None else None
 
     @property
     def address(self) -> str:
@@ -227,6 +266,9 @@ class MasterNode:
             return
         server, self._server = self._server, None
         server.close()
+        if self._status is not None:
+            status_server, self._status = self._status, None
+            await status_server.stop()
         if self._heartbeat is not None:
             self._heartbeat.cancel()
         for conn in list(self._conns.values()):
@@ -377,12 +419,15 @@ class MasterNode:
         conn.send_nowait(m.Welcome(peer_id=peer_id, mac=server_mac,
                                    heartbeat_interval=self.heartbeat_interval,
                                    heartbeat_timeout=self.heartbeat_timeout))
-        log.info("peer %d %s from %s (group %d, p2p %s%s, %s)", peer_id,
-                 "registered" if resume is None else
-                 f"re-registered (was peer {hello.resume_peer_id}, revision "
-                 f"{hello.resume_revision})", remote, hello.peer_group, p2p_addr,
-                 "" if reachable else ": not reachable from here, behind NAT?",
-                 "encrypted" if conn.encrypted else "clear text")
+        how = ("registered" if resume is None else
+               f"re-registered (was peer {hello.resume_peer_id}, revision "
+               f"{hello.resume_revision})")
+        joined = (f"peer {peer_id} {how} from {remote} (group {hello.peer_group}, p2p "
+                  f"{p2p_addr}{'' if reachable else ': not reachable from here, behind NAT?'}"
+                  f", {'encrypted' if conn.encrypted else 'clear text'})")
+        log.info("%s", joined)
+        if self.monitor is not None:
+            self.monitor.connected(peer_id, remote, conn.encrypted, joined)
         punch_addrs = tuple(f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
                             for port in hello.p2p_punch_ports[:16] if 0 < port < 65536)
         self._feed(st.PeerRegistered(peer_id, hello.peer_group, p2p_addr, resume,
@@ -545,10 +590,19 @@ class MasterNode:
                     log.info("peer %d dropped: connection closed (%s)", peer_id, e)
                 self._feed(st.PeerLost(peer_id, "connection closed"))
                 return
+            if self.monitor is not None:
+                self.monitor.seen(peer_id)
+                if isinstance(msg, m.Pong):
+                    self.monitor.heartbeat(peer_id, msg.tx_bytes, msg.rx_bytes,
+                                           msg.sync_rx_bytes, msg.sync_rx_total)
             self._feed(st.Received(peer_id, msg))
 
     def _feed(self, event: st.Event) -> None:
-        for cmd in self.state.handle(event):
+        commands = self.state.handle(event)
+        notes = self.state.take_notes()
+        if self.monitor is not None and notes:
+            self.monitor.notes(notes)
+        for cmd in commands:
             if isinstance(cmd, st.Send):
                 conn = self._conns.get(cmd.peer_id)
                 if conn is None:
@@ -571,7 +625,8 @@ class MasterNode:
             else:
                 conn = self._conns.pop(cmd.peer_id, None)
                 if conn is not None:
-                    log.info("peer %d disconnected: %s", cmd.peer_id, cmd.reason)
+                    # (the state's "dropped" note logs it at INFO)
+                    log.debug("peer %d disconnected: %s", cmd.peer_id, cmd.reason)
                     if cmd.tell:
                         conn.send_nowait(m.Reject(kind=ErrorKind.PeerConnectionError,
                                                   message=cmd.reason))

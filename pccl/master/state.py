@@ -33,10 +33,10 @@ import dataclasses
 import enum
 import hashlib
 import os
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Collection
 
-from pccl.enums import DataType, QuantizationAlgorithm, ReduceOp
+from pccl.enums import DTYPES, DataType, QuantizationAlgorithm, ReduceOp
 from pccl.errors import ErrorKind
 from pccl.protocol import messages as m
 
@@ -200,6 +200,42 @@ class ArmDeadline:
 
 Command = Send | Disconnect | Solve | ArmRecoveryTimer | ArmDeadline
 
+
+# --- notes --------------------------------------------------------------------------
+
+#: Kinds of :class:`Note`. The first group is what an operator reads (the server logs
+#: each at INFO, the status page's timeline shows it); the collective ones are counted.
+TIMELINE_NOTES = frozenset({
+    "admitted",          # peers: the peers a round admitted; group: -1
+    "dropped",           # peers: (the peer,); text: why
+    "ring",              # a round built the rings: value = epoch; text: each group's ring
+    "repair",            # the master rebuilt rings on its own: value = epoch
+    "round_failed",      # a round gave up (value = epoch) or retries without the dropped
+    "resume",            # a peer came back after a master restart; value = its epoch
+    "optimized",         # optimize_topology() chose new ring orders (value = its round)
+    "optimize_failed",
+    "collective_failed",  # value = op id (-1: never ran); text: why
+    "sync_planned",      # value = the revision; peers: the participants
+    "sync_done",
+    "sync_failed",
+})
+COUNTED_NOTES = frozenset({"collective_started", "collective_done"})
+
+
+@dataclasses.dataclass(frozen=True)
+class Note:
+    """Something that happened, for the people running the run: not a command (nothing
+    has to be done about it), collected in :attr:`MasterState.notes` for the server to
+    log and to show on its status page. ``value`` is an epoch, op id or revision (see
+    :data:`TIMELINE_NOTES`); ``nbytes`` a collective's size (elements x element size)."""
+
+    kind: str
+    text: str
+    peers: tuple[int, ...] = ()
+    group: int = -1
+    value: int = 0
+    nbytes: int = 0
+
 # Longest deadline a peer may ask for (a garbage value must not overflow a timer).
 MAX_DEADLINE = 7 * 24 * 3600.0
 
@@ -268,6 +304,9 @@ def _explain(init: m.CollectiveInit) -> str:
     return (f"{init.count} x {_name(DataType, init.dtype)} (shape {shape}), op "
             f"{_name(ReduceOp, init.op)}, quantization {quant}")
 
+
+# Bytes per element of each pccl.DataType (a collective's size on the status page).
+_ELEMENT_BYTES = {int(t): info.size for t, info in DTYPES.items()}
 
 # Values of pccl.SharedStateSyncStrategy (kept numeric on the wire).
 ENFORCE_POPULAR, RECEIVE_ONLY, SEND_ONLY = 0, 1, 2
@@ -361,6 +400,9 @@ class MasterState:
         # registered yet; admission waits for them (bounded by the recovery timer).
         self.recovery_awaiting: set[int] = set()
         self.recovery_id = 0
+        # What happened since the server last took them (take_notes); bounded, since a
+        # state driven without a server (tests, the simulator) never takes them.
+        self.notes: deque[Note] = deque(maxlen=4096)
 
     # --- queries (used by the server and by tests) --------------------------------
 
@@ -381,6 +423,17 @@ class MasterState:
             if r.status is PeerStatus.ACCEPTED:
                 sizes[r.peer_group] = sizes.get(r.peer_group, 0) + 1
         return sizes
+
+    def take_notes(self) -> list[Note]:
+        """The notes made since the last call, oldest first."""
+        notes = list(self.notes)
+        self.notes.clear()
+        return notes
+
+    def _note(self, kind: str, text: str, peers: Collection[int] = (), group: int = -1,
+              value: int = 0, nbytes: int = 0) -> None:
+        assert kind in TIMELINE_NOTES or kind in COUNTED_NOTES, kind
+        self.notes.append(Note(kind, text, tuple(peers), group, value, nbytes))
 
     # --- the one entry point ------------------------------------------------------
 
@@ -444,6 +497,10 @@ class MasterState:
             # Epochs must keep increasing across the restart: peers still hold links
             # keyed by their old epochs.
             self.epoch = max(self.epoch, res.epoch)
+            self._note("resume", f"peer {ev.peer_id} came back after a master restart "
+                       f"(its ring epoch {res.epoch}, shared-state revision {res.revision}, "
+                       f"old ring {list(res.peers)})", (ev.peer_id,), ev.peer_group,
+                       res.epoch)
             if res.revision >= 0:
                 self.last_revision[ev.peer_id] = res.revision
             if self.phase is Phase.IDLE and not self.accepted():
@@ -665,6 +722,8 @@ class MasterState:
         """Drops ``peer`` everywhere except the round/vote bookkeeping of the caller."""
         rec = self.peers.pop(peer)
         out.append(Disconnect(peer, reason, tell))
+        self._note("dropped", f"peer {peer} ({rec.status.name.lower()}, group "
+                   f"{rec.peer_group}) dropped: {reason}", (peer,), rec.peer_group)
         self.punch_failed = {pair for pair in self.punch_failed if peer not in pair}
         self.votes.discard(peer)
         self.pending_votes.pop(peer, None)
@@ -843,6 +902,12 @@ class MasterState:
                                    out, tell=reason is not None)
                 dropped_accepted |= rec.status is PeerStatus.ACCEPTED
             remaining = [p for p in rnd.members if p not in rnd.unreachable]
+            self._note("round_failed", f"round {rnd.epoch} ({'repair' if rnd.repair else 'vote'},"
+                       f" attempt {self.attempts} of {self.max_establish_attempts}): "
+                       f"unreachable {sorted(rnd.unreachable)}"
+                       + ("; trying again without them"
+                          if self.attempts < self.max_establish_attempts else "; giving up"),
+                       sorted(rnd.unreachable), value=rnd.epoch)
             if self.attempts < self.max_establish_attempts:
                 self._start_round(remaining, out, repair=rnd.repair)
                 return
@@ -883,6 +948,8 @@ class MasterState:
                     self.rings.pop(g, None)
                     self.ring_epochs.pop(g, None)
                 self.broken_groups.discard(g)
+            self._note("repair", f"ring epoch {rnd.epoch}: rebuilt without the lost peers: "
+                       + self._describe_rings(rnd.groups), rnd.members, value=rnd.epoch)
             self.round = None
             self.phase = Phase.IDLE
             self._broadcast_world(rnd.members, out)
@@ -890,8 +957,13 @@ class MasterState:
                 out.append(Send(p, m.TopologyUpdated(epoch=rnd.epoch, repair=True)))
             self._after_repair(out)
             return
+        joined = [p for p in rnd.members if self.peers[p].status is PeerStatus.REGISTERED]
         for p in rnd.members:
             self.peers[p].status = PeerStatus.ACCEPTED
+        if joined:
+            self._note("admitted", f"admitted peer{'s' if len(joined) > 1 else ''} "
+                       + ", ".join(f"{p} (group {self.peers[p].peer_group})" for p in joined),
+                       joined, value=rnd.epoch)
         # Every member has just come out of update_topology() (or was admitted by it).
         self.fresh |= set(rnd.members)
         self.rings = self._rings_of(rnd.members)
@@ -902,9 +974,17 @@ class MasterState:
         self.round = None
         self.phase = Phase.IDLE
         self.votes.clear()
+        self._note("ring", f"ring epoch {rnd.epoch}: " + self._describe_rings(self.rings),
+                   rnd.members, value=rnd.epoch)
         self._broadcast_world(rnd.members, out)
         for p in rnd.members:
             out.append(Send(p, m.TopologyUpdated(epoch=rnd.epoch)))
+
+    def _describe_rings(self, groups: Collection[int]) -> str:
+        return "; ".join(
+            f"group {g}: " + (" -> ".join(map(str, self.rings[g])) if len(self.rings[g]) > 1
+                              else f"{self.rings[g][0]} alone")
+            for g in sorted(groups) if self.rings.get(g)) or "no rings"
 
     def _after_repair(self, out: list[Command]) -> None:
         """A repair ended: count the votes cast meanwhile, run what waited for it."""
@@ -1003,6 +1083,8 @@ class MasterState:
         col.op_id = self.next_op_id
         self.next_op_id += 1
         col.participants = list(ring)
+        self._note("collective_started", "", ring, col.group, col.op_id,
+                   first.count * _ELEMENT_BYTES.get(first.dtype, 0))
         for rank, p in enumerate(ring):
             out.append(Send(p, m.CollectivePerform(tag=col.tag, op_id=col.op_id,
                                                    epoch=self.ring_epochs.get(col.group, 0),
@@ -1018,6 +1100,8 @@ class MasterState:
                           skip: int | None = None) -> None:
         del self.collectives[(col.group, col.tag)]
         self._disarm(col.deadline)
+        self._note("collective_failed", f"collective tag {col.tag} of group {col.group} "
+                   f"called off before it ran: {why}", sorted(col.inits), col.group, -1)
         for p in col.inits:
             if p == skip:
                 continue
@@ -1058,6 +1142,12 @@ class MasterState:
             return
         del self.collectives[(col.group, col.tag)]
         kind, why = col.error or (ErrorKind.NONE, "")
+        if col.error is None:
+            self._note("collective_done", "", col.participants, col.group, col.op_id)
+        else:
+            self._note("collective_failed", f"collective op {col.op_id} (tag {col.tag}) of "
+                       f"group {col.group} aborted: {kind}: {why}", col.participants,
+                       col.group, col.op_id)
         if col.error is not None:
             # Links may hold half-sent pieces: the rings must be rebuilt before reuse.
             self.rings_stale = True
@@ -1125,6 +1215,9 @@ class MasterState:
     def _fail_sync(self, sync: Sync, kind: ErrorKind, why: str, out: list[Command]) -> None:
         del self.syncs[sync.group]
         self._disarm(sync.deadline)
+        self._note("sync_failed", f"shared-state sync of group {sync.group} failed: {why}",
+                   sorted(sync.participants if sync.planned else sync.inits), sync.group,
+                   sync.revision)
         # Once planned, peers refused at the plan already have their outcome.
         for p in sorted(sync.participants if sync.planned else sync.inits):
             if p in self.peers:
@@ -1215,6 +1308,8 @@ class MasterState:
         sync.planned = True
         sync.revision = revision
         sync.participants = participants
+        self._note("sync_planned", f"shared-state sync of group {sync.group} to revision "
+                   f"{revision}: {len(participants)} peers", participants, sync.group, revision)
         stale = set(participants)
         self.transfer_tokens = {t: fh for t, fh in self.transfer_tokens.items()
                                 if fh[0] not in stale and fh[0] in self.peers}
@@ -1278,6 +1373,14 @@ class MasterState:
             return
         del self.syncs[sync.group]
         kind, why = sync.error or (ErrorKind.NONE, "")
+        if sync.error is None:
+            self._note("sync_done", f"shared-state sync of group {sync.group} committed "
+                       f"revision {sync.revision}", sync.participants, sync.group,
+                       sync.revision)
+        else:
+            self._note("sync_failed", f"shared-state sync of group {sync.group} to revision "
+                       f"{sync.revision} failed: {kind}: {why}", sync.participants,
+                       sync.group, sync.revision)
         for p in sync.participants:
             if sync.error is None:
                 self.last_revision[p] = sync.revision
@@ -1408,6 +1511,9 @@ class MasterState:
         """Rebuild the rings in the new order; voters return at the round's end."""
         voters = self.opt_votes
         self.opt_votes = set()
+        self._note("optimized", f"optimize_topology() round {self.opt_round}: ring order "
+                   + "; ".join(f"group {g}: {order}" for g, order in sorted(self.ring_order.items())
+                               if g in self._groups()), sorted(voters), value=self.opt_round)
         self.phase = Phase.IDLE
         self.votes = set(voters)
         self.phase = Phase.VOTE_ACCEPT_NEW_PEERS
@@ -1416,6 +1522,8 @@ class MasterState:
         self._start_round(self.accepted(), out)
 
     def _fail_optimize(self, why: str, out: list[Command]) -> None:
+        self._note("optimize_failed", f"optimize_topology() round {self.opt_round} failed: "
+                   f"{why}", sorted(self.opt_votes), value=self.opt_round)
         for p in sorted(self.opt_votes):
             if p in self.peers:
                 out.append(Send(p, m.OptimizeFailed(message=why)))

@@ -12,6 +12,7 @@ import contextlib
 import hmac
 import logging
 import secrets as _secrets
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -29,6 +30,7 @@ from pccl.errors import (
 )
 from pccl.peer import state as ps
 from pccl.peer.fetch import Fetcher, SyncReporter, prefault_all
+from pccl.peer.metrics import PeerMetrics
 from pccl.peer.options import DEFAULT_TIMEOUT, QuantizationOptions, ReduceInfo, check_deadline
 from pccl.peer.state import Status as PeerState
 from pccl.protocol import PROTOCOL_VERSION
@@ -72,6 +74,7 @@ class Driver:
     _heartbeat_timeout: float
     _waiters: dict[ps.Waiter, asyncio.Future[Any]]
     _rings: dict[int, Any]
+    metrics: PeerMetrics
 
     @property
     def state(self) -> PeerState:
@@ -449,6 +452,22 @@ class Driver:
 
     async def _run_all_reduce(self, tag: int, q: QuantizationOptions, src: RawTensor,
                               dst: RawTensor, op: ReduceOp) -> ReduceInfo:
+        """One all-reduce, counted in :attr:`metrics` (outcome, time, bytes per link)."""
+        started = time.perf_counter()
+        ring = list(self._m.ring)
+        try:
+            info = await self._all_reduce_on_ring(tag, q, src, dst, op)
+        except BaseException:
+            self.metrics.collectives.labels("failed").inc()
+            raise
+        self.metrics.collectives.labels("ok").inc()
+        self.metrics.collective_seconds.observe(time.perf_counter() - started)
+        self.metrics.ring_traffic(list(self._m.ring) or ring, self.peer_id, info.tx_bytes,
+                                  info.rx_bytes)
+        return info
+
+    async def _all_reduce_on_ring(self, tag: int, q: QuantizationOptions, src: RawTensor,
+                                  dst: RawTensor, op: ReduceOp) -> ReduceInfo:
         perform_w, outcome_w = ps.perform_of(tag), ps.outcome_of(tag)
         outcome_fut = self._future(outcome_w)
         try:
@@ -558,6 +577,25 @@ class Driver:
     async def _run_sync(self, state: SharedState, strategy: SharedStateSyncStrategy,
                         in_place: bool, progress: Callable[[SyncProgress], object] | None,
                         progress_interval: float, timeout: Any) -> SyncInfo:
+        """One shared-state sync, counted in :attr:`metrics`."""
+        started = time.perf_counter()
+        try:
+            info = await self._sync_state(state, strategy, in_place, progress,
+                                          progress_interval, timeout)
+        except BaseException:
+            self.metrics.syncs.labels("failed").inc()
+            raise
+        finally:
+            self.metrics.sync_progress = None
+        self.metrics.syncs.labels("ok").inc()
+        self.metrics.sync_seconds.observe(time.perf_counter() - started)
+        self.metrics.tx_bytes += info.tx_bytes
+        self.metrics.rx_bytes += info.rx_bytes
+        return info
+
+    async def _sync_state(self, state: SharedState, strategy: SharedStateSyncStrategy,
+                          in_place: bool, progress: Callable[[SyncProgress], object] | None,
+                          progress_interval: float, timeout: Any) -> SyncInfo:
         wire = self._wire_timeout(timeout)
         await self._ready()
         if self._m.sync is not None:
@@ -604,6 +642,12 @@ class Driver:
                 report = SyncReporter(lambda: self._node, self.peer_id, progress,
                                       progress_interval, served_before, fetcher, fetched,
                                       [by_key[k].nbytes for k in plan.fetch_keys])
+
+                def sync_progress(report: SyncReporter = report) -> tuple[int, int]:
+                    snap = report.snapshot()
+                    return snap.rx_bytes, snap.rx_total
+
+                self.metrics.sync_progress = sync_progress
                 async with report:
                     errors = await fetcher.fetch_planned(plan, by_key, in_place, fetched)
                     for r in errors:

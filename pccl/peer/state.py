@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+from collections.abc import Callable
 from typing import Any
 
 from pccl.errors import ErrorKind
@@ -372,6 +373,9 @@ class PeerMachine:
         self.installs: list[m.TopologyUpdated] = []  # rounds whose ring install runs
         self.asking_req: int | None = None  # the collective are_peers_pending() waiting
         self._next_req = 0
+        # What heartbeat answers report to the master's status page: p2p tx and rx bytes,
+        # the running sync's fetched and total bytes (the driver's counters).
+        self.traffic: Callable[[], tuple[int, int, int, int]] = lambda: (0, 0, 0, 0)
 
     # --- queries the driver makes ------------------------------------------------------
 
@@ -526,7 +530,9 @@ class PeerMachine:
 
     def _on_message(self, msg: m.Message, out: list[Command]) -> None:
         if isinstance(msg, m.Ping):
-            self._send(m.Pong(seq=msg.seq), out)
+            tx, rx, sync_rx, sync_total = self.traffic()
+            self._send(m.Pong(seq=msg.seq, tx_bytes=tx, rx_bytes=rx, sync_rx_bytes=sync_rx,
+                              sync_rx_total=sync_total), out)
         elif isinstance(msg, m.EstablishP2P):
             out.append(Establish(msg, self.generation))
         elif isinstance(msg, m.WorldInfo):

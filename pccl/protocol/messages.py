@@ -13,7 +13,7 @@ from typing import ClassVar
 from pccl.errors import ErrorKind
 
 #: Bumped on every incompatible change; checked in the handshake.
-PROTOCOL_VERSION = 5
+PROTOCOL_VERSION = 6
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -147,8 +147,16 @@ class Ping(Message):
 @message
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Pong(Message):
+    """P->M, the answer to a ping, with what the master's status page shows of this peer:
+    the p2p bytes it sent and received so far (ring links and shared-state transfers),
+    and the running sync's fetched and total bytes (0 and 0: none running)."""
+
     TYPE: ClassVar[str] = "pong"
     seq: int
+    tx_bytes: int = 0
+    rx_bytes: int = 0
+    sync_rx_bytes: int = 0
+    sync_rx_total: int = 0
 
 
 # --- membership ---------------------------------------------------------------------

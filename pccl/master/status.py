@@ -1,0 +1,502 @@
+"""The master's read-only window on a run: a live status page, ``/api/status`` (JSON),
+``/api/events`` (the same JSON as server-sent events) and ``/metrics`` (Prometheus).
+
+:class:`RunMonitor` is the model: the server feeds it what it sees (connections,
+heartbeats, the state machine's :class:`~pccl.master.state.Note` s) and it keeps the
+timeline, counters and latency histogram. :class:`StatusServer` serves it over HTTP with
+aiohttp, on its own port. Nothing here changes the run: every route is a GET.
+
+Access: a status server bound to a loopback address is open to this machine's users; any
+other address needs a token (``MasterNode(status_token=...)``), sent as
+``Authorization: Bearer TOKEN`` or, for a browser (EventSource cannot set headers), as
+``?token=TOKEN`` in the page's URL. ``/healthz`` is open (for load balancers and
+Kubernetes probes) and says only ``ok``.
+
+The ``/api/status`` schema (version 1) is documented in ``docs/operations.md``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import hmac
+import importlib.resources
+import json
+import logging
+import time
+from collections.abc import Awaitable, Callable, Iterator
+from typing import TYPE_CHECKING, Any
+
+from aiohttp import web
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+
+from pccl.errors import InvalidArgumentError
+from pccl.master import state as st
+from pccl.protocol.auth import split_host_port
+
+if TYPE_CHECKING:
+    from pccl.master.server import MasterNode
+
+log = logging.getLogger(__name__)
+
+SCHEMA_VERSION = 1
+#: Timeline entries kept (the oldest are forgotten first).
+TIMELINE_LENGTH = 500
+#: Seconds of collective completions the rate is computed over.
+RATE_WINDOW = 30.0
+#: Server-sent events: at most this many snapshots a second per client, and one at
+#: least every KEEPALIVE seconds (heartbeat ages move even when nothing happens).
+MAX_EVENTS_PER_SECOND = 4.0
+KEEPALIVE = 2.0
+#: Open event streams at once (each holds a task and a socket).
+MAX_EVENT_STREAMS = 64
+# Latency buckets of collectives, in seconds: from loopback microseconds to WAN minutes.
+_LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
+                    2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
+# Why a peer was dropped, by the start of the reason the state machine gives.
+_DROP_CAUSES = (("left", "left"),
+                ("connection closed", "connection_closed"),
+                ("heartbeat timeout", "heartbeat_timeout"),
+                ("protocol error", "protocol_error"),
+                ("unreachable", "unreachable"))
+
+
+def _drop_cause(reason: str) -> str:
+    for prefix, cause in _DROP_CAUSES:
+        if reason.startswith(prefix):
+            return cause
+    return "other"
+
+
+@dataclasses.dataclass
+class PeerView:
+    """What the server knows of one connected peer beyond the state machine's record."""
+
+    remote: str  # where its control connection comes from
+    encrypted: bool
+    connected_at: float  # wall clock
+    last_seen: float  # monotonic: its last message of any kind
+    # Reported with every heartbeat answer (pong): p2p bytes so far, and the running
+    # sync's fetched / total bytes (0 / 0: none running).
+    tx_bytes: int = 0
+    rx_bytes: int = 0
+    sync_rx_bytes: int = 0
+    sync_rx_total: int = 0
+
+
+class RunMonitor:
+    """Keeps what the status page shows and the metrics count. Event-loop only."""
+
+    def __init__(self, master: MasterNode) -> None:
+        self.master = master
+        self.started_at = time.time()
+        self.peers: dict[int, PeerView] = {}
+        self.timeline: collections.deque[dict[str, Any]] = collections.deque(
+            maxlen=TIMELINE_LENGTH)
+        self._seq = 0
+        # Running collectives: op id -> when it began (monotonic), its tensor bytes.
+        self._started: dict[int, float] = {}
+        self._bytes: dict[int, int] = {}
+        self._completions: collections.deque[tuple[float, float]] = collections.deque()
+        self.collectives = {"ok": 0, "failed": 0}
+        self.syncs = {"ok": 0, "failed": 0}
+        self.latency_sum = 0.0
+        self.changed = asyncio.Event()
+        self.registry = CollectorRegistry(auto_describe=True)
+        self._m_collectives = Counter(
+            "pccl_collectives", "Collectives that ended, by outcome", ["outcome"],
+            registry=self.registry)
+        self._m_bytes = Counter(
+            "pccl_collective_bytes", "Tensor bytes of the collectives that succeeded "
+            "(elements x element size, once per collective)", registry=self.registry)
+        self._m_latency = Histogram(
+            "pccl_collective_seconds", "Time from a collective's start (every member "
+            "called it) to its outcome", buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self._m_syncs = Counter("pccl_syncs", "Shared-state syncs that ended, by outcome",
+                                ["outcome"], registry=self.registry)
+        self._m_drops = Counter("pccl_peers_dropped", "Peers dropped, by cause", ["cause"],
+                                registry=self.registry)
+        self._m_admitted = Counter("pccl_peers_admitted", "Peers admitted into a ring",
+                                   registry=self.registry)
+        self._m_rounds = Counter("pccl_topology_rounds", "Rounds of ring building, by outcome",
+                                 ["outcome"], registry=self.registry)
+        self._m_resumed = Counter("pccl_peers_resumed", "Peers that came back after a "
+                                  "master restart", registry=self.registry)
+        self._m_restarts = Counter("pccl_master_restarts", "Master restarts this master "
+                                   "recovered a run from (peers resuming after one)",
+                                   registry=self.registry)
+        self.registry.register(_LiveGauges(self))
+        for outcome in ("ok", "failed"):
+            self._m_collectives.labels(outcome)
+            self._m_syncs.labels(outcome)
+        self._recovering = False
+        self.add("master", f"master started on {master.address}")
+
+    # --- what the server reports ------------------------------------------------------
+
+    def add(self, kind: str, text: str, peers: tuple[int, ...] = (), group: int = -1) -> None:
+        self._seq += 1
+        self.timeline.append({"seq": self._seq, "time": time.time(), "kind": kind,
+                              "text": text, "peers": list(peers), "group": group})
+        self.changed.set()
+
+    def connected(self, peer_id: int, remote: str, encrypted: bool, text: str) -> None:
+        now = time.monotonic()
+        self.peers[peer_id] = PeerView(remote, encrypted, time.time(), now)
+        self.add("joined", text, (peer_id,))
+
+    def seen(self, peer_id: int) -> None:
+        view = self.peers.get(peer_id)
+        if view is not None:
+            view.last_seen = time.monotonic()
+
+    def heartbeat(self, peer_id: int, tx: int, rx: int, sync_rx: int, sync_total: int) -> None:
+        view = self.peers.get(peer_id)
+        if view is not None:
+            view.tx_bytes, view.rx_bytes = tx, rx
+            view.sync_rx_bytes, view.sync_rx_total = sync_rx, sync_total
+
+    def notes(self, notes: list[st.Note]) -> None:
+        """The state machine's notes: logged at INFO (what an operator reads), counted."""
+        now = time.monotonic()
+        for note in notes:
+            if note.kind == "collective_started":
+                self._started[note.value] = now
+                self._bytes[note.value] = note.nbytes
+                continue
+            if note.kind == "collective_done" or (note.kind == "collective_failed"
+                                                  and note.value >= 0):
+                began = self._started.pop(note.value, None)
+                ok = note.kind == "collective_done"
+                self.collectives["ok" if ok else "failed"] += 1
+                self._m_collectives.labels("ok" if ok else "failed").inc()
+                if began is not None:
+                    took = now - began
+                    self._m_latency.observe(took)
+                    if ok:
+                        self.latency_sum += took
+                        self._completions.append((now, took))
+                nbytes = self._bytes.pop(note.value, 0)
+                if ok:
+                    self._m_bytes.inc(nbytes)
+                    continue
+            if note.kind == "collective_failed" and note.value < 0:
+                self.collectives["failed"] += 1
+                self._m_collectives.labels("failed").inc()
+            if note.kind in ("sync_done", "sync_failed"):
+                outcome = "ok" if note.kind == "sync_done" else "failed"
+                self.syncs[outcome] += 1
+                self._m_syncs.labels(outcome).inc()
+            elif note.kind == "dropped":
+                reason = note.text.split("dropped: ", 1)[-1]
+                self._m_drops.labels(_drop_cause(reason)).inc()
+                for p in note.peers:
+                    self.peers.pop(p, None)
+            elif note.kind == "admitted":
+                self._m_admitted.inc(len(note.peers))
+            elif note.kind in ("ring", "repair"):
+                self._m_rounds.labels("ok").inc()
+                self._recovering = False
+            elif note.kind == "round_failed":
+                self._m_rounds.labels("failed").inc()
+            elif note.kind == "resume":
+                self._m_resumed.inc()
+                if not self._recovering:
+                    self._recovering = True
+                    self._m_restarts.inc()
+            log.info("%s", note.text)
+            self.add(note.kind, note.text, note.peers, note.group)
+        self.changed.set()
+
+    # --- what the page and the API show -----------------------------------------------
+
+    def rate(self) -> tuple[float, float | None, float | None]:
+        """Collectives per second over the last RATE_WINDOW seconds, and their median and
+        95th-percentile latency in seconds (None: none ended in the window)."""
+        now = time.monotonic()
+        while self._completions and self._completions[0][0] < now - RATE_WINDOW:
+            self._completions.popleft()
+        took = sorted(t for _, t in self._completions)
+        if not took:
+            return 0.0, None, None
+        span = min(RATE_WINDOW, max(now - self._completions[0][0], 1.0))
+        return (len(took) / span, took[len(took) // 2],
+                took[min(len(took) - 1, int(len(took) * 0.95))])
+
+    def snapshot(self) -> dict[str, Any]:
+        """The ``/api/status`` document (see docs/operations.md for the schema)."""
+        m = self.master
+        s = m.state
+        now = time.monotonic()
+        paths = dict(s.paths)
+        ring_of: dict[int, list[int]] = {g: list(r) for g, r in sorted(s.rings.items())}
+        nxt: dict[int, int] = {}
+        prv: dict[int, int] = {}
+        for ring in ring_of.values():
+            for i, p in enumerate(ring):
+                if len(ring) > 1:
+                    nxt[p] = ring[(i + 1) % len(ring)]
+                    prv[p] = ring[i - 1]
+        syncing = {p: sync for sync in s.syncs.values() for p in sync.participants}
+        peers = []
+        for pid, rec in s.peers.items():
+            view = self.peers.get(pid)
+            out_path = paths.get((pid, nxt[pid])) if pid in nxt else None
+            in_path = paths.get((prv[pid], pid)) if pid in prv else None
+            peers.append({
+                "id": pid,
+                "group": rec.peer_group,
+                "state": rec.status.name.lower(),
+                "p2p_address": rec.p2p_addr,
+                "control_address": view.remote if view else None,
+                "reachable": rec.reachable,
+                "encrypted": view.encrypted if view else None,
+                "path_out": out_path or ("direct" if pid in nxt else None),
+                "path_in": in_path or ("direct" if pid in prv else None),
+                "next": nxt.get(pid),
+                "heartbeat_age_s": round(now - view.last_seen, 3) if view else None,
+                "connected_at": view.connected_at if view else None,
+                "revision": s.last_revision.get(pid),
+                "tx_bytes": view.tx_bytes if view else 0,
+                "rx_bytes": view.rx_bytes if view else 0,
+                "syncing": pid in syncing,
+                "sync_rx_bytes": view.sync_rx_bytes if view else 0,
+                "sync_rx_total": view.sync_rx_total if view else 0,
+            })
+        groups = []
+        for g, members in sorted(s._groups().items()):
+            ring = ring_of.get(g, [])
+            groups.append({
+                "group": g,
+                "members": sorted(members),
+                "ring": ring,
+                "epoch": s.ring_epochs.get(g),
+                "broken": s._ring_broken(g) if ring else None,
+                "links": [{"from": a, "to": ring[(i + 1) % len(ring)],
+                           "path": paths.get((a, ring[(i + 1) % len(ring)]), "direct")}
+                          for i, a in enumerate(ring) if len(ring) > 1],
+            })
+        syncs = []
+        for sync in sorted(s.syncs.values(), key=lambda x: x.group):
+            fetched = sum(self.peers[p].sync_rx_bytes for p in sync.participants
+                          if p in self.peers)
+            total = sum(self.peers[p].sync_rx_total for p in sync.participants
+                        if p in self.peers)
+            syncs.append({"group": sync.group, "planned": sync.planned,
+                          "revision": sync.revision if sync.planned else None,
+                          "participants": list(sync.participants) or sorted(sync.inits),
+                          "done": sorted(sync.reported), "rx_bytes": fetched,
+                          "rx_total": total})
+        per_second, p50, p95 = self.rate()
+        return {
+            "schema": SCHEMA_VERSION,
+            "time": time.time(),
+            "master": {
+                "address": m.address,
+                "started_at": self.started_at,
+                "uptime_s": round(time.time() - self.started_at, 3),
+                "authenticated": m.secret is not None,
+                "accepts_clear_text": m.insecure,
+                "phase": s.phase.name.lower(),
+                "epoch": s.epoch,
+                "relay": {"enabled": s.relay, "streams": m.relayed_streams,
+                          "bytes": m.relayed_bytes},
+            },
+            "peers": peers,
+            "groups": groups,
+            "bandwidth": [{"from": a, "to": b, "bytes_per_s": bw, "round": r}
+                          for (a, b), (bw, r) in sorted(s.bandwidth.items())
+                          if a in s.peers and b in s.peers],
+            "collectives": {
+                "ok": self.collectives["ok"], "failed": self.collectives["failed"],
+                "running": sum(1 for c in s.collectives.values() if c.op_id >= 0),
+                "waiting": sum(1 for c in s.collectives.values() if c.op_id < 0),
+                "per_second": round(per_second, 3),
+                "latency_p50_s": p50, "latency_p95_s": p95,
+            },
+            "syncs": {"ok": self.syncs["ok"], "failed": self.syncs["failed"],
+                      "running": syncs},
+            "timeline": list(self.timeline)[-100:],
+        }
+
+
+class _LiveGauges:
+    """Gauges read from the state at scrape time (never stale, nothing to update)."""
+
+    def __init__(self, monitor: RunMonitor) -> None:
+        self.monitor = monitor
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        mon = self.monitor
+        s = mon.master.state
+        peers = GaugeMetricFamily("pccl_peers", "Peers known to the master, by state",
+                                  labels=["state"])
+        peers.add_metric(["accepted"], len(s.accepted()))
+        peers.add_metric(["pending"], len(s.pending()))
+        yield peers
+        yield GaugeMetricFamily("pccl_peer_groups", "Peer groups with accepted peers",
+                                value=len(s.group_sizes()))
+        yield GaugeMetricFamily("pccl_ring_epoch", "Newest ring epoch", value=s.ring_epoch)
+        running = GaugeMetricFamily("pccl_collectives_running", "Collectives in progress",
+                                    value=sum(1 for c in s.collectives.values() if c.op_id >= 0))
+        yield running
+        yield GaugeMetricFamily("pccl_syncs_running", "Shared-state syncs in progress",
+                                value=len(s.syncs))
+        yield GaugeMetricFamily("pccl_relayed_streams", "Ring-link streams relayed now",
+                                value=mon.master.relayed_streams)
+        relayed = GaugeMetricFamily("pccl_relayed_bytes", "Bytes relayed so far")
+        relayed.add_metric([], mon.master.relayed_bytes)
+        yield relayed
+        yield GaugeMetricFamily("pccl_master_uptime_seconds", "Seconds since this master "
+                                "started", value=time.time() - mon.started_at)
+        tx = GaugeMetricFamily("pccl_peer_p2p_tx_bytes", "p2p bytes each peer sent (its "
+                               "last heartbeat report)", labels=["peer", "group"])
+        rx = GaugeMetricFamily("pccl_peer_p2p_rx_bytes", "p2p bytes each peer received (its "
+                               "last heartbeat report)", labels=["peer", "group"])
+        for pid, view in mon.peers.items():
+            rec = s.peers.get(pid)
+            if rec is not None:
+                tx.add_metric([str(pid), str(rec.peer_group)], view.tx_bytes)
+                rx.add_metric([str(pid), str(rec.peer_group)], view.rx_bytes)
+        yield tx
+        yield rx
+
+
+# --- HTTP ------------------------------------------------------------------------------
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def _page() -> bytes:
+    return importlib.resources.files("pccl.master").joinpath("status.html").read_bytes()
+
+
+class StatusServer:
+    """Serves a :class:`RunMonitor` on ``listen`` ("host:port"); owned by the master."""
+
+    def __init__(self, monitor: RunMonitor, listen: str, token: str | None) -> None:
+        self.monitor = monitor
+        self.listen = listen
+        self.token = token
+        self._runner: web.AppRunner | None = None
+        self._streams: set[asyncio.Task[Any]] = set()
+        self._closing = asyncio.Event()
+        self.address = ""
+
+    async def start(self) -> None:
+        app = web.Application(middlewares=[self._auth])
+        app.router.add_get("/", self._index)
+        app.router.add_get("/api/status", self._status)
+        app.router.add_get("/api/events", self._events)
+        app.router.add_get("/metrics", self._metrics)
+        app.router.add_get("/healthz", self._healthz)
+        self._runner = web.AppRunner(app, access_log=None, handle_signals=False,
+                                     shutdown_timeout=1.0)
+        await self._runner.setup()
+        host, port = split_host_port(self.listen)
+        site = web.TCPSite(self._runner, host, port, backlog=128)
+        try:
+            await site.start()
+        except OSError as e:
+            await self._runner.cleanup()
+            self._runner = None
+            raise OSError(e.errno, f"the master's status server cannot listen on "
+                                   f"{self.listen!r}: {e.strerror} (give another "
+                                   f"--status HOST:PORT, port 0 for a free one, or --status "
+                                   f"off)") from None
+        sock = site._server.sockets[0].getsockname()  # type: ignore[union-attr]
+        shown = sock[0]
+        self.address = f"[{shown}]:{sock[1]}" if ":" in shown else f"{shown}:{sock[1]}"
+        log.info("status page on http://%s/", self.address)
+
+    async def stop(self) -> None:
+        self._closing.set()
+        for task in list(self._streams):
+            task.cancel()
+        if self._runner is not None:
+            runner, self._runner = self._runner, None
+            await runner.cleanup()
+
+    @web.middleware
+    async def _auth(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        if request.method not in ("GET", "HEAD"):
+            raise web.HTTPMethodNotAllowed(request.method, ["GET", "HEAD"])
+        if self.token and request.path != "/healthz":
+            given = request.query.get("token", "")
+            auth = request.headers.get("Authorization", "")
+            if auth.startswith("Bearer "):
+                given = auth[len("Bearer "):]
+            if not hmac.compare_digest(given.encode(), self.token.encode()):
+                raise web.HTTPUnauthorized(
+                    text="this status server needs its token: 'Authorization: Bearer TOKEN' "
+                         "or ?token=TOKEN\n",
+                    headers={"WWW-Authenticate": 'Bearer realm="pccl"'})
+        response = await handler(request)
+        response.headers.setdefault("Cache-Control", "no-store")
+        response.headers.setdefault("X-Content-Type-Options", "nosniff")
+        return response
+
+    async def _index(self, request: web.Request) -> web.StreamResponse:
+        return web.Response(body=_page(), content_type="text/html", charset="utf-8",
+                            headers={"Content-Security-Policy": "default-src 'self'; "
+                                     "style-src 'unsafe-inline'; script-src 'unsafe-inline'; "
+                                     "frame-ancestors 'none'"})
+
+    async def _status(self, request: web.Request) -> web.StreamResponse:
+        return web.json_response(self.monitor.snapshot())
+
+    async def _healthz(self, request: web.Request) -> web.StreamResponse:
+        return web.Response(text="ok\n")
+
+    async def _metrics(self, request: web.Request) -> web.StreamResponse:
+        body = generate_latest(self.monitor.registry)
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def _events(self, request: web.Request) -> web.StreamResponse:
+        """The status document again whenever something changed (at most
+        MAX_EVENTS_PER_SECOND a second, at least every KEEPALIVE seconds)."""
+        if len(self._streams) >= MAX_EVENT_STREAMS:
+            raise web.HTTPServiceUnavailable(text="too many open event streams\n")
+        task = asyncio.current_task()
+        assert task is not None
+        self._streams.add(task)
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                               "Cache-Control": "no-store"})
+        changed = self.monitor.changed
+        try:
+            await response.prepare(request)
+            while not self._closing.is_set():
+                changed.clear()
+                data = json.dumps(self.monitor.snapshot(), separators=(",", ":"))
+                await response.write(f"event: status\ndata: {data}\n\n".encode())
+                # A deadline on the wait (keepalive), then a floor between snapshots.
+                try:
+                    async with asyncio.timeout(KEEPALIVE):
+                        await changed.wait()
+                except TimeoutError:
+                    pass
+                await asyncio.sleep(1.0 / MAX_EVENTS_PER_SECOND)  # rate limit, not sync
+        except (ConnectionResetError, asyncio.CancelledError):
+            pass
+        finally:
+            self._streams.discard(task)
+        return response
+
+
+def check_listen(listen: str, token: str | None) -> None:
+    """``MasterNode(status_listen=..., status_token=...)``: a malformed address or an
+    address other machines can reach without a token fails at construction."""
+    from pccl.master.server import _loopback_only
+
+    host, _ = split_host_port(listen)
+    if not _loopback_only(host) and not token:
+        raise InvalidArgumentError(
+            f"MasterNode(status_listen={listen!r}) is reachable from other machines: give "
+            f"status_token=... (clients send 'Authorization: Bearer TOKEN'), or listen on "
+            f"127.0.0.1")

@@ -1,0 +1,148 @@
+"""One peer's own counters: what its heartbeat answers tell the master (so the master's
+status page shows each peer's traffic and sync progress) and, when
+``Communicator(metrics_listen="host:port")`` asks for it, a Prometheus ``/metrics``
+endpoint of the peer itself: bytes per ring link, collectives by outcome, time spent in
+collectives, syncs, and the retries of the recovery policy (:mod:`pccl.recovery`).
+
+Everything is updated on the event loop by the communicator; nothing here takes a lock.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from aiohttp import web
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+
+from pccl.protocol.auth import split_host_port
+
+log = logging.getLogger(__name__)
+
+_SECONDS_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
+                    2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
+
+
+class PeerMetrics:
+    """Counters of one :class:`pccl.Communicator` (``comm.metrics``)."""
+
+    def __init__(self) -> None:
+        self.tx_bytes = 0  # p2p bytes sent: ring links and shared-state transfers served
+        self.rx_bytes = 0  # p2p bytes received: ring links and shared-state fetches
+        # Ring-link bytes by the peer at the other end: sent to the next peer, received
+        # from the previous one (each all-reduce's ReduceInfo, attributed to its ring).
+        self.link_tx: dict[int, int] = {}
+        self.link_rx: dict[int, int] = {}
+        # The running sync's progress, read at each heartbeat (None: no sync running).
+        self.sync_progress: Callable[[], tuple[int, int]] | None = None
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.collectives = Counter("pccl_peer_collectives", "This peer's collectives, by "
+                                   "outcome", ["outcome"], registry=self.registry)
+        self.collective_seconds = Histogram(
+            "pccl_peer_collective_seconds", "Time this peer spent in each collective "
+            "(call to result)", buckets=_SECONDS_BUCKETS, registry=self.registry)
+        self.syncs = Counter("pccl_peer_syncs", "This peer's shared-state syncs, by "
+                             "outcome", ["outcome"], registry=self.registry)
+        self.sync_seconds = Histogram("pccl_peer_sync_seconds", "Time this peer spent in "
+                                      "each shared-state sync", buckets=_SECONDS_BUCKETS,
+                                      registry=self.registry)
+        self.retries = Counter("pccl_peer_retries", "Recoveries the retry policy "
+                               "(pccl.recovery) took, by action", ["action"],
+                               registry=self.registry)
+        self.registry.register(_Traffic(self))
+        for outcome in ("ok", "failed"):
+            self.collectives.labels(outcome)
+            self.syncs.labels(outcome)
+        for action in ("retry", "update_topology"):
+            self.retries.labels(action)
+
+    def heartbeat(self) -> tuple[int, int, int, int]:
+        """(tx bytes, rx bytes, the running sync's fetched bytes, its total bytes)."""
+        fetched, total = self.sync_progress() if self.sync_progress is not None else (0, 0)
+        return self.tx_bytes, self.rx_bytes, fetched, total
+
+    def ring_traffic(self, ring: list[int], me: int | None, tx: int, rx: int) -> None:
+        self.tx_bytes += tx
+        self.rx_bytes += rx
+        if me in ring and len(ring) > 1:
+            i = ring.index(me)
+            nxt, prv = ring[(i + 1) % len(ring)], ring[i - 1]
+            self.link_tx[nxt] = self.link_tx.get(nxt, 0) + tx
+            self.link_rx[prv] = self.link_rx.get(prv, 0) + rx
+
+
+class _Traffic:
+    """Byte counters read at scrape time."""
+
+    def __init__(self, metrics: PeerMetrics) -> None:
+        self.metrics = metrics
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        mt = self.metrics
+        tx = CounterMetricFamily("pccl_peer_p2p_tx_bytes", "p2p bytes this peer sent")
+        tx.add_metric([], mt.tx_bytes)
+        rx = CounterMetricFamily("pccl_peer_p2p_rx_bytes", "p2p bytes this peer received")
+        rx.add_metric([], mt.rx_bytes)
+        link_tx = CounterMetricFamily("pccl_peer_link_tx_bytes", "Ring-link bytes sent, by "
+                                      "receiving peer", labels=["to"])
+        for peer, n in sorted(mt.link_tx.items()):
+            link_tx.add_metric([str(peer)], n)
+        link_rx = CounterMetricFamily("pccl_peer_link_rx_bytes", "Ring-link bytes received, "
+                                      "by sending peer", labels=["from"])
+        for peer, n in sorted(mt.link_rx.items()):
+            link_rx.add_metric([str(peer)], n)
+        fetched, total = mt.sync_progress() if mt.sync_progress is not None else (0, 0)
+        progress = GaugeMetricFamily("pccl_peer_sync_rx_bytes", "The running sync's fetched "
+                                     "and total bytes", labels=["of"])
+        progress.add_metric(["fetched"], fetched)
+        progress.add_metric(["total"], total)
+        yield from (tx, rx, link_tx, link_rx, progress)
+
+
+class MetricsServer:
+    """``/metrics`` (and ``/healthz``) of one peer on ``listen``; owned by its
+    communicator (started by ``connect()``, stopped by ``close()``)."""
+
+    def __init__(self, metrics: PeerMetrics, listen: str) -> None:
+        self.metrics = metrics
+        self.listen = listen
+        self.address = ""
+        self._runner: web.AppRunner | None = None
+
+    async def start(self) -> None:
+        app = web.Application()
+        app.router.add_get("/metrics", self._metrics)
+        app.router.add_get("/healthz", self._healthz)
+        self._runner = web.AppRunner(app, access_log=None, handle_signals=False,
+                                     shutdown_timeout=1.0)
+        await self._runner.setup()
+        host, port = split_host_port(self.listen)
+        site = web.TCPSite(self._runner, host, port)
+        try:
+            await site.start()
+        except OSError as e:
+            await self.stop()
+            raise OSError(e.errno, f"the peer's metrics server cannot listen on "
+                                   f"{self.listen!r}: {e.strerror}") from None
+        server: Any = site._server
+        sock = server.sockets[0].getsockname()
+        self.address = f"[{sock[0]}]:{sock[1]}" if ":" in sock[0] else f"{sock[0]}:{sock[1]}"
+        log.info("peer metrics on http://%s/metrics", self.address)
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            runner, self._runner = self._runner, None
+            await runner.cleanup()
+
+    async def _metrics(self, request: web.Request) -> web.StreamResponse:
+        return web.Response(body=generate_latest(self.metrics.registry),
+                            headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def _healthz(self, request: web.Request) -> web.StreamResponse:
+        return web.Response(text="ok\n")

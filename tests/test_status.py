@@ -1,0 +1,200 @@
+"""The master's status server: /api/status, /api/events (SSE), /metrics, /healthz, the
+token, the INFO log lines; and a peer's own /metrics (Communicator(metrics_listen=))."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+
+import aiohttp
+import numpy as np
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+import pccl
+from pccl.master.status import KEEPALIVE
+from pccl.testing.cluster import Cluster
+
+pytestmark = pytest.mark.timeout(60)
+
+STATUS = {"status_listen": "127.0.0.1:0"}
+
+
+def metric(text: str, name: str, **labels: str) -> float:
+    """The value of one sample of the Prometheus text ``text``."""
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                return float(sample.value)
+    raise AssertionError(f"no sample {name}{labels} in:\n{text}")
+
+
+async def get(session: aiohttp.ClientSession, url: str, **kw: object) -> tuple[int, str]:
+    async with session.get(url, **kw) as r:  # type: ignore[arg-type]
+        return r.status, await r.text()
+
+
+async def test_status_metrics_and_timeline_follow_the_run(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="pccl.master")
+    async with Cluster(3, master_kwargs=STATUS) as cluster, aiohttp.ClientSession() as http:
+        base = f"http://{cluster.master.status_address}"
+        x = [np.full(1000, float(i + 1), dtype=np.float32) for i in range(3)]
+        for _ in range(4):
+            infos = await asyncio.gather(*(c.all_reduce(a) for c, a in zip(cluster.comms, x)))
+        assert all(float(a[0]) == 6.0 * 3**3 for a in x)  # (1+2+3) then x3 three more times
+        code, body = await get(http, base + "/api/status")
+        assert code == 200
+        st = json.loads(body)
+        assert st["schema"] == 1
+        assert st["master"]["address"] == cluster.master.address
+        ids = sorted(c.peer_id for c in cluster.comms)
+        assert sorted(p["id"] for p in st["peers"]) == ids
+        assert all(p["state"] == "accepted" and p["encrypted"] is True for p in st["peers"])
+        assert all(p["path_in"] == "direct" and p["path_out"] == "direct" for p in st["peers"])
+        (group,) = st["groups"]
+        assert sorted(group["ring"]) == ids and len(group["links"]) == 3
+        assert st["collectives"]["ok"] == 4 and st["collectives"]["failed"] == 0
+        kinds = [e["kind"] for e in st["timeline"]]
+        assert kinds.count("joined") == 3 and "admitted" in kinds and "ring" in kinds
+
+        code, text = await get(http, base + "/metrics")
+        assert code == 200
+        assert metric(text, "pccl_peers", state="accepted") == 3
+        assert metric(text, "pccl_collectives_total", outcome="ok") == 4
+        assert metric(text, "pccl_collective_seconds_count") == 4
+        assert metric(text, "pccl_collective_bytes_total") == 4 * 1000 * 4
+        assert metric(text, "pccl_peers_admitted_total") == 3
+
+        # A peer leaves: the timeline, the peer count and the drop counter say so.
+        gone = cluster.comms[2]
+        await gone.close()
+        await cluster.master.wait_for(lambda s: gone.peer_id not in s.peers)
+        st = json.loads((await get(http, base + "/api/status"))[1])
+        assert gone.peer_id not in [p["id"] for p in st["peers"]]
+        assert any(e["kind"] == "dropped" and e["peers"] == [gone.peer_id]
+                   for e in st["timeline"])
+        text = (await get(http, base + "/metrics"))[1]
+        assert metric(text, "pccl_peers", state="accepted") == 2
+        assert metric(text, "pccl_peers_dropped_total", cause="left") == 1
+        assert infos[0].tx_bytes > 0
+
+    # The INFO lines an operator reads: one per admission, ring epoch and drop.
+    lines = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO]
+    assert any(line.startswith("admitted peers") for line in lines), lines
+    assert any(line.startswith("ring epoch 1: group 0: ") for line in lines), lines
+    assert any(f"peer {gone.peer_id} (accepted, group 0) dropped" in line for line in lines)
+
+
+async def test_heartbeats_carry_each_peers_traffic_and_the_sync_shows_up() -> None:
+    async with Cluster(2, master_kwargs=STATUS) as cluster, aiohttp.ClientSession() as http:
+        base = f"http://{cluster.master.status_address}"
+        a = [np.arange(100_000, dtype=np.float32) * (i + 1) for i in range(2)]
+        infos = await asyncio.gather(*(c.all_reduce(t) for c, t in zip(cluster.comms, a)))
+        states = [pccl.SharedState([pccl.TensorInfo("w", np.full(10, 1.5))]) for _ in range(2)]
+        for s in states:
+            s.revision = 1
+        await asyncio.gather(*(c.sync_shared_state(s) for c, s in zip(cluster.comms, states)))
+        # Heartbeats (every 0.25 s here) bring the peers' counters to the master.
+        me = cluster.comms[0]
+
+        async def reported() -> dict[str, object]:
+            while True:
+                st = json.loads((await get(http, base + "/api/status"))[1])
+                (row,) = [p for p in st["peers"] if p["id"] == me.peer_id]
+                if row["tx_bytes"] >= infos[0].tx_bytes:
+                    return row
+                await asyncio.sleep(0.05)
+
+        row = await asyncio.wait_for(reported(), 10)
+        assert row["tx_bytes"] == me.metrics.tx_bytes
+        assert row["rx_bytes"] == me.metrics.rx_bytes
+        assert row["revision"] == 1
+        st = json.loads((await get(http, base + "/api/status"))[1])
+        assert st["syncs"]["ok"] == 1 and st["syncs"]["running"] == []
+        assert [e["kind"] for e in st["timeline"]][-2:] == ["sync_planned", "sync_done"]
+
+
+async def test_events_stream_pushes_a_new_document_on_each_change() -> None:
+    async with Cluster(1, master_kwargs=STATUS) as cluster, aiohttp.ClientSession() as http:
+        base = f"http://{cluster.master.status_address}"
+        async with http.get(base + "/api/events") as stream:
+            assert stream.status == 200
+            assert stream.headers["Content-Type"].startswith("text/event-stream")
+
+            async def next_document() -> dict[str, object]:
+                data = b""
+                async for line in stream.content:
+                    if line.startswith(b"data: "):
+                        data = line[6:]
+                    elif line == b"\n" and data:
+                        return json.loads(data)  # type: ignore[no-any-return]
+                raise AssertionError("the stream ended")
+
+            first = await asyncio.wait_for(next_document(), KEEPALIVE * 3)
+            assert len(first["peers"]) == 1  # type: ignore[arg-type]
+            joiner = cluster.new_comm()
+            await cluster.admit([joiner])
+
+            async def until_two() -> dict[str, object]:
+                for _ in range(100):
+                    doc = await next_document()
+                    if len([p for p in doc["peers"] if p["state"] == "accepted"]) == 2:  # type: ignore[attr-defined, index]
+                        return doc
+                raise AssertionError("the stream never showed the joiner")
+
+            doc = await asyncio.wait_for(until_two(), 20)
+            assert any(e["kind"] == "admitted" and e["peers"] == [joiner.peer_id]
+                       for e in doc["timeline"])  # type: ignore[attr-defined, index]
+
+
+async def test_token_guards_everything_but_healthz_and_nothing_writes() -> None:
+    kw = {"status_listen": "127.0.0.1:0", "status_token": "s3cret"}
+    async with Cluster(1, master_kwargs=kw) as cluster, aiohttp.ClientSession() as http:
+        base = f"http://{cluster.master.status_address}"
+        for path in ("/", "/api/status", "/metrics", "/api/events"):
+            code, body = await get(http, base + path)
+            assert code == 401, path
+            assert "token" in body
+            code, _ = await get(http, base + path + "?token=wrong")
+            assert code == 401
+        assert await get(http, base + "/healthz") == (200, "ok\n")
+        code, body = await get(http, base + "/api/status",
+                               headers={"Authorization": "Bearer s3cret"})
+        assert code == 200 and json.loads(body)["schema"] == 1
+        code, body = await get(http, base + "/?token=s3cret")
+        assert code == 200 and "<title>pccl run status</title>" in body
+        async with http.post(base + "/api/status?token=s3cret", data=b"{}") as r:
+            assert r.status == 405
+
+
+def test_status_on_another_machines_reach_needs_a_token() -> None:
+    with pytest.raises(pccl.InvalidArgumentError, match="status_token"):
+        pccl.MasterNode(listen="127.0.0.1:0", status_listen="0.0.0.0:0")
+    pccl.MasterNode(listen="127.0.0.1:0", status_listen="0.0.0.0:0", status_token="t")
+
+
+async def test_status_port_in_use_fails_start_with_the_port_named() -> None:
+    async with pccl.MasterNode(listen="127.0.0.1:0", status_listen="127.0.0.1:0") as first:
+        taken = first.status_address
+        second = pccl.MasterNode(listen="127.0.0.1:0", status_listen=taken)
+        with pytest.raises(OSError, match="status server cannot listen"):
+            await second.start()
+        assert second.status_address is None
+
+
+async def test_peer_metrics_count_links_collectives_and_retries() -> None:
+    async with Cluster(2, comm_kwargs={"metrics_listen": "127.0.0.1:0"}) as cluster, \
+            aiohttp.ClientSession() as http:
+        a = [np.ones(4096, dtype=np.float32) for _ in range(2)]
+        infos = await asyncio.gather(*(c.all_reduce(t) for c, t in zip(cluster.comms, a)))
+        me, other = cluster.comms
+        code, text = await get(http, f"http://{me._metrics_server.address}/metrics")  # type: ignore[union-attr]
+        assert code == 200
+        assert metric(text, "pccl_peer_collectives_total", outcome="ok") == 1
+        assert metric(text, "pccl_peer_collective_seconds_count") == 1
+        assert metric(text, "pccl_peer_link_tx_bytes_total", to=str(other.peer_id)) \
+            == infos[0].tx_bytes
+        assert metric(text, "pccl_peer_link_rx_bytes_total", **{"from": str(other.peer_id)}) \
+            == infos[0].rx_bytes
+        assert metric(text, "pccl_peer_p2p_tx_bytes_total") == infos[0].tx_bytes
