@@ -443,7 +443,7 @@ class MasterState:
             self._on_registered(event, out)
         elif isinstance(event, PeerLost):
             if event.peer_id in self.peers:
-                self._remove(event.peer_id, out)
+                self._remove(event.peer_id, out, event.reason or "connection lost")
         elif isinstance(event, Received):
             if event.peer_id in self.peers:
                 self._on_message(event.peer_id, event.msg, out)

@@ -249,7 +249,8 @@ class RunMonitor:
             peers.append({
                 "id": pid,
                 "group": rec.peer_group,
-                "state": rec.status.name.lower(),
+                # "pending": registered, waiting for the accepted peers to admit it
+                "state": "accepted" if rec.status is st.PeerStatus.ACCEPTED else "pending",
                 "p2p_address": rec.p2p_addr,
                 "control_address": view.remote if view else None,
                 "reachable": rec.reachable,
