@@ -60,9 +60,10 @@ async def run_demo(n_peers: int = 4) -> int:
     peers: list[PeerProcess] = []
     gone: list[PeerProcess] = []
     async with MasterNode(listen="127.0.0.1:0", heartbeat_interval=0.25,
-                          heartbeat_timeout=2.0) as master:
+                          heartbeat_timeout=2.0, status_listen="127.0.0.1:0") as master:
         try:
-            say(f"master listening on {master.address}")
+            say(f"master listening on {master.address}; live status page on "
+                f"http://{master.status_address}/ (JSON: /api/status, Prometheus: /metrics)")
             first = PeerProcess(master.address, pool_size=2, extra_args=["--peer-timeout", "5"])
             peers.append(first)
             await first.start()
@@ -112,7 +113,11 @@ async def run_demo(n_peers: int = 4) -> int:
             say("everyone leaves gracefully")
             await asyncio.gather(*(p.call("close") for p in peers))
             await master.wait_for(lambda s: not s.peers, timeout=60)
-            say("all peers left; stopping the master")
+            assert master.monitor is not None
+            done = master.monitor.collectives
+            say(f"all peers left; the master counted {done['ok']} collectives ok and "
+                f"{done['failed']} failed, {len(master.monitor.timeline)} timeline events; "
+                "stopping the master")
         finally:
             for p in peers + gone:
                 await p.close()
