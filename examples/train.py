@@ -332,7 +332,7 @@ class Run:
     async def start_master(self) -> None:
         self.master = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "pccl", "master", "--listen", "127.0.0.1:0",
-            "--heartbeat-timeout", "15", "--log-level", "WARNING",
+            "--heartbeat-timeout", "15", "--log-level", "WARNING", "--status", "off",
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL)
         assert self.master.stdout is not None
         async with asyncio.timeout(60):

@@ -1,6 +1,9 @@
 """Command line: ``python -m pccl master ...`` / ``python -m pccl demo``.
 
-``pccl-master`` (the console script) is the same as ``python -m pccl master``.
+``pccl-master`` (the console script) is the same as ``python -m pccl master``. Every flag
+of the master falls back to its environment variable (``--listen``: ``PCCL_MASTER_LISTEN``,
+``--status``: ``PCCL_STATUS_LISTEN``, ...; see :mod:`pccl.config`), then to
+:class:`~pccl.MasterNode`'s default; a flag given wins.
 """
 
 from __future__ import annotations
@@ -9,13 +12,17 @@ import argparse
 import asyncio
 import importlib.metadata
 import logging
+import os
 import signal
 import sys
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
+from pccl import config
+from pccl._logging import parse_level
 from pccl.errors import InvalidArgumentError, PCCLError
 from pccl.master.server import MasterNode
-from pccl.protocol.auth import DEFAULT_PORT
 
 
 def _version() -> str:
@@ -25,61 +32,112 @@ def _version() -> str:
         return "unknown"
 
 
+#: Where ``pccl-master`` serves its status page when neither ``--status`` nor
+#: ``PCCL_STATUS_LISTEN`` says otherwise (``MasterNode`` itself serves none by default).
+DEFAULT_STATUS = "127.0.0.1:48180"
+_LOG_LEVELS = ["DEBUG", "INFO", "WARNING", "ERROR"]
+# Flags whose value goes to the MasterNode parameter of the same name as it is.
+_PLAIN_FLAGS = ("listen", "heartbeat_interval", "heartbeat_timeout", "handshake_timeout",
+                "establish_timeout", "max_establish_attempts", "recovery_grace",
+                "repair_rings", "dial_back_timeout", "max_relayed_streams", "insecure")
+
+
 def _add_master_args(p: argparse.ArgumentParser) -> None:
-    d = MasterNode.__init__.__kwdefaults__ or {}
-    p.add_argument("--listen", default=f"0.0.0.0:{DEFAULT_PORT}", metavar="HOST:PORT",
-                   help="address to listen on (port 0: a free one; default %(default)s)")
-    p.add_argument("--secret-file", type=Path, default=None, metavar="FILE",
+    """The master's flags. None has a default of its own: a flag left out falls back to
+    its environment variable (pccl/config.py), then to MasterNode's default, so the
+    attribute of a flag not given is absent from the parsed namespace."""
+    var = {v.param: v for v in config.variables(MasterNode)}
+
+    def d(param: str, default: object = None) -> str:
+        v = var[param]
+        shown = v.default if default is None else default
+        return f"default: ${v.name}, else {shown}"
+
+    s = argparse.SUPPRESS
+    p.add_argument("--listen", default=s, metavar="HOST:PORT",
+                   help=f"address to listen on (port 0: a free one; {d('listen')})")
+    p.add_argument("--secret-file", type=Path, default=s, metavar="FILE",
                    help="file holding the shared secret peers must prove they know "
-                        "(surrounding whitespace is ignored)")
-    p.add_argument("--heartbeat-interval", type=float, default=d["heartbeat_interval"],
-                   metavar="S", help="seconds between pings to each peer (%(default)s)")
-    p.add_argument("--heartbeat-timeout", type=float, default=d["heartbeat_timeout"],
-                   metavar="S", help="a peer silent this long is dropped (%(default)s)")
-    p.add_argument("--handshake-timeout", type=float, default=d["handshake_timeout"],
-                   metavar="S", help="seconds a connecting peer has to say hello (%(default)s)")
-    p.add_argument("--establish-timeout", type=float, default=d["establish_timeout"],
-                   metavar="S", help="seconds the peers of a topology round have to report "
-                                     "their p2p links (%(default)s)")
-    p.add_argument("--max-establish-attempts", type=int,
-                   default=d["max_establish_attempts"], metavar="N",
-                   help="attempts at building the rings before a round fails (%(default)s)")
-    p.add_argument("--recovery-grace", type=float, default=d["recovery_grace"], metavar="S",
-                   help="after a restart: seconds to wait for the rest of an old group "
-                        "(%(default)s)")
-    p.add_argument("--repair-rings", action=argparse.BooleanOptionalAction,
-                   default=d["repair_rings"],
-                   help="rebuild a ring that lost a peer without waiting for "
-                        "update_topology() (default: on, as in PCCL)")
-    p.add_argument("--dial-back-timeout", type=float, default=d["dial_back_timeout"],
-                   metavar="S", help="reachability check of each peer's p2p address "
-                                     "(%(default)s s); peers that fail it are behind NAT")
-    p.add_argument("--max-relayed-streams", type=int, default=d["max_relayed_streams"],
-                   metavar="N", help="ring-link streams relayed at once for peers that "
-                                     "cannot connect directly (%(default)s; 0: no relay)")
-    p.add_argument("--insecure", action="store_true",
-                   help="also accept peers whose control connection is in clear text "
-                        "(Communicator(insecure=True)); encrypted ones are accepted either way")
-    p.add_argument("--status", default="127.0.0.1:48180", metavar="HOST:PORT",
-                   help="serve the read-only status page, /api/status and /metrics here "
-                        "(default %(default)s; 'off': none); a non-loopback address needs "
-                        "--status-token-file")
-    p.add_argument("--status-token-file", type=Path, default=None, metavar="FILE",
-                   help="file holding the bearer token the status server asks for")
-    p.add_argument("--log-level", default="INFO", type=str.upper,
-                   choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+                        "(surrounding whitespace is ignored; default: $PCCL_SECRET_FILE or "
+                        "$PCCL_SECRET, else none)")
+    p.add_argument("--heartbeat-interval", type=float, default=s, metavar="S",
+                   help=f"seconds between pings to each peer ({d('heartbeat_interval')})")
+    p.add_argument("--heartbeat-timeout", type=float, default=s, metavar="S",
+                   help=f"a peer silent this long is dropped ({d('heartbeat_timeout')})")
+    p.add_argument("--handshake-timeout", type=float, default=s, metavar="S",
+                   help=f"seconds a connecting peer has to say hello "
+                        f"({d('handshake_timeout')})")
+    p.add_argument("--establish-timeout", type=float, default=s, metavar="S",
+                   help=f"seconds the peers of a topology round have to report their p2p "
+                        f"links ({d('establish_timeout')})")
+    p.add_argument("--max-establish-attempts", type=int, default=s, metavar="N",
+                   help=f"attempts at building the rings before a round fails "
+                        f"({d('max_establish_attempts')})")
+    p.add_argument("--recovery-grace", type=float, default=s, metavar="S",
+                   help=f"after a restart: seconds to wait for the rest of an old group "
+                        f"({d('recovery_grace')})")
+    p.add_argument("--repair-rings", action=argparse.BooleanOptionalAction, default=s,
+                   help=f"rebuild a ring that lost a peer without waiting for "
+                        f"update_topology() (as in PCCL; {d('repair_rings', 'on')})")
+    p.add_argument("--dial-back-timeout", type=float, default=s, metavar="S",
+                   help=f"reachability check of each peer's p2p address, seconds; peers "
+                        f"that fail it are behind NAT ({d('dial_back_timeout')})")
+    p.add_argument("--max-relayed-streams", type=int, default=s, metavar="N",
+                   help=f"ring-link streams relayed at once for peers that cannot connect "
+                        f"directly (0: no relay; {d('max_relayed_streams')})")
+    p.add_argument("--insecure", action=argparse.BooleanOptionalAction, default=s,
+                   help=f"also accept peers whose control connection is in clear text "
+                        f"(Communicator(insecure=True)); encrypted ones are accepted either "
+                        f"way ({d('insecure', 'off')})")
+    p.add_argument("--status", default=s, metavar="HOST:PORT",
+                   help=f"serve the read-only status page, /api/status and /metrics here "
+                        f"('off': none; {d('status_listen', DEFAULT_STATUS)}); a non-loopback "
+                        f"address needs --status-token-file")
+    p.add_argument("--status-token-file", type=Path, default=s, metavar="FILE",
+                   help="file holding the bearer token the status server asks for "
+                        "(default: $PCCL_STATUS_TOKEN_FILE or $PCCL_STATUS_TOKEN, else none)")
+    p.add_argument("--log-level", default=None, type=str.upper, choices=_LOG_LEVELS,
+                   help=f"default: ${config.LOG_LEVEL}, else INFO")
+
+
+def _log_level(args: argparse.Namespace, env: Mapping[str, str]) -> int:
+    """--log-level, else PCCL_LOG_LEVEL (a bad value was already warned about at import
+    and is ignored, as everywhere), else INFO."""
+    if args.log_level is not None:
+        return int(logging.getLevelName(args.log_level))
+    from_env = parse_level(env.get(config.LOG_LEVEL, ""))
+    return logging.INFO if from_env is None else from_env
+
+
+def master_overrides(args: argparse.Namespace, env: Mapping[str, str]) -> dict[str, Any]:
+    """The MasterNode arguments the command line gives; ``MasterNode.from_env(env,
+    **overrides)`` fills in the rest. Secret files are read here (an unreadable or empty
+    one raises :class:`InvalidArgumentError`)."""
+    given = vars(args)
+    out: dict[str, Any] = {name: given[name] for name in _PLAIN_FLAGS if name in given}
+    if "secret_file" in given:
+        out["secret"] = config.read_secret_file(given["secret_file"], "secret file")
+    if "status" in given:
+        out["status_listen"] = None if given["status"].lower() == "off" else given["status"]
+    elif not config.is_set(env, config.env_name("status_listen")):
+        out["status_listen"] = DEFAULT_STATUS
+    if "status_token_file" in given:
+        token = config.read_secret_file(given["status_token_file"], "status token file")
+        try:
+            out["status_token"] = token.decode()
+        except UnicodeDecodeError:
+            raise InvalidArgumentError(f"the status token file {str(given['status_token_file'])!r} "
+                                       f"is not UTF-8 text") from None
+    return out
 
 
 def _read_secret(path: Path | None) -> bytes | None:
     if path is None:
         return None
     try:
-        secret = path.read_bytes().strip()
-    except OSError as e:
-        raise _UserError(f"cannot read the secret file {str(path)!r}: {e.strerror}") from None
-    if not secret:
-        raise _UserError(f"the secret file {str(path)!r} is empty")
-    return secret
+        return config.read_secret_file(path, "secret file")
+    except InvalidArgumentError as e:
+        raise _UserError(str(e)) from None
 
 
 class _UserError(Exception):
@@ -87,27 +145,23 @@ class _UserError(Exception):
 
 
 async def _run_master(args: argparse.Namespace) -> None:
-    master = MasterNode(listen=args.listen, secret=_read_secret(args.secret_file),
-                        heartbeat_interval=args.heartbeat_interval,
-                        heartbeat_timeout=args.heartbeat_timeout,
-                        handshake_timeout=args.handshake_timeout,
-                        establish_timeout=args.establish_timeout,
-                        max_establish_attempts=args.max_establish_attempts,
-                        recovery_grace=args.recovery_grace,
-                        repair_rings=args.repair_rings, insecure=args.insecure,
-                        dial_back_timeout=args.dial_back_timeout,
-                        max_relayed_streams=args.max_relayed_streams,
-                        status_listen=None if args.status == "off" else args.status,
-                        status_token=(_read_secret(args.status_token_file) or b"").decode()
-                        or None)
+    master = MasterNode.from_env(os.environ, **master_overrides(args, os.environ))
     await master.start()
     print(f"pccl master listening on {master.address}", flush=True)
+    if master.status_address is not None:
+        print(f"status page on http://{master.status_address}/", flush=True)
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
     await master.stop()
+
+
+def _configure_logging(level: int) -> None:
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # PCCL_LOG_LEVEL set the pccl logger's own level at import: the flag wins.
+    logging.getLogger("pccl").setLevel(level)
 
 
 def _serve(prog: str, args: argparse.Namespace) -> int:
@@ -130,8 +184,7 @@ def master_main(argv: list[str] | None = None) -> None:
     p.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     _add_master_args(p)
     args = p.parse_args(argv)
-    logging.basicConfig(level=args.log_level,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    _configure_logging(_log_level(args, os.environ))
     sys.exit(_serve(p.prog, args))
 
 
@@ -156,8 +209,11 @@ def main(argv: list[str] | None = None) -> None:
     doctor.add_argument("--log-level", default="ERROR", type=str.upper,
                         choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     args = p.parse_args(argv)
-    logging.basicConfig(level=args.log_level,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.command == "master":
+        _configure_logging(_log_level(args, os.environ))
+    else:
+        logging.basicConfig(level=args.log_level,
+                            format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.command == "doctor":
         from pccl.doctor import diagnose
 

@@ -1,10 +1,17 @@
 """The command line: every user mistake is one line on stderr and a non-zero exit status;
---version; every MasterNode option reaches the master."""
+--version; every MasterNode option reaches the master; every flag falls back to its
+environment variable (pccl/config.py) and a flag given wins.
+
+Every master started here passes ``--status off`` (or a port-0 status address): the
+default status address, 127.0.0.1:48180, is one port for every test."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
+import logging
+import os
 import signal
 import socket
 import subprocess
@@ -14,11 +21,22 @@ from pathlib import Path
 import pytest
 
 import pccl
+import pccl.config
+from pccl import __main__ as cli
 
 
-def master(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "pccl", "master", *args],
-                          capture_output=True, text=True, timeout=60, check=False)
+def clean_env(**pccl_vars: str) -> dict[str, str]:
+    """This process's environment without any PCCL_ variable, plus ``pccl_vars``."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PCCL_")}
+    return {**env, **pccl_vars}
+
+
+def master(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    status = [] if "--status" in args or (env or {}).get("PCCL_STATUS_LISTEN") \
+        else ["--status", "off"]
+    return subprocess.run([sys.executable, "-m", "pccl", "master", *status, *args],
+                          capture_output=True, text=True, timeout=60, check=False,
+                          env=clean_env(**(env or {})))
 
 
 def assert_one_line_error(run: subprocess.CompletedProcess[str], code: int, *words: str) -> None:
@@ -83,10 +101,19 @@ def test_every_master_node_option_is_on_the_command_line() -> None:
     run = master("--help")
     defaults = pccl.MasterNode.__init__.__kwdefaults__ or {}
     internal = {"max_frame"}  # a protocol limit, not a deployment setting
-    flags = {"repair_rings": ["--repair-rings", "--no-repair-rings"]}
+    flags = {"repair_rings": ["--repair-rings", "--no-repair-rings"],
+             "insecure": ["--insecure", "--no-insecure"],
+             "status_listen": ["--status"], "status_token": ["--status-token-file"]}
     for name in sorted({"listen", "secret_file", *defaults} - internal):
         for flag in flags.get(name, ["--" + name.replace("_", "-")]):
             assert flag in run.stdout, name
+    # ... and each flag's help names the environment variable it falls back to
+    for v in pccl.config.variables(pccl.MasterNode):
+        if v.param not in internal:
+            assert f"${v.name}" in run.stdout, v.name
+            if v.file_name:
+                assert f"${v.file_name}" in run.stdout, v.file_name
+    assert "$PCCL_LOG_LEVEL" in run.stdout
 
 
 async def test_the_master_runs_with_options_and_stops_on_sigterm(tmp_path: Path) -> None:
@@ -95,6 +122,7 @@ async def test_the_master_runs_with_options_and_stops_on_sigterm(tmp_path: Path)
         sys.executable, "-m", "pccl", "master", "--listen", "127.0.0.1:0", "--secret-file",
         str(tmp_path / "secret"), "--no-repair-rings", "--establish-timeout", "7",
         "--heartbeat-interval", "0.2", "--heartbeat-timeout", "2", "--log-level", "warning",
+        "--status", "off", env=clean_env(),
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
     try:
         async with asyncio.timeout(30):
@@ -111,3 +139,149 @@ async def test_the_master_runs_with_options_and_stops_on_sigterm(tmp_path: Path)
         with contextlib.suppress(ProcessLookupError):
             proc.kill()
         await proc.wait()
+
+
+# --- the environment --------------------------------------------------------------------
+
+
+async def test_every_flag_falls_back_to_its_environment_variable(tmp_path: Path) -> None:
+    (tmp_path / "secret").write_text("s3cret-from-env\n")
+    env = clean_env(PCCL_MASTER_LISTEN="127.0.0.1:0", PCCL_SECRET_FILE=str(tmp_path / "secret"),
+                    PCCL_STATUS_LISTEN="off", PCCL_HEARTBEAT_INTERVAL="0.2",
+                    PCCL_HEARTBEAT_TIMEOUT="2", PCCL_REPAIR_RINGS="no",
+                    PCCL_MAX_RELAYED_STREAMS="0", PCCL_LOG_LEVEL="debug")
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "pccl", "master", env=env,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    try:
+        async with asyncio.timeout(30):
+            line = (await proc.stdout.readline()).decode()  # type: ignore[union-attr]
+        assert line.startswith("pccl master listening on 127.0.0.1:"), line
+        async with pccl.Communicator(line.split()[-1], secret=b"s3cret-from-env",
+                                     p2p_listen_host="127.0.0.1") as comm:
+            assert comm.get_attribute(pccl.Attribute.GLOBAL_WORLD_SIZE) == 1
+        proc.send_signal(signal.SIGTERM)
+        async with asyncio.timeout(30):
+            _, err = await proc.communicate()
+        assert proc.returncode == 0
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            proc.kill()
+        await proc.wait()
+    stderr = err.decode()
+    config_line = next(x for x in stderr.splitlines() if "MasterNode.from_env(): " in x)
+    for part in ["listen='127.0.0.1:0' (PCCL_MASTER_LISTEN='127.0.0.1:0')",
+                 f"secret=<hidden> (PCCL_SECRET_FILE={str(tmp_path / 'secret')!r})",
+                 "heartbeat_interval=0.2 (PCCL_HEARTBEAT_INTERVAL='0.2')",
+                 "heartbeat_timeout=2.0 (PCCL_HEARTBEAT_TIMEOUT='2')",
+                 "repair_rings=False (PCCL_REPAIR_RINGS='no')",
+                 "max_relayed_streams=0 (PCCL_MAX_RELAYED_STREAMS='0')",
+                 "status_listen=None (PCCL_STATUS_LISTEN='off')",
+                 "establish_timeout=60.0 (default)"]:
+        assert part in config_line, part
+    assert "s3cret" not in stderr
+
+
+@pytest.mark.parametrize(("env", "words"), [
+    ({"PCCL_HEARTBEAT_INTERVAL": "fast"},
+     ["PCCL_HEARTBEAT_INTERVAL='fast' is not valid: expected a number (e.g. 10 or 2.5)"]),
+    ({"PCCL_MAX_ESTABLISH_ATTEMPTS": "0"},
+     ["max_establish_attempts", ">= 1", "(from the environment: "
+      "PCCL_MAX_ESTABLISH_ATTEMPTS='0')"]),
+    ({"PCCL_SECRET": "a", "PCCL_SECRET_FILE": "/run/secret"},
+     ["both PCCL_SECRET and PCCL_SECRET_FILE are set: set one of them"]),
+    ({"PCCL_SECRET_FILE": "/no/such/pccl.secret"},
+     ["cannot read the secret file '/no/such/pccl.secret': No such file or directory"]),
+    ({"PCCL_STATUS_LISTEN": "0.0.0.0:0"},
+     ["status_token", "(from the environment: PCCL_STATUS_LISTEN='0.0.0.0:0')"]),
+])
+def test_bad_environment_values_are_one_line(env: dict[str, str], words: list[str]) -> None:
+    assert_one_line_error(master("--listen", "127.0.0.1:0", env=env), 2, *words)
+
+
+def test_flags_win_and_the_variables_they_replace_are_not_read() -> None:
+    run = master("--listen", "127.0.0.1:0", "--heartbeat-interval", "-1",
+                 env={"PCCL_MASTER_LISTEN": "nonsense", "PCCL_HEARTBEAT_INTERVAL": "fast"})
+    assert_one_line_error(run, 2, "heartbeat_interval", "positive", "-1")
+    assert "PCCL_" not in run.stderr
+
+
+def test_the_listen_address_comes_from_the_environment() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        run = master(env={"PCCL_MASTER_LISTEN": f"127.0.0.1:{port}"})
+    assert_one_line_error(run, 1, f"127.0.0.1:{port}", "Address already in use")
+
+
+def test_status_token_file_errors_say_status_token_file(tmp_path: Path) -> None:
+    assert_one_line_error(
+        master("--listen", "127.0.0.1:0", "--status", "127.0.0.1:0", "--status-token-file",
+               str(tmp_path / "nope")),
+        2, f"cannot read the status token file {str(tmp_path / 'nope')!r}: No such file")
+    (tmp_path / "empty").write_text("  \n")
+    assert_one_line_error(
+        master("--listen", "127.0.0.1:0", "--status", "127.0.0.1:0", "--status-token-file",
+               str(tmp_path / "empty")),
+        2, f"the status token file {str(tmp_path / 'empty')!r} is empty")
+
+
+def parse(*argv: str) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    cli._add_master_args(p)
+    return p.parse_args(list(argv))
+
+
+def test_only_the_flags_given_override(tmp_path: Path) -> None:
+    (tmp_path / "s").write_text("sec\n")
+    (tmp_path / "t").write_text("tok\n")
+    assert cli.master_overrides(parse(), {}) == {"status_listen": "127.0.0.1:48180"}
+    args = parse("--listen", "127.0.0.1:0", "--secret-file", str(tmp_path / "s"),
+                 "--heartbeat-interval", "0.5", "--heartbeat-timeout", "4",
+                 "--handshake-timeout", "3", "--establish-timeout", "9",
+                 "--max-establish-attempts", "2", "--recovery-grace", "8", "--no-repair-rings",
+                 "--dial-back-timeout", "1", "--max-relayed-streams", "7", "--insecure",
+                 "--status", "127.0.0.1:0", "--status-token-file", str(tmp_path / "t"))
+    assert cli.master_overrides(args, {}) == {
+        "listen": "127.0.0.1:0", "secret": b"sec", "heartbeat_interval": 0.5,
+        "heartbeat_timeout": 4.0, "handshake_timeout": 3.0, "establish_timeout": 9.0,
+        "max_establish_attempts": 2, "recovery_grace": 8.0, "repair_rings": False,
+        "dial_back_timeout": 1.0, "max_relayed_streams": 7, "insecure": True,
+        "status_listen": "127.0.0.1:0", "status_token": "tok"}
+
+
+@pytest.mark.parametrize(("argv", "env", "status_listen"), [
+    ([], {}, "127.0.0.1:48180"),  # pccl-master's own default
+    ([], {"PCCL_STATUS_LISTEN": "127.0.0.1:9"}, "127.0.0.1:9"),
+    ([], {"PCCL_STATUS_LISTEN": "off"}, None),
+    (["--status", "off"], {"PCCL_STATUS_LISTEN": "127.0.0.1:9"}, None),
+    (["--status", "127.0.0.1:0"], {"PCCL_STATUS_LISTEN": "127.0.0.1:9"}, "127.0.0.1:0"),
+])
+def test_the_status_address(argv: list[str], env: dict[str, str],
+                            status_listen: str | None) -> None:
+    m = pccl.MasterNode.from_env(env, **cli.master_overrides(parse(*argv), env))
+    assert m.status_listen == status_listen
+
+
+@pytest.mark.parametrize(("argv", "env", "insecure"), [
+    ([], {"PCCL_INSECURE": "1"}, True),
+    (["--no-insecure"], {"PCCL_INSECURE": "1"}, False),
+    (["--insecure"], {"PCCL_INSECURE": "off"}, True),
+    ([], {}, False),
+])
+def test_booleans_can_be_turned_off_by_flag(argv: list[str], env: dict[str, str],
+                                            insecure: bool) -> None:
+    m = pccl.MasterNode.from_env(env, **cli.master_overrides(parse(*argv), env))
+    assert m.insecure is insecure
+
+
+@pytest.mark.parametrize(("argv", "env", "level"), [
+    ([], {}, logging.INFO),
+    ([], {"PCCL_LOG_LEVEL": "debug"}, logging.DEBUG),
+    ([], {"PCCL_LOG_LEVEL": "15"}, 15),
+    ([], {"PCCL_LOG_LEVEL": "bogus"}, logging.INFO),  # warned about at import, ignored
+    (["--log-level", "error"], {"PCCL_LOG_LEVEL": "debug"}, logging.ERROR),
+])
+def test_the_log_level(argv: list[str], env: dict[str, str], level: int) -> None:
+    assert cli._log_level(parse(*argv), env) == level

@@ -162,7 +162,7 @@ async def test_close_while_reconnecting_is_clean(pccl_cluster) -> None:
 async def _master_process(port: int) -> asyncio.subprocess.Process:
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "pccl", "master", "--listen", f"127.0.0.1:{port}",
-        stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL)
+        "--status", "off", stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL)
     return proc
 
 

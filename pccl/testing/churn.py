@@ -439,7 +439,7 @@ class Orchestrator:
         with open(log_path, "wb") as out:  # noqa: ASYNC230 - a local log file
             self.master = await asyncio.create_subprocess_exec(
                 sys.executable, "-m", "pccl", "master", "--listen", f"127.0.0.1:{self.port}",
-                "--heartbeat-interval", "0.5", "--heartbeat-timeout", "4",
+                "--heartbeat-interval", "0.5", "--heartbeat-timeout", "4", "--status", "off",
                 stdout=out, stderr=asyncio.subprocess.STDOUT)
 
     async def kill_master(self) -> None:

@@ -202,6 +202,7 @@ class MasterProcess:
             "--listen", f"{self.host.address}:{self.port}",
             "--heartbeat-interval", str(self.heartbeat_interval),
             "--heartbeat-timeout", str(self.heartbeat_timeout), "--log-level", "INFO",
+            "--status", "off",
             stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE, env={**os.environ, "PYTHONUNBUFFERED": "1"})
         self._reader = asyncio.create_task(self._read_log())

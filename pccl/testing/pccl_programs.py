@@ -456,7 +456,7 @@ class Orchestrator:
         with open(self.run_dir / "master.log", "wb") as out:  # noqa: ASYNC230 - local log
             self.master = await asyncio.create_subprocess_exec(
                 sys.executable, "-m", "pccl", "master", "--listen", f"127.0.0.1:{self.port}",
-                "--heartbeat-interval", "0.5", "--heartbeat-timeout", "4",
+                "--heartbeat-interval", "0.5", "--heartbeat-timeout", "4", "--status", "off",
                 stdout=out, stderr=asyncio.subprocess.STDOUT)
 
     async def spawn(self) -> None:
