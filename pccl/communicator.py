@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from types import TracebackType
 from typing import Any
 
@@ -181,7 +181,7 @@ class Communicator(Driver):
         self._rings: dict[int, Any] = {}  # tag -> the ring op running it
 
     @classmethod
-    def from_env(cls, env: Any = None, **overrides: Any) -> Communicator:
+    def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> Communicator:
         """A Communicator configured from environment variables, keyword arguments winning.
 
         ``env`` is a ``Mapping[str, str]`` (default: ``os.environ``). Every parameter of

@@ -486,3 +486,12 @@ async def test_peers_from_env_join_a_master_from_env(tmp_path: Path) -> None:
         finally:
             await b.close()
             await a.close()
+
+
+def test_the_documented_table_is_the_generated_one() -> None:
+    """docs/operations.md carries `python -m pccl.config`'s table verbatim: a new or
+    changed variable must be documented (regenerate the table and paste it)."""
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "operations.md").read_text()
+    assert markdown_table().strip() in doc

@@ -16,7 +16,7 @@ import os
 import secrets as _secrets
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from types import TracebackType
 from typing import Any
 
@@ -179,7 +179,7 @@ class MasterNode:
         self.improve_steps = 100  # background improvement: steps of ~50 ms after solving
 
     @classmethod
-    def from_env(cls, env: Any = None, **overrides: Any) -> MasterNode:
+    def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> MasterNode:
         """A MasterNode configured from environment variables, keyword arguments winning.
 
         ``env`` is a ``Mapping[str, str]`` (default: ``os.environ``). Every parameter of
