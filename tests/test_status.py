@@ -198,3 +198,24 @@ async def test_peer_metrics_count_links_collectives_and_retries() -> None:
         assert metric(text, "pccl_peer_link_rx_bytes_total", **{"from": str(other.peer_id)}) \
             == infos[0].rx_bytes
         assert metric(text, "pccl_peer_p2p_tx_bytes_total") == infos[0].tx_bytes
+
+
+async def test_a_restarted_master_logs_and_counts_the_recovery(
+        caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="pccl.master")
+    fast = {"heartbeat_interval": 0.2, "heartbeat_timeout": 2.0, **STATUS}
+    async with Cluster(2, master_kwargs=fast) as cluster, aiohttp.ClientSession() as http:
+        address = cluster.master.address
+        await cluster.master.stop()
+        cluster.master = pccl.MasterNode(listen=address, **fast)  # type: ignore[arg-type]
+        await cluster.master.start()
+        await cluster.master.wait_for(lambda s: len(s.accepted()) == 2, timeout=30)
+        base = f"http://{cluster.master.status_address}"
+        st = json.loads((await get(http, base + "/api/status"))[1])
+        resumed = [e for e in st["timeline"] if e["kind"] == "resume"]
+        assert sorted(e["peers"][0] for e in resumed) == sorted(c.peer_id for c in cluster.comms)
+        text = (await get(http, base + "/metrics"))[1]
+        assert metric(text, "pccl_master_restarts_total") == 1
+        assert metric(text, "pccl_peers_resumed_total") == 2
+    assert sum("came back after a master restart" in r.getMessage()
+               for r in caplog.records if r.levelno == logging.INFO) == 2
