@@ -219,3 +219,35 @@ async def test_a_restarted_master_logs_and_counts_the_recovery(
         assert metric(text, "pccl_peers_resumed_total") == 2
     assert sum("came back after a master restart" in r.getMessage()
                for r in caplog.records if r.levelno == logging.INFO) == 2
+
+
+@pytest.mark.multiprocess
+async def test_pccl_master_serves_its_status_page_and_says_where() -> None:
+    import os
+    import sys
+
+    from pccl.testing.processes import stop_process
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PCCL_")}
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "pccl", "master", "--listen", "127.0.0.1:0",
+        "--status", "127.0.0.1:0", stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.DEVNULL, env=env)
+    try:
+        assert proc.stdout is not None
+        async with asyncio.timeout(30):
+            first = (await proc.stdout.readline()).decode()
+            second = (await proc.stdout.readline()).decode()
+        assert first.startswith("pccl master listening on 127.0.0.1:")
+        assert second.startswith("status page on http://127.0.0.1:")
+        url = second.split()[-1]
+        async with aiohttp.ClientSession() as http:
+            code, body = await get(http, url + "api/status")
+            assert code == 200
+            st = json.loads(body)
+            assert st["master"]["address"] == first.split()[-1] and st["peers"] == []
+            assert await get(http, url + "healthz") == (200, "ok\n")
+    finally:
+        await stop_process(proc)
+        if proc._transport is not None:  # type: ignore[attr-defined]
+            proc._transport.close()  # type: ignore[attr-defined]

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
 from pccl.errors import InvalidArgumentError
@@ -351,7 +351,8 @@ class _LiveGauges:
                                 value=len(s.syncs))
         yield GaugeMetricFamily("pccl_relayed_streams", "Ring-link streams relayed now",
                                 value=mon.master.relayed_streams)
-        relayed = GaugeMetricFamily("pccl_relayed_bytes", "Bytes relayed so far")
+        relayed = CounterMetricFamily("pccl_relayed_bytes", "Bytes relayed so far (both "
+                                      "directions)")
         relayed.add_metric([], mon.master.relayed_bytes)
         yield relayed
         yield GaugeMetricFamily("pccl_master_uptime_seconds", "Seconds since this master "
