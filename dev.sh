@@ -2,19 +2,28 @@
 # One entry point for a fresh machine:
 #   ./dev.sh demo   install pccl (no test deps, no torch), then run a local demo cluster
 #   ./dev.sh test   set everything up, run the static checks (below), then every test
-#                   (cargo + pytest), then build the documentation strictly (what CI runs)
+#                   (cargo + pytest), then the wheel (below), then build the documentation
+#                   strictly (what CI runs)
 #   ./dev.sh check  only the static checks, on an existing setup: ruff, mypy --strict over
 #                   pccl/, stubtest of pccl/_core.pyi against the built extension, cargo
 #                   clippy (-D warnings) and cargo fmt --check
 #   ./dev.sh docs   install the docs tools only, then build the documentation strictly
 #                   (mkdocs + mkdocstrings read the sources: no Rust build needed)
-#   ./dev.sh setup  only set up (.venv with pccl built in release mode, test and docs
-#                   deps, torch)
+#   ./dev.sh wheel  build the wheel users install (dist/: abi3, manylinux2014, linked by
+#                   zig, no Docker), show `auditwheel show`, then install it into a clean
+#                   venv with no Rust on PATH and run the demo and tests/wheel_smoke.py
+#   ./dev.sh setup  only set up (.venv with pccl built in release mode the way the wheel
+#                   is, test and docs deps, torch)
 set -euo pipefail
 cd "$(dirname "$0")"
 
 PY=${PYTHON:-python3}
 VENV=.venv
+# How setup builds .venv's extension and how the wheel is built, the same for both: the
+# wheel step then finds everything compiled (same target dir, same cargo fingerprints),
+# and the tests run the very binary the wheel ships. zig (PyPI's ziglang, in the `build`
+# extra) links against glibc 2.17 symbols: the manylinux2014 tag, without a Docker image.
+MATURIN_ARGS=(--locked --zig --compatibility manylinux2014)
 
 venv() {
     if [ ! -x "$VENV/bin/python" ]; then
@@ -23,10 +32,26 @@ venv() {
     "$VENV/bin/python" -m pip install -q --upgrade pip
 }
 
+# An extension built before abi3 (pccl/_core.cpython-311-x86_64-linux-gnu.so) would
+# shadow the pccl/_core.abi3.so built now: CPython prefers the version-tagged name.
+remove_stale_extension() {
+    rm -f pccl/_core.*.so
+}
+
 # The demo (python -m pccl demo) needs only pccl and numpy (no torch).
 setup_demo() {
     venv
+    remove_stale_extension
     "$VENV/bin/python" -m pip install -q -e ".[numpy]"
+}
+
+# .venv's editable pccl, built by the pinned maturin of the `build` extra (no build
+# isolation, so it finds ziglang in .venv) with MATURIN_ARGS, plus the extras named in $1.
+# maturin looks for zig as `python3 -m ziglang`, hence .venv/bin first on PATH.
+install_editable() {
+    remove_stale_extension
+    PATH="$PWD/$VENV/bin:$PATH" MATURIN_PEP517_ARGS="${MATURIN_ARGS[*]}" \
+        "$VENV/bin/python" -m pip install -q --no-build-isolation -e ".[$1]"
 }
 
 # The pinned requirements of one optional extra in pyproject.toml, installed without
@@ -95,10 +120,11 @@ system_tools() {
 setup() {
     system_tools
     venv
+    install_extra_requirements build
+    install_editable test,docs
     # torch is optional for users; the tests that use it run whenever it installs.
-    "$VENV/bin/python" -m pip install -q -e ".[test,docs]"
     if [ "${PCCL_SKIP_TORCH:-0}" != "1" ]; then
-        "$VENV/bin/python" -m pip install -q -e ".[torch]" \
+        install_extra_requirements torch \
             || echo "torch did not install: its tests will be skipped" >&2
     fi
     # Ray is optional too (pccl.launch.ray); its launcher test runs whenever it installs.
@@ -110,6 +136,44 @@ with open("pyproject.toml", "rb") as f:
 PYEOF
         )" || echo "ray did not install: its tests will be skipped" >&2
     fi
+}
+
+# The wheel users install, checked the way a user gets it: one cp311-abi3 wheel (every
+# CPython >= 3.11) tagged manylinux2014 (glibc >= 2.17: Ubuntu 20.04, RHEL 8, CentOS 7),
+# installed with its dependencies from PyPI into a fresh venv, then used from outside the
+# checkout with PATH cut down to /usr/bin:/bin (no cargo, no rustc). After setup the cargo
+# build is already done (MATURIN_ARGS) and this only packages and checks.
+wheel() {
+    venv
+    install_extra_requirements build
+    rm -f dist/pccl-*.whl
+    # -i names the interpreter as pip names it to maturin in setup: PYO3_PYTHON is part of
+    # cargo's fingerprints, and another spelling of the same path recompiles pyo3 and pccl.
+    PATH="$PWD/$VENV/bin:$PATH" "$VENV/bin/maturin" build --release "${MATURIN_ARGS[@]}" \
+        -i "$PWD/$VENV/bin/python" -o dist
+    local whls=(dist/pccl-*-cp311-abi3-manylinux2014_x86_64.*.whl)
+    local whl="$PWD/${whls[0]}"
+    [ -f "$whl" ] || { echo "no cp311-abi3 manylinux2014 wheel in dist/" >&2; exit 1; }
+    local shown
+    shown=$("$VENV/bin/auditwheel" show "$whl")
+    echo "$shown"
+    # auditwheel reads the symbol versions the extension needs: glibc 2.17 at most.
+    grep -q '"manylinux_2_17_x86_64"' <<<"$shown" \
+        || { echo "auditwheel: not manylinux_2_17 (manylinux2014)" >&2; exit 1; }
+    ls -l "$whl"
+    local smoke tmp
+    smoke="$PWD/tests/wheel_smoke.py"
+    # left behind when a step fails, for a look
+    tmp=$(mktemp -d /tmp/pccl-wheel.XXXXXX)
+    "$PY" -m venv "$tmp/venv"
+    PIP_DISABLE_PIP_VERSION_CHECK=1 "$tmp/venv/bin/python" -m pip install -q "$whl[numpy]"
+    (
+        cd "$tmp"
+        env PATH=/usr/bin:/bin "$tmp/venv/bin/python" -m pccl demo --peers 3
+        env PATH=/usr/bin:/bin "$tmp/venv/bin/python" "$smoke"
+    )
+    rm -rf "$tmp"
+    echo "wheel checked: $whl"
 }
 
 case "${1:-}" in
@@ -127,10 +191,14 @@ case "${1:-}" in
         check
         cargo test --locked
         "$VENV/bin/python" -m pytest "$@"
+        wheel
         docs
         ;;
     check)
         check
+        ;;
+    wheel)
+        wheel
         ;;
     docs)
         venv
@@ -138,7 +206,7 @@ case "${1:-}" in
         docs
         ;;
     *)
-        echo "usage: $0 {demo|test|check|docs|setup}" >&2
+        echo "usage: $0 {demo|test|check|wheel|docs|setup}" >&2
         exit 2
         ;;
 esac

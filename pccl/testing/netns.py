@@ -180,7 +180,9 @@ class MasterProcess:
     """
 
     _REGISTERED = re.compile(r"peer (\d+) registered from (\S+)")
-    _GONE = re.compile(r"peer (\d+) (dropped|disconnected)\b")
+    # "peer 3 dropped: heartbeat timeout" (the server), "peer 3 (accepted, group 0)
+    # dropped: connection closed" (the state's note)
+    _GONE = re.compile(r"peer (\d+) (?:\([^)]*\) )?(dropped|disconnected)\b")
 
     def __init__(self, host: Host, *, port: int = 0, heartbeat_interval: float = 0.2,
                  heartbeat_timeout: float = 2.0) -> None:
