@@ -35,6 +35,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
 from pccl.errors import InvalidArgumentError
 from pccl.master import state as st
+from pccl.peer.metrics import ScrapeTimeCollector
 from pccl.protocol.auth import split_host_port
 
 if TYPE_CHECKING:
@@ -128,7 +129,7 @@ class RunMonitor:
         self._m_restarts = Counter("pccl_master_restarts", "Master restarts this master "
                                    "recovered a run from (peers resuming after one)",
                                    registry=self.registry)
-        self.registry.register(_LiveGauges(self))
+        self.registry.register(ScrapeTimeCollector(lambda: _live_gauges(self)))
         for outcome in ("ok", "failed"):
             self._m_collectives.labels(outcome)
             self._m_syncs.labels(outcome)
@@ -324,50 +325,40 @@ class RunMonitor:
         }
 
 
-class _LiveGauges:
-    """Gauges read from the state at scrape time (never stale, nothing to update)."""
-
-    def __init__(self, monitor: RunMonitor) -> None:
-        self.monitor = monitor
-
-    def describe(self) -> list[Metric]:
-        return []
-
-    def collect(self) -> Iterator[Metric]:
-        mon = self.monitor
-        s = mon.master.state
-        peers = GaugeMetricFamily("pccl_peers", "Peers known to the master, by state",
-                                  labels=["state"])
-        peers.add_metric(["accepted"], len(s.accepted()))
-        peers.add_metric(["pending"], len(s.pending()))
-        yield peers
-        yield GaugeMetricFamily("pccl_peer_groups", "Peer groups with accepted peers",
-                                value=len(s.group_sizes()))
-        yield GaugeMetricFamily("pccl_ring_epoch", "Newest ring epoch", value=s.ring_epoch)
-        running = GaugeMetricFamily("pccl_collectives_running", "Collectives in progress",
-                                    value=sum(1 for c in s.collectives.values() if c.op_id >= 0))
-        yield running
-        yield GaugeMetricFamily("pccl_syncs_running", "Shared-state syncs in progress",
-                                value=len(s.syncs))
-        yield GaugeMetricFamily("pccl_relayed_streams", "Ring-link streams relayed now",
-                                value=mon.master.relayed_streams)
-        relayed = CounterMetricFamily("pccl_relayed_bytes", "Bytes relayed so far (both "
-                                      "directions)")
-        relayed.add_metric([], mon.master.relayed_bytes)
-        yield relayed
-        yield GaugeMetricFamily("pccl_master_uptime_seconds", "Seconds since this master "
-                                "started", value=time.time() - mon.started_at)
-        tx = GaugeMetricFamily("pccl_peer_p2p_tx_bytes", "p2p bytes each peer sent (its "
-                               "last heartbeat report)", labels=["peer", "group"])
-        rx = GaugeMetricFamily("pccl_peer_p2p_rx_bytes", "p2p bytes each peer received (its "
-                               "last heartbeat report)", labels=["peer", "group"])
-        for pid, view in mon.peers.items():
-            rec = s.peers.get(pid)
-            if rec is not None:
-                tx.add_metric([str(pid), str(rec.peer_group)], view.tx_bytes)
-                rx.add_metric([str(pid), str(rec.peer_group)], view.rx_bytes)
-        yield tx
-        yield rx
+def _live_gauges(mon: RunMonitor) -> Iterator[Metric]:
+    """The master's metrics read from its state at scrape time."""
+    s = mon.master.state
+    peers = GaugeMetricFamily("pccl_peers", "Peers known to the master, by state",
+                              labels=["state"])
+    peers.add_metric(["accepted"], len(s.accepted()))
+    peers.add_metric(["pending"], len(s.pending()))
+    yield peers
+    yield GaugeMetricFamily("pccl_peer_groups", "Peer groups with accepted peers",
+                            value=len(s.group_sizes()))
+    yield GaugeMetricFamily("pccl_ring_epoch", "Newest ring epoch", value=s.ring_epoch)
+    yield GaugeMetricFamily("pccl_collectives_running", "Collectives in progress",
+                            value=sum(1 for c in s.collectives.values() if c.op_id >= 0))
+    yield GaugeMetricFamily("pccl_syncs_running", "Shared-state syncs in progress",
+                            value=len(s.syncs))
+    yield GaugeMetricFamily("pccl_relayed_streams", "Ring-link streams relayed now",
+                            value=mon.master.relayed_streams)
+    relayed = CounterMetricFamily("pccl_relayed_bytes", "Bytes relayed so far (both "
+                                  "directions)")
+    relayed.add_metric([], mon.master.relayed_bytes)
+    yield relayed
+    yield GaugeMetricFamily("pccl_master_uptime_seconds", "Seconds since this master "
+                            "started", value=time.time() - mon.started_at)
+    tx = GaugeMetricFamily("pccl_peer_p2p_tx_bytes", "p2p bytes each peer sent (its "
+                           "last heartbeat report)", labels=["peer", "group"])
+    rx = GaugeMetricFamily("pccl_peer_p2p_rx_bytes", "p2p bytes each peer received (its "
+                           "last heartbeat report)", labels=["peer", "group"])
+    for pid, view in mon.peers.items():
+        rec = s.peers.get(pid)
+        if rec is not None:
+            tx.add_metric([str(pid), str(rec.peer_group)], view.tx_bytes)
+            rx.add_metric([str(pid), str(rec.peer_group)], view.rx_bytes)
+    yield tx
+    yield rx
 
 
 # --- HTTP ------------------------------------------------------------------------------

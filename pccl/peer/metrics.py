@@ -52,7 +52,7 @@ class PeerMetrics:
         self.retries = Counter("pccl_peer_retries", "Recoveries the retry policy "
                                "(pccl.recovery) took, by action", ["action"],
                                registry=self.registry)
-        self.registry.register(_Traffic(self))
+        self.registry.register(ScrapeTimeCollector(_Traffic(self).collect))
         for outcome in ("ok", "failed"):
             self.collectives.labels(outcome)
             self.syncs.labels(outcome)
@@ -74,14 +74,22 @@ class PeerMetrics:
             self.link_rx[prv] = self.link_rx.get(prv, 0) + rx
 
 
-class _Traffic:
-    """Byte counters read at scrape time."""
+class ScrapeTimeCollector:
+    """A Prometheus collector whose samples ``collect`` computes at each scrape (read
+    from live state: never stale, nothing to keep up to date)."""
 
-    def __init__(self, metrics: PeerMetrics) -> None:
-        self.metrics = metrics
+    def __init__(self, collect: Callable[[], Iterator[Metric]]) -> None:
+        self.collect = collect
 
     def describe(self) -> list[Metric]:
         return []
+
+
+class _Traffic:
+    """The byte counters, at scrape time."""
+
+    def __init__(self, metrics: PeerMetrics) -> None:
+        self.metrics = metrics
 
     def collect(self) -> Iterator[Metric]:
         mt = self.metrics
