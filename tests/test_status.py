@@ -112,7 +112,8 @@ async def test_heartbeats_carry_each_peers_traffic_and_the_sync_shows_up() -> No
         assert row["revision"] == 1
         st = json.loads((await get(http, base + "/api/status"))[1])
         assert st["syncs"]["ok"] == 1 and st["syncs"]["running"] == []
-        assert [e["kind"] for e in st["timeline"]][-2:] == ["sync_planned", "sync_done"]
+        # Counted, not on the timeline (a run may sync every step); failures would be.
+        assert not any(e["kind"].startswith("sync") for e in st["timeline"])
 
 
 async def test_events_stream_pushes_a_new_document_on_each_change() -> None:

@@ -215,11 +215,10 @@ TIMELINE_NOTES = frozenset({
     "optimized",         # optimize_topology() chose new ring orders (value = its round)
     "optimize_failed",
     "collective_failed",  # value = op id (-1: never ran); text: why
-    "sync_planned",      # value = the revision; peers: the participants
-    "sync_done",
-    "sync_failed",
+    "sync_failed",       # value = the revision; peers: the participants
 })
-COUNTED_NOTES = frozenset({"collective_started", "collective_done"})
+COUNTED_NOTES = frozenset({"collective_started", "collective_done", "sync_planned",
+                           "sync_done"})
 
 
 @dataclasses.dataclass(frozen=True)

@@ -187,10 +187,17 @@ class RunMonitor:
             if note.kind == "collective_failed" and note.value < 0:
                 self.collectives["failed"] += 1
                 self._m_collectives.labels("failed").inc()
-            if note.kind in ("sync_done", "sync_failed"):
-                outcome = "ok" if note.kind == "sync_done" else "failed"
-                self.syncs[outcome] += 1
-                self._m_syncs.labels(outcome).inc()
+            if note.kind in ("sync_planned", "sync_done"):
+                # A run may sync every step: counted and shown as progress, logged at
+                # DEBUG, kept off the timeline (failures are on it).
+                if note.kind == "sync_done":
+                    self.syncs["ok"] += 1
+                    self._m_syncs.labels("ok").inc()
+                log.debug("%s", note.text)
+                continue
+            if note.kind == "sync_failed":
+                self.syncs["failed"] += 1
+                self._m_syncs.labels("failed").inc()
             elif note.kind == "dropped":
                 reason = note.text.split("dropped: ", 1)[-1]
                 self._m_drops.labels(_drop_cause(reason)).inc()

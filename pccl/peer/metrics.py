@@ -61,8 +61,18 @@ class PeerMetrics:
 
     def heartbeat(self) -> tuple[int, int, int, int]:
         """(tx bytes, rx bytes, the running sync's fetched bytes, its total bytes)."""
-        fetched, total = self.sync_progress() if self.sync_progress is not None else (0, 0)
-        return self.tx_bytes, self.rx_bytes, fetched, total
+        return (self.tx_bytes, self.rx_bytes, *self.sync_fetched())
+
+    def sync_fetched(self) -> tuple[int, int]:
+        """The running sync's (fetched, total) bytes; (0, 0) when none runs. Never
+        raises: a heartbeat answer must not fail over a statistic (a sync whose node
+        just closed, say)."""
+        if self.sync_progress is None:
+            return 0, 0
+        try:
+            return self.sync_progress()
+        except Exception:
+            return 0, 0
 
     def ring_traffic(self, ring: list[int], me: int | None, tx: int, rx: int) -> None:
         self.tx_bytes += tx
@@ -105,7 +115,7 @@ class _Traffic:
                                       "by sending peer", labels=["from"])
         for peer, n in sorted(mt.link_rx.items()):
             link_rx.add_metric([str(peer)], n)
-        fetched, total = mt.sync_progress() if mt.sync_progress is not None else (0, 0)
+        fetched, total = mt.sync_fetched()
         progress = GaugeMetricFamily("pccl_peer_sync_rx_bytes", "The running sync's fetched "
                                      "and total bytes", labels=["of"])
         progress.add_metric(["fetched"], fetched)

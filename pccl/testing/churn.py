@@ -429,6 +429,8 @@ class Orchestrator:
         self.last_master_kill = time.monotonic()
         self.longest_without_step = 0.0
         self.crashes: list[str] = []
+        # Why peers gave up (their last error), for the report: a crash alone says little.
+        self.fatal: list[str] = []
         self._tasks: set[asyncio.Task[Any]] = set()
 
     # -- processes --
@@ -525,6 +527,7 @@ class Orchestrator:
                 peer.bye = ev
             elif kind == "fatal":
                 self.figures["fatal_errors"] += 1
+                self.fatal.append(f"{peer.name}: {ev['kind']}: {ev['message']}"[:500])
                 log.warning("%s gave up: %s: %s", peer.name, ev["kind"], ev["message"])
 
     async def reap(self, peer: Peer) -> None:
@@ -736,6 +739,7 @@ class Orchestrator:
             "master_kills": f["master_kills"],
             "retries": dict(self.retries),
             "fatal_errors": f["fatal_errors"],
+            "fatal_details": self.fatal[:20],
             "hangs": len(self.hangs),
             "hang_details": self.hangs,
             "parity_violations": len(self.violations),
