@@ -202,7 +202,8 @@ async def _until(pred: Any, poll: float = 0.005) -> None:
 
 async def _pccl_peer(rank: int, k: int, master: str, pool: int, advertise: str | None,
                      ports: Any, admitted: Any, sizes: list[int], iters: int, warmup: int,
-                     barrier: Any, q: Any, floor_rate: float) -> None:
+                     barrier: Any, q: Any, floor_rate: float,
+                     out_of_place: bool = False) -> None:
     import numpy as np
 
     import pccl
@@ -246,6 +247,8 @@ async def _pccl_peer(rank: int, k: int, master: str, pool: int, advertise: str |
         for nbytes in sizes:
             budget = op_timeout(nbytes, floor_rate)
             x = np.empty(nbytes // 4, dtype=np.float32)
+            # Out of place: the result goes to y (pccl lands it there as the ring runs).
+            y = np.empty_like(x) if out_of_place else None
             times: list[float] = []
             info = None
             cpu0 = time.process_time()
@@ -254,18 +257,21 @@ async def _pccl_peer(rank: int, k: int, master: str, pool: int, advertise: str |
                 await sync(budget)
                 t0 = time.perf_counter()
                 async with asyncio.timeout(budget):
-                    info = await comm.all_reduce(x, op=pccl.ReduceOp.SUM, tag=0)
+                    info = await comm.all_reduce(x, y, op=pccl.ReduceOp.SUM, tag=0)
                 dt = time.perf_counter() - t0
                 if it >= warmup:
                     times.append(dt)
-                for v in (x[0], x[len(x) // 2], x[-1]):
+                res = x if y is None else y
+                if y is not None and x[0] != rank + 1:
+                    raise RuntimeError("the out-of-place all-reduce wrote its input")
+                for v in (res[0], res[len(res) // 2], res[-1]):
                     if v != want:
                         raise RuntimeError(f"wrong result {v} at size {nbytes}, expected {want}")
             assert info is not None
             q.put({"rank": rank, "size": nbytes, "times": times,
                    "cpu_s": time.process_time() - cpu0, "tx_bytes": info.tx_bytes,
                    "rx_bytes": info.rx_bytes, "world_size": info.world_size})
-            del x
+            del x, y
         lanes = comm.ring_lanes()
         ring_pos = comm.ring.index(comm.peer_id) if comm.peer_id in comm.ring else -1
         await sync(60.0)  # nobody leaves while another still runs its last call
@@ -285,7 +291,7 @@ def _pccl_peer_proc(*args: Any) -> None:
 
 def run_pccl(k: int, pool: int, sizes: list[int], iters: int, warmup: int,
              floor_rate: float, advertise: list[str] | None = None,
-             ports: Any = None) -> dict[str, Any]:
+             ports: Any = None, out_of_place: bool = False) -> dict[str, Any]:
     """Runs k pccl peers (and a master) in their own processes over ``sizes``.
 
     Returns the per-peer messages grouped as {size: [times of rank 0, rank 1, ...]} and
@@ -303,7 +309,8 @@ def run_pccl(k: int, pool: int, sizes: list[int], iters: int, warmup: int,
             for r in range(k):
                 adv = advertise[r] if advertise else None
                 kids.start(_pccl_peer_proc, (r, k, master, pool, adv, ports, admitted, sizes,
-                                             iters, warmup, barrier, q, floor_rate),
+                                             iters, warmup, barrier, q, floor_rate,
+                                             out_of_place),
                            f"pccl-peer-{r}")
             msgs = collect(q, kids, k, total, f"pccl k={k} pool={pool}")
         finally:
@@ -576,6 +583,8 @@ def main() -> None:
     ap.add_argument("--out", default="bench/results/allreduce.json")
     ap.add_argument("--skip-loopback", action="store_true")
     ap.add_argument("--skip-pccl", action="store_true")
+    ap.add_argument("--out-of-place", action="store_true",
+                    help="also run pccl out of place (all_reduce(x, out=y)), side by side")
     ap.add_argument("--skip-gloo", action="store_true")
     ap.add_argument("--skip-emulator", action="store_true")
     ap.add_argument("--emu-pools", type=int, nargs="+", default=[1, 2, 4, 8])
@@ -604,7 +613,7 @@ def main() -> None:
         "config": {**vars(args), "sizes_bytes": sizes, "emu_size_bytes": emu_size,
                    "master_heartbeat_timeout_s": 30.0, "gloo_torch_num_threads": 1,
                    "units": "GB/s = 1e9 B/s, MB/s = 1e6 B/s, MiB = 2**20 B"},
-        "loopback": [], "pccl": [], "gloo": [],
+        "loopback": [], "pccl": [], "pccl_out_of_place": [], "gloo": [],
         "emulator": {"peers": 2, "size_bytes": emu_size, "latency_s": args.emu_latency_ms / 1e3,
                      "bandwidth_Bps": args.emu_bandwidth,
                      "chunk_size": args.emu_chunk_kib * 1024, "runs": []},
@@ -629,6 +638,14 @@ def main() -> None:
                     out["pccl"].append(row)
                     print(f"pccl k={k} {fmt_size(row['size_bytes'])}: busbw "
                           f"{row['busbw_GBps_median']:.2f} GB/s median", flush=True)
+            if args.out_of_place:
+                with phase(out["errors"], f"pccl out of place k={k}"):
+                    res = run_pccl(k, args.pool, sizes, args.iters, args.warmup, floor_rate,
+                                   out_of_place=True)
+                    for row in pccl_rows(k, args.pool, sizes, res):
+                        out["pccl_out_of_place"].append(row)
+                        print(f"pccl out of place k={k} {fmt_size(row['size_bytes'])}: busbw "
+                              f"{row['busbw_GBps_median']:.2f} GB/s median", flush=True)
     if not args.skip_gloo:
         for k in args.peers:
             with phase(out["errors"], f"gloo k={k}"):

@@ -483,10 +483,14 @@ class Driver:
             if run:
                 assert self._node is not None
                 try:
+                    # Out of place: the results land in `dst` as the ring computes them
+                    # (no copy after the outcome; `src` is never written, so a failed
+                    # collective loses nothing, and `dst` holds unspecified bytes then).
                     ring = self._node.start_all_reduce(
                         perform.op_id, perform.rank, perform.world, src.data, int(src.dtype),
                         int(op), piece_bytes=self.piece_bytes,
-                        quant_algorithm=int(q.algorithm), quant_dtype=int(q.dtype))
+                        quant_algorithm=int(q.algorithm), quant_dtype=int(q.dtype),
+                        out=dst.data if dst.data is not src.data else None)
                     self._rings[tag] = ring
                     col = self._m.collectives.get(tag)
                     if col is None or col.aborted:

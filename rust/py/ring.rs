@@ -4,6 +4,7 @@
 
 use crate::error::CoreError;
 use crate::py::node::{seconds, PyP2PNode};
+use crate::ring::allreduce;
 use crate::ring::assembly::{self, dtype_from_code, op_from_code, quant_from_codes, LinkConfig};
 use crate::ring::ReduceSpec;
 use pyo3::buffer::PyBuffer;
@@ -79,8 +80,11 @@ impl PyP2PNode {
         })
     }
 
-    /// Starts a ring all-reduce of `buffer` (bytes of `count` elements of `dtype`).
-    #[pyo3(signature = (op_id, rank, world, buffer, dtype, op, piece_bytes=1 << 20, quant_algorithm=0, quant_dtype=0))]
+    /// Starts a ring all-reduce of `buffer` (bytes of `count` elements of `dtype`). With
+    /// `out` (a writable buffer of the same size that does not overlap `buffer`), the
+    /// results land in `out` as they are computed (`commit(out)` then copies nothing);
+    /// without it they stay in scratch memory until `commit`.
+    #[pyo3(signature = (op_id, rank, world, buffer, dtype, op, piece_bytes=1 << 20, quant_algorithm=0, quant_dtype=0, out=None))]
     #[allow(clippy::too_many_arguments)]
     fn start_all_reduce(
         &self,
@@ -93,6 +97,7 @@ impl PyP2PNode {
         piece_bytes: usize,
         quant_algorithm: u8,
         quant_dtype: u8,
+        out: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<RingOp> {
         let quant = quant_from_codes(quant_algorithm, quant_dtype)?;
         let spec = ReduceSpec {
@@ -106,6 +111,38 @@ impl PyP2PNode {
         };
         let links = self.ring.usable_links()?;
         let raw = raw_buffer(buffer, false, "the input tensor")?;
+        if let Some(out) = out {
+            let dst = raw_buffer(out, true, "the output tensor")?;
+            if dst.len != raw.len {
+                return Err(CoreError::InvalidArgument(format!(
+                    "the output tensor has {} bytes, the input {}",
+                    dst.len, raw.len
+                ))
+                .into());
+            }
+            if allreduce::disjoint(raw.ptr as *const u8, dst.ptr as *const u8, raw.len) {
+                let keep = KeepAlive(
+                    (buffer.clone(), out.clone())
+                        .into_pyobject(buffer.py())?
+                        .into_any()
+                        .unbind(),
+                );
+                // SAFETY: `keep` holds both exporting objects for as long as the op's
+                // memory lives; they do not overlap; callers must not touch either
+                // tensor while the op runs (documented).
+                let op = unsafe {
+                    assembly::RingOp::with_output(
+                        links,
+                        spec,
+                        raw.ptr as *const u8,
+                        dst.ptr as *mut u8,
+                        raw.len,
+                        Box::new(keep),
+                    )
+                };
+                return Ok(RingOp { op });
+            }
+        }
         let keep = KeepAlive(buffer.clone().unbind());
         // SAFETY: `keep` holds the exporting object for as long as the op's memory lives;
         // callers must not resize or write the tensor while the op runs (documented).

@@ -10,9 +10,11 @@
 //! travels on lane `p % lanes`. For every sending lane a task walks the steps in order;
 //! on the receiving side the links' reader tasks land each piece straight in the
 //! scratch buffer and reduce it there (`Landing`). The sender of step `s` for piece
-//! `p` waits until piece `p` of step `s - 1` has landed and been reduced. Nothing is
-//! written to the caller's memory: results accumulate in a scratch buffer that the
-//! caller commits only once every peer succeeded.
+//! `p` waits until piece `p` of step `s - 1` has landed and been reduced. Results
+//! accumulate in scratch memory that the caller commits only once every peer succeeded,
+//! or, for an out-of-place all-reduce ([`OpMemory::with_output`]), straight in the
+//! caller's output buffer: no copy after the outcome, and the input is never written, so
+//! a failed collective still loses nothing (the output then holds unspecified bytes).
 
 use crate::error::{CoreError, CoreResult};
 use crate::quant::{self, QuantAlgorithm, WireType};
@@ -50,6 +52,8 @@ pub struct OpMemory {
     scratch: *mut u8,
     scratch_owner: Vec<u8>,
     pool: Option<Arc<ScratchPool>>,
+    /// `scratch` is the caller's output buffer (see [`OpMemory::with_output`]).
+    external: bool,
     _keepalive: Box<dyn Send + Sync>,
 }
 
@@ -104,6 +108,12 @@ impl ScratchPool {
     }
 }
 
+/// Whether the `len` bytes at `a` and at `b` do not overlap.
+pub fn disjoint(a: *const u8, b: *const u8, len: usize) -> bool {
+    let (a, b) = (a as usize, b as usize);
+    a.checked_add(len).is_some_and(|end| end <= b) || b.checked_add(len).is_some_and(|end| end <= a)
+}
+
 impl Drop for OpMemory {
     fn drop(&mut self) {
         if let Some(pool) = &self.pool {
@@ -137,8 +147,39 @@ impl OpMemory {
             scratch,
             scratch_owner: owner,
             pool,
+            external: false,
             _keepalive: keepalive,
         }
+    }
+
+    /// Memory whose results land in `output` (the caller's other buffer) instead of
+    /// scratch: the out-of-place all-reduce needs no copy after the outcome.
+    ///
+    /// # Safety
+    /// As for [`OpMemory::new`], and `output..output+len` must stay valid while
+    /// `keepalive` lives, be written by nothing else meanwhile, and not overlap the
+    /// input (see [`disjoint`]).
+    pub unsafe fn with_output(
+        input: *const u8,
+        output: *mut u8,
+        len: usize,
+        keepalive: Box<dyn Send + Sync>,
+    ) -> Self {
+        debug_assert!(disjoint(input, output, len));
+        OpMemory {
+            input,
+            len,
+            scratch: output,
+            scratch_owner: Vec::new(),
+            pool: None,
+            external: true,
+            _keepalive: keepalive,
+        }
+    }
+
+    /// Whether the results land in the caller's output buffer.
+    pub fn is_external(&self) -> bool {
+        self.external
     }
 
     pub fn len(&self) -> usize {
@@ -166,6 +207,11 @@ impl OpMemory {
         debug_assert!(r.end <= self.len);
         // SAFETY: each piece range is written by exactly one task at a time.
         unsafe { std::slice::from_raw_parts_mut(self.scratch.add(r.start), r.len()) }
+    }
+
+    /// Where the results are written (the output buffer of `with_output`, or scratch).
+    pub fn result_ptr(&self) -> *const u8 {
+        self.scratch
     }
 
     /// The reduced result (valid once `ring_all_reduce` returned Ok).
@@ -298,7 +344,34 @@ struct Shared {
     rx: AtomicU64,
 }
 
+/// `claimed[p]` of an op that failed here: no reader may start landing a piece of it.
+const CLOSED: u32 = u32::MAX;
+
 impl Shared {
+    /// Stops every later landing of this op; true when no piece is being received now
+    /// (so nothing writes the op's memory any more), false while one still is.
+    fn close_landings(&self) -> bool {
+        let mut idle = true;
+        for (claimed, progress) in self.claimed.iter().zip(&self.progress) {
+            let c = claimed.load(Ordering::Acquire);
+            if c == CLOSED {
+                continue;
+            }
+            if progress.load(Ordering::Acquire) == c {
+                // Nothing in flight on this piece: close it, unless a reader claimed it
+                // just now (then it is in flight: wait for it like the others).
+                if claimed
+                    .compare_exchange(c, CLOSED, Ordering::AcqRel, Ordering::Acquire)
+                    .is_ok()
+                {
+                    continue;
+                }
+            }
+            idle = false;
+        }
+        idle
+    }
+
     /// Bytes a piece of `raw` payload bytes takes on the wire.
     fn wire_len(&self, raw: usize) -> usize {
         match self.spec.quant {
@@ -348,15 +421,18 @@ impl Landing for Shared {
                 self.spec.op_id
             )));
         }
-        if self.claimed[p]
-            .compare_exchange(
-                step as u32,
-                step as u32 + 1,
-                Ordering::AcqRel,
-                Ordering::Acquire,
-            )
-            .is_err()
-        {
+        if let Err(now) = self.claimed[p].compare_exchange(
+            step as u32,
+            step as u32 + 1,
+            Ordering::AcqRel,
+            Ordering::Acquire,
+        ) {
+            if now == CLOSED {
+                return Err(CoreError::Aborted(format!(
+                    "a piece of collective {} arrived after it ended here",
+                    self.spec.op_id
+                )));
+            }
             return Err(CoreError::Protocol(format!(
                 "piece {step}/{p} of collective {} arrived twice",
                 self.spec.op_id
@@ -437,6 +513,24 @@ pub async fn ring_all_reduce(
     }
     guard.armed = false;
     links.finish(op_id);
+    if outcome.is_err() && shared.mem.is_external() {
+        // The results land in the caller's buffer: no reader may write it once this
+        // returns. Wait (bounded) for pieces being received now; a reader stuck in one
+        // is stopped by closing the links (after a failure they are rebuilt anyway).
+        let deadline = tokio::time::Instant::now() + links.io_timeout();
+        loop {
+            let notified = shared.advanced.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            if shared.close_landings() {
+                break;
+            }
+            if tokio::time::timeout_at(deadline, notified).await.is_err() {
+                links.close().await;
+                break;
+            }
+        }
+    }
     outcome?;
     Ok(ReduceStats {
         tx_bytes: shared.tx.load(Ordering::Relaxed),

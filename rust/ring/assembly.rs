@@ -294,6 +294,25 @@ impl RingOp {
         RingOp::new(links, spec, Arc::new(mem))
     }
 
+    /// An op over `links` reducing the `len` bytes at `input` into the `len` bytes at
+    /// `output` directly (no scratch memory, no copy at commit); `input` is only read.
+    ///
+    /// # Safety
+    /// As for [`OpMemory::with_output`]: both ranges stay valid while `keepalive`
+    /// lives, nothing else writes `output` meanwhile, and the two do not overlap.
+    pub unsafe fn with_output(
+        links: Arc<RingLinks>,
+        spec: ReduceSpec,
+        input: *const u8,
+        output: *mut u8,
+        len: usize,
+        keepalive: Box<dyn Send + Sync>,
+    ) -> RingOp {
+        // SAFETY: forwarded to the caller.
+        let mem = unsafe { OpMemory::with_output(input, output, len, keepalive) };
+        RingOp::new(links, spec, Arc::new(mem))
+    }
+
     pub fn spec(&self) -> &ReduceSpec {
         &self.spec
     }
@@ -333,7 +352,8 @@ impl RingOp {
         self.mem.result()
     }
 
-    /// Copies the reduced bytes into `out`, which must be exactly as long.
+    /// Copies the reduced bytes into `out`, which must be exactly as long (nothing to
+    /// copy when the results already landed there: an op made by `with_output`).
     pub fn commit_into(&self, out: &mut [u8]) -> CoreResult<()> {
         if out.len() != self.len() {
             return Err(CoreError::InvalidArgument(format!(
@@ -342,7 +362,10 @@ impl RingOp {
                 self.len()
             )));
         }
-        out.copy_from_slice(self.result());
+        // (Compared before borrowing the result: `out` may be that very memory.)
+        if !std::ptr::eq(out.as_ptr(), self.mem.result_ptr()) {
+            out.copy_from_slice(self.result());
+        }
         Ok(())
     }
 }

@@ -329,21 +329,39 @@ async fn quantized_loopback_ring_gives_every_peer_the_same_bits() {
 /// dropped peer runs the op too and is aborted; the peer after it starts only after
 /// the drop, so the op cannot complete anywhere. Every other peer must fail with a
 /// peer-connection error, and no later than a few I/O timeouts.
-async fn drop_one_peer(k: usize, dropped: usize, started: bool) {
+/// `external`: the ops land their results in per-peer output buffers
+/// (`RingOp::with_output`), whose inputs must come out of a failure unwritten.
+async fn drop_one_peer(k: usize, dropped: usize, started: bool, external: bool) {
     let io_timeout = Duration::from_secs(1);
     let peers = loopback_ring(k, 2, 3, link_cfg(io_timeout)).await.unwrap();
     let inputs: Vec<Arc<Vec<u8>>> = (0..k)
         .map(|r| Arc::new(random_input(DType::F32, 50_001, r as u64)))
         .collect();
+    let outputs: Vec<Arc<Output>> = (0..k).map(|_| Arc::new(Output::new(50_001 * 4))).collect();
     let start = |op_id: u64, rank: usize| {
         let s = spec(op_id, rank, k, DType::F32, ReduceOp::Sum);
         let s = ReduceSpec {
             piece_bytes: 4096,
             ..s
         };
-        peers[rank]
-            .1
-            .start_all_reduce_shared(s, inputs[rank].clone())
+        if !external {
+            return peers[rank]
+                .1
+                .start_all_reduce_shared(s, inputs[rank].clone());
+        }
+        let links = peers[rank].1.usable_links()?;
+        let (input, output) = (inputs[rank].clone(), outputs[rank].clone());
+        // SAFETY: both buffers live in the keep-alive; nothing else writes the output.
+        Ok(unsafe {
+            RingOp::with_output(
+                links,
+                s,
+                input.as_ptr(),
+                output.ptr(),
+                input.len(),
+                Box::new((input.clone(), output.clone())),
+            )
+        })
     };
     // The whole ring works.
     let ops: Vec<RingOp> = (0..k).map(|r| start(1, r).unwrap()).collect();
@@ -386,6 +404,11 @@ async fn drop_one_peer(k: usize, dropped: usize, started: bool) {
             other => panic!("rank {rank} of {k} (rank {dropped} dropped): {other:?}"),
         }
         assert!(!peers[rank].1.is_ok(), "rank {rank}: links still usable");
+        let want = random_input(DType::F32, 50_001, rank as u64);
+        assert!(
+            *inputs[rank] == want,
+            "rank {rank}: the failed op wrote its input"
+        );
     }
     // Every peer notices within an I/O timeout or two (of silence, or of a blocked
     // send); the bound leaves room for a loaded machine.
@@ -402,8 +425,9 @@ async fn drop_one_peer(k: usize, dropped: usize, started: bool) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn dropped_peer_fails_the_others_with_a_peer_connection_error() {
     bounded("the dropped-peer rings", async {
-        drop_one_peer(4, 1, false).await;
-        drop_one_peer(2, 0, false).await;
+        drop_one_peer(4, 1, false, false).await;
+        drop_one_peer(2, 0, false, false).await;
+        drop_one_peer(3, 2, false, true).await;
     })
     .await;
 }
@@ -411,8 +435,117 @@ async fn dropped_peer_fails_the_others_with_a_peer_connection_error() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn peer_dropped_mid_op_fails_the_others_with_a_peer_connection_error() {
     bounded("the aborted-peer rings", async {
-        drop_one_peer(3, 0, true).await;
-        drop_one_peer(4, 3, true).await;
+        drop_one_peer(3, 0, true, false).await;
+        drop_one_peer(4, 3, true, false).await;
+        drop_one_peer(4, 1, true, true).await;
+    })
+    .await;
+}
+
+/// An output buffer written by an op's tasks through a raw pointer (as the caller's
+/// tensor is from Python): interior mutability, so the test may read it afterwards.
+struct Output(std::cell::UnsafeCell<Vec<u8>>);
+
+// SAFETY: written only by the op it is lent to, read only after that op finished.
+unsafe impl Sync for Output {}
+
+impl Output {
+    fn new(len: usize) -> Output {
+        Output(std::cell::UnsafeCell::new(vec![0xA5; len]))
+    }
+
+    fn ptr(&self) -> *mut u8 {
+        // SAFETY: the vector itself is never resized; only its bytes are written.
+        unsafe { (*self.0.get()).as_mut_ptr() }
+    }
+
+    fn bytes(&self) -> Vec<u8> {
+        // SAFETY: called once the op that wrote it has finished.
+        unsafe { (*self.0.get()).clone() }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn out_of_place_ops_land_exact_results_in_the_output_and_leave_the_input() {
+    let cases = [
+        (DType::F32, ReduceOp::Sum, 1001, None),
+        (DType::BF16, ReduceOp::Avg, 257, None),
+        (DType::I64, ReduceOp::Max, 77, None),
+        (DType::U8, ReduceOp::Prod, 2, None),
+        (
+            DType::F32,
+            ReduceOp::Sum,
+            5003,
+            Some((QuantAlgorithm::MinMax, WireType::U8)),
+        ),
+    ];
+    bounded("the out-of-place rings", async {
+        for k in [2usize, 3, 5] {
+            let peers = loopback_ring(k, 2, 11, link_cfg(Duration::from_secs(10)))
+                .await
+                .unwrap();
+            for (c, &(dtype, op, count, quant)) in cases.iter().enumerate() {
+                let inputs: Vec<Arc<Vec<u8>>> = (0..k)
+                    .map(|r| Arc::new(random_input(dtype, count, (k * 31 + c * 7 + r) as u64)))
+                    .collect();
+                let outputs: Vec<Arc<Output>> = (0..k)
+                    .map(|_| Arc::new(Output::new(count * dtype.size())))
+                    .collect();
+                let ops: Vec<RingOp> = (0..k)
+                    .map(|rank| {
+                        let s = ReduceSpec {
+                            quant,
+                            ..spec(c as u64, rank, k, dtype, op)
+                        };
+                        let links = peers[rank].1.usable_links().unwrap();
+                        let (input, output) = (inputs[rank].clone(), outputs[rank].clone());
+                        // SAFETY: both live in the keep-alive; only this op writes the output.
+                        unsafe {
+                            RingOp::with_output(
+                                links,
+                                s,
+                                input.as_ptr(),
+                                output.ptr(),
+                                input.len(),
+                                Box::new((input.clone(), output.clone())),
+                            )
+                        }
+                    })
+                    .collect();
+                let what = format!("{k} peers, {} {} x{count}", op.name(), dtype.name());
+                let stats: Vec<ReduceStats> = run_all(&ops)
+                    .await
+                    .into_iter()
+                    .map(|r| r.unwrap_or_else(|e| panic!("{what}: {e}")))
+                    .collect();
+                let first = outputs[0].bytes();
+                if quant.is_none() {
+                    assert_eq!(
+                        first,
+                        reference(
+                            dtype,
+                            op,
+                            &inputs.iter().map(|i| i.to_vec()).collect::<Vec<_>>()
+                        ),
+                        "{what}"
+                    );
+                }
+                for rank in 0..k {
+                    assert_eq!(outputs[rank].bytes(), first, "{what}: rank {rank} differs");
+                    assert!(
+                        std::ptr::eq(ops[rank].result().as_ptr(), outputs[rank].ptr()),
+                        "{what}: the result is not in the output"
+                    );
+                    let again = random_input(dtype, count, (k * 31 + c * 7 + rank) as u64);
+                    assert!(
+                        *inputs[rank] == again,
+                        "{what}: rank {rank}'s input was written"
+                    );
+                }
+                assert_eq!(stats[0].tx_bytes, stats[1 % k].rx_bytes, "{what}");
+            }
+            close_all(&peers).await;
+        }
     })
     .await;
 }
