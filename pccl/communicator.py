@@ -24,7 +24,7 @@ from pccl.errors import (
 )
 from pccl.peer import state as ps
 from pccl.peer.driver import Driver
-from pccl.peer.metrics import MetricsServer, PeerMetrics
+from pccl.peer.metrics import PeerMetrics
 from pccl.peer.options import (
     DEFAULT_TIMEOUT,
     QuantizationOptions,
@@ -166,7 +166,7 @@ class Communicator(Driver):
         # serves them as Prometheus metrics).
         self.metrics = PeerMetrics()
         self._m.traffic = self.metrics.heartbeat
-        self._metrics_server: MetricsServer | None = None
+        self._metrics_server: Any = None  # a MetricsServer while metrics_listen serves
         self._conn: FramedConnection | None = None
         self._node: _core.P2PNode | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -234,6 +234,9 @@ class Communicator(Driver):
         self._home_loop = asyncio.get_running_loop()
         try:
             if self.metrics_listen is not None:
+                # aiohttp is imported only by peers that serve metrics.
+                from pccl.peer.metrics_server import MetricsServer
+
                 self._metrics_server = MetricsServer(self.metrics, self.metrics_listen)
                 await self._metrics_server.start()
             await self._open(n_attempts)

@@ -252,3 +252,17 @@ async def test_pccl_master_serves_its_status_page_and_says_where() -> None:
         await stop_process(proc)
         if proc._transport is not None:  # type: ignore[attr-defined]
             proc._transport.close()  # type: ignore[attr-defined]
+
+
+def test_import_pccl_leaves_aiohttp_for_those_who_serve() -> None:
+    """aiohttp takes a fifth of a second to import: every peer process would pay it."""
+    import subprocess
+    import sys
+
+    code = ("import sys, pccl, pccl.blocking\n"
+            "c = pccl.Communicator(master='127.0.0.1:1')\n"
+            "m = pccl.MasterNode(listen='127.0.0.1:0')\n"
+            "print('aiohttp' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60, check=True)
+    assert out.stdout.strip() == "False"

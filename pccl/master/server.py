@@ -18,7 +18,7 @@ import socket
 import time
 from collections.abc import Callable, Mapping
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pccl.errors import (
     AuthenticationError,
@@ -33,6 +33,9 @@ from pccl.protocol import MAX_FRAME, PROTOCOL_VERSION
 from pccl.protocol import messages as m
 from pccl.protocol.auth import DEFAULT_PORT, master_mac, peer_mac, split_host_port
 from pccl.protocol.transport import ConnectionClosed, FramedConnection
+
+if TYPE_CHECKING:
+    from pccl.master.status_server import StatusServer
 
 #: First bytes of the master's reachability check on a peer's p2p port, and of a
 #: relayed stream on the master's port (``rust/net/node.rs``).
@@ -174,7 +177,7 @@ class MasterNode:
         # What the status page shows and the metrics count (made by start(), and it logs
         # the state's notes at INFO whether or not a status server runs).
         self.monitor: status.RunMonitor | None = None
-        self._status: status.StatusServer | None = None
+        self._status: StatusServer | None = None
         self.solver_budget = 1.0  # seconds the ring solver may take per group
         self.improve_steps = 100  # background improvement: steps of ~50 ms after solving
 
@@ -229,7 +232,9 @@ class MasterNode:
         log.info("master listening on %s", self._address)
         self.monitor = status.RunMonitor(self)
         if self.status_listen is not None:
-            self._status = status.StatusServer(self.monitor, self.status_listen,
+            from pccl.master.status_server import StatusServer  # aiohttp: only now
+
+            self._status = StatusServer(self.monitor, self.status_listen,
                                                self.status_token)
             try:
                 await self._status.start()
