@@ -192,3 +192,43 @@ async def test_the_secret_never_appears_in_logs_or_errors(caplog) -> None:
     assert len(errors) == 2
     texts = [r.getMessage() for r in caplog.records] + errors
     assert not [t for t in texts if secret[:8] in t]
+
+
+async def test_a_slow_loopback_listener_is_dialed_again_not_taken_for_nat() -> None:
+    """The master's dial-back of a loopback p2p address that times out (a loaded
+    machine: seen in a churn soak) tries once more, longer, instead of routing the peer
+    as if it were behind NAT; one that refuses or answers wrongly is not retried."""
+    from pccl.master.server import REACH_MAGIC
+    from pccl.protocol.transport import FramedConnection
+
+    seen: list[int] = []
+
+    async def listener(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        conn = FramedConnection(reader, writer)
+        seen.append(len(seen))
+        try:
+            frame = await conn.handshake_frame()
+            assert frame.startswith(REACH_MAGIC)
+            if len(seen) == 1:
+                # Silent on the first dial (the master gives up on it and closes).
+                with contextlib.suppress(Exception):
+                    await reader.read()
+            else:
+                conn.send_handshake_frame(frame[len(REACH_MAGIC):])
+                await conn.writer.drain()
+        finally:
+            await conn.close()
+
+    server = await asyncio.start_server(listener, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    master = pccl.MasterNode(listen="127.0.0.1:0", dial_back_timeout=0.2)
+    try:
+        assert await master._dial_back("127.0.0.1", port)
+        assert len(seen) == 2
+        server.close()
+        await server.wait_closed()
+        # Refused: no second try, and not reachable.
+        assert not await master._dial_back("127.0.0.1", port)
+    finally:
+        server.close()
+        await server.wait_closed()

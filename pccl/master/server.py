@@ -483,15 +483,28 @@ class MasterNode:
 
     async def _dial_back(self, host: str, port: int) -> bool:
         """Whether a pccl p2p listener answers at host:port (the reachability check:
-        it must echo a fresh token)."""
+        it must echo a fresh token). A loopback address cannot be behind NAT: a listener
+        there that is only slow to answer (a loaded machine) gets a longer second try
+        instead of being taken for NAT."""
+        answered = await self._echo_token(host, port, self.dial_back_timeout)
+        if answered is None and _loopback_only(host):
+            log.info("dial-back of %s:%d timed out on loopback; trying again", host, port)
+            answered = await self._echo_token(host, port, 4 * self.dial_back_timeout)
+        return bool(answered)
+
+    async def _echo_token(self, host: str, port: int, timeout: float) -> bool | None:
+        """One dial-back: True when the listener echoed the token, False when it failed
+        (refused, closed, a wrong answer), None when it timed out."""
         token = _secrets.token_bytes(16)
         conn: FramedConnection | None = None
         try:
-            async with asyncio.timeout(self.dial_back_timeout):
+            async with asyncio.timeout(timeout):
                 conn = FramedConnection(*await asyncio.open_connection(host, port))
                 conn.send_handshake_frame(REACH_MAGIC + token)
                 return await conn.handshake_frame() == token
-        except (OSError, TimeoutError, ConnectionClosed, ProtocolError):
+        except TimeoutError:
+            return None
+        except (OSError, ConnectionClosed, ProtocolError):
             return False
         finally:
             if conn is not None:
