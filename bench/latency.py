@@ -1,0 +1,124 @@
+"""Small-collective latency with a distant master: the baseline of issue 21's "one master
+round trip per collective".
+
+One process: a master, ``k`` peers, and link emulators (pccl.testing.LinkEmulator). Every
+peer reaches the master through an emulator adding ``--master-ms`` one way, and every
+peer's inbound p2p link has its own emulator adding ``--link-ms`` one way (so a ring hop
+costs that much). For each k it measures, side by side:
+
+- the master round trip as a peer sees it (``pending_peer_count()``, a plain query);
+- a 1 KiB float32 all-reduce (SUM), every peer calling at once, wall time of the slowest;
+
+and prints the all-reduce latency against "one master round trip + the ring's own
+latency (2 (k - 1) hops) + 2 ms", the issue's target::
+
+    python bench/latency.py --peers 2 8 --iters 20 --out bench/results/latency.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import sys
+import time
+from typing import Any
+
+import numpy as np
+
+import pccl
+from pccl.testing import LinkEmulator
+from pccl.testing.cluster import connect_all
+
+
+async def measure(k: int, iters: int, master_ms: float, link_ms: float,
+                  count: int) -> dict[str, Any]:
+    master = pccl.MasterNode(listen="127.0.0.1:0", heartbeat_interval=1.0,
+                             heartbeat_timeout=30.0)
+    await master.start()
+    emus: list[LinkEmulator] = []
+    comms: list[pccl.Communicator] = []
+    try:
+        to_master = LinkEmulator(master.address, latency=master_ms / 1e3)
+        await to_master.start()
+        emus.append(to_master)
+        for _ in range(k):
+            inbound = LinkEmulator(latency=link_ms / 1e3)
+            await inbound.start()
+            emus.append(inbound)
+            comm = pccl.Communicator(master=to_master.address, p2p_connection_pool_size=1,
+                                     p2p_advertise_address=inbound.address, timeout=60.0)
+            inbound.target = lambda comm=comm: f"127.0.0.1:{comm.p2p_port}"
+            comms.append(comm)
+        await connect_all(master, comms)
+        xs = [np.full(count, float(i + 1), dtype=np.float32) for i in range(k)]
+        want = float(k * (k + 1) // 2)
+        rtt: list[float] = []
+        reduce: list[float] = []
+        for it in range(iters + 2):  # two warm-up rounds
+            t0 = time.perf_counter()
+            await comms[0].pending_peer_count()
+            if it >= 2:
+                rtt.append(time.perf_counter() - t0)
+            for i, x in enumerate(xs):
+                x.fill(i + 1)
+            t0 = time.perf_counter()
+            await asyncio.gather(*(c.all_reduce(x) for c, x in zip(comms, xs)))
+            if it >= 2:
+                reduce.append(time.perf_counter() - t0)
+            if not all(float(x[0]) == want and float(x[-1]) == want for x in xs):
+                raise RuntimeError(f"wrong all-reduce result at k={k}")
+        ring_s = 2 * (k - 1) * link_ms / 1e3
+        rtt_med = statistics.median(rtt)
+        return {
+            "peers": k, "bytes": count * 4, "iters": iters,
+            "master_one_way_ms": master_ms, "link_one_way_ms": link_ms,
+            "master_rtt_ms_median": rtt_med * 1e3,
+            "all_reduce_ms_median": statistics.median(reduce) * 1e3,
+            "all_reduce_ms_min": min(reduce) * 1e3,
+            "ring_latency_ms": ring_s * 1e3,
+            "target_ms": (rtt_med + ring_s + 0.002) * 1e3,
+            "master_rtts_spent": (statistics.median(reduce) - ring_s) / rtt_med,
+        }
+    finally:
+        await asyncio.gather(*(c.close() for c in comms), return_exceptions=True)
+        for e in emus:
+            await e.stop()
+        await master.stop()
+
+
+async def main_async(args: argparse.Namespace) -> dict[str, Any]:
+    rows = []
+    for k in args.peers:
+        row = await measure(k, args.iters, args.master_ms, args.link_ms, args.bytes // 4)
+        rows.append(row)
+        print(f"k={k}: master RTT {row['master_rtt_ms_median']:.1f} ms, 1 KiB all-reduce "
+              f"{row['all_reduce_ms_median']:.1f} ms median (ring alone "
+              f"{row['ring_latency_ms']:.0f} ms; target {row['target_ms']:.1f} ms; "
+              f"{row['master_rtts_spent']:.2f} master round trips spent)", flush=True)
+    return {"pccl": pccl.__version__, "python": sys.version.split()[0],
+            "cpus": os.cpu_count(), "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "rows": rows}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--peers", type=int, nargs="+", default=[2, 8])
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--master-ms", type=float, default=25.0, help="one way, to the master")
+    ap.add_argument("--link-ms", type=float, default=5.0, help="one way, per ring hop")
+    ap.add_argument("--bytes", type=int, default=1024)
+    ap.add_argument("--out", default="bench/results/latency.json")
+    args = ap.parse_args()
+    out = asyncio.run(main_async(args))
+    out["config"] = vars(args)
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(out, f, indent=1)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
