@@ -7,12 +7,14 @@ peer's inbound p2p link has its own emulator adding ``--link-ms`` one way (so a 
 costs that much). For each k it measures, side by side:
 
 - the master round trip as a peer sees it (``pending_peer_count()``, a plain query);
-- a 1 KiB float32 all-reduce (SUM), every peer calling at once, wall time of the slowest;
+- a ``--bytes`` (1 KiB) float32 all-reduce (SUM), every peer calling at once, wall time
+  of the slowest;
 
 and prints the all-reduce latency against "one master round trip + the ring's own
 latency (2 (k - 1) hops) + 2 ms", the issue's target::
 
     python bench/latency.py --peers 2 8 --iters 20 --out bench/results/latency.json
+    python bench/latency.py --peers 4 8 16 32 --master-ms 0 --bytes 4096   # the ring alone
 """
 
 from __future__ import annotations
@@ -94,7 +96,8 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     for k in args.peers:
         row = await measure(k, args.iters, args.master_ms, args.link_ms, args.bytes // 4)
         rows.append(row)
-        print(f"k={k}: master RTT {row['master_rtt_ms_median']:.1f} ms, 1 KiB all-reduce "
+        print(f"k={k}: master RTT {row['master_rtt_ms_median']:.1f} ms, "
+              f"{row['bytes']} B all-reduce "
               f"{row['all_reduce_ms_median']:.1f} ms median (ring alone "
               f"{row['ring_latency_ms']:.0f} ms; target {row['target_ms']:.1f} ms; "
               f"{row['master_rtts_spent']:.2f} master round trips spent)", flush=True)
