@@ -237,7 +237,7 @@ class Communicator(Driver):
                 # aiohttp is imported only by peers that serve metrics.
                 from pccl.peer.metrics_server import MetricsServer
 
-                self._metrics_server = MetricsServer(self.metrics, self.metrics_listen)
+                self._metrics_server = MetricsServer(self.metrics.registry, self.metrics_listen)
                 await self._metrics_server.start()
             await self._open(n_attempts)
             await self._waiters[ps.ACCEPT]

@@ -31,7 +31,13 @@ from pccl.master import state as st
 from pccl.master import status
 from pccl.protocol import MAX_FRAME, PROTOCOL_VERSION
 from pccl.protocol import messages as m
-from pccl.protocol.auth import DEFAULT_PORT, master_mac, peer_mac, split_host_port
+from pccl.protocol.auth import (
+    DEFAULT_PORT,
+    join_host_port,
+    master_mac,
+    peer_mac,
+    split_host_port,
+)
 from pccl.protocol.transport import ConnectionClosed, FramedConnection
 
 if TYPE_CHECKING:
@@ -227,7 +233,7 @@ class MasterNode:
                                    f"{why}{hint.get(e.errno or 0, '')}") from None
         sock = self._server.sockets[0].getsockname()
         shown = sock[0] if host not in ("", "0.0.0.0", "::") else host or "0.0.0.0"
-        self._address = f"[{shown}]:{sock[1]}" if ":" in shown else f"{shown}:{sock[1]}"
+        self._address = join_host_port(shown, sock[1])
         self._heartbeat = asyncio.create_task(self._heartbeat_loop(), name="pccl-master-heartbeat")
         log.info("master listening on %s", self._address)
         self.monitor = status.RunMonitor(self)
@@ -416,7 +422,7 @@ class MasterNode:
                 peer_id = hello.resume_peer_id
         self._next_peer_id = max(self._next_peer_id, peer_id + 1)
         host = hello.p2p_host or conn.peername[0]
-        p2p_addr = f"[{host}]:{hello.p2p_port}" if ":" in host else f"{host}:{hello.p2p_port}"
+        p2p_addr = join_host_port(host, hello.p2p_port)
         reachable = await self._dial_back(host, hello.p2p_port)
         if conn.writer.is_closing():
             return None
@@ -433,7 +439,7 @@ class MasterNode:
         log.info("%s", joined)
         if self.monitor is not None:
             self.monitor.connected(peer_id, remote, conn.encrypted, joined)
-        punch_addrs = tuple(f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        punch_addrs = tuple(join_host_port(host, port)
                             for port in hello.p2p_punch_ports[:16] if 0 < port < 65536)
         self._feed(st.PeerRegistered(peer_id, hello.peer_group, p2p_addr, resume,
                                      reachable=reachable, allow_relay=hello.allow_relay,

@@ -8,17 +8,13 @@ import asyncio
 import hmac
 import importlib.resources
 import json
-import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
-from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
 from pccl.master.status import KEEPALIVE, MAX_EVENT_STREAMS, MAX_EVENTS_PER_SECOND, RunMonitor
-from pccl.protocol.auth import split_host_port
-
-log = logging.getLogger(__name__)
+from pccl.peer.metrics_server import MetricsServer
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -27,51 +23,38 @@ def _page() -> bytes:
     return importlib.resources.files("pccl.master").joinpath("status.html").read_bytes()
 
 
-class StatusServer:
-    """Serves a :class:`RunMonitor` on ``listen`` ("host:port"); owned by the master."""
+class StatusServer(MetricsServer):
+    """Serves a :class:`RunMonitor` on ``listen`` ("host:port"): the page, the JSON API
+    and its event stream, besides the ``/metrics`` and ``/healthz`` of every metrics
+    server; owned by the master."""
+
+    what = "the master's status server"
+    home = "/"
 
     def __init__(self, monitor: RunMonitor, listen: str, token: str | None) -> None:
+        super().__init__(monitor.registry, listen)
         self.monitor = monitor
-        self.listen = listen
         self.token = token
-        self._runner: web.AppRunner | None = None
         self._streams: set[asyncio.Task[Any]] = set()
         self._closing = asyncio.Event()
-        self.address = ""
 
-    async def start(self) -> None:
-        app = web.Application(middlewares=[self._auth])
+    def add_routes(self, app: web.Application) -> None:
         app.router.add_get("/", self._index)
         app.router.add_get("/api/status", self._status)
         app.router.add_get("/api/events", self._events)
-        app.router.add_get("/metrics", self._metrics)
-        app.router.add_get("/healthz", self._healthz)
-        self._runner = web.AppRunner(app, access_log=None, handle_signals=False,
-                                     shutdown_timeout=1.0)
-        await self._runner.setup()
-        host, port = split_host_port(self.listen)
-        site = web.TCPSite(self._runner, host, port, backlog=128)
-        try:
-            await site.start()
-        except OSError as e:
-            await self._runner.cleanup()
-            self._runner = None
-            raise OSError(e.errno, f"the master's status server cannot listen on "
-                                   f"{self.listen!r}: {e.strerror} (give another "
-                                   f"--status HOST:PORT, port 0 for a free one, or --status "
-                                   f"off)") from None
-        sock = site._server.sockets[0].getsockname()  # type: ignore[union-attr]
-        shown = sock[0]
-        self.address = f"[{shown}]:{sock[1]}" if ":" in shown else f"{shown}:{sock[1]}"
-        log.info("status page on http://%s/", self.address)
+        super().add_routes(app)
+
+    def middlewares(self) -> list[Any]:
+        return [self._auth]
+
+    def bind_hint(self) -> str:
+        return " (give another --status HOST:PORT, port 0 for a free one, or --status off)"
 
     async def stop(self) -> None:
         self._closing.set()
         for task in list(self._streams):
             task.cancel()
-        if self._runner is not None:
-            runner, self._runner = self._runner, None
-            await runner.cleanup()
+        await super().stop()
 
     @web.middleware
     async def _auth(self, request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -100,13 +83,6 @@ class StatusServer:
 
     async def _status(self, request: web.Request) -> web.StreamResponse:
         return web.json_response(self.monitor.snapshot())
-
-    async def _healthz(self, request: web.Request) -> web.StreamResponse:
-        return web.Response(text="ok\n")
-
-    async def _metrics(self, request: web.Request) -> web.StreamResponse:
-        body = generate_latest(self.monitor.registry)
-        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def _events(self, request: web.Request) -> web.StreamResponse:
         """The status document again whenever something changed (at most

@@ -32,6 +32,12 @@ def split_host_port(address: str, default_port: int = DEFAULT_PORT) -> tuple[str
     return host, int(port)
 
 
+def join_host_port(host: str, port: int) -> str:
+    """(host, port) -> "host:port", or "[v6]:port" for an IPv6 host (the inverse of
+    :func:`split_host_port`)."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
 def peer_mac(secret: bytes, master_nonce: bytes, peer_nonce: bytes) -> bytes:
     """The peer's proof that it knows ``secret``."""
     return hmac.digest(secret, b"pccl-peer" + master_nonce + peer_nonce, "sha256")
