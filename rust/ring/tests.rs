@@ -349,19 +349,7 @@ async fn drop_one_peer(k: usize, dropped: usize, started: bool, external: bool) 
                 .1
                 .start_all_reduce_shared(s, inputs[rank].clone());
         }
-        let links = peers[rank].1.usable_links()?;
-        let (input, output) = (inputs[rank].clone(), outputs[rank].clone());
-        // SAFETY: both buffers live in the keep-alive; nothing else writes the output.
-        Ok(unsafe {
-            RingOp::with_output(
-                links,
-                s,
-                input.as_ptr(),
-                output.ptr(),
-                input.len(),
-                Box::new((input.clone(), output.clone())),
-            )
-        })
+        start_into(&peers[rank].1, s, &inputs[rank], &outputs[rank])
     };
     // The whole ring works.
     let ops: Vec<RingOp> = (0..k).map(|r| start(1, r).unwrap()).collect();
@@ -465,6 +453,27 @@ impl Output {
     }
 }
 
+/// An op on `ring`'s links reducing `input` into `output` (`RingOp::with_output`).
+fn start_into(
+    ring: &Ring,
+    spec: ReduceSpec,
+    input: &Arc<Vec<u8>>,
+    output: &Arc<Output>,
+) -> Result<RingOp, CoreError> {
+    let links = ring.usable_links()?;
+    // SAFETY: both buffers live in the keep-alive; only this op writes the output.
+    Ok(unsafe {
+        RingOp::with_output(
+            links,
+            spec,
+            input.as_ptr(),
+            output.ptr(),
+            input.len(),
+            Box::new((input.clone(), output.clone())),
+        )
+    })
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn out_of_place_ops_land_exact_results_in_the_output_and_leave_the_input() {
     let cases = [
@@ -497,19 +506,7 @@ async fn out_of_place_ops_land_exact_results_in_the_output_and_leave_the_input()
                             quant,
                             ..spec(c as u64, rank, k, dtype, op)
                         };
-                        let links = peers[rank].1.usable_links().unwrap();
-                        let (input, output) = (inputs[rank].clone(), outputs[rank].clone());
-                        // SAFETY: both live in the keep-alive; only this op writes the output.
-                        unsafe {
-                            RingOp::with_output(
-                                links,
-                                s,
-                                input.as_ptr(),
-                                output.ptr(),
-                                input.len(),
-                                Box::new((input.clone(), output.clone())),
-                            )
-                        }
+                        start_into(&peers[rank].1, s, &inputs[rank], &outputs[rank]).unwrap()
                     })
                     .collect();
                 let what = format!("{k} peers, {} {} x{count}", op.name(), dtype.name());
