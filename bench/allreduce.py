@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import os
 import socket
 import sys
@@ -55,6 +54,7 @@ from common import (
     phase,
     report_failure,
     summarize,
+    write_results,
 )
 
 from pccl.testing import free_port
@@ -670,11 +670,7 @@ def main() -> None:
                 r["ratio_to_pool_x_measured_pool1"] = r["speedup_vs_pool1"] / r["pool"]
 
     print_tables(out)
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    tmp = args.out + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(out, f, indent=1)
-    os.replace(tmp, args.out)
+    write_results(out, args.out)
     print(f"\nwrote {args.out}")
     if out["errors"]:
         sys.exit(1)

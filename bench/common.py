@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import datetime as _dt
 import importlib.metadata
+import json
 import multiprocessing as mp
 import os
 import platform
@@ -239,6 +240,16 @@ def machine_info() -> dict[str, Any]:
         "git_commit": _git(repo, "rev-parse", "HEAD"),
         "git_dirty_files": status.splitlines() if status else [],
     }
+
+
+def write_results(out: dict[str, Any], path: str) -> None:
+    """Writes a run's results as indented JSON at ``path`` (its folder made if need be),
+    through a temporary file so an interrupted run never leaves half a file."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(out, f, indent=1)
+    os.replace(tmp, path)
 
 
 @contextlib.contextmanager

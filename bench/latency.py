@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import statistics
 import sys
@@ -29,6 +28,10 @@ import time
 from typing import Any
 
 import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from common import machine_info, write_results
 
 import pccl
 from pccl.testing import LinkEmulator
@@ -101,9 +104,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
               f"{row['all_reduce_ms_median']:.1f} ms median (ring alone "
               f"{row['ring_latency_ms']:.0f} ms; target {row['target_ms']:.1f} ms; "
               f"{row['master_rtts_spent']:.2f} master round trips spent)", flush=True)
-    return {"pccl": pccl.__version__, "python": sys.version.split()[0],
-            "cpus": os.cpu_count(), "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            "rows": rows}
+    return {"machine": machine_info(), "rows": rows}
 
 
 def main() -> None:
@@ -117,9 +118,7 @@ def main() -> None:
     args = ap.parse_args()
     out = asyncio.run(main_async(args))
     out["config"] = vars(args)
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(out, f, indent=1)
+    write_results(out, args.out)
     print(f"wrote {args.out}")
 
 

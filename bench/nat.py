@@ -24,12 +24,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import statistics
 import sys
 import time
 from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from common import write_results
 
 from pccl.testing import PeerProcess
 from pccl.testing.netns import VirtualLan, nat_unavailable
@@ -107,9 +110,7 @@ def main() -> None:
     if why:
         sys.exit(f"bench/nat.py: {why}")
     out = asyncio.run(main_async(args))
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(out, f, indent=1)
+    write_results(out, args.out)
     print(f"wrote {args.out}")
 
 
