@@ -113,7 +113,6 @@ async def run_demo(n_peers: int = 4) -> int:
             say("everyone leaves gracefully")
             await asyncio.gather(*(p.call("close") for p in peers))
             await master.wait_for(lambda s: not s.peers, timeout=60)
-            assert master.monitor is not None
             done = master.monitor.collectives
             say(f"all peers left; the master counted {done['ok']} collectives ok and "
                 f"{done['failed']} failed, {len(master.monitor.timeline)} timeline events; "

@@ -180,9 +180,9 @@ class MasterNode:
         self._changed = asyncio.Event()
         self._address = ""
         self._stopped = asyncio.Event()
-        # What the status page shows and the metrics count (made by start(), and it logs
-        # the state's notes at INFO whether or not a status server runs).
-        self.monitor: status.RunMonitor | None = None
+        # What the status page shows and the metrics count (it also logs the state's
+        # notes at INFO, whether or not a status server runs).
+        self.monitor = status.RunMonitor(self)
         self._status: StatusServer | None = None
         self.solver_budget = 1.0  # seconds the ring solver may take per group
         self.improve_steps = 100  # background improvement: steps of ~50 ms after solving
@@ -236,12 +236,11 @@ class MasterNode:
         self._address = join_host_port(shown, sock[1])
         self._heartbeat = asyncio.create_task(self._heartbeat_loop(), name="pccl-master-heartbeat")
         log.info("master listening on %s", self._address)
-        self.monitor = status.RunMonitor(self)
+        self.monitor.started()
         if self.status_listen is not None:
             from pccl.master.status_server import StatusServer  # aiohttp: only now
 
-            self._status = StatusServer(self.monitor, self.status_listen,
-                                               self.status_token)
+            self._status = StatusServer(self.monitor, self.status_listen, self.status_token)
             try:
                 await self._status.start()
             except BaseException:
@@ -437,8 +436,7 @@ class MasterNode:
                   f"{p2p_addr}{'' if reachable else ': not reachable from here, behind NAT?'}"
                   f", {'encrypted' if conn.encrypted else 'clear text'})")
         log.info("%s", joined)
-        if self.monitor is not None:
-            self.monitor.connected(peer_id, remote, conn.encrypted, joined)
+        self.monitor.connected(peer_id, remote, conn.encrypted, joined)
         punch_addrs = tuple(join_host_port(host, port)
                             for port in hello.p2p_punch_ports[:16] if 0 < port < 65536)
         self._feed(st.PeerRegistered(peer_id, hello.peer_group, p2p_addr, resume,
@@ -611,20 +609,20 @@ class MasterNode:
                 return
             except ConnectionClosed as e:
                 if peer_id in self._conns:
-                    log.info("peer %d dropped: connection closed (%s)", peer_id, e)
+                    # The detail; the state's "dropped" note is the INFO line.
+                    log.debug("peer %d dropped: connection closed (%s)", peer_id, e)
                 self._feed(st.PeerLost(peer_id, "connection closed"))
                 return
-            if self.monitor is not None:
-                self.monitor.seen(peer_id)
-                if isinstance(msg, m.Pong):
-                    self.monitor.heartbeat(peer_id, msg.tx_bytes, msg.rx_bytes,
-                                           msg.sync_rx_bytes, msg.sync_rx_total)
+            self.monitor.seen(peer_id)
+            if isinstance(msg, m.Pong):
+                self.monitor.heartbeat(peer_id, msg.tx_bytes, msg.rx_bytes,
+                                       msg.sync_rx_bytes, msg.sync_rx_total)
             self._feed(st.Received(peer_id, msg))
 
     def _feed(self, event: st.Event) -> None:
         commands = self.state.handle(event)
         notes = self.state.take_notes()
-        if self.monitor is not None and notes:
+        if notes:
             self.monitor.notes(notes)
         for cmd in commands:
             if isinstance(cmd, st.Send):

@@ -131,7 +131,11 @@ class RunMonitor:
             self._m_collectives.labels(outcome)
             self._m_syncs.labels(outcome)
         self._recovering = False
-        self.add("master", f"master started on {master.address}")
+
+    def started(self) -> None:
+        """The master started listening (again): the uptime counts from now."""
+        self.started_at = time.time()
+        self.add("master", f"master started on {self.master.address}")
 
     # --- what the server reports ------------------------------------------------------
 
