@@ -10,7 +10,6 @@ import asyncio
 import contextlib
 import errno
 import hmac
-import ipaddress
 import logging
 import os
 import secrets as _secrets
@@ -33,6 +32,7 @@ from pccl.protocol import MAX_FRAME, PROTOCOL_VERSION
 from pccl.protocol import messages as m
 from pccl.protocol.auth import (
     DEFAULT_PORT,
+    is_loopback_host,
     join_host_port,
     master_mac,
     peer_mac,
@@ -68,18 +68,6 @@ def _positive(name: str, value: float) -> float:
         raise InvalidArgumentError(f"MasterNode({name}=...) must be a positive number of "
                                    f"seconds, got {value!r}")
     return float(value)
-
-
-def _loopback_only(host: str) -> bool:
-    """Whether a listen host can only be reached from this machine."""
-    if host in ("", "0.0.0.0", "::"):
-        return False
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False  # a host name: it may resolve to a public address
 
 
 class MasterNode:
@@ -247,7 +235,7 @@ class MasterNode:
                 self._status = None
                 await self.stop()
                 raise
-        if self.secret is None and not _loopback_only(host):
+        if self.secret is None and not is_loopback_host(host):
             log.warning(
                 "master listening on %s WITHOUT AUTHENTICATION: anyone who can reach this "
                 "address can join the run, read the peer list and take part in reduces. "
@@ -491,7 +479,7 @@ class MasterNode:
         there that is only slow to answer (a loaded machine) gets a longer second try
         instead of being taken for NAT."""
         answered = await self._echo_token(host, port, self.dial_back_timeout)
-        if answered is None and _loopback_only(host):
+        if answered is None and is_loopback_host(host):
             log.info("dial-back of %s:%d timed out on loopback; trying again", host, port)
             answered = await self._echo_token(host, port, 4 * self.dial_back_timeout)
         return bool(answered)

@@ -33,7 +33,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from pccl.errors import InvalidArgumentError
 from pccl.master import state as st
 from pccl.peer.metrics import ScrapeTimeCollector
-from pccl.protocol.auth import split_host_port
+from pccl.protocol.auth import is_loopback_host, split_host_port
 
 if TYPE_CHECKING:
     from pccl.master.server import MasterNode
@@ -372,10 +372,8 @@ def _live_gauges(mon: RunMonitor) -> Iterator[Metric]:
 def check_listen(listen: str, token: str | None) -> None:
     """``MasterNode(status_listen=..., status_token=...)``: a malformed address or an
     address other machines can reach without a token fails at construction."""
-    from pccl.master.server import _loopback_only
-
     host, _ = split_host_port(listen)
-    if not _loopback_only(host) and not token:
+    if not is_loopback_host(host) and not token:
         raise InvalidArgumentError(
             f"MasterNode(status_listen={listen!r}) is reachable from other machines: give "
             f"status_token=... (clients send 'Authorization: Bearer TOKEN'), or listen on "

@@ -6,6 +6,7 @@ other's proof)."""
 from __future__ import annotations
 
 import hmac
+import ipaddress
 
 from pccl.errors import InvalidArgumentError
 
@@ -30,6 +31,19 @@ def split_host_port(address: str, default_port: int = DEFAULT_PORT) -> tuple[str
             f"bad address {address!r}: the port must be a number in 0..65535 "
             f"(e.g. 0.0.0.0:{DEFAULT_PORT}; port 0 picks a free one)")
     return host, int(port)
+
+
+def is_loopback_host(host: str) -> bool:
+    """Whether a listen host can only be reached from this machine (a host name other
+    than localhost may resolve to a public address: not loopback)."""
+    if host in ("", "0.0.0.0", "::"):
+        return False
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 def join_host_port(host: str, port: int) -> str:
