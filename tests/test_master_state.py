@@ -2084,3 +2084,110 @@ def test_a_pair_whose_hole_punching_failed_is_relayed_at_once_next_time() -> Non
     assert sent[2].route == "direct" and sent[3].route == "reverse"
     lose(st, 2)
     assert st.punch_failed == set()
+
+
+# --- early start ------------------------------------------------------------------------
+
+
+def early(tag: int = 0, epoch: int = 2, n: int = 0, **kw: int) -> m.CollectiveInit:
+    return dataclasses.replace(coll_init(tag, **kw), early_op=m.early_op_id(epoch, tag, n),
+                               epoch=epoch)
+
+
+def aborts(out: list[Command]) -> list[tuple[int, int]]:
+    return [(c.peer_id, c.msg.op_id) for c in out
+            if isinstance(c, Send) and isinstance(c.msg, m.CollectiveAbort)]
+
+
+def test_early_starts_that_agree_run_under_their_own_op_id() -> None:
+    st = run_with([0, 0, 0])
+    s0 = m.early_op_id(2, 4, 0)
+    assert tell(st, 1, early(4)) == []
+    # A member's ring part may end before the master heard every member call.
+    assert tell(st, 1, done(4, s0)) == []
+    assert tell(st, 2, early(4)) == []
+    # The last one waits for the perform (early or not): everyone gets it, the early
+    # members as the go-ahead for their stall timers.
+    assert tell(st, 3, coll_init(4)) == [
+        Send(p, m.CollectivePerform(tag=4, op_id=s0, epoch=2, rank=p - 1, world=3))
+        for p in (1, 2, 3)]
+    assert tell(st, 2, done(4, s0)) == []
+    assert tell(st, 3, done(4, s0)) == [Send(p, outcome(4, s0)) for p in (1, 2, 3)]
+    assert not st.rings_stale
+    # Counted: the next early start of the tag carries the next id.
+    for p in (1, 2):
+        assert tell(st, p, early(4, n=1)) == []
+    assert [c.msg.op_id for c in tell(st, 3, early(4, n=1))] == [  # type: ignore[union-attr]
+        m.early_op_id(2, 4, 1)] * 3
+
+
+def test_an_early_start_on_a_stale_ring_is_void_and_the_ring_rebuilt() -> None:
+    st = run_with([0, 0, 0])
+    assert tell(st, 1, early(0)) == []
+    out = tell(st, 2, early(0, epoch=1))  # an epoch this ring is past
+    assert (2, m.early_op_id(1, 0, 0)) in aborts(out)
+    assert (1, m.early_op_id(2, 0, 0)) in aborts(out)
+    assert 0 in st.broken_groups
+    # The last member's call starts the repair; the collective runs on the new ring
+    # under a fresh id, performed to everyone.
+    tell(st, 3, coll_init(0))
+    assert st.round is not None and st.round.repair
+    performs = [c for c in report_all(st)
+                if isinstance(c, Send) and isinstance(c.msg, m.CollectivePerform)]
+    assert sorted(c.peer_id for c in performs) == [1, 2, 3]
+    assert {c.msg.op_id for c in performs} == {1}  # type: ignore[union-attr]
+
+
+def test_a_failed_early_ring_before_everyone_called_is_void_not_a_failure() -> None:
+    st = run_with([0, 0, 0])
+    s0 = m.early_op_id(2, 0, 0)
+    tell(st, 1, early(0))
+    tell(st, 2, early(0))
+    out = tell(st, 1, done(0, s0, ok=False, kind="PeerConnectionError", message="reset"))
+    assert aborts(out) == [(2, s0)]
+    assert st.round is not None and st.round.repair  # the links may hold its pieces
+    assert tell(st, 2, done(0, s0, ok=False, kind="CollectiveAbortedError")) == []
+    out = tell(st, 3, early(0))  # too late: its ring op is stopped too
+    assert aborts(out) == [(3, s0)]
+    assert not any(isinstance(c, Send) and isinstance(c.msg, m.CollectiveOutcome)
+                   for c in out)
+    performs = [c for c in report_all(st)
+                if isinstance(c, Send) and isinstance(c.msg, m.CollectivePerform)]
+    assert len(performs) == 3 and all(c.msg.op_id == 1 for c in performs)  # type: ignore[union-attr]
+
+
+def test_a_failed_early_ring_after_everyone_called_fails_for_everyone() -> None:
+    st = run_with([0, 0, 0])
+    s0 = m.early_op_id(2, 0, 0)
+    for p in (1, 2, 3):
+        tell(st, p, early(0))
+    assert tell(st, 2, done(0, s0, ok=False, kind="PeerConnectionError")) == [
+        Send(p, m.CollectiveAbort(tag=0, op_id=s0, message=TEXT)) for p in (1, 3)]
+    tell(st, 1, done(0, s0, ok=False, kind="CollectiveAbortedError"))
+    out = tell(st, 3, done(0, s0, ok=False, kind="CollectiveAbortedError"))
+    assert [(c.peer_id, c.msg.ok) for c in out if isinstance(c, Send)
+            and isinstance(c.msg, m.CollectiveOutcome)] == [(1, False), (2, False), (3, False)]
+    assert st.round is not None and st.round.repair  # the failed ring is rebuilt at once
+
+
+def test_early_starts_that_disagree_are_refused_and_the_ring_rebuilt() -> None:
+    st = run_with([0, 0, 0])
+    tell(st, 1, early(0))
+    tell(st, 2, early(0))
+    out = tell(st, 3, early(0, count=99))
+    assert out[:3] == [Send(p, refused(0, "InvalidUsageError")) for p in (1, 2, 3)]
+    assert st.round is not None and st.round.repair and st.collectives == {}
+
+
+def test_a_member_lost_before_calling_voids_the_early_start() -> None:
+    st = run_with([0, 0, 0])
+    s0 = m.early_op_id(2, 0, 0)
+    tell(st, 1, early(0))
+    tell(st, 2, early(0))
+    out = lose(st, 3)
+    assert Send(1, m.CollectiveAbort(tag=0, op_id=s0, message=TEXT)) in out
+    assert Send(2, m.CollectiveAbort(tag=0, op_id=s0, message=TEXT)) in out
+    performs = [c for c in report_all(st)
+                if isinstance(c, Send) and isinstance(c.msg, m.CollectivePerform)]
+    assert sorted(c.peer_id for c in performs) == [1, 2]
+    assert all(c.msg.world == 2 and c.msg.op_id < (1 << 63) for c in performs)  # type: ignore[union-attr]

@@ -299,3 +299,109 @@ def test_error_kinds_name_every_pccl_error_the_extension_defines() -> None:
         assert ErrorKind.of(ErrorKind(k).error("x")) is ErrorKind(k)
     assert ErrorKind.parse("nonsense") is ErrorKind.PCCLError
     assert ErrorKind.parse("", ErrorKind.MasterConnectionError) is ErrorKind.MasterConnectionError
+
+
+# --- early start: the ring starts when the caller calls -------------------------------
+
+
+def _ok(tag: int, op_id: int) -> ps.FromMaster:
+    return ps.FromMaster(m.CollectiveOutcome(tag=tag, op_id=op_id, ok=True,
+                                             kind=ErrorKind.NONE, message=""))
+
+
+def test_an_early_start_runs_the_ring_at_once_and_the_perform_only_arms_it() -> None:
+    mc = accepted()  # peer 2 of ring [1, 2, 3], epoch 1
+    s0 = m.early_op_id(1, 5, 0)
+    out = mc.handle(ps.StartCollective(init(5), early=True))
+    p = m.CollectivePerform(tag=5, op_id=s0, epoch=1, rank=1, world=3)
+    (sent_init,) = sent(out)
+    assert (sent_init.early_op, sent_init.epoch) == (s0, 1)
+    assert ps.Resolve(ps.perform_of(5), (p, True)) in out and ps.RunRing(5, p) in out
+    assert mc.collectives[5].early
+    # The master's perform under the same id: every member called; arm the stall timer.
+    assert mc.handle(perform(tag=5, op_id=s0)) == [ps.ArmRing(5)]
+    assert not mc.collectives[5].early
+    assert sent(mc.handle(ps.RingDone(5, True)))[0].op_id == s0
+    assert mc.handle(_ok(5, s0)) == [ps.Resolve(ps.outcome_of(5), _ok(5, s0).msg)]
+    mc.handle(ps.EndCollective(5))
+    # The next collective of the tag derives the next id; another tag starts at 0.
+    (nxt,) = sent(mc.handle(ps.StartCollective(init(5), early=True)))
+    assert nxt.early_op == m.early_op_id(1, 5, 1) != s0
+    (other,) = sent(mc.handle(ps.StartCollective(init(6), early=True)))
+    assert other.early_op == m.early_op_id(1, 6, 0)
+
+
+def test_a_voided_early_start_runs_again_under_the_masters_op_id() -> None:
+    mc = accepted()
+    s0 = m.early_op_id(1, 0, 0)
+    mc.handle(ps.StartCollective(init(), early=True))
+    # Voided while its ring op runs: stop it; nothing is reported when it ends.
+    assert mc.handle(perform(op_id=42)) == [ps.AbortRing(0)]
+    out = mc.handle(ps.RingDone(0, False, ErrorKind.CollectiveAbortedError, "aborted"))
+    p = m.CollectivePerform(tag=0, op_id=42, epoch=1, rank=1, world=3)
+    assert sent(out) == []
+    assert out[:3] == [ps.Resolve(ps.outcome_of(0), ps.REDO),
+                       ps.Resolve(ps.perform_of(0), (p, True)), ps.RunRing(0, p)]
+    assert sent(mc.handle(ps.RingDone(0, True)))[0].op_id == 42
+    assert mc.handle(_ok(0, 42)) == [ps.Resolve(ps.outcome_of(0), _ok(0, 42).msg)]
+    assert s0 != 42
+
+
+def test_a_voided_early_start_that_already_reported_runs_again_at_once() -> None:
+    mc = accepted()
+    s0 = m.early_op_id(1, 0, 0)
+    mc.handle(ps.StartCollective(init(), early=True))
+    assert sent(mc.handle(ps.RingDone(0, False, ErrorKind.PeerConnectionError, "reset"))) \
+        == [m.CollectiveDone(tag=0, op_id=s0, ok=False, kind=ErrorKind.PeerConnectionError,
+                             message="reset")]
+    out = mc.handle(perform(op_id=43))
+    assert [type(c) for c in out] == [ps.Resolve, ps.Resolve, ps.RunRing]
+    assert out[0] == ps.Resolve(ps.outcome_of(0), ps.REDO)
+
+
+def test_no_early_start_after_a_failure_until_the_ring_is_rebuilt() -> None:
+    mc = accepted()
+    s0 = m.early_op_id(1, 0, 0)
+    mc.handle(ps.StartCollective(init(), early=True))
+    mc.handle(ps.RingDone(0, False, ErrorKind.PeerConnectionError, "reset"))
+    mc.handle(ps.FromMaster(m.CollectiveOutcome(tag=0, op_id=s0, ok=False,
+                                                kind=ErrorKind.PeerConnectionError,
+                                                message="reset")))
+    mc.handle(ps.EndCollective(0))
+    (again,) = sent(mc.handle(ps.StartCollective(init(), early=True)))
+    assert again.early_op == -1  # waits for the master's perform
+    mc.handle(ps.FromMaster(m.CollectiveOutcome(tag=0, op_id=-1, ok=False,
+                                                kind=ErrorKind.PeerConnectionError,
+                                                message="x")))
+    mc.handle(ps.EndCollective(0))
+    # The repaired ring (a new epoch) allows early starts again, counted from 0.
+    cmds(mc, ps.FromMaster(world([1, 2], 2)),
+         ps.FromMaster(m.TopologyUpdated(epoch=2, repair=True)), ps.RingInstalled(2, 1))
+    (fresh,) = sent(mc.handle(ps.StartCollective(init(), early=True)))
+    assert fresh.early_op == m.early_op_id(2, 0, 0) and fresh.epoch == 2
+
+
+def test_an_early_start_waits_while_a_ring_is_being_installed() -> None:
+    mc = accepted()
+    cmds(mc, ps.FromMaster(world([1, 2], 2)),
+         ps.FromMaster(m.TopologyUpdated(epoch=2, repair=True)))
+    (plain,) = sent(mc.handle(ps.StartCollective(init(), early=True)))
+    assert plain.early_op == -1
+
+
+def test_cancelling_an_unconfirmed_early_start_withdraws_it() -> None:
+    mc = accepted()
+    mc.handle(ps.StartCollective(init(), early=True))
+    out = mc.handle(ps.CancelCollective(0))
+    assert ps.AbortRing(0) in out
+    (done,) = sent(out)
+    assert done.op_id == -1 and done.kind is ErrorKind.CollectiveAbortedError
+
+
+def test_a_called_off_early_start_stops_its_ring_and_fails_the_call() -> None:
+    mc = accepted()
+    mc.handle(ps.StartCollective(init(), early=True))
+    out = mc.handle(ps.FromMaster(m.CollectiveOutcome(
+        tag=0, op_id=-1, ok=False, kind=ErrorKind.InvalidUsageError, message="disagree")))
+    assert ps.AbortRing(0) in out
+    assert ps.Fail(ps.outcome_of(0), ErrorKind.InvalidUsageError, "disagree") in out

@@ -281,6 +281,14 @@ class Collective:
     reported: set[int] = dataclasses.field(default_factory=set)
     error: tuple[ErrorKind, str] | None = None  # (error class name, message)
     deadline: int = 0  # id of the deadline on the wait for every member's init
+    epoch: int = -1  # ring epoch it was performed on
+    # Early start (see pccl.peer.state): the op id members already run, those members,
+    # what they reported before every member had called, and whether it was voided (its
+    # members then run it again under a new op id once performed).
+    early: int = -1
+    early_peers: set[int] = dataclasses.field(default_factory=set)
+    early_done: dict[int, m.CollectiveDone] = dataclasses.field(default_factory=dict)
+    early_void: bool = False
 
 
 def _describe(init: m.CollectiveInit) -> tuple[object, ...]:
@@ -395,6 +403,9 @@ class MasterState:
         # Revision each peer reached in its last successful sync.
         self.last_revision: dict[int, int] = {}
         self.next_op_id = 1
+        # (group, tag) -> (ring epoch, successful collectives of the tag on that ring):
+        # what the op id of an early start derives from (see m.early_op_id).
+        self.early_counts: dict[tuple[int, int], tuple[int, int]] = {}
         # Recovery after a master restart: peers named by resuming peers that have not
         # registered yet; admission waits for them (bounded by the recovery timer).
         self.recovery_awaiting: set[int] = set()
@@ -712,6 +723,10 @@ class MasterState:
         groups = [g for g in self._broken() if g not in running]
         if not groups:
             return
+        for col in self.collectives.values():
+            if col.group in groups:
+                # Their members' early ring ops end with the links being replaced.
+                self._void_early(col, "the ring is being rebuilt", out)
         members = [p for p in self.accepted() if self.peers[p].peer_group in groups]
         self.attempts = 0
         self._start_round(members, out, repair=True)
@@ -1027,6 +1042,10 @@ class MasterState:
         def refuse(kind: ErrorKind, why: str) -> None:
             out.append(Send(peer, m.CollectiveOutcome(tag=msg.tag, op_id=-1, ok=False,
                                                       kind=kind, message=why)))
+            if msg.early_op >= 0 and rec.status is PeerStatus.ACCEPTED:
+                # Its early ring op may have left pieces on the group's links.
+                self.rings_stale = True
+                self.broken_groups.add(rec.peer_group)
 
         if rec.status is not PeerStatus.ACCEPTED:
             refuse(ErrorKind.InvalidUsageError,
@@ -1043,6 +1062,8 @@ class MasterState:
             col.deadline = self._arm(("collective", col.group, col.tag), msg.timeout, out)
         col.inits[peer] = msg
         self.fresh.discard(peer)
+        if msg.early_op >= 0:
+            self._on_early_start(peer, col, msg, out)
         if any(p in self.votes or p in self.opt_votes for p in self._members(rec.peer_group)):
             self._fail_unperformed(col, ErrorKind.CollectiveAbortedError, (
                 "other peers of the group are in update_topology(); call update_topology() "
@@ -1058,6 +1079,51 @@ class MasterState:
         self._maybe_perform(col, out)
         self._maybe_answer_pending(out)
 
+    def _early_op(self, group: int, tag: int) -> int:
+        """The op id an early start of ``tag`` must carry now (see m.early_op_id)."""
+        epoch = self.ring_epochs.get(group, 0)
+        counted, n = self.early_counts.get((group, tag), (epoch, 0))
+        return m.early_op_id(epoch, tag, n if counted == epoch else 0)
+
+    def _on_early_start(self, peer: int, col: Collective, msg: m.CollectiveInit,
+                        out: list[Command]) -> None:
+        """A member started the ring as op ``msg.early_op`` when it called. It stands if
+        it is the op the ring's members agree on now; otherwise the attempt is void."""
+        rnd = self.round
+        why = ""
+        if col.early_void:
+            why = "an earlier member's early start failed"
+        elif msg.epoch != self.ring_epochs.get(col.group, 0) or self._ring_broken(col.group) \
+                or (rnd is not None and rnd.repair and col.group in rnd.groups):
+            why = f"the ring of epoch {msg.epoch} is no longer current"
+        elif msg.early_op != self._early_op(col.group, col.tag) \
+                or col.early not in (-1, msg.early_op):
+            why = "the members derived different op ids"
+        col.early_peers.add(peer)
+        if not why:
+            col.early = msg.early_op
+        else:
+            # Its ring op cannot complete; tell it now (it waits for a perform then).
+            out.append(Send(peer, m.CollectiveAbort(tag=col.tag, op_id=msg.early_op,
+                                                    message=f"early start void: {why}")))
+            col.early = col.early if col.early >= 0 else msg.early_op
+            self._void_early(col, why, out)
+
+    def _void_early(self, col: Collective, why: str, out: list[Command]) -> None:
+        """Calls off the early start of a collective not yet performed: its members stop
+        their ring op (and run the collective again once performed), and the ring is
+        rebuilt first (its links may hold pieces of the void op)."""
+        if col.early < 0 or col.op_id >= 0:
+            return
+        if not col.early_void:
+            col.early_void = True
+            for p in sorted(col.early_peers):
+                if p not in col.early_done:
+                    out.append(Send(p, m.CollectiveAbort(tag=col.tag, op_id=col.early,
+                                                         message=f"early start void: {why}")))
+        self.rings_stale = True
+        self.broken_groups.add(col.group)
+
     def _maybe_perform(self, col: Collective, out: list[Command]) -> None:
         members = self._members(col.group)
         if not set(members) <= set(col.inits):
@@ -1065,6 +1131,7 @@ class MasterState:
         rnd = self.round
         if self._ring_broken(col.group) or (rnd is not None and rnd.repair
                                             and col.group in rnd.groups):
+            self._void_early(col, "the ring is being rebuilt", out)
             return  # held until the master repaired the ring (see _maybe_repair)
         self._disarm(col.deadline)
         first = col.inits[members[0]]
@@ -1079,16 +1146,24 @@ class MasterState:
                 f"peers disagree on collective tag {col.tag}: {detail}"), out)
             return
         ring = self.rings.get(col.group, [])
-        col.op_id = self.next_op_id
-        self.next_op_id += 1
+        col.epoch = self.ring_epochs.get(col.group, 0)
+        if col.early >= 0 and not col.early_void:
+            # Every member called and agrees: the early start stands. The perform arms the
+            # early members' stall timers and starts the others' ring op under that id.
+            col.op_id = col.early
+            col.reported = {p for p in col.early_done if p in ring}
+        else:
+            col.op_id = self.next_op_id
+            self.next_op_id += 1
         col.participants = list(ring)
         self._note("collective_started", "", ring, col.group, col.op_id,
                    first.count * _ELEMENT_BYTES.get(first.dtype, 0))
         for rank, p in enumerate(ring):
             out.append(Send(p, m.CollectivePerform(tag=col.tag, op_id=col.op_id,
-                                                   epoch=self.ring_epochs.get(col.group, 0),
-                                                   rank=rank,
+                                                   epoch=col.epoch, rank=rank,
                                                    world=len(ring))))
+        if col.reported:
+            self._maybe_finish_collective(col, out)
 
     def _ring_broken(self, group: int) -> bool:
         """Whether collectives in ``group`` cannot succeed before update_topology()."""
@@ -1099,6 +1174,10 @@ class MasterState:
                           skip: int | None = None) -> None:
         del self.collectives[(col.group, col.tag)]
         self._disarm(col.deadline)
+        if col.early >= 0:
+            # Early members ran the ring: its links may hold pieces of the op.
+            self.rings_stale = True
+            self.broken_groups.add(col.group)
         self._note("collective_failed", f"collective tag {col.tag} of group {col.group} "
                    f"called off before it ran: {why}", sorted(col.inits), col.group, -1)
         for p in col.inits:
@@ -1109,6 +1188,15 @@ class MasterState:
 
     def _on_collective_done(self, peer: int, msg: m.CollectiveDone, out: list[Command]) -> None:
         col = self.collectives.get((self.peers[peer].peer_group, msg.tag))
+        if col is not None and col.op_id < 0 and msg.op_id >= 0 and msg.op_id == col.early \
+                and peer in col.early_peers:
+            # An early ring op ended before every member had called.
+            if col.early_void:
+                return  # it runs again once performed
+            col.early_done[peer] = msg
+            if not msg.ok:
+                self._void_early(col, f"peer {peer}: {msg.message}", out)
+            return
         if col is not None and msg.op_id < 0 and col.op_id < 0 and peer in col.inits:
             # The peer gave up before the collective ran: call it off for everyone.
             # The withdrawing peer hears nothing: it may already reuse the tag.
@@ -1143,6 +1231,10 @@ class MasterState:
         kind, why = col.error or (ErrorKind.NONE, "")
         if col.error is None:
             self._note("collective_done", "", col.participants, col.group, col.op_id)
+            if col.epoch == self.ring_epochs.get(col.group, 0):
+                counted, n = self.early_counts.get((col.group, col.tag), (col.epoch, 0))
+                self.early_counts[(col.group, col.tag)] = (
+                    col.epoch, n + 1 if counted == col.epoch else 1)
         else:
             self._note("collective_failed", f"collective op {col.op_id} (tag {col.tag}) of "
                        f"group {col.group} aborted: {kind}: {why}", col.participants,
@@ -1167,6 +1259,9 @@ class MasterState:
                 # As in PCCL, the others go on without it: the collective runs once the
                 # master repaired the ring (or at once, if the rest already joined).
                 col.inits.pop(peer, None)
+                col.early_peers.discard(peer)
+                col.early_done.pop(peer, None)
+                self._void_early(col, f"peer {peer} left the group", out)
                 if not col.inits:
                     del self.collectives[(col.group, col.tag)]
                     self._disarm(col.deadline)

@@ -24,6 +24,14 @@ Sub-machines, one per kind of call that waits on the master:
       WAIT_PERFORM ──Perform──▶ (WAIT_INSTALL) ──▶ RUNNING ──RingDone──▶ WAIT_OUTCOME ──▶ gone
             └──────────── Outcome before Perform: refused / called off ──────────────▶ gone
 
+  An *early start* skips the first wait: on a ring that carried this peer's last
+  collectives without a failure, the call derives the op id the master would confirm
+  (:func:`pccl.protocol.messages.early_op_id`) and goes straight to RUNNING, its init
+  telling the master so. The master's Perform with that id then only arms the ring's
+  stall timer; a Perform with another id means the master voided the early start (a
+  peer died, the ring changed, the peers disagreed): the early ring op is stopped and
+  the collective runs again as performed (the outcome waiter gets :data:`REDO`).
+
 * one shared-state sync (:class:`SyncPhase`): WAIT_PLAN ─Plan─▶ FETCHING ─Fetched─▶
   WAIT_OUTCOME.
 
@@ -52,6 +60,17 @@ REJOIN: Waiter = ("rejoin",)
 UPDATE: Waiter = ("update",)
 PLAN: Waiter = ("plan",)
 SYNC: Waiter = ("sync",)
+
+
+class Redo:
+    """What an outcome waiter gets when the master voided an early start: the
+    collective runs again, as performed (wait for the perform waiter anew)."""
+
+    def __repr__(self) -> str:
+        return "REDO"
+
+
+REDO = Redo()
 
 
 def perform_of(tag: int) -> Waiter:
@@ -179,9 +198,11 @@ class EndQuery:
 
 @dataclasses.dataclass(frozen=True)
 class StartCollective:
-    """User call: an all-reduce described by ``init``."""
+    """User call: an all-reduce described by ``init``; ``early``: start the ring at once
+    where the ring allows it (see the module docstring)."""
 
     init: m.CollectiveInit
+    early: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -292,6 +313,14 @@ class AbortRing:
 
 
 @dataclasses.dataclass(frozen=True)
+class ArmRing:
+    """The master confirmed collective ``tag``'s early start: from now on its ring op may
+    time out waiting for the previous peer (before, that peer may not have called yet)."""
+
+    tag: int
+
+
+@dataclasses.dataclass(frozen=True)
 class Probe:
     msg: m.ProbeRequest
     generation: int
@@ -319,8 +348,8 @@ class Log:
     message: str
 
 
-Command = (Send | Resolve | Fail | Establish | InstallRing | RunRing | AbortRing | Probe
-           | OpenRelay | Rejoin | Log)
+Command = (Send | Resolve | Fail | Establish | InstallRing | RunRing | AbortRing | ArmRing
+           | Probe | OpenRelay | Rejoin | Log)
 
 
 class ProtocolViolation(Exception):
@@ -338,6 +367,8 @@ class Collective:
     phase: CollectivePhase = CollectivePhase.WAIT_PERFORM
     perform: m.CollectivePerform | None = None
     aborted: bool = False  # the master called it off while it ran
+    early: bool = False  # runs as an early start the master has not confirmed yet
+    redo: m.CollectivePerform | None = None  # the master voided the early start
 
 
 @dataclasses.dataclass
@@ -372,6 +403,11 @@ class PeerMachine:
         self.sync: Sync | None = None
         self.installs: list[m.TopologyUpdated] = []  # rounds whose ring install runs
         self.asking_req: int | None = None  # the collective are_peers_pending() waiting
+        # Early starts: successful collectives per tag on the installed ring (what the
+        # next early op id derives from), and the ring epoch on which a failure turned
+        # them off (a failed ring op may leave pieces on the links: the master rebuilds).
+        self.early_counts: dict[int, int] = {}
+        self.early_off_epoch = -1
         self._next_req = 0
         # What heartbeat answers report to the master's status page: p2p tx and rx bytes,
         # the running sync's fetched and total bytes (the driver's counters).
@@ -449,7 +485,7 @@ class PeerMachine:
                 self.asking_req = None
             self.waiting.discard(query_of(ev.req))
         elif isinstance(ev, StartCollective):
-            self._start_collective(ev.init, out)
+            self._start_collective(ev.init, ev.early, out)
         elif isinstance(ev, RingDone):
             self._ring_done(ev, out)
         elif isinstance(ev, CancelCollective):
@@ -514,6 +550,7 @@ class PeerMachine:
             return
         self.connected = False
         self.lost = (kind, reason)
+        self.early_off_epoch = self.ring_epoch  # ring ops in flight are aborted unreported
         out.append(Log(f"peer {self.peer_id}: {reason}"))
         rejoin = self.status is Status.ACCEPTED and self.reconnect and may_rejoin
         if rejoin:
@@ -541,12 +578,26 @@ class PeerMachine:
             self._on_topology_updated(msg, out)
         elif isinstance(msg, m.CollectivePerform):
             col = self.collectives.get(msg.tag)
-            if col is not None and col.phase is CollectivePhase.WAIT_PERFORM:
+            if col is None:
+                return
+            if col.phase is CollectivePhase.WAIT_PERFORM:
                 col.perform = msg
                 self._perform(col, out)
+            elif col.early and col.perform is not None and msg.op_id == col.perform.op_id:
+                # Every member called: the early start stands.
+                col.early = False
+                if col.phase is CollectivePhase.RUNNING:
+                    out.append(ArmRing(msg.tag))
+            elif col.early:
+                # The master voided the early start: run again once its ring op ended.
+                col.redo = msg
+                if col.phase is CollectivePhase.RUNNING:
+                    out.append(AbortRing(msg.tag))
+                else:
+                    self._run_again(col, out)
         elif isinstance(msg, m.CollectiveAbort):
             col = self.collectives.get(msg.tag)
-            if col is not None:
+            if col is not None and (col.perform is None or msg.op_id == col.perform.op_id):
                 col.aborted = True
                 if col.phase is CollectivePhase.RUNNING:
                     out.append(AbortRing(msg.tag))
@@ -554,13 +605,22 @@ class PeerMachine:
             col = self.collectives.get(msg.tag)
             if col is None:
                 return  # a withdrawn or forgotten collective: nothing waits for it
-            if col.perform is None:
-                # Refused or called off before it ran.
+            if col.perform is not None and msg.op_id == col.perform.op_id:
+                if msg.ok and col.perform.epoch == self.ring_epoch:
+                    self.early_counts[col.tag] = self.early_counts.get(col.tag, 0) + 1
+                elif not msg.ok:
+                    self.early_off_epoch = self.ring_epoch
+                self._resolve(outcome_of(msg.tag), msg, out)
+            else:
+                # Refused or called off before it ran (an early start included: stop it).
+                if col.perform is not None:
+                    self.early_off_epoch = self.ring_epoch
+                if col.phase is CollectivePhase.RUNNING:
+                    col.aborted = True
+                    out.append(AbortRing(msg.tag))
                 kind = ErrorKind.parse(msg.kind)
                 self._fail(perform_of(msg.tag), kind, msg.message, out)
                 self._fail(outcome_of(msg.tag), kind, msg.message, out)
-            else:
-                self._resolve(outcome_of(msg.tag), msg, out)
         elif isinstance(msg, (m.TopologyUpdateFailed, m.OptimizeFailed, m.ErrorReply)):
             if isinstance(msg, m.OptimizeFailed):
                 kind = ErrorKind.TopologyOptimizationFailedError
@@ -613,7 +673,11 @@ class PeerMachine:
 
     def _on_installed(self, ev: RingInstalled, out: list[Command]) -> None:
         if not ev.error:
+            if ev.epoch != self.ring_epoch:
+                self.early_counts.clear()
             self.ring_epoch = ev.epoch
+        else:
+            self.early_off_epoch = self.ring_epoch  # its links were closed for the new one
         msgs = [u for u in self.installs if u.epoch == ev.epoch]
         self.installs = [u for u in self.installs if u.epoch != ev.epoch]
         if ev.generation == self.generation and self.connected:
@@ -681,7 +745,8 @@ class PeerMachine:
         self._send(m.PendingQuery(req=ev.req, collective=ev.collective, timeout=ev.timeout),
                    out)
 
-    def _start_collective(self, init: m.CollectiveInit, out: list[Command]) -> None:
+    def _start_collective(self, init: m.CollectiveInit, early: bool,
+                          out: list[Command]) -> None:
         self._check_usable()
         if self.topology is not None:
             raise ProtocolViolation(ErrorKind.InvalidUsageError,
@@ -689,9 +754,36 @@ class PeerMachine:
         if init.tag in self.collectives:
             raise ProtocolViolation(ErrorKind.InvalidUsageError,
                                     f"tag {init.tag} is already in flight on this peer")
-        self.collectives[init.tag] = Collective(init.tag, init)
+        col = self.collectives[init.tag] = Collective(init.tag, init)
         self.waiting |= {perform_of(init.tag), outcome_of(init.tag)}
-        self._send(init, out)
+        perform = self._early_perform(init.tag) if early else None
+        if perform is None:
+            self._send(init, out)
+            return
+        col.init = dataclasses.replace(init, early_op=perform.op_id, epoch=perform.epoch)
+        col.perform, col.early = perform, True
+        self._send(col.init, out)
+        self._perform(col, out)
+
+    def _early_perform(self, tag: int) -> m.CollectivePerform | None:
+        """The perform the master would send for ``tag`` now, if this peer may start
+        without it: its ring is installed and current, and no failure since."""
+        e = self.ring_epoch
+        if e < 0 or self.installs or self.epoch != e or self.early_off_epoch == e \
+                or self.peer_id not in self.ring:
+            return None
+        op_id = m.early_op_id(e, tag, self.early_counts.get(tag, 0))
+        return m.CollectivePerform(tag=tag, op_id=op_id, epoch=e,
+                                   rank=self.ring.index(self.peer_id), world=len(self.ring))
+
+    def _run_again(self, col: Collective, out: list[Command]) -> None:
+        """The voided early start ended here: the collective runs as performed."""
+        assert col.redo is not None
+        col.perform, col.redo, col.early, col.aborted = col.redo, None, False, False
+        col.phase = CollectivePhase.WAIT_PERFORM
+        self._resolve(outcome_of(col.tag), REDO, out)
+        self.waiting |= {perform_of(col.tag), outcome_of(col.tag)}
+        self._perform(col, out)
 
     def _perform(self, col: Collective, out: list[Command]) -> None:
         p = col.perform
@@ -725,6 +817,9 @@ class PeerMachine:
         if col is None or col.phase is not CollectivePhase.RUNNING or col.perform is None:
             return
         col.phase = CollectivePhase.WAIT_OUTCOME
+        if col.redo is not None:
+            self._run_again(col, out)  # the master knows: nothing to report
+            return
         self._send(m.CollectiveDone(tag=ev.tag, op_id=col.perform.op_id, ok=ev.ok,
                                     kind=ev.kind, message=ev.message), out)
 
@@ -737,7 +832,10 @@ class PeerMachine:
             return
         if col.phase is CollectivePhase.RUNNING:
             out.append(AbortRing(tag))
-        op_id = col.perform.op_id if col.perform is not None else -1
+        if col.perform is not None:
+            self.early_off_epoch = self.ring_epoch  # its ring op may leave pieces behind
+        # An unconfirmed early start withdraws like a collective not yet performed.
+        op_id = col.perform.op_id if col.perform is not None and not col.early else -1
         if col.phase is not CollectivePhase.WAIT_OUTCOME:
             col.phase = CollectivePhase.WAIT_OUTCOME
         self.waiting.discard(perform_of(tag))

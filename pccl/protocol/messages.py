@@ -8,12 +8,13 @@ types are checked on decode, so a peer can never hand the master a ``str`` where
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from typing import ClassVar
 
 from pccl.errors import ErrorKind
 
 #: Bumped on every incompatible change; checked in the handshake.
-PROTOCOL_VERSION = 6
+PROTOCOL_VERSION = 7
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -309,6 +310,18 @@ class CollectiveInit(Message):
     # The caller's tensor shape where it has one (empty: unknown, e.g. a raw buffer):
     # peers whose shapes both are known must agree, not only on the element count.
     shape: list[int] = dataclasses.field(default_factory=list)
+    # Early start: the peer already runs the ring as op ``early_op`` on the links of ring
+    # epoch ``epoch`` (see :func:`early_op_id`); -1: it waits for CollectivePerform.
+    early_op: int = -1
+    epoch: int = -1
+
+
+def early_op_id(epoch: int, tag: int, n: int) -> int:
+    """The op id every member of a ring derives, without asking the master, for the
+    ``n``-th successful collective of ``tag`` on the ring of ``epoch`` (0-based). The top
+    bit keeps these ids apart from the master's own counter."""
+    digest = hashlib.blake2b(f"{epoch}:{tag}:{n}".encode(), digest_size=8).digest()
+    return (1 << 63) | (int.from_bytes(digest, "big") >> 1)
 
 
 @message

@@ -164,6 +164,7 @@ class RingOp:
     op: ReduceOp = ReduceOp.SUM
     failed: str = ""
     finished: bool = False
+    epoch: int = -1
 
 
 # --- peers -----------------------------------------------------------------------------
@@ -217,6 +218,7 @@ class SimPeer:
             sim.later(sim.delay(), self.feed, ps.PoolsEstablished(c.msg.epoch, c.generation,
                                                                   failed))
         elif isinstance(c, ps.InstallRing):
+            sim.links_replaced(self, c.epoch)
             bad = [p for p in (c.next_id, c.prev_id) if p >= 0 and not sim.reachable(p)]
             err = f"peer {bad[0]} is gone" if bad else ""
             sim.later(sim.delay(), self.feed, ps.RingInstalled(c.epoch, c.generation, err))
@@ -224,6 +226,8 @@ class SimPeer:
             sim.ring_start(self, c.tag, c.perform)
         elif isinstance(c, ps.AbortRing):
             sim.ring_withdraw(self, c.tag)
+        elif isinstance(c, ps.ArmRing):
+            pass  # simulated ring ops never stall
         elif isinstance(c, ps.Probe):
             sim.later(sim.delay(), self.feed, ps.Probed(
                 tuple(c.msg.target_ids), tuple(1e9 for _ in c.msg.target_ids), c.generation))
@@ -245,6 +249,8 @@ class SimPeer:
             return
         if w[0] == "outcome":
             tag = w[1]
+            if value is ps.REDO:
+                return  # the early start was voided: the collective runs again
             p = self.performs.get(tag)
             if error is not None or p is None:
                 self.errors[tag] = error or ErrorKind.PCCLError.error("no perform")
@@ -311,8 +317,10 @@ class SimPeer:
         if self.alive and tag in self.machine.collectives and tag not in self.cancelled:
             self.cancelled.add(tag)
             self.sim.trace(f"peer {self.id} CANCELS reduce {tag}")
+            col = self.machine.collectives.get(tag)
+            unconfirmed = col is not None and col.early
             self.feed(ps.CancelCollective(tag))
-            if tag not in self.performs:
+            if tag not in self.performs or unconfirmed:
                 # Not performed yet: the driver raises CancelledError at once and forgets
                 # the collective; only after the perform does it wait for the outcome.
                 self.machine.handle(ps.EndCollective(tag))
@@ -385,7 +393,8 @@ class SimPeer:
                     self.sim.contribution[(self.id, r.tag)] = (r.value, r.op)
                     self.feed(ps.StartCollective(m.CollectiveInit(
                         tag=r.tag, kind="all_reduce", dtype=int(DataType.INT64), count=1,
-                        op=int(r.op), quant_algorithm=0, quant_dtype=0, timeout=timeout)))
+                        op=int(r.op), quant_algorithm=0, quant_dtype=0, timeout=timeout),
+                        early=self.sim.rng.random() < self.sim.early_rate))
                     if self.sim.rng.random() < self.sim.cancel_rate:
                         self.sim.later(self.sim.rng.random() * 0.05, self.cancel, r.tag)
         except ps.ProtocolViolation as e:
@@ -418,6 +427,7 @@ class Sim:
     def __init__(self, seed: int, *, peers: int = 3, joiners: int = 2, steps: int = 6,
                  kills: int = 2, drops: int = 1, breaks: int = 2,
                  cancel_rate: float = 0.02, optimize_every: int = 0, restarts: int = 0,
+                 early_rate: float = 0.9,
                  max_events: int = 200_000,
                  collective_timeout: float = 1800.0, tracer: Callable[[str], None] | None = None
                  ) -> None:
@@ -449,6 +459,7 @@ class Sim:
         self.kills = self.joins = self.drops = self.breaks = 0
         self._flaky = 0
         self.cancel_rate = cancel_rate
+        self.early_rate = early_rate
         self.master_gen = 0
         self.restarts = 0
         self.reconnect_timeout = 60.0
@@ -722,6 +733,9 @@ class Sim:
 
     def ring_start(self, peer: SimPeer, tag: int, p: m.CollectivePerform) -> None:
         op = self.rings.setdefault((self.master_gen, p.op_id), RingOp(p.op_id, p.world, set()))
+        op.epoch = p.epoch
+        # An early start has no perform message: its members are the peer's ring.
+        op.members |= set(peer.machine.ring)
         value, rop = self.contribution[(peer.id, tag)]
         op.op = rop
         if op.failed or op.finished:
@@ -738,6 +752,14 @@ class Sim:
             for pid in sorted(op.started):
                 q = self.peers[pid]
                 self.later(self.delay(), q.feed, ps.RingDone(tag, True))
+
+    def links_replaced(self, peer: SimPeer, epoch: int) -> None:
+        """A peer takes over the links of a new ring epoch: its older links close, and
+        the ring ops running on them fail."""
+        for op in list(self.rings.values()):
+            if not op.finished and op.epoch < epoch and (
+                    peer.id in op.members or peer.id in op.started):
+                self._ring_fail(op, f"peer {peer.id} replaced the links of epoch {op.epoch}")
 
     def _ring_fail(self, op: RingOp, why: str) -> None:
         op.failed = why
