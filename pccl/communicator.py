@@ -125,12 +125,14 @@ class Communicator(Driver):
         insecure: bool = False,
         allow_relay: bool = True,
         metrics_listen: str | None = None,
+        early_start_max_bytes: int = 4 << 20,
     ) -> None:
         check_int(p2p_connection_pool_size, "p2p_connection_pool_size", 1, 64)
         check_int(peer_group, "peer_group", 0, (1 << 32) - 1)
         check_int(p2p_listen_port, "p2p_listen_port", 0, 65535)
         check_int(piece_bytes, "piece_bytes", 1, 1 << 30)
         check_int(max_frame, "max_frame", 1 << 10, 1 << 31)
+        check_int(early_start_max_bytes, "early_start_max_bytes", 0, 1 << 40)
         check_master_address(master)
         self.collective_timeout = check_deadline(collective_timeout, "collective_timeout")
         for name, value in (("timeout", timeout), ("p2p_timeout", p2p_timeout),
@@ -160,6 +162,11 @@ class Communicator(Driver):
         # "host:port": this peer's own Prometheus /metrics (bytes per link, retries, time
         # in collectives); None: not served.
         self.metrics_listen = metrics_listen
+        # All-reduces of at most this many bytes start the ring when called, on a ring
+        # that ran its last collectives without a failure (one master round trip instead
+        # of two; 0: never). Their pieces may reach a neighbour that has not called yet:
+        # it holds them, bounded (see docs/semantics.md).
+        self.early_start_max_bytes = early_start_max_bytes
 
         self._m = ps.PeerMachine(reconnect=reconnect_timeout > 0)
         # This peer's counters (heartbeats carry them to the master; metrics_listen
@@ -449,7 +456,7 @@ class Communicator(Driver):
         self._feed(ps.StartCollective(m.CollectiveInit(
             tag=tag, kind="all_reduce", dtype=int(src.dtype), count=src.count, op=int(op),
             quant_algorithm=int(q.algorithm), quant_dtype=int(q.dtype), timeout=wire,
-            shape=list(src.shape))))
+            shape=list(src.shape)), early=src.nbytes <= self.early_start_max_bytes))
         handle = asyncio.create_task(self._run_all_reduce(tag, q, src, dst, op),
                                      name=f"pccl-all-reduce-{self.peer_id}-{tag}")
         self._handles.add(handle)

@@ -350,7 +350,7 @@ pub fn handshake_dial(data: &[u8]) {
 // Ring piece headers (`ring/links.rs`)
 // ---------------------------------------------------------------------------------------
 
-/// 24 header bytes, then (optionally) a 4-byte piece limit.
+/// 28 header bytes, then (optionally) a 4-byte piece limit.
 pub fn piece_header(data: &[u8]) {
     let Some(h) = data.get(..HEADER_LEN) else {
         return;
@@ -472,10 +472,11 @@ pub fn quant_chunk(data: &[u8]) {
 ///
 /// Eight knob bytes pick the op (world 2..=4, rank, dtype, operator, element count
 /// 0..=255, piece size, quantization, 1..=3 lanes, piece limit). Then a sequence of
-/// events: a byte naming a lane, followed by the next thing that lane reads: a 24-byte
+/// events: a byte naming a lane, followed by the next thing that lane reads: a 28-byte
 /// header when it is idle, the piece's payload when one is in flight. This is what each
 /// lane's reader task does (decode and size-check the header, ask the op where the
-/// piece goes, read the payload there, hand it over), with the lanes' reads interleaved
+/// piece goes, refused for another descriptor digest, read the payload there, hand it
+/// over), with the lanes' reads interleaved
 /// arbitrarily. The op must never hand out memory that another lane is still writing,
 /// never count a piece twice, and complete only once every piece arrived.
 pub fn ring_receive(data: &[u8]) {
@@ -543,7 +544,13 @@ fn ring_receive_counts(data: &[u8]) -> (u64, u64) {
                         // Another op: it never starts here (the reader waits, then fails).
                         return Err(CoreError::Protocol("unknown op".into()));
                     }
-                    let (ptr, n) = rx.landing(h.step, h.piece, h.len)?;
+                    let landing = rx.landing(h.step, h.piece, h.len, h.digest);
+                    // Another descriptor is refused before anything else is checked.
+                    assert_eq!(
+                        matches!(landing, Err(CoreError::InvalidUsage(_))),
+                        h.digest != rx.digest()
+                    );
+                    let (ptr, n) = landing?;
                     assert_eq!(n, h.len as usize);
                     for (other, p, m) in in_flight.iter().flatten() {
                         let disjoint = ptr as usize + n <= *p as usize
@@ -576,7 +583,8 @@ fn ring_receive_counts(data: &[u8]) -> (u64, u64) {
         };
         match outcome {
             Ok(()) => {}
-            Err(CoreError::Protocol(_)) => break, // the links are poisoned: op over
+            // The links are poisoned (the op's own failure, for another descriptor).
+            Err(CoreError::Protocol(_) | CoreError::InvalidUsage(_)) => break,
             Err(e) => panic!("unexpected error kind: {e:?}"),
         }
         assert_eq!(rx.landed_count(), seen.len() as u64);
@@ -964,6 +972,7 @@ fn ring_stream(knobs: [u8; 8]) -> Vec<u8> {
                 step: step as u32,
                 piece: p as u32,
                 len: wire as u32,
+                digest: rx.digest(),
             };
             out.push((p % lanes) as u8);
             out.extend_from_slice(&header.encode());
@@ -1019,6 +1028,7 @@ pub fn seeds(target: &str) -> Vec<Vec<u8>> {
                 step: 1,
                 piece: 2,
                 len: 4096,
+                digest: 0x1234_5678,
             };
             vec![
                 cat(&[&h.encode(), &(1u32 << 20).to_be_bytes()]),

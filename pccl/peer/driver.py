@@ -193,7 +193,9 @@ class Driver:
         elif isinstance(c, (ps.Resolve, ps.Fail)):
             fut = self._future(c.waiter)
             if fut.done():
-                return
+                # Answered again: the machine waits anew (a voided early start runs the
+                # collective again); the caller picks the new future up.
+                fut = self._waiters[c.waiter] = asyncio.get_running_loop().create_future()
             if isinstance(c, ps.Resolve):
                 fut.set_result(c.value)
             else:
@@ -205,6 +207,10 @@ class Driver:
             ring = self._rings.get(c.tag)
             if ring is not None:
                 ring.abort()
+        elif isinstance(c, ps.ArmRing):
+            ring = self._rings.get(c.tag)
+            if ring is not None:
+                ring.arm()
         elif isinstance(c, ps.InstallRing):
             self._spawn(self._install(c), f"pccl-topology-{self.peer_id}-{c.epoch}")
         elif isinstance(c, ps.Establish):
@@ -469,57 +475,37 @@ class Driver:
     async def _all_reduce_on_ring(self, tag: int, q: QuantizationOptions, src: RawTensor,
                                   dst: RawTensor, op: ReduceOp) -> ReduceInfo:
         perform_w, outcome_w = ps.perform_of(tag), ps.outcome_of(tag)
-        outcome_fut = self._future(outcome_w)
         try:
-            try:
-                perform, run = await self._future(perform_w)
-            except asyncio.CancelledError:
-                # Others would wait for us in the ring: call the collective off.
-                self._feed(ps.CancelCollective(tag))
-                raise
-            tx = rx = 0
-            ok = True
-            ring: Any = None
-            if run:
-                assert self._node is not None
+            while True:
+                perform_fut, outcome_fut = self._future(perform_w), self._future(outcome_w)
                 try:
-                    # Out of place: the results land in `dst` as the ring computes them
-                    # (no copy after the outcome; `src` is never written, so a failed
-                    # collective loses nothing, and `dst` holds unspecified bytes then).
-                    ring = self._node.start_all_reduce(
-                        perform.op_id, perform.rank, perform.world, src.data, int(src.dtype),
-                        int(op), piece_bytes=self.piece_bytes,
-                        quant_algorithm=int(q.algorithm), quant_dtype=int(q.dtype),
-                        out=dst.data if dst.data is not src.data else None)
-                    self._rings[tag] = ring
-                    col = self._m.collectives.get(tag)
-                    if col is None or col.aborted:
-                        ring.abort()
-                    running = ring.run()
-                    try:
-                        # Shielded: a cancelled caller aborts the ring through its token
-                        # instead of dropping it mid-frame.
-                        tx, rx = await asyncio.shield(running)
-                    except asyncio.CancelledError:
-                        ring.abort()
-                        with contextlib.suppress(Exception):
-                            await running
-                        self._feed(ps.CancelCollective(tag))
-                        raise
-                except PCCLError as e:
-                    ok = False
-                    self._feed(ps.RingDone(tag, False, ErrorKind.of(e), str(e)))
-                else:
-                    self._feed(ps.RingDone(tag, True))
-            try:
-                outcome = await asyncio.shield(outcome_fut)
-            except asyncio.CancelledError:
-                # The others must not apply a result this peer drops: call it off, and
-                # apply it after all if the master had already decided (the outcome says).
-                decided = await self._withdraw_collective(tag, outcome_fut)
-                if decided is not None and decided.ok and ok:
-                    self._apply_reduce(perform.world, ring, src, dst)
-                raise
+                    perform, run = await perform_fut
+                except asyncio.CancelledError:
+                    # Others would wait for us in the ring: call the collective off.
+                    self._feed(ps.CancelCollective(tag))
+                    raise
+                tx = rx = 0
+                ok = True
+                ring: Any = None
+                if run:
+                    ok, ring, tx, rx = await self._run_ring(tag, perform, q, src, dst, op)
+                try:
+                    outcome = await asyncio.shield(outcome_fut)
+                except asyncio.CancelledError:
+                    # The others must not apply a result this peer drops: call it off, and
+                    # apply it after all if the master had already decided (the outcome
+                    # says).
+                    decided = await self._withdraw_collective(tag, outcome_fut)
+                    if isinstance(decided, m.CollectiveOutcome) and decided.ok and ok:
+                        self._apply_reduce(perform.world, ring, src, dst)
+                    raise
+                if outcome is not ps.REDO:
+                    break
+                # The master voided this early start: forget the answered futures and run
+                # the collective again as it was performed.
+                for w, fut in ((perform_w, perform_fut), (outcome_w, outcome_fut)):
+                    if self._waiters.get(w) is fut:
+                        del self._waiters[w]
             if not outcome.ok:
                 raise ErrorKind.parse(outcome.kind).error(outcome.message)
             self._apply_reduce(perform.world, ring, src, dst)
@@ -528,6 +514,48 @@ class Driver:
             self._rings.pop(tag, None)
             if self._m.collectives.get(tag) is not None:
                 self._end(ps.EndCollective(tag), perform_w, outcome_w)
+
+    async def _run_ring(self, tag: int, perform: m.CollectivePerform, q: QuantizationOptions,
+                        src: RawTensor, dst: RawTensor, op: ReduceOp
+                        ) -> tuple[bool, Any, int, int]:
+        """This peer's part of the ring; reports it to the machine. -> (ok, ring op,
+        tx bytes, rx bytes)."""
+        assert self._node is not None
+        tx = rx = 0
+        ring: Any = None
+        col = self._m.collectives.get(tag)
+        try:
+            # Out of place: the results land in `dst` as the ring computes them (no copy
+            # after the outcome; `src` is never written, so a failed collective loses
+            # nothing, and `dst` holds unspecified bytes then). An early start is not
+            # armed: until the master says every member called, the previous peer may
+            # not have started yet, which is no stall.
+            ring = self._node.start_all_reduce(
+                perform.op_id, perform.rank, perform.world, src.data, int(src.dtype),
+                int(op), piece_bytes=self.piece_bytes, quant_algorithm=int(q.algorithm),
+                quant_dtype=int(q.dtype), out=dst.data if dst.data is not src.data else None,
+                armed=col is None or not col.early)
+            self._rings[tag] = ring
+            if col is None or col.aborted or col.redo is not None:
+                ring.abort()
+            running = ring.run()
+            try:
+                # Shielded: a cancelled caller aborts the ring through its token instead
+                # of dropping it mid-frame.
+                tx, rx = await asyncio.shield(running)
+            except asyncio.CancelledError:
+                ring.abort()
+                with contextlib.suppress(Exception):
+                    await running
+                self._feed(ps.CancelCollective(tag))
+                raise
+        except PCCLError as e:
+            self._rings.pop(tag, None)
+            self._feed(ps.RingDone(tag, False, ErrorKind.of(e), str(e)))
+            return False, ring, 0, 0
+        self._rings.pop(tag, None)
+        self._feed(ps.RingDone(tag, True))
+        return True, ring, tx, rx
 
     @staticmethod
     def _apply_reduce(world: int, ring: Any, src: RawTensor, dst: RawTensor) -> None:

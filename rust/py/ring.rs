@@ -83,8 +83,9 @@ impl PyP2PNode {
     /// Starts a ring all-reduce of `buffer` (bytes of `count` elements of `dtype`). With
     /// `out` (a writable buffer of the same size that does not overlap `buffer`), the
     /// results land in `out` as they are computed (`commit(out)` then copies nothing);
-    /// without it they stay in scratch memory until `commit`.
-    #[pyo3(signature = (op_id, rank, world, buffer, dtype, op, piece_bytes=1 << 20, quant_algorithm=0, quant_dtype=0, out=None))]
+    /// without it they stay in scratch memory until `commit`. With `armed=False` the op
+    /// takes no silence from the previous peer for a stall until `RingOp.arm()`.
+    #[pyo3(signature = (op_id, rank, world, buffer, dtype, op, piece_bytes=1 << 20, quant_algorithm=0, quant_dtype=0, out=None, armed=true))]
     #[allow(clippy::too_many_arguments)]
     fn start_all_reduce(
         &self,
@@ -98,6 +99,7 @@ impl PyP2PNode {
         quant_algorithm: u8,
         quant_dtype: u8,
         out: Option<&Bound<'_, PyAny>>,
+        armed: bool,
     ) -> PyResult<RingOp> {
         let quant = quant_from_codes(quant_algorithm, quant_dtype)?;
         let spec = ReduceSpec {
@@ -140,7 +142,9 @@ impl PyP2PNode {
                         Box::new(keep),
                     )
                 };
-                return Ok(RingOp { op });
+                return Ok(RingOp {
+                    op: op.with_armed(armed),
+                });
             }
         }
         let keep = KeepAlive(buffer.clone().unbind());
@@ -156,7 +160,9 @@ impl PyP2PNode {
                 Some(self.ring.scratch()),
             )
         };
-        Ok(RingOp { op })
+        Ok(RingOp {
+            op: op.with_armed(armed),
+        })
     }
 
     /// `(receiving lanes from prev, sending lanes to next)` of the installed ring links,
@@ -172,7 +178,8 @@ impl PyP2PNode {
 }
 
 /// One all-reduce in flight. `run()` drives it; `abort()` stops it from anywhere;
-/// `commit(out)` copies the result into the caller's buffer after success.
+/// `arm()` starts its stall clock; `commit(out)` copies the result into the caller's
+/// buffer after success.
 #[pyclass(module = "pccl._core", frozen)]
 pub struct RingOp {
     op: assembly::RingOp,
@@ -192,6 +199,12 @@ impl RingOp {
     /// Stops the op (its `run()` fails). The links are poisoned if a frame was cut.
     fn abort(&self) {
         self.op.abort();
+    }
+
+    /// From now on, silence from the previous peer for the I/O timeout fails the op
+    /// (idempotent; harmless once the op ended).
+    fn arm(&self) {
+        self.op.arm();
     }
 
     /// Copies the reduced bytes into `out` (GIL released while copying).

@@ -20,7 +20,7 @@ use crate::error::{CoreError, CoreResult};
 use crate::quant::{self, QuantAlgorithm, WireType};
 use crate::reduce::{self, DType, ReduceOp};
 use crate::ring::links::{Landing, PieceHeader, RingLinks, HEADER_LEN};
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
@@ -36,6 +36,52 @@ pub struct ReduceSpec {
     pub piece_bytes: usize,
     /// Values travel quantized (`None`: in their own dtype). SUM / AVG of floats only.
     pub quant: Option<(QuantAlgorithm, WireType)>,
+}
+
+impl ReduceSpec {
+    /// Digest of what every peer of the op must agree on, for a buffer of `len` bytes:
+    /// element count, dtype, reduce op, world, quantization and piece size (in whole
+    /// elements, as the pieces are cut). Rank and op id are not part of it.
+    pub fn digest(&self, len: usize) -> u32 {
+        let elem = self.dtype.size();
+        let piece_elems = (self.piece_bytes / elem).max(1);
+        let (alg, wire) = self.quant.map_or((0, 0), |(a, w)| (a as u8, 1 + w as u8));
+        let mut d = Vec::with_capacity(40);
+        d.extend_from_slice(b"pccl-ar1");
+        d.extend_from_slice(&[self.dtype as u8, self.op as u8, alg, wire]);
+        for v in [len / elem, self.world, piece_elems] {
+            d.extend_from_slice(&(v as u64).to_le_bytes());
+        }
+        xxhash_rust::xxh3::xxh3_64(&d) as u32
+    }
+}
+
+/// Whether an op may declare its previous peer stalled. An op that starts before the
+/// others confirmed they started too waits unarmed: silence from the previous peer is
+/// then expected, and the stall clock starts when it is armed.
+pub struct Armed {
+    set: AtomicBool,
+    notify: Notify,
+}
+
+impl Armed {
+    pub fn new(armed: bool) -> Arc<Armed> {
+        Arc::new(Armed {
+            set: AtomicBool::new(armed),
+            notify: Notify::new(),
+        })
+    }
+
+    /// Idempotent; harmless once the op ended.
+    pub fn arm(&self) {
+        if !self.set.swap(true, Ordering::AcqRel) {
+            self.notify.notify_waiters();
+        }
+    }
+
+    pub fn is_armed(&self) -> bool {
+        self.set.load(Ordering::Acquire)
+    }
 }
 
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -332,6 +378,13 @@ struct Shared {
     qslot: usize,
     plan: Plan,
     spec: ReduceSpec,
+    /// `spec.digest(..)`: every piece sent carries it, every piece received must.
+    digest: u32,
+    /// The previous peer (named in errors).
+    prev: u64,
+    /// Why this op failed, when that is its own fault rather than the links' (a peer
+    /// runs another descriptor): reported instead of the poisoned links' error.
+    failure: Mutex<Option<CoreError>>,
     /// progress[p] = steps whose piece p has landed and been reduced.
     progress: Vec<AtomicU32>,
     /// claimed[p] = steps whose piece p some lane has started to receive: each piece is
@@ -396,7 +449,24 @@ impl Shared {
 }
 
 impl Landing for Shared {
-    fn landing(&self, step: u32, piece: u32, len: u32) -> CoreResult<(*mut u8, usize)> {
+    fn landing(
+        &self,
+        step: u32,
+        piece: u32,
+        len: u32,
+        digest: u32,
+    ) -> CoreResult<(*mut u8, usize)> {
+        if digest != self.digest {
+            let e = CoreError::InvalidUsage(format!(
+                "peer {} runs a different collective as op {} (descriptor digest \
+                 {digest:08x}, ours {:08x}): element count, dtype, reduce op, \
+                 quantization, world or piece size differ",
+                self.prev, self.spec.op_id, self.digest
+            ));
+            self.failure.lock().unwrap().get_or_insert(e.clone());
+            self.advanced.notify_waiters();
+            return Err(e);
+        }
         let (step, p) = (step as usize, piece as usize);
         let plan = &self.plan;
         if step >= plan.steps || p >= plan.pieces {
@@ -482,14 +552,16 @@ impl Landing for Shared {
 }
 
 /// Runs the all-reduce of `mem` over `links`. On success the result is in
-/// `mem.result()`; on failure nothing outside `mem`'s scratch was touched.
+/// `mem.result()`; on failure nothing outside `mem`'s scratch was touched. Until
+/// `armed` is set, silence from the previous peer is no stall.
 pub async fn ring_all_reduce(
     links: Arc<RingLinks>,
     spec: ReduceSpec,
     mem: Arc<OpMemory>,
     cancel: CancellationToken,
+    armed: Arc<Armed>,
 ) -> CoreResult<ReduceStats> {
-    let shared = Arc::new(Shared::prepare(spec, mem, links.max_piece())?);
+    let shared = Arc::new(Shared::prepare(spec, mem, links.max_piece(), links.prev)?);
     let op_id = shared.spec.op_id;
     let total = (shared.plan.pieces * shared.plan.steps) as u64;
     // If this future is dropped half-way (the caller went away), a lane may have left
@@ -506,7 +578,9 @@ pub async fn ring_all_reduce(
         let (l, s, c) = (links.clone(), shared.clone(), cancel.clone());
         senders.spawn(async move { send_lane(&l, &s, lane, &c).await });
     }
-    let outcome = wait_until_done(&links, &shared, &mut senders, total, &cancel).await;
+    let outcome = wait_until_done(&links, &shared, &mut senders, total, &cancel, &armed).await;
+    // The op's own failure (a peer runs another descriptor) over the links' error.
+    let outcome = outcome.map_err(|e| shared.failure.lock().unwrap().clone().unwrap_or(e));
     if outcome.is_err() {
         cancel.cancel();
         while senders.join_next().await.is_some() {}
@@ -541,7 +615,12 @@ pub async fn ring_all_reduce(
 impl Shared {
     /// Checks `spec` against `mem` and the links' piece limit and sets up the op's
     /// state: the plan, the staging memory of quantized runs and the progress counters.
-    fn prepare(spec: ReduceSpec, mem: Arc<OpMemory>, max_piece: usize) -> CoreResult<Shared> {
+    fn prepare(
+        spec: ReduceSpec,
+        mem: Arc<OpMemory>,
+        max_piece: usize,
+        prev: u64,
+    ) -> CoreResult<Shared> {
         if spec.world < 2 {
             return Err(CoreError::InvalidArgument(
                 "a ring needs at least two peers".into(),
@@ -574,6 +653,9 @@ impl Shared {
             None => (None, None),
         };
         Ok(Shared {
+            digest: spec.digest(mem.len()),
+            prev,
+            failure: Mutex::new(None),
             rs_stage,
             ag_stage,
             qslot,
@@ -598,7 +680,14 @@ pub(crate) struct Receiver(Arc<Shared>);
 #[cfg(any(test, feature = "fuzzing"))]
 impl Receiver {
     pub(crate) fn new(spec: ReduceSpec, mem: Arc<OpMemory>, max_piece: usize) -> CoreResult<Self> {
-        Ok(Receiver(Arc::new(Shared::prepare(spec, mem, max_piece)?)))
+        Ok(Receiver(Arc::new(Shared::prepare(
+            spec, mem, max_piece, 0,
+        )?)))
+    }
+
+    /// The digest the op's pieces must carry.
+    pub(crate) fn digest(&self) -> u32 {
+        self.0.digest
     }
 
     /// `(steps, pieces)` of the op.
@@ -606,8 +695,14 @@ impl Receiver {
         (self.0.plan.steps, self.0.plan.pieces)
     }
 
-    pub(crate) fn landing(&self, step: u32, piece: u32, len: u32) -> CoreResult<(*mut u8, usize)> {
-        self.0.landing(step, piece, len)
+    pub(crate) fn landing(
+        &self,
+        step: u32,
+        piece: u32,
+        len: u32,
+        digest: u32,
+    ) -> CoreResult<(*mut u8, usize)> {
+        self.0.landing(step, piece, len, digest)
     }
 
     pub(crate) fn landed(&self, step: u32, piece: u32) -> CoreResult<()> {
@@ -627,25 +722,33 @@ impl Receiver {
     }
 }
 
-/// Waits until every sender finished and every expected piece landed. Fails when the
-/// previous peer sends nothing for the link's I/O timeout.
+/// Waits until every sender finished and every expected piece landed. Once armed,
+/// fails when the previous peer sends nothing for the link's I/O timeout (the clock
+/// starts again when the op is armed).
 async fn wait_until_done(
     links: &RingLinks,
     sh: &Shared,
     senders: &mut tokio::task::JoinSet<CoreResult<()>>,
     total: u64,
     cancel: &CancellationToken,
+    armed: &Armed,
 ) -> CoreResult<()> {
     let mut senders_left = senders.len();
     let mut seen = sh.landed.load(Ordering::Acquire);
     let mut idle_since = tokio::time::Instant::now();
+    let mut was_armed = armed.is_armed();
     loop {
         let notified = sh.advanced.notified();
         tokio::pin!(notified);
         notified.as_mut().enable();
+        let arming = armed.notify.notified();
+        tokio::pin!(arming);
+        arming.as_mut().enable();
+        let is_armed = armed.is_armed();
         let landed = sh.landed.load(Ordering::Acquire);
-        if landed != seen {
+        if landed != seen || is_armed != was_armed {
             seen = landed;
+            was_armed = is_armed;
             idle_since = tokio::time::Instant::now();
         }
         if senders_left == 0 && landed == total {
@@ -660,9 +763,10 @@ async fn wait_until_done(
                     .unwrap_or_else(|e| Err(CoreError::Aborted(format!("ring task failed: {e}"))))?;
             }
             _ = &mut notified => {}
+            _ = &mut arming, if !is_armed => {}
             _ = cancel.cancelled() => return Err(aborted(links)),
             _ = links.poisoned().cancelled() => return Err(links.poison_error()),
-            _ = tokio::time::sleep_until(stall_at), if landed < total => {
+            _ = tokio::time::sleep_until(stall_at), if is_armed && landed < total => {
                 links.poison(format!(
                     "no data from peer {} for {:.1}s (stalled or dead)",
                     links.prev,
@@ -763,6 +867,7 @@ async fn send_lane(
                 step: step as u32,
                 piece: p as u32,
                 len: data.len() as u32,
+                digest: sh.digest,
             };
             tokio::select! {
                 r = links.send_piece(lane, header, data) => r?,

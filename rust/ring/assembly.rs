@@ -14,7 +14,9 @@ use crate::net::handshake::Purpose;
 use crate::net::node::{Node, NodeConfig, PoolKey};
 use crate::quant::{QuantAlgorithm, WireType};
 use crate::reduce::{DType, ReduceOp};
-use crate::ring::allreduce::{ring_all_reduce, OpMemory, ReduceSpec, ReduceStats, ScratchPool};
+use crate::ring::allreduce::{
+    ring_all_reduce, Armed, OpMemory, ReduceSpec, ReduceStats, ScratchPool,
+};
 use crate::ring::links::RingLinks;
 use std::future::Future;
 use std::net::{Ipv4Addr, SocketAddr};
@@ -261,18 +263,36 @@ pub struct RingOp {
     spec: ReduceSpec,
     mem: Arc<OpMemory>,
     cancel: CancellationToken,
+    armed: Arc<Armed>,
     started: AtomicBool,
 }
 
 impl RingOp {
+    /// An armed op (see [`RingOp::with_armed`]).
     pub fn new(links: Arc<RingLinks>, spec: ReduceSpec, mem: Arc<OpMemory>) -> RingOp {
         RingOp {
             links,
             spec,
             mem,
             cancel: CancellationToken::new(),
+            armed: Armed::new(true),
             started: AtomicBool::new(false),
         }
+    }
+
+    /// Unarmed (`false`), the op never takes silence from the previous peer for a
+    /// stall until [`RingOp::arm`]: for an op started before every peer is known to
+    /// have started it.
+    pub fn with_armed(self, armed: bool) -> RingOp {
+        RingOp {
+            armed: Armed::new(armed),
+            ..self
+        }
+    }
+
+    /// Lets the op declare a stall from now on (idempotent; harmless once it ended).
+    pub fn arm(&self) {
+        self.armed.arm();
     }
 
     /// An op over `links` reducing the `len` bytes at `input`; its scratch memory comes
@@ -330,6 +350,7 @@ impl RingOp {
             self.spec.clone(),
             self.mem.clone(),
             self.cancel.clone(),
+            self.armed.clone(),
         ))
     }
 

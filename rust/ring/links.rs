@@ -8,20 +8,29 @@
 //! the middle of a frame, or malformed header *poisons* the links: the byte stream can
 //! no longer be trusted, so every current and later collective on them fails until
 //! `update_topology()` builds new ones.
+//!
+//! A peer may start a collective before this one did (optimistic start): pieces of an
+//! op that is neither registered nor finished are read into owned buffers and stashed
+//! (up to a byte bound), so the lane keeps serving other ops; `register` lands them, in
+//! arrival order, before any later piece of the op. Past the bound a lane waits (up to
+//! the I/O timeout) for the op to be registered, as without a stash. Every header
+//! carries the digest of the op's descriptor, which the op checks before a byte lands.
 
 use crate::error::{CoreError, CoreResult};
 use crate::net::stream::{P2PReadHalf, P2PStream, P2PWriteHalf};
-use std::collections::{HashMap, HashSet};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
-pub const HEADER_LEN: usize = 24;
+pub const HEADER_LEN: usize = 28;
 const FRAME_MAGIC: u32 = 0x5043_434C; // "PCCL"
 /// Remember this many finished ops so that their stragglers are dropped, not queued.
 const MAX_FINISHED: usize = 65536;
+/// Default bound on the payload bytes held for ops not registered here yet.
+pub const STASH_BYTES: usize = 64 << 20;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct PieceHeader {
@@ -29,6 +38,8 @@ pub struct PieceHeader {
     pub step: u32,
     pub piece: u32,
     pub len: u32,
+    /// Digest of the sender's descriptor of the op (`ReduceSpec::digest`).
+    pub digest: u32,
 }
 
 impl PieceHeader {
@@ -39,6 +50,7 @@ impl PieceHeader {
         h[12..16].copy_from_slice(&self.step.to_be_bytes());
         h[16..20].copy_from_slice(&self.piece.to_be_bytes());
         h[20..24].copy_from_slice(&self.len.to_be_bytes());
+        h[24..28].copy_from_slice(&self.digest.to_be_bytes());
         h
     }
 
@@ -52,6 +64,7 @@ impl PieceHeader {
             step: u32_at(12),
             piece: u32_at(16),
             len: u32_at(20),
+            digest: u32_at(24),
         })
     }
 
@@ -75,18 +88,59 @@ impl PieceHeader {
 /// lane writes a piece's payload straight into the slice `landing` returns (no
 /// intermediate copy) and then calls `landed`, which does the op's per-piece work.
 pub trait Landing: Send + Sync {
-    /// Destination of piece `(step, piece)` of `len` bytes; an error if the op did not
-    /// expect exactly that piece now. The pointer stays valid while `self` lives.
-    fn landing(&self, step: u32, piece: u32, len: u32) -> CoreResult<(*mut u8, usize)>;
+    /// Destination of piece `(step, piece)` of `len` bytes sent under descriptor
+    /// `digest`; an error if the op did not expect exactly that piece now (or runs
+    /// another descriptor). The pointer stays valid while `self` lives.
+    fn landing(&self, step: u32, piece: u32, len: u32, digest: u32)
+        -> CoreResult<(*mut u8, usize)>;
     /// The payload of `(step, piece)` has been written.
     fn landed(&self, step: u32, piece: u32) -> CoreResult<()>;
 }
 
-#[derive(Default)]
+/// A piece that arrived before its op was registered here.
+struct Stashed {
+    header: PieceHeader,
+    payload: Vec<u8>,
+}
+
 struct Registry {
     open: HashMap<u64, Arc<dyn Landing>>,
     finished: HashSet<u64>,
-    finished_order: std::collections::VecDeque<u64>,
+    finished_order: VecDeque<u64>,
+    /// Early pieces per op, in arrival order.
+    stash: HashMap<u64, VecDeque<Stashed>>,
+    /// Payload bytes stashed, plus those being read into a stash buffer now.
+    stashed_bytes: usize,
+    stash_limit: usize,
+}
+
+/// What a lane does with the piece whose header it just read.
+enum Route {
+    Land(Arc<dyn Landing>),
+    /// The op ended here (or the links are unusable): read and drop.
+    Drop,
+    /// Read into an owned buffer (its bytes are reserved in the stash already).
+    Stash,
+    /// The stash is full: wait (bounded) for the op to be registered.
+    Wait,
+}
+
+/// Lands a stashed piece in `target`: the same checks as a piece off the wire.
+fn land_stashed(target: &dyn Landing, s: &Stashed) -> CoreResult<()> {
+    let h = &s.header;
+    let (ptr, len) = target.landing(h.step, h.piece, h.len, h.digest)?;
+    if len != s.payload.len() {
+        return Err(CoreError::Protocol(format!(
+            "piece {}/{} of collective {} has {} bytes, its slot {len}",
+            h.step,
+            h.piece,
+            h.op,
+            s.payload.len()
+        )));
+    }
+    // SAFETY: the target hands this range to us alone until `landed` is called.
+    unsafe { std::ptr::copy_nonoverlapping(s.payload.as_ptr(), ptr, len) };
+    target.landed(h.step, h.piece)
 }
 
 pub struct RingLinks {
@@ -135,7 +189,14 @@ impl RingLinks {
             recv_lanes: from_prev.len(),
             max_piece,
             io_timeout,
-            registry: Mutex::new(Registry::default()),
+            registry: Mutex::new(Registry {
+                open: HashMap::new(),
+                finished: HashSet::new(),
+                finished_order: VecDeque::new(),
+                stash: HashMap::new(),
+                stashed_bytes: 0,
+                stash_limit: STASH_BYTES,
+            }),
             registered: tokio::sync::Notify::new(),
             poisoned: CancellationToken::new(),
             poison_reason: Mutex::new(None),
@@ -176,7 +237,18 @@ impl RingLinks {
         self.max_piece
     }
 
-    /// Marks the links unusable (first reason wins) and wakes everything waiting on them.
+    /// Bounds the bytes stashed for ops not registered here yet (default `STASH_BYTES`).
+    pub fn set_stash_limit(&self, bytes: usize) {
+        self.registry.lock().unwrap().stash_limit = bytes;
+    }
+
+    /// Payload bytes held (or being read) for ops not registered here yet.
+    pub fn stashed_bytes(&self) -> usize {
+        self.registry.lock().unwrap().stashed_bytes
+    }
+
+    /// Marks the links unusable (first reason wins), frees the stash and wakes
+    /// everything waiting on them.
     pub fn poison(&self, reason: String) {
         {
             let mut r = self.poison_reason.lock().unwrap();
@@ -185,6 +257,10 @@ impl RingLinks {
             }
         }
         self.poisoned.cancel();
+        let mut reg = self.registry.lock().unwrap();
+        let freed: usize = reg.stash.values().flatten().map(|s| s.payload.len()).sum();
+        reg.stash.clear();
+        reg.stashed_bytes -= freed;
     }
 
     pub fn poison_error(&self) -> CoreError {
@@ -200,7 +276,10 @@ impl RingLinks {
         &self.poisoned
     }
 
-    /// Makes `op` receivable: pieces for it land in `target` from now on.
+    /// Makes `op` receivable: its stashed pieces land in `target` now (in arrival
+    /// order, under the registry lock, so before any later piece of it), and the
+    /// pieces that follow land there as they come. A stashed piece that `target`
+    /// refuses poisons the links and fails the registration with its error.
     pub fn register(&self, op: u64, target: Arc<dyn Landing>) -> CoreResult<()> {
         let mut reg = self.registry.lock().unwrap();
         if reg.finished.contains(&op) || reg.open.contains_key(&op) {
@@ -208,16 +287,27 @@ impl RingLinks {
                 "collective {op} already ran here"
             )));
         }
+        if let Some(early) = reg.stash.remove(&op) {
+            reg.stashed_bytes -= early.iter().map(|s| s.payload.len()).sum::<usize>();
+            if let Err(e) = early.iter().try_for_each(|s| land_stashed(&*target, s)) {
+                drop(reg);
+                self.poison(format!("link from peer {} failed: {e}", self.prev));
+                return Err(e);
+            }
+        }
         reg.open.insert(op, target);
         drop(reg);
         self.registered.notify_waiters();
         Ok(())
     }
 
-    /// Forgets the op; later pieces of it are read and discarded.
+    /// Forgets the op and drops its stash; later pieces of it are read and discarded.
     pub fn finish(&self, op: u64) {
         let mut reg = self.registry.lock().unwrap();
         reg.open.remove(&op);
+        if let Some(early) = reg.stash.remove(&op) {
+            reg.stashed_bytes -= early.iter().map(|s| s.payload.len()).sum::<usize>();
+        }
         if reg.finished.insert(op) {
             reg.finished_order.push_back(op);
             if reg.finished_order.len() > MAX_FINISHED {
@@ -225,6 +315,47 @@ impl RingLinks {
                 reg.finished.remove(&old);
             }
         }
+    }
+
+    /// Where the piece `header` announces goes. `Stash` reserves its bytes: the lane
+    /// then hands the payload to `stash_piece` (or releases it with `unreserve`).
+    fn route(&self, header: &PieceHeader) -> Route {
+        let mut reg = self.registry.lock().unwrap();
+        if let Some(t) = reg.open.get(&header.op) {
+            return Route::Land(t.clone());
+        }
+        if reg.finished.contains(&header.op) || self.is_poisoned() {
+            return Route::Drop;
+        }
+        let len = header.len as usize;
+        if reg.stashed_bytes + len <= reg.stash_limit {
+            reg.stashed_bytes += len;
+            Route::Stash
+        } else {
+            Route::Wait
+        }
+    }
+
+    fn unreserve(&self, len: usize) {
+        self.registry.lock().unwrap().stashed_bytes -= len;
+    }
+
+    /// The payload of an early piece has been read (its bytes reserved by `route`):
+    /// lands it if the op was registered meanwhile, drops it if the op ended (or the
+    /// links failed), else keeps it for `register`.
+    fn stash_piece(&self, header: PieceHeader, payload: Vec<u8>) -> CoreResult<()> {
+        let mut reg = self.registry.lock().unwrap();
+        let piece = Stashed { header, payload };
+        if let Some(t) = reg.open.get(&header.op).cloned() {
+            reg.stashed_bytes -= piece.payload.len();
+            return land_stashed(&*t, &piece);
+        }
+        if reg.finished.contains(&header.op) || self.is_poisoned() {
+            reg.stashed_bytes -= piece.payload.len();
+            return Ok(());
+        }
+        reg.stash.entry(header.op).or_default().push_back(piece);
+        Ok(())
     }
 
     /// The op's target; waits (bounded) for an op the peer announced before we did.
@@ -309,6 +440,8 @@ impl RingLinks {
         self.poison("ring links closed (topology changed or peer closing)".into());
         self.tracker.close();
         self.tracker.wait().await;
+        // A reader stopped mid-payload left its reservation behind; nobody reads now.
+        self.registry.lock().unwrap().stashed_bytes = 0;
         // Senders give their lane up promptly once poisoned (or after io_timeout).
         for w in &self.writers {
             w.lock().await.take();
@@ -346,11 +479,30 @@ async fn read_lane(
         let Some(l) = links.upgrade() else {
             return Ok(());
         };
-        let target = l.target_for(header.op).await?;
+        let target = match l.route(&header) {
+            Route::Land(target) => Some(target),
+            Route::Drop => None,
+            Route::Wait => l.target_for(header.op).await?,
+            Route::Stash => {
+                drop(l);
+                let mut payload = vec![0u8; header.len as usize];
+                let read = read.read_exact(&mut payload).await;
+                let Some(l) = links.upgrade() else {
+                    return Ok(());
+                };
+                if let Err(e) = read {
+                    l.unreserve(payload.len());
+                    return Err(CoreError::io("reading a piece", e));
+                }
+                l.stash_piece(header, payload)?;
+                continue;
+            }
+        };
         drop(l);
         match target {
             Some(target) => {
-                let (ptr, len) = target.landing(header.step, header.piece, header.len)?;
+                let (ptr, len) =
+                    target.landing(header.step, header.piece, header.len, header.digest)?;
                 // SAFETY: the target keeps this range alive and hands it to this lane
                 // alone until `landed` is called.
                 let dst = unsafe { std::slice::from_raw_parts_mut(ptr, len) };

@@ -621,3 +621,334 @@ async fn an_op_runs_once_and_commits_only_into_its_own_size() {
     })
     .await;
 }
+
+// ---- optimistic start: early pieces, descriptor digests, unarmed ops ------------------
+
+type Run = tokio::task::JoinHandle<Result<ReduceStats, CoreError>>;
+
+/// Polls `f` until it holds.
+async fn until(what: &str, f: impl Fn() -> bool) {
+    bounded(what, async {
+        while !f() {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    })
+    .await
+}
+
+/// Payload bytes `ring`'s links hold for ops not registered there yet.
+fn stashed(ring: &Ring) -> usize {
+    ring.links().unwrap().stashed_bytes()
+}
+
+fn f32s(b: &[u8]) -> Vec<f32> {
+    b.chunks_exact(4)
+        .map(|e| f32::from_le_bytes(e.try_into().unwrap()))
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peer_starting_late_lands_the_stashed_pieces_and_all_get_exact_results() {
+    let io_timeout = Duration::from_millis(200);
+    let q8 = Some((QuantAlgorithm::MinMax, WireType::U8));
+    // (dtype, op, elements, piece bytes, quantization)
+    let cases = [
+        (DType::F32, ReduceOp::Sum, 1001, 24, None),
+        (DType::I32, ReduceOp::Max, 333, 24, None),
+        (DType::F32, ReduceOp::Sum, 1001, 400, q8),
+    ];
+    bounded("the late peer", async {
+        let (k, late) = (3, 2);
+        let peers = loopback_ring(k, 2, 21, link_cfg(io_timeout)).await.unwrap();
+        let mut started = Vec::new();
+        for (c, &(dtype, op, count, piece_bytes, quant)) in cases.iter().enumerate() {
+            let inputs: Vec<Vec<u8>> = (0..k)
+                .map(|r| random_input(dtype, count, (c * 10 + r) as u64))
+                .collect();
+            let ops: Vec<RingOp> = (0..k)
+                .map(|rank| {
+                    let s = ReduceSpec {
+                        piece_bytes,
+                        quant,
+                        ..spec(c as u64, rank, k, dtype, op)
+                    };
+                    let input = Arc::new(inputs[rank].clone());
+                    // Unarmed until the master would confirm that the late peer started.
+                    let op = peers[rank].1.start_all_reduce_shared(s, input).unwrap();
+                    op.with_armed(rank == late)
+                })
+                .collect();
+            let runs: Vec<Option<Run>> = (0..k)
+                .map(|rank| (rank != late).then(|| tokio::spawn(ops[rank].run().unwrap())))
+                .collect();
+            started.push((inputs, ops, runs));
+        }
+        tokio::time::sleep(io_timeout * 3).await;
+        assert!(stashed(&peers[late].1) > 0, "nothing reached the late peer");
+        for (_, _, runs) in &started {
+            assert!(runs.iter().flatten().all(|r| !r.is_finished()));
+        }
+        for (_, ops, runs) in &mut started {
+            runs[late] = Some(tokio::spawn(ops[late].run().unwrap()));
+            for op in ops.iter() {
+                op.arm();
+            }
+        }
+        for ((inputs, ops, runs), &(dtype, op, count, _, quant)) in started.into_iter().zip(&cases)
+        {
+            let what = format!(
+                "{} {} x{count}, quantized {}",
+                op.name(),
+                dtype.name(),
+                quant.is_some()
+            );
+            let mut stats = Vec::new();
+            for run in runs {
+                stats.push(
+                    run.unwrap()
+                        .await
+                        .unwrap()
+                        .unwrap_or_else(|e| panic!("{what}: {e}")),
+                );
+            }
+            let exact = reference(dtype, op, &inputs);
+            if quant.is_none() {
+                check(&ops, &stats, &exact, &what);
+            } else {
+                check(&ops, &stats, ops[0].result(), &what);
+                for (got, want) in f32s(ops[0].result()).into_iter().zip(f32s(&exact)) {
+                    assert!((got - want).abs() < 0.1, "{what}: {got} vs {want}");
+                }
+            }
+        }
+        assert_eq!(stashed(&peers[late].1), 0);
+        close_all(&peers).await;
+    })
+    .await;
+}
+
+/// The output of `op`, which must be untouched (still `Output::new`'s filler), and
+/// its input, which must still be `want`.
+fn assert_untouched(output: &Output, input: &[u8], want: &[u8], what: &str) {
+    assert!(
+        output.bytes().iter().all(|&b| b == 0xA5),
+        "{what}: output written"
+    );
+    assert!(input == want, "{what}: input written");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn peers_running_another_descriptor_fail_with_invalid_usage_before_a_byte_lands() {
+    let io_timeout = Duration::from_millis(300);
+    let count = 1000;
+    let different = |e: &CoreError, from: u64| match e {
+        CoreError::InvalidUsage(m) => {
+            assert!(
+                m.starts_with(&format!("peer {from} runs a different collective as op 7 ")),
+                "{m}"
+            );
+            assert!(m.contains("element count, dtype, reduce op"), "{m}");
+        }
+        other => panic!("{other:?}"),
+    };
+    bounded("the mismatched rings", async {
+        // Stashed pieces: rank 0 runs SUM well before rank 1 runs MAX of as many f32.
+        let peers = loopback_ring(2, 2, 31, link_cfg(io_timeout)).await.unwrap();
+        let inputs: Vec<Arc<Vec<u8>>> = (0..2)
+            .map(|r| Arc::new(random_input(DType::F32, count, 70 + r)))
+            .collect();
+        let outputs: Vec<Arc<Output>> = (0..2).map(|_| Arc::new(Output::new(count * 4))).collect();
+        let start = |rank: usize, op| {
+            let s = spec(7, rank, 2, DType::F32, op);
+            start_into(&peers[rank].1, s, &inputs[rank], &outputs[rank]).unwrap()
+        };
+        let first = start(0, ReduceOp::Sum);
+        let first_run = tokio::spawn(first.run().unwrap());
+        until("pieces stashed at rank 1", || stashed(&peers[1].1) > 0).await;
+        let second = start(1, ReduceOp::Max);
+        let err = second.run().unwrap().await.unwrap_err();
+        different(&err, 1);
+        assert!(!peers[1].1.is_ok());
+        assert_eq!(stashed(&peers[1].1), 0);
+        let want = random_input(DType::F32, count, 71);
+        assert_untouched(&outputs[1], &inputs[1], &want, "rank 1");
+        // Rank 1 sent nothing: rank 0 fails too (here by its stall clock).
+        assert!(first_run.await.unwrap().is_err());
+        close_all(&peers).await;
+
+        // Straight off the wire: rank 2 runs f32 SUM when rank 1 starts i32 SUM of as
+        // many elements.
+        let peers = loopback_ring(3, 2, 32, link_cfg(io_timeout)).await.unwrap();
+        let inputs: Vec<Arc<Vec<u8>>> = (0..3)
+            .map(|r| Arc::new(random_input(DType::F32, count, 80 + r)))
+            .collect();
+        let outputs: Vec<Arc<Output>> = (0..3).map(|_| Arc::new(Output::new(count * 4))).collect();
+        let start = |rank: usize, dtype| {
+            let s = spec(7, rank, 3, dtype, ReduceOp::Sum);
+            start_into(&peers[rank].1, s, &inputs[rank], &outputs[rank]).unwrap()
+        };
+        let receiver = start(2, DType::F32).with_armed(false);
+        let receiver_run = tokio::spawn(receiver.run().unwrap());
+        // Rank 2 registered once its pieces reach rank 0 (which never starts).
+        until("rank 2 started", || stashed(&peers[0].1) > 0).await;
+        let sender = start(1, DType::I32);
+        let sender_run = tokio::spawn(sender.run().unwrap());
+        different(&receiver_run.await.unwrap().unwrap_err(), 2);
+        let want = random_input(DType::F32, count, 82);
+        assert_untouched(&outputs[2], &inputs[2], &want, "rank 2");
+        assert!(sender_run.await.unwrap().is_err());
+        close_all(&peers).await;
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unarmed_op_waits_out_silence_and_stalls_once_armed() {
+    let io_timeout = Duration::from_millis(200);
+    bounded("the unarmed op", async {
+        let peers = loopback_ring(2, 1, 41, link_cfg(io_timeout)).await.unwrap();
+        let input = Arc::new(random_input(DType::F32, 100, 1));
+        let s = spec(3, 0, 2, DType::F32, ReduceOp::Sum);
+        // Rank 1 never starts op 3: rank 0 hears nothing from it.
+        let op = peers[0]
+            .1
+            .start_all_reduce_shared(s, input)
+            .unwrap()
+            .with_armed(false);
+        let run = tokio::spawn(op.run().unwrap());
+        tokio::time::sleep(io_timeout * 3).await;
+        assert!(!run.is_finished(), "an unarmed op stalled");
+        assert!(peers[0].1.is_ok());
+        let armed_at = tokio::time::Instant::now();
+        op.arm();
+        op.arm();
+        match run.await.unwrap() {
+            Err(CoreError::PeerConnection(m)) => {
+                assert_eq!(m, "no data from peer 2 for 0.2s (stalled or dead)")
+            }
+            other => panic!("{other:?}"),
+        }
+        let took = armed_at.elapsed();
+        assert!(
+            took >= io_timeout && took < io_timeout * 5,
+            "stalled {took:?} after arming"
+        );
+        op.arm();
+        close_all(&peers).await;
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pieces_past_the_stash_bound_wait_for_their_op_then_poison_the_links() {
+    let io_timeout = Duration::from_millis(300);
+    let count = 1000;
+    bounded("the bounded stash", async {
+        let peers = loopback_ring(2, 2, 51, link_cfg(io_timeout)).await.unwrap();
+        let bound = 100;
+        peers[1].1.links().unwrap().set_stash_limit(bound);
+        let inputs: Vec<Vec<u8>> = (0..2)
+            .map(|r| random_input(DType::F32, count, 90 + r as u64))
+            .collect();
+        let op = |op_id, rank: usize| {
+            let s = spec(op_id, rank, 2, DType::F32, ReduceOp::Sum);
+            peers[rank]
+                .1
+                .start_all_reduce_shared(s, Arc::new(inputs[rank].clone()))
+                .unwrap()
+        };
+        // Registered within the I/O timeout: the stashed pieces, then those that
+        // waited, land in order.
+        let ops = [op(1, 0).with_armed(false), op(1, 1)];
+        let early = tokio::spawn(ops[0].run().unwrap());
+        until("pieces stashed at rank 1", || stashed(&peers[1].1) > 0).await;
+        tokio::time::sleep(io_timeout / 3).await;
+        assert!(stashed(&peers[1].1) <= bound);
+        let late = tokio::spawn(ops[1].run().unwrap());
+        ops[0].arm();
+        let stats = [early.await.unwrap().unwrap(), late.await.unwrap().unwrap()];
+        check(
+            &ops,
+            &stats,
+            &reference(DType::F32, ReduceOp::Sum, &inputs),
+            "bounded",
+        );
+        assert_eq!(stashed(&peers[1].1), 0);
+
+        // Never registered: the lane that waits gives up after the I/O timeout.
+        let orphan = op(2, 0).with_armed(false);
+        let run = tokio::spawn(orphan.run().unwrap());
+        let t0 = tokio::time::Instant::now();
+        until("rank 1's links failed", || !peers[1].1.is_ok()).await;
+        assert!(
+            t0.elapsed() >= io_timeout,
+            "gave up after {:?}",
+            t0.elapsed()
+        );
+        match peers[1].1.links().unwrap().poison_error() {
+            CoreError::PeerConnection(m) => assert_eq!(
+                m,
+                "link from peer 1 failed: peer 1 sent pieces of collective 2, which never \
+                 started here"
+            ),
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(stashed(&peers[1].1), 0);
+        orphan.abort();
+        assert!(run.await.unwrap().is_err());
+        close_all(&peers).await;
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_op_registered_late_holds_up_no_later_op_on_the_same_lanes() {
+    let io_timeout = Duration::from_millis(300);
+    bounded("the two ops", async {
+        let peers = loopback_ring(2, 2, 61, link_cfg(io_timeout)).await.unwrap();
+        let inputs = |op_id: u64, count| -> Vec<Vec<u8>> {
+            (0..2)
+                .map(|r| random_input(DType::F32, count, op_id * 10 + r))
+                .collect()
+        };
+        let (a_in, b_in) = (inputs(1, 5000), inputs(2, 777));
+        let start = |op_id, rank: usize, input: &Vec<u8>| {
+            let s = spec(op_id, rank, 2, DType::F32, ReduceOp::Sum);
+            peers[rank]
+                .1
+                .start_all_reduce_shared(s, Arc::new(input.clone()))
+                .unwrap()
+        };
+        // A starts on rank 0 only: its pieces wait at rank 1, ahead of B's on every lane.
+        let a = [
+            start(1, 0, &a_in[0]).with_armed(false),
+            start(1, 1, &a_in[1]),
+        ];
+        let a0 = tokio::spawn(a[0].run().unwrap());
+        until("A stashed at rank 1", || stashed(&peers[1].1) > 0).await;
+        let b = [start(2, 0, &b_in[0]), start(2, 1, &b_in[1])];
+        let stats: Vec<ReduceStats> = run_all(&b).await.into_iter().map(Result::unwrap).collect();
+        check(
+            &b,
+            &stats,
+            &reference(DType::F32, ReduceOp::Sum, &b_in),
+            "B",
+        );
+        assert!(!a0.is_finished());
+        // A's pieces outlive B and more than an I/O timeout at rank 1.
+        tokio::time::sleep(io_timeout * 2).await;
+        assert!(stashed(&peers[1].1) > 0);
+        let a1 = tokio::spawn(a[1].run().unwrap());
+        a[0].arm();
+        let stats = [a0.await.unwrap().unwrap(), a1.await.unwrap().unwrap()];
+        check(
+            &a,
+            &stats,
+            &reference(DType::F32, ReduceOp::Sum, &a_in),
+            "A",
+        );
+        assert_eq!(stashed(&peers[1].1), 0);
+        close_all(&peers).await;
+    })
+    .await;
+}
