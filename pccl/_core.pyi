@@ -29,6 +29,7 @@ __all__ = [
     "content_hash_hex",
     "copy_into",
     "prefault",
+    "star_all_reduce",
     "ByteCounter",
     "HASH_LEAF_BYTES",
     "FETCH_RANGE_BYTES",
@@ -291,6 +292,9 @@ def copy_into(dst: Any, src: Any, threads: int | None = None) -> None:
 
 def prefault(buffer: Any) -> None:
     """Backs a writable buffer with pages now (contents untouched; GIL released)."""
+
+def star_all_reduce(inputs: list[Any], dtype: int, op: int) -> bytes:
+    """The bytes a ring all-reduce of ``inputs`` (one per rank, in rank order) gives every peer."""
 
 def leaf_digests(buffer: Any, first_leaf: int) -> bytes:
     """Leaf digests of a run of whole hash leaves starting at leaf ``first_leaf``."""

@@ -126,6 +126,7 @@ class Communicator(Driver):
         allow_relay: bool = True,
         metrics_listen: str | None = None,
         early_start_max_bytes: int = 4 << 20,
+        via_master_max_bytes: int = 64 << 10,
     ) -> None:
         check_int(p2p_connection_pool_size, "p2p_connection_pool_size", 1, 64)
         check_int(peer_group, "peer_group", 0, (1 << 32) - 1)
@@ -133,6 +134,7 @@ class Communicator(Driver):
         check_int(piece_bytes, "piece_bytes", 1, 1 << 30)
         check_int(max_frame, "max_frame", 1 << 10, 1 << 31)
         check_int(early_start_max_bytes, "early_start_max_bytes", 0, 1 << 40)
+        check_int(via_master_max_bytes, "via_master_max_bytes", 0, 1 << 24)
         check_master_address(master)
         self.collective_timeout = check_deadline(collective_timeout, "collective_timeout")
         for name, value in (("timeout", timeout), ("p2p_timeout", p2p_timeout),
@@ -167,6 +169,11 @@ class Communicator(Driver):
         # of two; 0: never). Their pieces may reach a neighbour that has not called yet:
         # it holds them, bounded (see docs/semantics.md).
         self.early_start_max_bytes = early_start_max_bytes
+        # Unquantized all-reduces of at most this many bytes go to the master with the
+        # request; when every member's does, the master reduces them in the ring's order
+        # and answers everyone with the result (one round trip at any world size, no
+        # ring; 0: never).
+        self.via_master_max_bytes = via_master_max_bytes
 
         self._m = ps.PeerMachine(reconnect=reconnect_timeout > 0)
         # This peer's counters (heartbeats carry them to the master; metrics_listen
@@ -453,10 +460,12 @@ class Communicator(Driver):
             check_quantization(q, src, op)
         if isinstance(tag, bool) or not isinstance(tag, int) or tag < 0:
             raise _core.InvalidArgumentError("tag must be a non-negative integer")
+        tiny = src.nbytes <= self.via_master_max_bytes and q.algorithm == QuantizationAlgorithm.NONE
+        data = bytes(src.data) if tiny else b""
         self._feed(ps.StartCollective(m.CollectiveInit(
             tag=tag, kind="all_reduce", dtype=int(src.dtype), count=src.count, op=int(op),
             quant_algorithm=int(q.algorithm), quant_dtype=int(q.dtype), timeout=wire,
-            shape=list(src.shape)), early=src.nbytes <= self.early_start_max_bytes))
+            shape=list(src.shape), data=data), early=src.nbytes <= self.early_start_max_bytes))
         handle = asyncio.create_task(self._run_all_reduce(tag, q, src, dst, op),
                                      name=f"pccl-all-reduce-{self.peer_id}-{tag}")
         self._handles.add(handle)

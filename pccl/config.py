@@ -105,6 +105,7 @@ _HELP: dict[str, str] = {
     "peer_timeout": "seconds a ring link may go without progress",
     "piece_bytes": "bytes per piece of a ring transfer",
     "early_start_max_bytes": "all-reduces up to this size start the ring at once (0: never)",
+    "via_master_max_bytes": "all-reduces up to this size are reduced by the master (0: never)",
     "max_frame": "largest control message accepted, in bytes",
     "reconnect_timeout": "seconds to keep registering again after losing the master "
                          "(0: never)",

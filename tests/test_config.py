@@ -34,6 +34,7 @@ COMMUNICATOR_VARIABLES = {
     "p2p_timeout": "PCCL_P2P_TIMEOUT",
     "peer_timeout": "PCCL_PEER_TIMEOUT",
     "early_start_max_bytes": "PCCL_EARLY_START_MAX_BYTES",
+    "via_master_max_bytes": "PCCL_VIA_MASTER_MAX_BYTES",
     "piece_bytes": "PCCL_PIECE_BYTES",
     "max_frame": "PCCL_MAX_FRAME",
     "reconnect_timeout": "PCCL_RECONNECT_TIMEOUT",

@@ -17,6 +17,9 @@ from pccl.testing import Cluster, LinkEmulator
 from pccl.testing.data import deterministic_tensor
 
 MiB = 1 << 20
+# Tiny all-reduces go through the master (tests/test_via_master.py): off here, so that
+# every size below takes the ring.
+RING = {"via_master_max_bytes": 0}
 
 
 def ordered(comms, per_comm):
@@ -29,7 +32,7 @@ def stats(cluster: Cluster) -> dict[str, int]:
 
 
 async def test_small_collectives_take_the_early_path_with_exact_results() -> None:
-    async with Cluster(3) as cluster:
+    async with Cluster(3, comm_kwargs=RING) as cluster:
         comms = cluster.comms
         for step in range(6):
             xs = [deterministic_tensor("float32", 1000 + step, seed=10 * step + i)
@@ -44,7 +47,7 @@ async def test_small_collectives_take_the_early_path_with_exact_results() -> Non
 
 
 async def test_above_the_threshold_the_master_performs_first() -> None:
-    async with Cluster(2, comm_kwargs={"early_start_max_bytes": 1024}) as cluster:
+    async with Cluster(2, comm_kwargs={**RING, "early_start_max_bytes": 1024}) as cluster:
         a, b = cluster.comms
         xs = [np.full(257, i + 1, dtype=np.float32) for i in range(2)]  # 1028 bytes
         await asyncio.gather(a.all_reduce(xs[0]), b.all_reduce(xs[1]))
@@ -58,7 +61,7 @@ async def test_a_peer_calling_long_after_the_others_is_no_stall() -> None:
     """The others' pieces wait at the late peer (held) and their ring ops are not armed
     until the master heard every call: a skew of three stall timeouts loses nothing."""
     timeout = 0.5
-    async with Cluster(3, comm_kwargs={"peer_timeout": timeout}) as cluster:
+    async with Cluster(3, comm_kwargs={**RING, "peer_timeout": timeout}) as cluster:
         comms = cluster.comms
         xs = [deterministic_tensor("float64", 100_003, seed=i) for i in range(3)]
         quantized = [deterministic_tensor("float32", 70_001, seed=7 + i) for i in range(3)]
@@ -87,7 +90,7 @@ async def test_a_peer_calling_long_after_the_others_is_no_stall() -> None:
 async def test_collectives_awaited_in_other_orders_do_not_hold_each_other_up() -> None:
     """Peer A runs tags 1 and 2 together; peer B awaits tag 2 before it even calls tag 1.
     A's early pieces of tag 1 must not block tag 2 on the shared ring links."""
-    async with Cluster(2) as cluster:
+    async with Cluster(2, comm_kwargs=RING) as cluster:
         a, b = cluster.comms
         x1 = [np.full(50_000, v, dtype=np.int64) for v in (1, 10)]
         x2 = [np.full(30_000, v, dtype=np.int32) for v in (2, 20)]
@@ -104,7 +107,7 @@ async def test_collectives_awaited_in_other_orders_do_not_hold_each_other_up() -
 
 @pytest.mark.parametrize("field", ["count", "dtype", "op"])
 async def test_disagreeing_peers_fail_with_invalid_usage_and_lose_nothing(field) -> None:
-    async with Cluster(3) as cluster:
+    async with Cluster(3, comm_kwargs=RING) as cluster:
         comms = cluster.comms
         xs = [np.arange(4096, dtype=np.float32) + i for i in range(3)]
         odd = {"count": np.arange(4097, dtype=np.float32),
@@ -128,7 +131,7 @@ async def test_disagreeing_peers_fail_with_invalid_usage_and_lose_nothing(field)
 
 async def test_a_peer_leaving_before_it_calls_leaves_the_others_to_finish() -> None:
     """As without early start: the others' collective runs on the rebuilt ring."""
-    async with Cluster(3) as cluster:
+    async with Cluster(3, comm_kwargs=RING) as cluster:
         a, b, gone = cluster.comms
         xa, xb = np.full(1000, 1.0), np.full(1000, 2.0)
         ha, hb = a.all_reduce_async(xa), b.all_reduce_async(xb)
@@ -142,7 +145,7 @@ async def test_a_peer_leaving_before_it_calls_leaves_the_others_to_finish() -> N
 
 
 async def test_cancelling_an_unconfirmed_early_start_calls_it_off_and_loses_nothing() -> None:
-    async with Cluster(2) as cluster:
+    async with Cluster(2, comm_kwargs=RING) as cluster:
         a, b = cluster.comms
         xa, xb = np.full(5000, 1, dtype=np.int64), np.full(5000, 2, dtype=np.int64)
         ha = a.all_reduce_async(xa, tag=3)
@@ -166,7 +169,7 @@ async def test_sigstop_after_every_peer_called_fails_everyone_by_the_stall_timer
     n = 3 * MiB // 4  # float32: under the early-start threshold
     async with LinkEmulator(bandwidth=2e6, chunk_size=64 * 1024) as emu:
         async with Cluster(1, master_kwargs={"heartbeat_timeout": 5.0},
-                           comm_kwargs={"peer_timeout": 1.0}) as cluster:
+                           comm_kwargs={**RING, "peer_timeout": 1.0}) as cluster:
             (a,) = cluster.comms
             victim = await pccl_peer_process(cluster.master.address)
             await cluster.master.wait_for(lambda s: len(s.pending()) == 1, timeout=60)
@@ -210,7 +213,7 @@ async def test_sigstop_after_every_peer_called_fails_everyone_by_the_stall_timer
 async def test_sigkill_of_a_peer_that_never_called(pccl_peer_process) -> None:
     """A and B started early; the third peer (a process) is SIGKILLed before its call:
     the early start is void and A and B finish on the rebuilt ring, world 2."""
-    async with Cluster(2) as cluster:
+    async with Cluster(2, comm_kwargs=RING) as cluster:
         a, b = cluster.comms
         victim = await pccl_peer_process(cluster.master.address)
         await cluster.master.wait_for(lambda s: len(s.pending()) == 1, timeout=60)

@@ -36,8 +36,9 @@ import os
 from collections import Counter, deque
 from collections.abc import Collection
 
+from pccl import _core
 from pccl.enums import DTYPES, DataType, QuantizationAlgorithm, ReduceOp
-from pccl.errors import ErrorKind
+from pccl.errors import ErrorKind, PCCLError
 from pccl.protocol import messages as m
 
 
@@ -314,6 +315,10 @@ def _explain(init: m.CollectiveInit) -> str:
 
 # Bytes per element of each pccl.DataType (a collective's size on the status page).
 _ELEMENT_BYTES = {int(t): info.size for t, info in DTYPES.items()}
+
+# Collectives reduced by the master: at most this many bytes of tensors in all (above,
+# the ring runs even when every member sent its tensor).
+VIA_MASTER_MAX_TOTAL = 64 << 20
 
 # Values of pccl.SharedStateSyncStrategy (kept numeric on the wire).
 ENFORCE_POPULAR, RECEIVE_ONLY, SEND_ONLY = 0, 1, 2
@@ -1148,6 +1153,10 @@ class MasterState:
             self._fail_unperformed(col, ErrorKind.InvalidUsageError, (
                 f"peers disagree on collective tag {col.tag}: {detail}"), out)
             return
+        if col.early < 0 and all(col.inits[p].data for p in members) \
+                and len(members) * len(first.data) <= VIA_MASTER_MAX_TOTAL:
+            self._reduce_here(col, first, out)
+            return
         ring = self.rings.get(col.group, [])
         col.epoch = self.ring_epochs.get(col.group, 0)
         if col.early >= 0 and not col.early_void:
@@ -1168,6 +1177,37 @@ class MasterState:
                                                    world=len(ring))))
         if col.reported:
             self._maybe_finish_collective(col, out)
+
+    def _reduce_here(self, col: Collective, first: m.CollectiveInit,
+                     out: list[Command]) -> None:
+        """Every member sent its tensor with its init (a tiny collective): reduce them
+        here, in the ring's order (the bytes the ring would produce), and answer everyone
+        with the result: one round trip, no ring."""
+        ring = self.rings.get(col.group, [])
+        size = first.count * _ELEMENT_BYTES.get(first.dtype, 0)
+        bad = [p for p in ring if len(col.inits[p].data) != size]
+        if bad or first.quant_algorithm:
+            self._fail_unperformed(col, ErrorKind.InvalidUsageError, (
+                f"collective tag {col.tag}: peers {bad} sent tensors that are not "
+                f"{first.count} x {_name(DataType, first.dtype)} ({size} bytes)"
+                if bad else "quantized collectives are not reduced by the master"), out)
+            return
+        try:
+            result = _core.star_all_reduce([col.inits[p].data for p in ring], first.dtype,
+                                           first.op)
+        except PCCLError as e:
+            self._fail_unperformed(col, ErrorKind.of(e), str(e), out)
+            return
+        del self.collectives[(col.group, col.tag)]
+        self._disarm(col.deadline)
+        col.op_id = self.next_op_id
+        self.next_op_id += 1
+        self._note("collective_started", "", ring, col.group, col.op_id, size)
+        self._note("collective_done", "", ring, col.group, col.op_id)
+        for p in ring:
+            out.append(Send(p, m.CollectiveOutcome(tag=col.tag, op_id=col.op_id, ok=True,
+                                                   kind=ErrorKind.NONE, message="",
+                                                   data=result, world=len(ring))))
 
     def _ring_broken(self, group: int) -> bool:
         """Whether collectives in ``group`` cannot succeed before update_topology()."""
@@ -1203,10 +1243,11 @@ class MasterState:
             return
         if col is not None and msg.op_id < 0 and col.op_id < 0 and peer in col.inits:
             # The peer gave up before the collective ran: call it off for everyone.
-            # The withdrawing peer hears nothing: it may already reuse the tag.
+            # The withdrawing peer hears nothing (it may already reuse the tag), unless
+            # it sent its tensor to be reduced here: it waits to hear which came first.
             self._fail_unperformed(col, ErrorKind.CollectiveAbortedError,
                                    f"peer {peer} withdrew from collective tag {msg.tag}", out,
-                                   skip=peer)
+                                   skip=None if col.inits[peer].data else peer)
             return
         if col is not None and msg.op_id < 0 and peer in col.participants:
             # It gave up while our perform was on its way: it will not run the ring.

@@ -481,6 +481,15 @@ class Driver:
                 try:
                     perform, run = await perform_fut
                 except asyncio.CancelledError:
+                    col = self._m.collectives.get(tag)
+                    if col is not None and col.init.data:
+                        # Sent to the master with its tensor: the init was this peer's
+                        # report, and the master may have decided already (then the
+                        # result is applied here too before CancelledError propagates).
+                        decided = await self._withdraw_collective(tag, outcome_fut)
+                        if isinstance(decided, m.CollectiveOutcome) and decided.ok:
+                            self._apply_reduce(decided.world, None, src, dst, decided)
+                        raise
                     # Others would wait for us in the ring: call the collective off.
                     self._feed(ps.CancelCollective(tag))
                     raise
@@ -497,7 +506,7 @@ class Driver:
                     # says).
                     decided = await self._withdraw_collective(tag, outcome_fut)
                     if isinstance(decided, m.CollectiveOutcome) and decided.ok and ok:
-                        self._apply_reduce(perform.world, ring, src, dst)
+                        self._apply_reduce(perform.world, ring, src, dst, decided)
                     raise
                 if outcome is not ps.REDO:
                     break
@@ -508,7 +517,7 @@ class Driver:
                         del self._waiters[w]
             if not outcome.ok:
                 raise ErrorKind.parse(outcome.kind).error(outcome.message)
-            self._apply_reduce(perform.world, ring, src, dst)
+            self._apply_reduce(perform.world, ring, src, dst, outcome)
             return ReduceInfo(tx_bytes=int(tx), rx_bytes=int(rx), world_size=perform.world)
         finally:
             self._rings.pop(tag, None)
@@ -558,8 +567,11 @@ class Driver:
         return True, ring, tx, rx
 
     @staticmethod
-    def _apply_reduce(world: int, ring: Any, src: RawTensor, dst: RawTensor) -> None:
-        if world == 1 or ring is None:
+    def _apply_reduce(world: int, ring: Any, src: RawTensor, dst: RawTensor,
+                      outcome: m.CollectiveOutcome) -> None:
+        if outcome.data:
+            _core.copy_into(dst.data, outcome.data)  # reduced by the master
+        elif world == 1 or ring is None:
             if dst.data is not src.data:
                 _core.copy_into(dst.data, src.data)
         else:
@@ -575,9 +587,13 @@ class Driver:
             async with asyncio.timeout(self.timeout):
                 decided: m.CollectiveOutcome = await outcome
                 return decided
-        except (PCCLError, TimeoutError) as e:
+        except PCCLError as e:
+            if isinstance(e, MasterConnectionError):
+                log.warning("peer %s: cancelled all_reduce(tag=%d); no outcome from the "
+                            "master (%s): output left as it was", self.peer_id, tag, e)
+        except TimeoutError:
             log.warning("peer %s: cancelled all_reduce(tag=%d); no outcome from the master "
-                        "(%s): output left as it was", self.peer_id, tag, e or "timed out")
+                        "in %ss: output left as it was", self.peer_id, tag, self.timeout)
         return None
 
     def _commit_sync(self, state: SharedState, fetched: dict[str, Any],

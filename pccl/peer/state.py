@@ -605,7 +605,14 @@ class PeerMachine:
             col = self.collectives.get(msg.tag)
             if col is None:
                 return  # a withdrawn or forgotten collective: nothing waits for it
-            if col.perform is not None and msg.op_id == col.perform.op_id:
+            if col.perform is None and msg.ok and msg.world > 0:
+                # Reduced by the master: the result is in the outcome; no ring runs.
+                col.perform = m.CollectivePerform(tag=col.tag, op_id=msg.op_id, epoch=-1,
+                                                  rank=-1, world=msg.world)
+                col.phase = CollectivePhase.WAIT_OUTCOME
+                self._resolve(perform_of(msg.tag), (col.perform, False), out)
+                self._resolve(outcome_of(msg.tag), msg, out)
+            elif col.perform is not None and msg.op_id == col.perform.op_id:
                 if msg.ok and col.perform.epoch == self.ring_epoch:
                     self.early_counts[col.tag] = self.early_counts.get(col.tag, 0) + 1
                 elif not msg.ok:
@@ -756,7 +763,7 @@ class PeerMachine:
                                     f"tag {init.tag} is already in flight on this peer")
         col = self.collectives[init.tag] = Collective(init.tag, init)
         self.waiting |= {perform_of(init.tag), outcome_of(init.tag)}
-        perform = self._early_perform(init.tag) if early else None
+        perform = self._early_perform(init.tag) if early and not init.data else None
         if perform is None:
             self._send(init, out)
             return
@@ -832,7 +839,7 @@ class PeerMachine:
             return
         if col.phase is CollectivePhase.RUNNING:
             out.append(AbortRing(tag))
-        if col.perform is not None:
+        if col.perform is not None and col.perform.epoch >= 0:
             self.early_off_epoch = self.ring_epoch  # its ring op may leave pieces behind
         # An unconfirmed early start withdraws like a collective not yet performed.
         op_id = col.perform.op_id if col.perform is not None and not col.early else -1

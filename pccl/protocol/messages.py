@@ -314,6 +314,10 @@ class CollectiveInit(Message):
     # epoch ``epoch`` (see :func:`early_op_id`); -1: it waits for CollectivePerform.
     early_op: int = -1
     epoch: int = -1
+    # Via the master: the caller's tensor bytes (a tiny collective). When every member
+    # sends them, the master reduces them in the ring's order and answers everyone with
+    # the result in the outcome; no ring runs. Empty: the ring runs.
+    data: bytes = b""
 
 
 def early_op_id(epoch: int, tag: int, n: int) -> int:
@@ -372,6 +376,9 @@ class CollectiveOutcome(Message):
     ok: bool
     kind: ErrorKind
     message: str
+    # Reduced by the master (every member sent its data): the result, and the world.
+    data: bytes = b""
+    world: int = 0
 
 
 # --- shared state -------------------------------------------------------------------

@@ -1,6 +1,7 @@
 //! Python handles for the ring: installing the links of an epoch, starting an
 //! all-reduce (`RingOp`), and committing its result into the caller's buffer. The work
 //! is done by `crate::ring::assembly`; this file only converts arguments and results.
+//! `star_all_reduce` computes the ring's result in one process (`crate::ring::star`).
 
 use crate::error::CoreError;
 use crate::py::node::{seconds, PyP2PNode};
@@ -9,6 +10,7 @@ use crate::ring::assembly::{self, dtype_from_code, op_from_code, quant_from_code
 use crate::ring::ReduceSpec;
 use pyo3::buffer::PyBuffer;
 use pyo3::prelude::*;
+use pyo3::types::PyBytes;
 use pyo3_async_runtimes::tokio::future_into_py;
 
 /// Raw view of a contiguous byte buffer exported by a Python object.
@@ -218,4 +220,42 @@ impl RingOp {
         })?;
         Ok(())
     }
+}
+
+/// The bytes a ring all-reduce of `inputs` (`inputs[r]`: rank `r`'s tensor, C-contiguous
+/// byte buffers of equal size) leaves on every peer, computed here with the GIL
+/// released. `dtype` and `op` are the codes `start_all_reduce` takes; no quantization.
+#[pyfunction]
+pub fn star_all_reduce<'py>(
+    py: Python<'py>,
+    inputs: Vec<Bound<'py, PyAny>>,
+    dtype: u8,
+    op: u8,
+) -> PyResult<Bound<'py, PyBytes>> {
+    let (dtype, op) = (dtype_from_code(dtype)?, op_from_code(op)?);
+    // Held until the end: a held export keeps the bytes from being resized or freed.
+    let mut views = Vec::with_capacity(inputs.len());
+    for (rank, obj) in inputs.iter().enumerate() {
+        let buf = PyBuffer::<u8>::get(obj).map_err(|e| {
+            CoreError::InvalidArgument(format!("input {rank} must expose a byte buffer: {e}"))
+        })?;
+        if !buf.is_c_contiguous() {
+            return Err(
+                CoreError::InvalidArgument(format!("input {rank} must be C-contiguous")).into(),
+            );
+        }
+        views.push(buf);
+    }
+    let slices: Vec<&[u8]> = views
+        .iter()
+        .map(|b| match b.len_bytes() {
+            0 => &[][..],
+            // SAFETY: a C-contiguous export of `len` bytes, alive while `views` is.
+            len => unsafe { std::slice::from_raw_parts(b.buf_ptr() as *const u8, len) },
+        })
+        .collect();
+    let out = py.detach(|| crate::ring::star_all_reduce(&slices, dtype, op))?;
+    drop(slices);
+    drop(views);
+    Ok(PyBytes::new(py, &out))
 }

@@ -1,13 +1,16 @@
 //! The data plane of the ring all-reduce: the links to the ring neighbours
-//! (`links.rs`), the reduce-scatter + all-gather over them (`allreduce.rs`), and the
-//! assembly of a peer's ring and its ops out of a node's pools (`assembly.rs`).
+//! (`links.rs`), the reduce-scatter + all-gather over them (`allreduce.rs`), the
+//! assembly of a peer's ring and its ops out of a node's pools (`assembly.rs`), and the
+//! same reduction computed in one process (`star.rs`).
 
 pub mod allreduce;
 pub mod assembly;
 pub mod links;
+pub mod star;
 #[cfg(test)]
 mod tests;
 
 pub use allreduce::{ring_all_reduce, ReduceSpec, ReduceStats};
 pub use assembly::{LinkConfig, Ring, RingOp};
 pub use links::RingLinks;
+pub use star::star_all_reduce;

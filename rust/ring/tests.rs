@@ -952,3 +952,249 @@ async fn an_op_registered_late_holds_up_no_later_op_on_the_same_lanes() {
     })
     .await;
 }
+
+// ---------------------------------------------------------------------------------------
+// The star (in-process) all-reduce against the real ring
+// ---------------------------------------------------------------------------------------
+
+/// `count` elements of `dtype` whose float sums depend on the order: values spread over
+/// many binades, with now and then a signed zero, an infinity or a NaN with a payload
+/// (Max / Min keep the first NaN they meet). Integers: any bits.
+fn mixed_input(dtype: DType, count: usize, seed: u64) -> Vec<u8> {
+    let mut rng = SplitMix(seed ^ 0x5EED_0000);
+    let mut out = Vec::with_capacity(count * dtype.size());
+    let spread: i32 = match dtype {
+        DType::F16 => 8,
+        DType::BF16 | DType::F32 => 30,
+        _ => 200,
+    };
+    for _ in 0..count {
+        let binade = (rng.next() % (2 * spread as u64 + 1)) as i32 - spread;
+        let mut x = rng.unit() * 2f64.powi(binade);
+        let kind = rng.next() % 24;
+        match kind {
+            0 => x = 0.0,
+            1 => x = -0.0,
+            2 => x = f64::INFINITY,
+            3 => x = f64::NEG_INFINITY,
+            _ => {}
+        }
+        let nan = kind == 4;
+        let payload = rng.next();
+        match dtype {
+            DType::F16 => {
+                let bits = if nan {
+                    0x7C01 | (payload as u16 & 0x83FF)
+                } else {
+                    f16::from_f64(x).to_bits()
+                };
+                out.extend_from_slice(&bits.to_le_bytes());
+            }
+            DType::BF16 => {
+                let bits = if nan {
+                    0x7F81 | (payload as u16 & 0x807F)
+                } else {
+                    bf16::from_f64(x).to_bits()
+                };
+                out.extend_from_slice(&bits.to_le_bytes());
+            }
+            DType::F32 => {
+                let bits = if nan {
+                    0x7F80_0001 | (payload as u32 & 0x807F_FFFF)
+                } else {
+                    (x as f32).to_bits()
+                };
+                out.extend_from_slice(&bits.to_le_bytes());
+            }
+            DType::F64 => {
+                let bits = if nan {
+                    0x7FF0_0000_0000_0001 | (payload & 0x800F_FFFF_FFFF_FFFF)
+                } else {
+                    x.to_bits()
+                };
+                out.extend_from_slice(&bits.to_le_bytes());
+            }
+            _ => out.extend_from_slice(&payload.to_le_bytes()[..dtype.size()]),
+        }
+    }
+    out
+}
+
+fn star(dtype: DType, op: ReduceOp, inputs: &[Vec<u8>]) -> Vec<u8> {
+    let refs: Vec<&[u8]> = inputs.iter().map(Vec::as_slice).collect();
+    super::star_all_reduce(&refs, dtype, op).unwrap()
+}
+
+/// Runs one op per rank on `peers` and returns every rank's result bytes.
+async fn ring_results(
+    peers: &[(Arc<Node>, Ring)],
+    op_id: u64,
+    dtype: DType,
+    op: ReduceOp,
+    inputs: &[Vec<u8>],
+) -> Vec<Vec<u8>> {
+    let k = peers.len();
+    let ops: Vec<RingOp> = peers
+        .iter()
+        .enumerate()
+        .map(|(rank, (_, ring))| {
+            let s = spec(op_id, rank, k, dtype, op);
+            ring.start_all_reduce_shared(s, Arc::new(inputs[rank].clone()))
+                .unwrap()
+        })
+        .collect();
+    for (rank, r) in run_all(&ops).await.into_iter().enumerate() {
+        r.unwrap_or_else(|e| panic!("op {op_id}, rank {rank}: {e}"));
+    }
+    ops.iter().map(|o| o.result().to_vec()).collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn star_all_reduce_matches_the_real_ring_bit_for_bit() {
+    // Counts below the world size (empty chunks), around it, and several pieces per
+    // chunk (the pieces are 24 bytes).
+    let counts = [1usize, 2, 9, 61];
+    bounded("the rings", async {
+        for (d, &dtype) in DType::ALL.iter().enumerate() {
+            for (o, &op) in ReduceOp::ALL.iter().enumerate() {
+                // A world of one: the peers keep their input.
+                let x = mixed_input(dtype, 7, (d * 10 + o) as u64);
+                assert_eq!(star(dtype, op, std::slice::from_ref(&x)), x);
+            }
+        }
+        for k in [2usize, 3, 5, 7] {
+            let lanes = 1 + (k % 3) as u16;
+            let peers = loopback_ring(k, lanes, 70 + k as u64, link_cfg(Duration::from_secs(10)))
+                .await
+                .unwrap();
+            // Every case in flight at once on the same links, then each compared.
+            let mut cases = Vec::new();
+            for &dtype in &DType::ALL {
+                for &op in &ReduceOp::ALL {
+                    for &count in &counts {
+                        let op_id = cases.len() as u64;
+                        let inputs: Vec<Vec<u8>> = (0..k)
+                            .map(|r| {
+                                mixed_input(dtype, count, op_id * 8 + r as u64 + 1000 * k as u64)
+                            })
+                            .collect();
+                        let ops: Vec<RingOp> = peers
+                            .iter()
+                            .enumerate()
+                            .map(|(rank, (_, ring))| {
+                                let s = spec(op_id, rank, k, dtype, op);
+                                ring.start_all_reduce_shared(s, Arc::new(inputs[rank].clone()))
+                                    .unwrap()
+                            })
+                            .collect();
+                        let runs: Vec<_> =
+                            ops.iter().map(|o| tokio::spawn(o.run().unwrap())).collect();
+                        cases.push((dtype, op, count, inputs, ops, runs));
+                    }
+                }
+            }
+            let mut order_mattered = 0;
+            for (dtype, op, count, inputs, ops, runs) in cases {
+                let what = format!("{k} peers, {} {} x{count}", op.name(), dtype.name());
+                for run in runs {
+                    run.await.unwrap().unwrap_or_else(|e| panic!("{what}: {e}"));
+                }
+                let want = star(dtype, op, &inputs);
+                for (rank, o) in ops.iter().enumerate() {
+                    assert!(
+                        o.result() == want,
+                        "{what}: rank {rank} differs from the star"
+                    );
+                }
+                // The same inputs folded from rank 0 for every chunk: often other bytes,
+                // so the comparison above does see the order.
+                if dtype.is_float() && count > k {
+                    let mut acc = inputs[0].clone();
+                    for x in &inputs[1..] {
+                        crate::reduce::reduce_inplace(dtype, op, &mut acc, x).unwrap();
+                    }
+                    crate::reduce::finalize(dtype, op, &mut acc, k).unwrap();
+                    order_mattered += usize::from(acc != want);
+                }
+            }
+            // (Two peers fold each chunk as `a op b` or `b op a`: the same bits, NaNs
+            // aside, as the kernels are commutative.)
+            assert!(
+                k == 2 || order_mattered > 0,
+                "{k} peers: no case depended on the order"
+            );
+            close_all(&peers).await;
+        }
+    })
+    .await;
+}
+
+#[test]
+fn star_all_reduce_matches_the_real_ring_on_random_inputs() {
+    use proptest::prelude::*;
+    use proptest::test_runner::{Config, TestRunner};
+
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    // One ring per world size, reused by every case.
+    let rings: Vec<Vec<(Arc<Node>, Ring)>> = rt.block_on(async {
+        let mut rings = Vec::new();
+        for k in 2..=6usize {
+            let cfg = link_cfg(Duration::from_secs(10));
+            rings.push(loopback_ring(k, 2, 90 + k as u64, cfg).await.unwrap());
+        }
+        rings
+    });
+    // Any bit pattern (NaNs, subnormals, infinities), or a value of a moderate binade.
+    let f32_bits = prop_oneof![
+        any::<u32>(),
+        (-1e4f32..1e4f32).prop_map(f32::to_bits),
+        (-1e-3f32..1e-3f32).prop_map(f32::to_bits),
+    ];
+    let f16_bits = prop_oneof![
+        any::<u16>(),
+        (-60f32..60f32).prop_map(|x| f16::from_f32(x).to_bits()),
+    ];
+    let case = |elem: BoxedStrategy<Vec<u8>>| {
+        (2usize..=6, 0usize..40).prop_flat_map(move |(k, n)| {
+            proptest::collection::vec(proptest::collection::vec(elem.clone(), n), k)
+                .prop_map(|ranks| ranks.into_iter().map(|v| v.concat()).collect::<Vec<_>>())
+        })
+    };
+    let f32_case = case(f32_bits.prop_map(|b| b.to_le_bytes().to_vec()).boxed());
+    let f16_case = case(f16_bits.prop_map(|b| b.to_le_bytes().to_vec()).boxed());
+    let op_id = std::cell::Cell::new(0u64);
+    for (dtype, op, strategy) in [
+        (DType::F32, ReduceOp::Sum, f32_case),
+        (DType::F16, ReduceOp::Avg, f16_case),
+    ] {
+        let mut runner = TestRunner::new(Config {
+            cases: 48,
+            failure_persistence: None,
+            ..Config::default()
+        });
+        runner
+            .run(&strategy, |inputs| {
+                op_id.set(op_id.get() + 1);
+                let peers = &rings[inputs.len() - 2];
+                let got = rt.block_on(bounded(
+                    "a ring op",
+                    ring_results(peers, op_id.get(), dtype, op, &inputs),
+                ));
+                let want = star(dtype, op, &inputs);
+                for (rank, g) in got.iter().enumerate() {
+                    prop_assert!(g == &want, "rank {} differs from the star", rank);
+                }
+                Ok(())
+            })
+            .unwrap();
+    }
+    rt.block_on(async {
+        for peers in &rings {
+            close_all(peers).await;
+        }
+    });
+}
