@@ -1,5 +1,5 @@
-"""Small-collective latency with a distant master: the baseline of issue 21's "one master
-round trip per collective".
+"""Small-collective latency with a distant master: issue 21's "one master round trip per
+collective", early start against the two round trips of waiting for the master's perform.
 
 One process: a master, ``k`` peers, and link emulators (pccl.testing.LinkEmulator). Every
 peer reaches the master through an emulator adding ``--master-ms`` one way, and every
@@ -8,10 +8,13 @@ costs that much). For each k it measures, side by side:
 
 - the master round trip as a peer sees it (``pending_peer_count()``, a plain query);
 - a ``--bytes`` (1 KiB) float32 all-reduce (SUM), every peer calling at once, wall time
-  of the slowest;
+  of the slowest, in two modes on the same peers, alternating iteration by iteration:
+  ``early`` (the default: the ring starts when called, one master round trip) and
+  ``perform_first`` (``early_start_max_bytes=0``: the ring waits for the master's
+  perform, two round trips);
 
-and prints the all-reduce latency against "one master round trip + the ring's own
-latency (2 (k - 1) hops) + 2 ms", the issue's target::
+and prints both against "one master round trip + the ring's own latency (2 (k - 1)
+hops) + 2 ms", the issue's target::
 
     python bench/latency.py --peers 2 8 --iters 20 --out bench/results/latency.json
     python bench/latency.py --peers 4 8 16 32 --master-ms 0 --bytes 4096   # the ring alone
@@ -61,32 +64,42 @@ async def measure(k: int, iters: int, master_ms: float, link_ms: float,
         xs = [np.full(count, float(i + 1), dtype=np.float32) for i in range(k)]
         want = float(k * (k + 1) // 2)
         rtt: list[float] = []
-        reduce: list[float] = []
+        modes = {"early": 4 << 20, "perform_first": 0}
+        reduce: dict[str, list[float]] = {mode: [] for mode in modes}
         for it in range(iters + 2):  # two warm-up rounds
             t0 = time.perf_counter()
             await comms[0].pending_peer_count()
             if it >= 2:
                 rtt.append(time.perf_counter() - t0)
-            for i, x in enumerate(xs):
-                x.fill(i + 1)
-            t0 = time.perf_counter()
-            await asyncio.gather(*(c.all_reduce(x) for c, x in zip(comms, xs)))
-            if it >= 2:
-                reduce.append(time.perf_counter() - t0)
-            if not all(float(x[0]) == want and float(x[-1]) == want for x in xs):
-                raise RuntimeError(f"wrong all-reduce result at k={k}")
+            for mode, limit in modes.items():
+                for c in comms:
+                    c.early_start_max_bytes = limit
+                for i, x in enumerate(xs):
+                    x.fill(i + 1)
+                t0 = time.perf_counter()
+                await asyncio.gather(*(c.all_reduce(x) for c, x in zip(comms, xs)))
+                if it >= 2:
+                    reduce[mode].append(time.perf_counter() - t0)
+                if not all(float(x[0]) == want and float(x[-1]) == want for x in xs):
+                    raise RuntimeError(f"wrong all-reduce result at k={k}")
         ring_s = 2 * (k - 1) * link_ms / 1e3
         rtt_med = statistics.median(rtt)
-        return {
+        row: dict[str, Any] = {
             "peers": k, "bytes": count * 4, "iters": iters,
             "master_one_way_ms": master_ms, "link_one_way_ms": link_ms,
             "master_rtt_ms_median": rtt_med * 1e3,
-            "all_reduce_ms_median": statistics.median(reduce) * 1e3,
-            "all_reduce_ms_min": min(reduce) * 1e3,
             "ring_latency_ms": ring_s * 1e3,
             "target_ms": (rtt_med + ring_s + 0.002) * 1e3,
-            "master_rtts_spent": (statistics.median(reduce) - ring_s) / rtt_med,
+            "early_starts_confirmed": master.state.collective_paths["early"],
         }
+        for mode, times in reduce.items():
+            row[mode] = {
+                "all_reduce_ms_median": statistics.median(times) * 1e3,
+                "all_reduce_ms_min": min(times) * 1e3,
+                "master_rtts_spent": ((statistics.median(times) - ring_s) / rtt_med
+                                      if rtt_med > 0 else None),
+            }
+        return row
     finally:
         await asyncio.gather(*(c.close() for c in comms), return_exceptions=True)
         for e in emus:
@@ -99,11 +112,15 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     for k in args.peers:
         row = await measure(k, args.iters, args.master_ms, args.link_ms, args.bytes // 4)
         rows.append(row)
-        print(f"k={k}: master RTT {row['master_rtt_ms_median']:.1f} ms, "
-              f"{row['bytes']} B all-reduce "
-              f"{row['all_reduce_ms_median']:.1f} ms median (ring alone "
-              f"{row['ring_latency_ms']:.0f} ms; target {row['target_ms']:.1f} ms; "
-              f"{row['master_rtts_spent']:.2f} master round trips spent)", flush=True)
+        e, p = row["early"], row["perform_first"]
+        spent = (f"; master round trips spent: {e['master_rtts_spent']:.2f} vs "
+                 f"{p['master_rtts_spent']:.2f}" if e["master_rtts_spent"] is not None
+                 else "")
+        print(f"k={k}: master RTT {row['master_rtt_ms_median']:.1f} ms, {row['bytes']} B "
+              f"all-reduce median {e['all_reduce_ms_median']:.1f} ms early start vs "
+              f"{p['all_reduce_ms_median']:.1f} ms perform first (ring alone "
+              f"{row['ring_latency_ms']:.0f} ms; target {row['target_ms']:.1f} ms{spent})",
+              flush=True)
     return {"machine": machine_info(), "rows": rows}
 
 

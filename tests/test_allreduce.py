@@ -49,9 +49,19 @@ async def reduce_all(cluster, tensors, op, tag=0, **kw):
                                   for c, t in zip(cluster.comms, tensors)))
 
 
+# The three paths of a small all-reduce: reduced by the master (the default below
+# 64 KiB), the ring started early (one master round trip), the ring after the master's
+# perform (two). Each must give the very bytes of the ring's reduction order.
+PATHS = {"via_master": {},
+         "early_ring": {"via_master_max_bytes": 0},
+         "performed_ring": {"via_master_max_bytes": 0, "early_start_max_bytes": 0}}
+
+
+@pytest.mark.parametrize("path", list(PATHS))
 @pytest.mark.parametrize("world", [2, 3, 4])
-async def test_every_dtype_and_op_is_exact_and_bit_identical(pccl_cluster, world) -> None:
-    cluster = await pccl_cluster(world, pool_size=2)
+async def test_every_dtype_and_op_is_exact_and_bit_identical(pccl_cluster, world,
+                                                               path) -> None:
+    cluster = await pccl_cluster(world, pool_size=2, comm_kwargs=PATHS[path])
     count = 37  # not a multiple of any world size
     for dtype in INT_DTYPES + FLOAT_DTYPES:
         if dtype == "bfloat16" and torch is None:
@@ -82,7 +92,7 @@ async def test_float_results_are_close_to_the_exact_sum(pccl_cluster, dtype) -> 
     assert np.all(np.abs(tensors[0] - exact) <= 4 * eps * scale)
 
 
-@pytest.mark.parametrize("count", [0, 1, 2, 3, 5, 101, 65_537])
+@pytest.mark.parametrize("count", [0, 1, 2, 3, 5, 101, 16_385, 65_537])
 async def test_odd_sizes(pccl_cluster, count) -> None:
     cluster = await pccl_cluster(3)
     inputs = [np.arange(count, dtype=np.int64) * (r + 1) for r in range(3)]

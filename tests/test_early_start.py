@@ -28,7 +28,8 @@ def ordered(comms, per_comm):
 
 
 def stats(cluster: Cluster) -> dict[str, int]:
-    return dict(cluster.master.state.early_stats)
+    paths = cluster.master.state.collective_paths
+    return {"confirmed": paths["early"], "voided": paths["voided"]}
 
 
 async def test_small_collectives_take_the_early_path_with_exact_results() -> None:

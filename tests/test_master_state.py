@@ -13,6 +13,7 @@ import copy
 import dataclasses
 from collections.abc import Sequence
 
+import numpy as np
 import pytest
 from hypothesis import settings
 from hypothesis import strategies as hs
@@ -24,6 +25,8 @@ from hypothesis.stateful import (
     rule,
 )
 
+from pccl.enums import DataType
+from pccl.errors import ErrorKind
 from pccl.master.state import (
     ArmDeadline,
     ArmRecoveryTimer,
@@ -2191,3 +2194,47 @@ def test_a_member_lost_before_calling_voids_the_early_start() -> None:
                 if isinstance(c, Send) and isinstance(c.msg, m.CollectivePerform)]
     assert sorted(c.peer_id for c in performs) == [1, 2]
     assert all(c.msg.world == 2 and c.msg.op_id < (1 << 63) for c in performs)  # type: ignore[union-attr]
+
+
+# --- reduced by the master --------------------------------------------------------------
+
+
+def with_data(tag: int, values: list[int], **kw: int) -> m.CollectiveInit:
+    raw = np.array(values, dtype=np.int32).tobytes()
+    return dataclasses.replace(coll_init(tag, dtype=int(DataType.INT32), count=len(values),
+                                         **kw), data=raw)
+
+
+def test_tiny_collectives_with_every_tensor_are_answered_with_the_result() -> None:
+    st = run_with([0, 0, 0])
+    assert tell(st, 2, with_data(1, [1, 2])) == []
+    assert tell(st, 1, with_data(1, [10, 20])) == []
+    out = tell(st, 3, with_data(1, [100, 200]))
+    want = np.array([111, 222], dtype=np.int32).tobytes()
+    assert out == [Send(p, m.CollectiveOutcome(tag=1, op_id=1, ok=True, kind=ErrorKind.NONE,
+                                               message="", data=want, world=3))
+                   for p in (1, 2, 3)]
+    assert st.collectives == {} and st.collective_paths["via_master"] == 1
+
+
+def test_one_member_without_its_tensor_makes_the_master_perform_the_ring() -> None:
+    st = run_with([0, 0])
+    tell(st, 1, with_data(0, [1]))
+    out = tell(st, 2, coll_init(0, dtype=int(DataType.INT32), count=1))
+    assert [type(c.msg) for c in out if isinstance(c, Send)] == [m.CollectivePerform] * 2
+
+
+def test_a_tensor_of_the_wrong_length_is_invalid_usage_for_everyone() -> None:
+    st = run_with([0, 0])
+    tell(st, 1, with_data(0, [1, 2]))
+    bad = dataclasses.replace(with_data(0, [1, 2]), data=b"\0" * 3)
+    assert tell(st, 2, bad) == [Send(p, refused(0, "InvalidUsageError")) for p in (1, 2)]
+
+
+def test_a_withdrawal_of_a_tensor_sent_to_the_master_is_answered() -> None:
+    """The withdrawing peer sent its tensor: it waits to hear whether the master decided
+    first, so it hears the call-off too."""
+    st = run_with([0, 0])
+    tell(st, 1, with_data(0, [1]))
+    out = tell(st, 1, done(0, -1, ok=False, kind="CollectiveAbortedError"))
+    assert out == [Send(1, refused(0, "CollectiveAbortedError"))]

@@ -411,8 +411,9 @@ class MasterState:
         # (group, tag) -> (ring epoch, successful collectives of the tag on that ring):
         # what the op id of an early start derives from (see m.early_op_id).
         self.early_counts: dict[tuple[int, int], tuple[int, int]] = {}
-        # Early starts that stood (one master round trip) and that were voided.
-        self.early_stats = {"confirmed": 0, "voided": 0}
+        # How collectives ran: early starts that stood (one master round trip), early
+        # starts voided (run again), reduced here (tiny ones: one round trip, no ring).
+        self.collective_paths = {"early": 0, "voided": 0, "via_master": 0}
         # Recovery after a master restart: peers named by resuming peers that have not
         # registered yet; admission waits for them (bounded by the recovery timer).
         self.recovery_awaiting: set[int] = set()
@@ -1124,7 +1125,7 @@ class MasterState:
             return
         if not col.early_void:
             col.early_void = True
-            self.early_stats["voided"] += 1
+            self.collective_paths["voided"] += 1
             for p in sorted(col.early_peers):
                 if p not in col.early_done:
                     out.append(Send(p, m.CollectiveAbort(tag=col.tag, op_id=col.early,
@@ -1164,7 +1165,7 @@ class MasterState:
             # early members' stall timers and starts the others' ring op under that id.
             col.op_id = col.early
             col.reported = {p for p in col.early_done if p in ring}
-            self.early_stats["confirmed"] += 1
+            self.collective_paths["early"] += 1
         else:
             col.op_id = self.next_op_id
             self.next_op_id += 1
@@ -1202,6 +1203,7 @@ class MasterState:
         self._disarm(col.deadline)
         col.op_id = self.next_op_id
         self.next_op_id += 1
+        self.collective_paths["via_master"] += 1
         self._note("collective_started", "", ring, col.group, col.op_id, size)
         self._note("collective_done", "", ring, col.group, col.op_id)
         for p in ring:

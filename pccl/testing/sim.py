@@ -194,6 +194,9 @@ class SimPeer:
         self.conn = 0  # master connections so far (messages of older ones are void)
         self.link_up = True  # the current one is up (False: broken, not yet replaced)
         self.rejoin_deadline = 0.0
+        # Whether its tiny collectives go to the master with their tensor (a setting of
+        # the peer: peers set differently make the master run the ring).
+        self.via_master = sim.rng.random() < sim.via_master_rate
 
     # -- the driver's part --
 
@@ -252,6 +255,10 @@ class SimPeer:
             if value is ps.REDO:
                 return  # the early start was voided: the collective runs again
             p = self.performs.get(tag)
+            if error is None and p is None and value.ok and value.world > 0:
+                # Reduced by the master (a cancelled caller applies it all the same).
+                p = m.CollectivePerform(tag=tag, op_id=value.op_id, epoch=-1, rank=-1,
+                                        world=value.world)
             if error is not None or p is None:
                 self.errors[tag] = error or ErrorKind.PCCLError.error("no perform")
             else:
@@ -260,13 +267,13 @@ class SimPeer:
                     # The caller gave up: a decided result is applied (the driver does so
                     # before raising CancelledError), but the program sees the call fail.
                     if value.ok:
-                        self.sim.ring_result(self, tag, p)
+                        self.sim.reduce_result(self, tag, p, value)
                     self.errors[tag] = ErrorKind.CollectiveAbortedError.error(
                         "cancelled by the caller")
                 elif not value.ok:
                     self.errors[tag] = ErrorKind.parse(value.kind).error(value.message)
                 else:
-                    self.results[tag] = (self.sim.ring_result(self, tag, p), p.world)
+                    self.results[tag] = (self.sim.reduce_result(self, tag, p, value), p.world)
             self.machine.handle(ps.EndCollective(tag))
             self._maybe_reduced(call)
             return
@@ -319,8 +326,11 @@ class SimPeer:
             self.sim.trace(f"peer {self.id} CANCELS reduce {tag}")
             col = self.machine.collectives.get(tag)
             unconfirmed = col is not None and col.early
+            # A tensor sent to the master: the init was the report; the driver waits for
+            # the master's word (and applies a decided success) before raising.
+            sent_data = col is not None and bool(col.init.data)
             self.feed(ps.CancelCollective(tag))
-            if tag not in self.performs or unconfirmed:
+            if (tag not in self.performs or unconfirmed) and not sent_data:
                 # Not performed yet: the driver raises CancelledError at once and forgets
                 # the collective; only after the perform does it wait for the outcome.
                 self.machine.handle(ps.EndCollective(tag))
@@ -391,10 +401,12 @@ class SimPeer:
             else:
                 for r in call:
                     self.sim.contribution[(self.id, r.tag)] = (r.value, r.op)
+                    data = r.value.to_bytes(8, "little", signed=True) if self.via_master \
+                        else b""
                     self.feed(ps.StartCollective(m.CollectiveInit(
                         tag=r.tag, kind="all_reduce", dtype=int(DataType.INT64), count=1,
-                        op=int(r.op), quant_algorithm=0, quant_dtype=0, timeout=timeout),
-                        early=self.sim.rng.random() < self.sim.early_rate))
+                        op=int(r.op), quant_algorithm=0, quant_dtype=0, timeout=timeout,
+                        data=data), early=self.sim.rng.random() < self.sim.early_rate))
                     if self.sim.rng.random() < self.sim.cancel_rate:
                         self.sim.later(self.sim.rng.random() * 0.05, self.cancel, r.tag)
         except ps.ProtocolViolation as e:
@@ -427,7 +439,7 @@ class Sim:
     def __init__(self, seed: int, *, peers: int = 3, joiners: int = 2, steps: int = 6,
                  kills: int = 2, drops: int = 1, breaks: int = 2,
                  cancel_rate: float = 0.02, optimize_every: int = 0, restarts: int = 0,
-                 early_rate: float = 0.9,
+                 early_rate: float = 0.9, via_master_rate: float = 0.7,
                  max_events: int = 200_000,
                  collective_timeout: float = 1800.0, tracer: Callable[[str], None] | None = None
                  ) -> None:
@@ -460,6 +472,7 @@ class Sim:
         self._flaky = 0
         self.cancel_rate = cancel_rate
         self.early_rate = early_rate
+        self.via_master_rate = via_master_rate
         self.master_gen = 0
         self.restarts = 0
         self.reconnect_timeout = 60.0
@@ -782,6 +795,13 @@ class Sim:
             # Aborted after the ring completed here: the op ends failed on this peer only
             # if its RingDone has not been delivered yet; the master decides for all.
             pass
+
+    def reduce_result(self, peer: SimPeer, tag: int, p: m.CollectivePerform,
+                      outcome: m.CollectiveOutcome) -> int:
+        """What a peer applies: the master's result, or its ring op's."""
+        if outcome.data:
+            return int.from_bytes(outcome.data, "little", signed=True)
+        return self.ring_result(peer, tag, p)
 
     def ring_result(self, peer: SimPeer, tag: int, p: m.CollectivePerform) -> int:
         op = self.rings.get((self.master_gen, p.op_id))
