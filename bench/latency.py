@@ -8,12 +8,13 @@ costs that much). For each k it measures, side by side:
 
 - the master round trip as a peer sees it (``pending_peer_count()``, a plain query);
 - a ``--bytes`` (1 KiB) float32 all-reduce (SUM), every peer calling at once, wall time
-  of the slowest, in two modes on the same peers, alternating iteration by iteration:
-  ``early`` (the default: the ring starts when called, one master round trip) and
-  ``perform_first`` (``early_start_max_bytes=0``: the ring waits for the master's
-  perform, two round trips);
+  of the slowest, in three modes on the same peers, alternating iteration by iteration:
+  ``via_master`` (the default up to 64 KiB: the tensors travel with the requests and the
+  master answers with the result; one round trip, no ring), ``early`` (the ring starts
+  when called; one round trip after the ring) and ``perform_first`` (the ring waits for
+  the master's perform; two round trips);
 
-and prints both against "one master round trip + the ring's own latency (2 (k - 1)
+and prints them against "one master round trip + the ring's own latency (2 (k - 1)
 hops) + 2 ms", the issue's target::
 
     python bench/latency.py --peers 2 8 --iters 20 --out bench/results/latency.json
@@ -64,16 +65,18 @@ async def measure(k: int, iters: int, master_ms: float, link_ms: float,
         xs = [np.full(count, float(i + 1), dtype=np.float32) for i in range(k)]
         want = float(k * (k + 1) // 2)
         rtt: list[float] = []
-        modes = {"early": 4 << 20, "perform_first": 0}
+        # mode -> (via_master_max_bytes, early_start_max_bytes)
+        modes = {"via_master": (64 << 10, 4 << 20), "early": (0, 4 << 20),
+                 "perform_first": (0, 0)}
         reduce: dict[str, list[float]] = {mode: [] for mode in modes}
         for it in range(iters + 2):  # two warm-up rounds
             t0 = time.perf_counter()
             await comms[0].pending_peer_count()
             if it >= 2:
                 rtt.append(time.perf_counter() - t0)
-            for mode, limit in modes.items():
+            for mode, (via_master, early) in modes.items():
                 for c in comms:
-                    c.early_start_max_bytes = limit
+                    c.via_master_max_bytes, c.early_start_max_bytes = via_master, early
                 for i, x in enumerate(xs):
                     x.fill(i + 1)
                 t0 = time.perf_counter()
@@ -90,7 +93,7 @@ async def measure(k: int, iters: int, master_ms: float, link_ms: float,
             "master_rtt_ms_median": rtt_med * 1e3,
             "ring_latency_ms": ring_s * 1e3,
             "target_ms": (rtt_med + ring_s + 0.002) * 1e3,
-            "early_starts_confirmed": master.state.collective_paths["early"],
+            "paths": dict(master.state.collective_paths),
         }
         for mode, times in reduce.items():
             row[mode] = {
@@ -112,15 +115,11 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     for k in args.peers:
         row = await measure(k, args.iters, args.master_ms, args.link_ms, args.bytes // 4)
         rows.append(row)
-        e, p = row["early"], row["perform_first"]
-        spent = (f"; master round trips spent: {e['master_rtts_spent']:.2f} vs "
-                 f"{p['master_rtts_spent']:.2f}" if e["master_rtts_spent"] is not None
-                 else "")
+        times = ", ".join(f"{mode} {row[mode]['all_reduce_ms_median']:.1f}"
+                          for mode in ("via_master", "early", "perform_first"))
         print(f"k={k}: master RTT {row['master_rtt_ms_median']:.1f} ms, {row['bytes']} B "
-              f"all-reduce median {e['all_reduce_ms_median']:.1f} ms early start vs "
-              f"{p['all_reduce_ms_median']:.1f} ms perform first (ring alone "
-              f"{row['ring_latency_ms']:.0f} ms; target {row['target_ms']:.1f} ms{spent})",
-              flush=True)
+              f"all-reduce median ms: {times} (ring alone {row['ring_latency_ms']:.0f} ms; "
+              f"target {row['target_ms']:.1f} ms)", flush=True)
     return {"machine": machine_info(), "rows": rows}
 
 

@@ -405,3 +405,15 @@ def test_a_called_off_early_start_stops_its_ring_and_fails_the_call() -> None:
         tag=0, op_id=-1, ok=False, kind=ErrorKind.InvalidUsageError, message="disagree")))
     assert ps.AbortRing(0) in out
     assert ps.Fail(ps.outcome_of(0), ErrorKind.InvalidUsageError, "disagree") in out
+
+
+def test_an_abort_of_the_run_again_that_comes_before_it_starts_is_kept() -> None:
+    """Voided (perform 42) and at once called off (abort 42) while the early ring op
+    still ends: the run under 42 is stopped the moment it starts."""
+    mc = accepted()
+    mc.handle(ps.StartCollective(init(), early=True))
+    mc.handle(perform(op_id=42))
+    assert mc.handle(ps.FromMaster(m.CollectiveAbort(tag=0, op_id=42, message="x"))) == []
+    out = mc.handle(ps.RingDone(0, False, ErrorKind.CollectiveAbortedError, "aborted"))
+    p = m.CollectivePerform(tag=0, op_id=42, epoch=1, rank=1, world=3)
+    assert out[-2:] == [ps.RunRing(0, p), ps.AbortRing(0)]

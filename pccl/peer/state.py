@@ -369,6 +369,7 @@ class Collective:
     aborted: bool = False  # the master called it off while it ran
     early: bool = False  # runs as an early start the master has not confirmed yet
     redo: m.CollectivePerform | None = None  # the master voided the early start
+    redo_aborted: bool = False  # ... and called the run under the new id off already
 
 
 @dataclasses.dataclass
@@ -597,7 +598,9 @@ class PeerMachine:
                     self._run_again(col, out)
         elif isinstance(msg, m.CollectiveAbort):
             col = self.collectives.get(msg.tag)
-            if col is not None and (col.perform is None or msg.op_id == col.perform.op_id):
+            if col is not None and col.redo is not None and msg.op_id == col.redo.op_id:
+                col.redo_aborted = True  # the run again fails at once
+            elif col is not None and (col.perform is None or msg.op_id == col.perform.op_id):
                 col.aborted = True
                 if col.phase is CollectivePhase.RUNNING:
                     out.append(AbortRing(msg.tag))
@@ -786,7 +789,8 @@ class PeerMachine:
     def _run_again(self, col: Collective, out: list[Command]) -> None:
         """The voided early start ended here: the collective runs as performed."""
         assert col.redo is not None
-        col.perform, col.redo, col.early, col.aborted = col.redo, None, False, False
+        col.perform, col.redo, col.early = col.redo, None, False
+        col.aborted, col.redo_aborted = col.redo_aborted, False
         col.phase = CollectivePhase.WAIT_PERFORM
         self._resolve(outcome_of(col.tag), REDO, out)
         self.waiting |= {perform_of(col.tag), outcome_of(col.tag)}
