@@ -134,7 +134,8 @@ class Communicator(Driver):
         check_int(piece_bytes, "piece_bytes", 1, 1 << 30)
         check_int(max_frame, "max_frame", 1 << 10, 1 << 31)
         check_int(early_start_max_bytes, "early_start_max_bytes", 0, 1 << 40)
-        check_int(via_master_max_bytes, "via_master_max_bytes", 0, 1 << 24)
+        # (The tensor travels in one control-plane frame: at most 1 MiB of it.)
+        check_int(via_master_max_bytes, "via_master_max_bytes", 0, 1 << 20)
         check_master_address(master)
         self.collective_timeout = check_deadline(collective_timeout, "collective_timeout")
         for name, value in (("timeout", timeout), ("p2p_timeout", p2p_timeout),

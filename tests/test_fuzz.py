@@ -485,7 +485,7 @@ async def test_a_resume_epoch_out_of_range_cannot_break_the_next_round(live: Liv
 @pytest.mark.parametrize("kind", ["NoSuchError", "peerconnectionerror", "all_reduce", 3])
 def test_an_error_kind_outside_the_one_list_is_a_protocol_error(kind: object) -> None:
     body = {"t": "coll_outcome", "tag": 1, "op_id": 2, "ok": False, "kind": kind,
-            "message": "x"}
+            "message": "x", "data": b"", "world": 0}
     with pytest.raises(ProtocolError, match="kind"):
         codec.decode(msgpack.packb(body, use_bin_type=True))
     body["kind"] = "PeerConnectionError"

@@ -187,7 +187,7 @@ async def test_status_port_in_use_fails_start_with_the_port_named() -> None:
 async def test_peer_metrics_count_links_collectives_and_retries() -> None:
     async with Cluster(2, comm_kwargs={"metrics_listen": "127.0.0.1:0"}) as cluster, \
             aiohttp.ClientSession() as http:
-        a = [np.ones(4096, dtype=np.float32) for _ in range(2)]
+        a = [np.ones(1 << 15, dtype=np.float32) for _ in range(2)]  # 128 KiB: the ring
         infos = await asyncio.gather(*(c.all_reduce(t) for c, t in zip(cluster.comms, a)))
         me, other = cluster.comms
         code, text = await get(http, f"http://{me._metrics_server.address}/metrics")  # type: ignore[union-attr]

@@ -34,7 +34,9 @@ async def test_tiny_collectives_are_reduced_by_the_master_in_the_rings_order(op)
             expected = ring_reference(ordered(comms, [x.copy() for x in xs]), op, "float32")
             infos = await asyncio.gather(*(c.all_reduce(x, op=op, tag=step)
                                            for c, x in zip(comms, xs)))
-            assert [(i.world_size, i.tx_bytes) for i in infos] == [(5, 0)] * 5  # no ring
+            # No ring: the bytes went to the master and back.
+            assert [(i.world_size, i.tx_bytes, i.rx_bytes) for i in infos] == [
+                (5, 4 * count, 4 * count)] * 5
             assert all(x.tobytes() == expected.tobytes() for x in xs)
         assert via_master(cluster) == 4
 

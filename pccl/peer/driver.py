@@ -462,18 +462,20 @@ class Driver:
         started = time.perf_counter()
         ring = list(self._m.ring)
         try:
-            info = await self._all_reduce_on_ring(tag, q, src, dst, op)
+            info, via_master = await self._all_reduce_on_ring(tag, q, src, dst, op)
         except BaseException:
             self.metrics.collectives.labels("failed").inc()
             raise
         self.metrics.collectives.labels("ok").inc()
         self.metrics.collective_seconds.observe(time.perf_counter() - started)
-        self.metrics.ring_traffic(list(self._m.ring) or ring, self.peer_id, info.tx_bytes,
-                                  info.rx_bytes)
+        if not via_master:  # (the master's bytes are not a ring link's)
+            self.metrics.ring_traffic(list(self._m.ring) or ring, self.peer_id,
+                                      info.tx_bytes, info.rx_bytes)
         return info
 
     async def _all_reduce_on_ring(self, tag: int, q: QuantizationOptions, src: RawTensor,
-                                  dst: RawTensor, op: ReduceOp) -> ReduceInfo:
+                                  dst: RawTensor, op: ReduceOp) -> tuple[ReduceInfo, bool]:
+        """-> (the info, whether the master reduced it)"""
         perform_w, outcome_w = ps.perform_of(tag), ps.outcome_of(tag)
         try:
             while True:
@@ -518,7 +520,10 @@ class Driver:
             if not outcome.ok:
                 raise ErrorKind.parse(outcome.kind).error(outcome.message)
             self._apply_reduce(perform.world, ring, src, dst, outcome)
-            return ReduceInfo(tx_bytes=int(tx), rx_bytes=int(rx), world_size=perform.world)
+            if outcome.data:  # reduced by the master: the bytes went there and back
+                tx, rx = src.nbytes, len(outcome.data)
+            return (ReduceInfo(tx_bytes=int(tx), rx_bytes=int(rx), world_size=perform.world),
+                    bool(outcome.data))
         finally:
             self._rings.pop(tag, None)
             if self._m.collectives.get(tag) is not None:
