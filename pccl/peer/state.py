@@ -32,6 +32,9 @@ Sub-machines, one per kind of call that waits on the master:
   peer died, the ring changed, the peers disagreed): the early ring op is stopped and
   the collective runs again as performed (the outcome waiter gets :data:`REDO`).
 
+  A tiny collective's init carries its tensor (``data``); when the master reduced it
+  itself, the outcome carries the result and answers both waiters at once (no ring).
+
 * one shared-state sync (:class:`SyncPhase`): WAIT_PLAN ─Plan─▶ FETCHING ─Fetched─▶
   WAIT_OUTCOME.
 
