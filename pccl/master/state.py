@@ -753,8 +753,7 @@ class MasterState:
         if rec.status is PeerStatus.ACCEPTED:
             # The links of its group's ring are broken until the next round. The ring
             # itself is kept as built: it describes the links peers actually hold.
-            self.rings_stale = True
-            self.broken_groups.add(rec.peer_group)
+            self._mark_broken(rec.peer_group)
             self._collectives_lose(peer, rec.peer_group, out)
             self._sync_lose(peer, rec.peer_group, out)
         self.last_revision.pop(peer, None)
@@ -1052,8 +1051,7 @@ class MasterState:
                                                       kind=kind, message=why)))
             if msg.early_op >= 0 and rec.status is PeerStatus.ACCEPTED:
                 # Its early ring op may have left pieces on the group's links.
-                self.rings_stale = True
-                self.broken_groups.add(rec.peer_group)
+                self._mark_broken(rec.peer_group)
 
         if rec.status is not PeerStatus.ACCEPTED:
             refuse(ErrorKind.InvalidUsageError,
@@ -1130,8 +1128,7 @@ class MasterState:
                 if p not in col.early_done:
                     out.append(Send(p, m.CollectiveAbort(tag=col.tag, op_id=col.early,
                                                          message=f"early start void: {why}")))
-        self.rings_stale = True
-        self.broken_groups.add(col.group)
+        self._mark_broken(col.group)
 
     def _maybe_perform(self, col: Collective, out: list[Command]) -> None:
         members = self._members(col.group)
@@ -1211,6 +1208,12 @@ class MasterState:
                                                    kind=ErrorKind.NONE, message="",
                                                    data=result, world=len(ring))))
 
+    def _mark_broken(self, group: int) -> None:
+        """The links of ``group``'s ring cannot carry collectives until a round rebuilds
+        them (the repair starts once nothing runs there; see _maybe_repair)."""
+        self.rings_stale = True
+        self.broken_groups.add(group)
+
     def _ring_broken(self, group: int) -> bool:
         """Whether collectives in ``group`` cannot succeed before update_topology()."""
         ring = self.rings.get(group, [])
@@ -1222,8 +1225,7 @@ class MasterState:
         self._disarm(col.deadline)
         if col.early >= 0:
             # Early members ran the ring: its links may hold pieces of the op.
-            self.rings_stale = True
-            self.broken_groups.add(col.group)
+            self._mark_broken(col.group)
         self._note("collective_failed", f"collective tag {col.tag} of group {col.group} "
                    f"called off before it ran: {why}", sorted(col.inits), col.group, -1)
         for p in col.inits:
@@ -1288,8 +1290,7 @@ class MasterState:
                        col.group, col.op_id)
         if col.error is not None:
             # Links may hold half-sent pieces: the rings must be rebuilt before reuse.
-            self.rings_stale = True
-            self.broken_groups.add(col.group)
+            self._mark_broken(col.group)
         for p in col.participants:
             out.append(Send(p, m.CollectiveOutcome(tag=col.tag, op_id=col.op_id,
                                                    ok=col.error is None, kind=kind, message=why)))
