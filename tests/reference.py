@@ -94,3 +94,11 @@ def random_input(dtype: str, count: int, seed: int, op: pccl.ReduceOp) -> np.nda
     if dtype == "bfloat16":
         return bf16_round(vals)
     return vals.astype(dtype)
+
+
+def in_ring_order(comms: list, per_comm: list) -> list:
+    """``per_comm[i]`` belongs to ``comms[i]``; returns them ordered by ring rank (peers
+    that connected concurrently may have joined in any order), as ``ring_reference``
+    wants its inputs."""
+    ranks = [c.ring.index(c.peer_id) for c in comms]
+    return [x for _, x in sorted(zip(ranks, per_comm), key=lambda t: t[0])]

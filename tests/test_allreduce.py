@@ -8,7 +8,14 @@ import asyncio
 
 import numpy as np
 import pytest
-from reference import FLOAT_DTYPES, INT_DTYPES, OPS, random_input, ring_reference
+from reference import (
+    FLOAT_DTYPES,
+    INT_DTYPES,
+    OPS,
+    in_ring_order,
+    random_input,
+    ring_reference,
+)
 
 import pccl
 from pccl.protocol import messages as m
@@ -35,13 +42,6 @@ def bytes_of(t) -> bytes:
     if type(t).__module__.startswith("torch"):
         return t.view(torch.int16).numpy().tobytes()
     return t.tobytes()
-
-
-def in_ring_order(cluster, per_comm: list) -> list:
-    """``per_comm[i]`` belongs to ``cluster.comms[i]``; returns them ordered by ring rank
-    (peers that connected concurrently may have joined in any order)."""
-    ranks = [c.ring.index(c.peer_id) for c in cluster.comms]
-    return [x for _, x in sorted(zip(ranks, per_comm), key=lambda t: t[0])]
 
 
 async def reduce_all(cluster, tensors, op, tag=0, **kw):
@@ -72,7 +72,7 @@ async def test_every_dtype_and_op_is_exact_and_bit_identical(pccl_cluster, world
             tensors = [tensor_for(dtype, x) for x in inputs]
             infos = await reduce_all(cluster, tensors, op)
             assert all(i.world_size == world for i in infos)
-            expected = ring_reference(in_ring_order(cluster, inputs), op, dtype).tobytes()
+            expected = ring_reference(in_ring_order(cluster.comms, inputs), op, dtype).tobytes()
             got = [bytes_of(t) for t in tensors]
             assert got[0] == expected, (dtype, op)
             assert all(g == got[0] for g in got), (dtype, op)
@@ -108,7 +108,7 @@ async def test_large_buffer_spans_many_pieces(pccl_cluster) -> None:
     inputs = [random_input("float32", n, seed=r, op=pccl.ReduceOp.AVG) for r in range(3)]
     tensors = [x.copy() for x in inputs]
     infos = await reduce_all(cluster, tensors, pccl.ReduceOp.AVG)
-    expected = ring_reference(in_ring_order(cluster, inputs), pccl.ReduceOp.AVG, "float32")
+    expected = ring_reference(in_ring_order(cluster.comms, inputs), pccl.ReduceOp.AVG, "float32")
     for t in tensors:
         assert t.tobytes() == expected.tobytes()
     # Each peer sends 2(k-1)/k of the buffer plus headers.
@@ -151,7 +151,7 @@ async def test_concurrent_async_reduces_with_distinct_tags(pccl_cluster) -> None
             handles.append(c.all_reduce_async(tensors[tag][r], op=pccl.ReduceOp.SUM, tag=tag))
     await asyncio.gather(*handles)
     for tag, (dt, _) in shapes.items():
-        expected = ring_reference(in_ring_order(cluster, inputs[tag]), pccl.ReduceOp.SUM,
+        expected = ring_reference(in_ring_order(cluster.comms, inputs[tag]), pccl.ReduceOp.SUM,
                                   dt).tobytes()
         assert all(t.tobytes() == expected for t in tensors[tag]), tag
 

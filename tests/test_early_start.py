@@ -10,7 +10,7 @@ import time
 
 import numpy as np
 import pytest
-from reference import ring_reference
+from reference import in_ring_order, ring_reference
 
 import pccl
 from pccl.testing import Cluster, LinkEmulator
@@ -20,11 +20,6 @@ MiB = 1 << 20
 # Tiny all-reduces go through the master (tests/test_via_master.py): off here, so that
 # every size below takes the ring.
 RING = {"via_master_max_bytes": 0}
-
-
-def ordered(comms, per_comm):
-    ranks = [c.ring.index(c.peer_id) for c in comms]
-    return [x for _, x in sorted(zip(ranks, per_comm), key=lambda t: t[0])]
 
 
 def stats(cluster: Cluster) -> dict[str, int]:
@@ -38,7 +33,7 @@ async def test_small_collectives_take_the_early_path_with_exact_results() -> Non
         for step in range(6):
             xs = [deterministic_tensor("float32", 1000 + step, seed=10 * step + i)
                   for i in range(3)]
-            expected = ring_reference(ordered(comms, [x.copy() for x in xs]),
+            expected = ring_reference(in_ring_order(comms, [x.copy() for x in xs]),
                                       pccl.ReduceOp.SUM, "float32")
             infos = await asyncio.gather(*(c.all_reduce(x, tag=step % 2)
                                            for c, x in zip(comms, xs)))
@@ -67,7 +62,7 @@ async def test_a_peer_calling_long_after_the_others_is_no_stall() -> None:
         xs = [deterministic_tensor("float64", 100_003, seed=i) for i in range(3)]
         quantized = [deterministic_tensor("float32", 70_001, seed=7 + i) for i in range(3)]
         q = pccl.QuantizationOptions(pccl.QuantizationAlgorithm.MIN_MAX, pccl.DataType.UINT8)
-        expected = ring_reference(ordered(comms, [x.copy() for x in xs]), pccl.ReduceOp.SUM,
+        expected = ring_reference(in_ring_order(comms, [x.copy() for x in xs]), pccl.ReduceOp.SUM,
                                   "float64")
         early = [c.all_reduce_async(x, tag=1) for c, x in zip(comms[:2], xs[:2])]
         early_q = [c.all_reduce_async(x, tag=2, quantization=q)

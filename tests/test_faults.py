@@ -7,7 +7,7 @@ import asyncio
 import time
 
 import pytest
-from reference import ring_reference
+from reference import in_ring_order, ring_reference
 
 import pccl
 from pccl.testing import Cluster, LinkEmulator
@@ -22,11 +22,6 @@ async def admit_behind_emulator(cluster: Cluster, emu: LinkEmulator, **kwargs) -
     emu.target = lambda: f"127.0.0.1:{comm.p2p_port}"
     await cluster.admit([comm])
     return comm
-
-
-def ordered(comms, per_comm):
-    ranks = [c.ring.index(c.peer_id) for c in comms]
-    return [x for _, x in sorted(zip(ranks, per_comm), key=lambda t: t[0])]
 
 
 @pytest.mark.parametrize("out_of_place", [False, True], ids=["in_place", "out_of_place"])
@@ -62,7 +57,7 @@ async def test_stalled_or_reset_link_fails_everyone_in_bounded_time(fault, out_o
             emu.bandwidth = None
             await asyncio.gather(*(c.update_topology() for c in comms))
             await asyncio.gather(*(c.all_reduce(x, y) for c, x, y in zip(comms, xs, ys)))
-            expected = ring_reference(ordered(comms, before), pccl.ReduceOp.SUM, "float32")
+            expected = ring_reference(in_ring_order(comms, before), pccl.ReduceOp.SUM, "float32")
             if out_of_place:
                 assert all(x.tobytes() == b.tobytes() for x, b in zip(xs, before))
                 xs = ys

@@ -8,16 +8,11 @@ import asyncio
 
 import numpy as np
 import pytest
-from reference import ring_reference
+from reference import in_ring_order, ring_reference
 
 import pccl
 from pccl.testing import Cluster
 from pccl.testing.data import deterministic_tensor
-
-
-def ordered(comms, per_comm):
-    ranks = [c.ring.index(c.peer_id) for c in comms]
-    return [x for _, x in sorted(zip(ranks, per_comm), key=lambda t: t[0])]
 
 
 def via_master(cluster: Cluster) -> int:
@@ -31,7 +26,7 @@ async def test_tiny_collectives_are_reduced_by_the_master_in_the_rings_order(op)
         for step, count in enumerate([1, 7, 1001, 16_384]):  # 16 384 x f32 = 64 KiB
             xs = [deterministic_tensor("float32", count, seed=10 * step + i) * 10.0 ** i
                   for i in range(5)]
-            expected = ring_reference(ordered(comms, [x.copy() for x in xs]), op, "float32")
+            expected = ring_reference(in_ring_order(comms, [x.copy() for x in xs]), op, "float32")
             infos = await asyncio.gather(*(c.all_reduce(x, op=op, tag=step)
                                            for c, x in zip(comms, xs)))
             # No ring: the bytes went to the master and back.
@@ -56,7 +51,7 @@ async def test_a_member_that_does_not_send_its_tensor_makes_everyone_take_the_ri
         comms = cluster.comms
         comms[1].via_master_max_bytes = 0
         xs = [deterministic_tensor("float64", 999, seed=i) for i in range(3)]
-        expected = ring_reference(ordered(comms, [x.copy() for x in xs]),
+        expected = ring_reference(in_ring_order(comms, [x.copy() for x in xs]),
                                   pccl.ReduceOp.SUM, "float64")
         infos = await asyncio.gather(*(c.all_reduce(x) for c, x in zip(comms, xs)))
         assert all(i.tx_bytes > 0 for i in infos)  # the ring ran
