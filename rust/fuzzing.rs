@@ -483,17 +483,11 @@ pub fn ring_receive(data: &[u8]) {
     ring_receive_counts(data);
 }
 
-/// [`ring_receive`], returning how many pieces landed out of how many the op has.
-fn ring_receive_counts(data: &[u8]) -> (u64, u64) {
-    let Some((knobs, mut events)) = data.split_first_chunk::<8>() else {
-        return (0, 0);
-    };
+/// The op that [`ring_receive`]'s first knob bytes describe, and its element count.
+fn knob_spec(knobs: &[u8; 8]) -> (ReduceSpec, usize) {
     let world = 2 + usize::from(knobs[0] % 3);
-    let rank = usize::from(knobs[0] / 3) % world;
     let dtype = DType::ALL[usize::from(knobs[1] % 12)];
     let op = ReduceOp::ALL[usize::from(knobs[1] / 12) % 5];
-    let count = usize::from(knobs[2]);
-    let piece_bytes = (1 + usize::from(knobs[3] % 64)) * dtype.size();
     let quant = match knobs[4] % 9 {
         0 => None,
         k => Some((
@@ -502,6 +496,25 @@ fn ring_receive_counts(data: &[u8]) -> (u64, u64) {
         )),
     }
     .filter(|_| dtype.is_float() && matches!(op, ReduceOp::Sum | ReduceOp::Avg));
+    let spec = ReduceSpec {
+        op_id: OP,
+        rank: usize::from(knobs[0] / 3) % world,
+        world,
+        dtype,
+        op,
+        piece_bytes: (1 + usize::from(knobs[3] % 64)) * dtype.size(),
+        quant,
+    };
+    (spec, usize::from(knobs[2]))
+}
+
+/// [`ring_receive`], returning how many pieces landed out of how many the op has.
+fn ring_receive_counts(data: &[u8]) -> (u64, u64) {
+    let Some((knobs, mut events)) = data.split_first_chunk::<8>() else {
+        return (0, 0);
+    };
+    let (spec, count) = knob_spec(knobs);
+    let (dtype, piece_bytes) = (spec.dtype, spec.piece_bytes);
     let lanes = 1 + usize::from(knobs[5] % 3);
     // Usually room for a quantized piece; sometimes exactly the raw piece size.
     let max_piece = if knobs[6] & 1 == 0 {
@@ -515,15 +528,6 @@ fn ring_receive_counts(data: &[u8]) -> (u64, u64) {
     let (ptr, len) = (input.as_ptr(), input.len());
     // SAFETY: the Vec's heap buffer lives in the keep-alive box, unmodified.
     let mem = Arc::new(unsafe { OpMemory::new(ptr, len, Box::new(input), None) });
-    let spec = ReduceSpec {
-        op_id: OP,
-        rank,
-        world,
-        dtype,
-        op,
-        piece_bytes,
-        quant,
-    };
     let rx = Receiver::new(spec, mem, max_piece).expect("a valid op");
     let (steps, pieces) = rx.shape();
     let total = (steps * pieces) as u64;

@@ -131,27 +131,8 @@ fn valid_handshakes_are_accepted() {
 
 /// The descriptor digest of the op that `knobs` describe, read as `ring_receive` does.
 fn knob_digest(knobs: &[u8]) -> u32 {
-    let dtype = DType::ALL[usize::from(knobs[1] % 12)];
-    let op = ReduceOp::ALL[usize::from(knobs[1] / 12) % 5];
-    let quant = match knobs[4] % 9 {
-        0 => None,
-        k => Some((
-            [QuantAlgorithm::MinMax, QuantAlgorithm::ZeroPointScale][usize::from(k - 1) / 4],
-            WireType::ALL[usize::from(k - 1) % 4],
-        )),
-    }
-    .filter(|_| dtype.is_float() && matches!(op, ReduceOp::Sum | ReduceOp::Avg));
-    let world = 2 + usize::from(knobs[0] % 3);
-    let spec = ReduceSpec {
-        op_id: OP,
-        rank: usize::from(knobs[0] / 3) % world,
-        world,
-        dtype,
-        op,
-        piece_bytes: (1 + usize::from(knobs[3] % 64)) * dtype.size(),
-        quant,
-    };
-    spec.digest(usize::from(knobs[2]) * dtype.size())
+    let (spec, count) = knob_spec(knobs.try_into().expect("8 knob bytes"));
+    spec.digest(count * spec.dtype.size())
 }
 
 /// The previous peer announces the same piece on two lanes before sending either
