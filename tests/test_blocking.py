@@ -301,6 +301,17 @@ def test_pccl_datatypes_map_member_by_member_onto_the_one_dtype_table() -> None:
         pb.DataType.from_numpy_dtype(np.complex64)
 
 
+def test_to_torch_dtype_without_torch_is_a_typed_error(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # sys.modules[name] = None makes `import torch` raise ImportError, as on a machine
+    # without torch; the numpy-only install must get pccl's typed error, not a bare one.
+    monkeypatch.setitem(sys.modules, "torch", None)
+    with pytest.raises(pb.ArgumentValueError, match=r"needs torch.*pccl\[torch\]"):
+        pb.DataType.FLOAT.to_torch_dtype()
+    with pytest.raises(pb.ArgumentValueError, match="has no torch dtype"):
+        pb.DataType.FLOAT8_E4M3.to_torch_dtype()  # wire-only, whether torch is there or not
+
+
 def test_result_codes_of_every_error_class() -> None:
     expected = {
         pb.InvalidArgumentError: pb.Result.INVALID_ARGUMENT,

@@ -136,11 +136,15 @@ class DataType(enum.Enum):
     @_reports_result
     def to_torch_dtype(self) -> Any:
         """The ``torch.dtype`` of this type (needs torch)."""
-        import torch
-
         name = element_info(self).torch
         if name is None:
             raise ArgumentValueError(f"{self.name} has no torch dtype")
+        try:
+            torch = importlib.import_module("torch")
+        except ImportError:
+            raise ArgumentValueError(
+                "DataType.to_torch_dtype() needs torch, which is not installed: "
+                "pip install \"pccl[torch]\"") from None
         return getattr(torch, name)
 
     @_reports_result
