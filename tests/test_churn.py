@@ -39,7 +39,7 @@ def test_bfloat16_rounding_is_exact_for_small_integers() -> None:
 async def test_bounded_churn_soak(tmp_path) -> None:
     out = tmp_path / "churn.json"
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "pccl.testing.churn", "--peers", "4", "--seconds", "60",
+        sys.executable, "-m", "pccl.testing.churn", "--peers", "4", "--seconds", "45",
         "--seed", "7", "--chaos-interval", "1.5", "--params", "262144",
         "--json", str(out), "--run-dir", str(tmp_path / "logs"),
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)

@@ -1,5 +1,5 @@
 """PCCL's own loops under churn (issue 16), bounded for CI: each idiom through
-pccl.blocking and through the asyncio API for ~30 s of SIGKILLs and spawns every
+pccl.blocking and through the asyncio API for ~20 s of SIGKILLs and spawns every
 0.5-2 s. Long runs by hand: ``python -m pccl.testing.pccl_programs --minutes 10``
 (figures in docs/reliability.md)."""
 
@@ -34,7 +34,7 @@ async def test_pccl_idiom_survives_churn(idiom: str, api: str, tmp_path) -> None
     out = tmp_path / "fig.json"
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "pccl.testing.pccl_programs", "--idiom", idiom, "--api", api,
-        "--seconds", "30", "--seed", "3", "--run-dir", str(tmp_path / "logs"),
+        "--seconds", "20", "--seed", "3", "--run-dir", str(tmp_path / "logs"),
         "--json", str(out), stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
     try:
         async with asyncio.timeout(270):
