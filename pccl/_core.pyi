@@ -178,9 +178,13 @@ class P2PNode:
         quant_dtype: int = 0,
         out: Any = None,
         armed: bool = True,
+        in_place: bool = False,
     ) -> RingOp:
         """Starts a ring all-reduce; with ``armed=False`` silence from the previous peer
-        is no stall until ``RingOp.arm()``."""
+        is no stall until ``RingOp.arm()``. ``in_place=True`` (without a separate
+        ``out``): the results land in ``buffer`` as the ring goes, its original bytes in
+        a backup; ``commit(buffer)`` keeps them, ``rollback()`` restores the original
+        (a failed ``run()`` restored it already)."""
         ...
     def ring_lanes(self) -> tuple[int, int]: ...
     def ring_ok(self) -> bool: ...
@@ -278,6 +282,9 @@ class RingOp:
         """Starts the stall clock: silence from the previous peer for the I/O timeout
         fails the op from now on (idempotent; harmless once the op ended)."""
     def commit(self, out: Any) -> None: ...
+    def rollback(self) -> None:
+        """An in-place op that ran: puts the tensor's original bytes back (a no-op
+        otherwise, after a commit, and the second time)."""
 
 def content_hash(buffer: Any, threads: int | None = None) -> bytes:
     """128-bit content hash of a C-contiguous buffer's bytes, 16 big-endian bytes (GIL released)."""

@@ -432,7 +432,9 @@ class Communicator(Driver):
         """Starts an all-reduce now and returns an awaitable for its :class:`ReduceInfo`.
 
         Several may be in flight with distinct ``tag`` values. The tensors must not be
-        touched until the awaitable resolves. On failure nothing is written. ``timeout``
+        touched until the awaitable resolves (the ring writes results into them as it
+        goes). On failure the input holds exactly what it held before (in place, its
+        original bytes are put back); an ``out`` buffer holds unspecified bytes. ``timeout``
         bounds the wait for the other peers to start the same collective (default: the
         Communicator's ``collective_timeout``): past it, it fails on every peer with
         :class:`OperationTimeoutError`. When a peer of the group is lost, the master

@@ -10,7 +10,9 @@ import pytest
 from reference import in_ring_order, ring_reference
 
 import pccl
+from pccl.peer import state as ps
 from pccl.testing import Cluster, LinkEmulator
+from pccl.testing.crash import crash
 from pccl.testing.data import deterministic_tensor, digest
 
 MiB = 1 << 20
@@ -86,6 +88,55 @@ async def test_cancel_mid_ring_aborts_every_peer_and_loses_nothing() -> None:
             await asyncio.gather(a.update_topology(), b.update_topology())
             await asyncio.gather(a.all_reduce(xa, tag=9), b.all_reduce(xb, tag=9))
             assert xa.tobytes() == xb.tobytes()
+
+
+@pytest.mark.parametrize("quantized", [False, True], ids=["plain", "quantized"])
+async def test_ring_done_here_but_failed_for_the_group_puts_the_tensor_back(
+        quantized) -> None:
+    """In place, the ring writes results into the caller's tensor as it goes (no copy
+    after the outcome). Here every ring finishes, but one peer is lost before it reports
+    its part done: the group's outcome is a failure, and every peer's tensor comes back
+    with its exact original bytes; the retry on the repaired ring reduces those."""
+    q = (pccl.QuantizationOptions(pccl.QuantizationAlgorithm.MIN_MAX,
+                                  pccl.DataType.UINT8) if quantized else None)
+    async with Cluster(3, comm_kwargs={"via_master_max_bytes": 0}) as cluster:
+        a, b, c = cluster.comms
+        n = 300_003
+        xs = [deterministic_tensor("float32", n, seed=20 + i) for i in range(3)]
+        before = [x.copy() for x in xs]
+        ring_done = asyncio.Event()
+        feed = c._feed
+
+        def swallow_ring_done(ev: ps.Event) -> None:
+            if isinstance(ev, ps.RingDone):
+                assert ev.ok, ev
+                ring_done.set()  # c's ring finished; the master never hears it
+                return
+            feed(ev)
+
+        c._feed = swallow_ring_done  # type: ignore[method-assign]
+        handles = [comm.all_reduce_async(x, quantization=q)
+                   for comm, x in zip(cluster.comms, xs)]
+        async with asyncio.timeout(60):
+            await ring_done.wait()
+        await cluster.master.wait_for(
+            lambda s: any(len(col.reported) == 2 for col in s.collectives.values()),
+            timeout=60)
+        # a's and b's rings are done: their results are in their tensors already.
+        assert xs[0].tobytes() != before[0].tobytes()
+        assert xs[1].tobytes() != before[1].tobytes()
+        await crash(c)
+        results = await asyncio.gather(*handles, return_exceptions=True)
+        assert all(isinstance(r, pccl.PeerConnectionError) for r in results[:2]), results
+        assert isinstance(results[2], pccl.MasterConnectionError), results[2]
+        for x, orig in zip(xs, before):
+            assert x.tobytes() == orig.tobytes()  # put back, byte for byte
+
+        infos = await asyncio.gather(a.all_reduce(xs[0]), b.all_reduce(xs[1]))
+        assert [i.world_size for i in infos] == [2, 2]
+        expected = ring_reference(in_ring_order([a, b], before[:2]), pccl.ReduceOp.SUM,
+                                  "float32")
+        assert xs[0].tobytes() == xs[1].tobytes() == expected.tobytes()
 
 
 @pytest.mark.multiprocess

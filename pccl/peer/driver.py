@@ -477,6 +477,10 @@ class Driver:
                                   dst: RawTensor, op: ReduceOp) -> tuple[ReduceInfo, bool]:
         """-> (the info, whether the master reduced it)"""
         perform_w, outcome_w = ps.perform_of(tag), ps.outcome_of(tag)
+        # In place, the ring writes the caller's tensor as it goes: unless the group's
+        # outcome is applied, `finally` puts the original bytes back (ring.rollback()).
+        ring: Any = None
+        applied = False
         try:
             while True:
                 perform_fut, outcome_fut = self._future(perform_w), self._future(outcome_w)
@@ -497,7 +501,6 @@ class Driver:
                     raise
                 tx = rx = 0
                 ok = True
-                ring: Any = None
                 if run:
                     ok, ring, tx, rx = await self._run_ring(tag, perform, q, src, dst, op)
                 try:
@@ -509,22 +512,29 @@ class Driver:
                     decided = await self._withdraw_collective(tag, outcome_fut)
                     if isinstance(decided, m.CollectiveOutcome) and decided.ok and ok:
                         self._apply_reduce(perform.world, ring, src, dst, decided)
+                        applied = True
                     raise
                 if outcome is not ps.REDO:
                     break
                 # The master voided this early start: forget the answered futures and run
-                # the collective again as it was performed.
+                # the collective again as it was performed, from the original bytes.
+                if ring is not None:
+                    ring.rollback()
+                    ring = None
                 for w, fut in ((perform_w, perform_fut), (outcome_w, outcome_fut)):
                     if self._waiters.get(w) is fut:
                         del self._waiters[w]
             if not outcome.ok:
                 raise ErrorKind.parse(outcome.kind).error(outcome.message)
             self._apply_reduce(perform.world, ring, src, dst, outcome)
+            applied = True
             if outcome.data:  # reduced by the master: the bytes went there and back
                 tx, rx = src.nbytes, len(outcome.data)
             return (ReduceInfo(tx_bytes=int(tx), rx_bytes=int(rx), world_size=perform.world),
                     bool(outcome.data))
         finally:
+            if ring is not None and not applied:
+                ring.rollback()
             self._rings.pop(tag, None)
             if self._m.collectives.get(tag) is not None:
                 self._end(ps.EndCollective(tag), perform_w, outcome_w)
@@ -539,16 +549,18 @@ class Driver:
         ring: Any = None
         col = self._m.collectives.get(tag)
         try:
-            # Out of place: the results land in `dst` as the ring computes them (no copy
-            # after the outcome; `src` is never written, so a failed collective loses
-            # nothing, and `dst` holds unspecified bytes then). An early start is not
-            # armed: until the master says every member called, the previous peer may
-            # not have started yet, which is no stall.
+            # The results land in `dst` as the ring computes them: no copy after the
+            # outcome. Out of place `src` is never written, so a failed collective loses
+            # nothing (`dst` holds unspecified bytes then); in place the original bytes
+            # move to a backup as the ring goes, and a failure puts them back. An early
+            # start is not armed: until the master says every member called, the
+            # previous peer may not have started yet, which is no stall.
+            in_place = dst.data is src.data
             ring = self._node.start_all_reduce(
                 perform.op_id, perform.rank, perform.world, src.data, int(src.dtype),
                 int(op), piece_bytes=self.piece_bytes, quant_algorithm=int(q.algorithm),
-                quant_dtype=int(q.dtype), out=dst.data if dst.data is not src.data else None,
-                armed=col is None or not col.early)
+                quant_dtype=int(q.dtype), out=None if in_place else dst.data,
+                armed=col is None or not col.early, in_place=in_place)
             self._rings[tag] = ring
             if col is None or col.aborted or col.redo is not None:
                 ring.abort()
@@ -561,6 +573,7 @@ class Driver:
                 ring.abort()
                 with contextlib.suppress(Exception):
                     await running
+                ring.rollback()  # (it may have finished just before the abort)
                 self._feed(ps.CancelCollective(tag))
                 raise
         except PCCLError as e:
@@ -575,6 +588,8 @@ class Driver:
     def _apply_reduce(world: int, ring: Any, src: RawTensor, dst: RawTensor,
                       outcome: m.CollectiveOutcome) -> None:
         if outcome.data:
+            if ring is not None:
+                ring.rollback()  # (not run: the master reduced it)
             _core.copy_into(dst.data, outcome.data)  # reduced by the master
         elif world == 1 or ring is None:
             if dst.data is not src.data:

@@ -85,9 +85,12 @@ impl PyP2PNode {
     /// Starts a ring all-reduce of `buffer` (bytes of `count` elements of `dtype`). With
     /// `out` (a writable buffer of the same size that does not overlap `buffer`), the
     /// results land in `out` as they are computed (`commit(out)` then copies nothing);
-    /// without it they stay in scratch memory until `commit`. With `armed=False` the op
-    /// takes no silence from the previous peer for a stall until `RingOp.arm()`.
-    #[pyo3(signature = (op_id, rank, world, buffer, dtype, op, piece_bytes=1 << 20, quant_algorithm=0, quant_dtype=0, out=None, armed=true))]
+    /// without it they stay in scratch memory until `commit`, or, with `in_place=True`,
+    /// land in `buffer` itself while its original bytes move to a backup: `commit(buffer)`
+    /// keeps them, `rollback()` puts the original back (a failed `run()` already did).
+    /// With `armed=False` the op takes no silence from the previous peer for a stall
+    /// until `RingOp.arm()`.
+    #[pyo3(signature = (op_id, rank, world, buffer, dtype, op, piece_bytes=1 << 20, quant_algorithm=0, quant_dtype=0, out=None, armed=true, in_place=false))]
     #[allow(clippy::too_many_arguments)]
     fn start_all_reduce(
         &self,
@@ -102,6 +105,7 @@ impl PyP2PNode {
         quant_dtype: u8,
         out: Option<&Bound<'_, PyAny>>,
         armed: bool,
+        in_place: bool,
     ) -> PyResult<RingOp> {
         let quant = quant_from_codes(quant_algorithm, quant_dtype)?;
         let spec = ReduceSpec {
@@ -148,6 +152,26 @@ impl PyP2PNode {
                     op: op.with_armed(armed),
                 });
             }
+        }
+        if in_place {
+            let raw = raw_buffer(buffer, true, "the tensor")?;
+            let keep = KeepAlive(buffer.clone().unbind());
+            // SAFETY: `keep` holds the exporting object for as long as the op's memory
+            // lives; callers must not touch the tensor until the op is committed or
+            // rolled back (documented).
+            let op = unsafe {
+                assembly::RingOp::in_place(
+                    links,
+                    spec,
+                    raw.ptr as *mut u8,
+                    raw.len,
+                    Box::new(keep),
+                    Some(self.ring.scratch()),
+                )
+            };
+            return Ok(RingOp {
+                op: op.with_armed(armed),
+            });
         }
         let keep = KeepAlive(buffer.clone().unbind());
         // SAFETY: `keep` holds the exporting object for as long as the op's memory lives;
@@ -207,6 +231,13 @@ impl RingOp {
     /// (idempotent; harmless once the op ended).
     fn arm(&self) {
         self.op.arm();
+    }
+
+    /// An in-place op (`start_all_reduce(in_place=True)`) that ran: puts the tensor's
+    /// original bytes back (GIL released while copying). A no-op for other ops, after
+    /// a commit, and the second time.
+    fn rollback(&self, py: Python<'_>) {
+        py.detach(|| self.op.rollback());
     }
 
     /// Copies the reduced bytes into `out` (GIL released while copying).

@@ -15,6 +15,13 @@
 //! or, for an out-of-place all-reduce ([`OpMemory::with_output`]), straight in the
 //! caller's output buffer: no copy after the outcome, and the input is never written, so
 //! a failed collective still loses nothing (the output then holds unspecified bytes).
+//!
+//! In place ([`OpMemory::in_place`]) the results also land straight in the caller's
+//! buffer, and the original bytes move to a backup as the ring goes: a received partial
+//! lands in the backup, and one blocked pass then writes `partial op ours` to the tensor
+//! and `ours` to the backup. A failed op puts back every range it wrote before it
+//! returns; one that succeeded here but fails for the group is put back by
+//! [`OpMemory::rollback`]. The copy into the caller's tensor after the outcome is gone.
 
 use crate::error::{CoreError, CoreResult};
 use crate::quant::{self, QuantAlgorithm, WireType};
@@ -96,11 +103,24 @@ pub struct OpMemory {
     input: *const u8,
     len: usize,
     scratch: *mut u8,
+    /// The scratch buffer, or, in place, the backup of the caller's original bytes.
     scratch_owner: Vec<u8>,
     pool: Option<Arc<ScratchPool>>,
     /// `scratch` is the caller's output buffer (see [`OpMemory::with_output`]).
     external: bool,
+    /// In place: `scratch` and `input` are the caller's tensor, `backup` holds its
+    /// original bytes wherever `saved` says the op wrote (see [`OpMemory::in_place`]).
+    backup: *mut u8,
+    saved: Mutex<Saved>,
     _keepalive: Box<dyn Send + Sync>,
+}
+
+/// Which of an in-place op's ranges hold results, their original bytes in the backup.
+#[derive(Debug)]
+enum Saved {
+    Nothing,
+    All,
+    Ranges(Vec<std::ops::Range<usize>>),
 }
 
 /// Recycles scratch buffers between collectives: a fresh multi-MiB allocation costs a
@@ -168,8 +188,9 @@ impl Drop for OpMemory {
     }
 }
 
-// SAFETY: `input` is only read; `scratch` is written at disjoint piece ranges whose
-// hand-over between tasks is ordered by the Release/Acquire progress counters.
+// SAFETY: `input` is only read (in place it is `scratch`, read only where no task writes
+// it); `scratch` and `backup` are written at disjoint piece ranges whose hand-over
+// between tasks is ordered by the Release/Acquire progress counters.
 unsafe impl Send for OpMemory {}
 unsafe impl Sync for OpMemory {}
 
@@ -194,6 +215,39 @@ impl OpMemory {
             scratch_owner: owner,
             pool,
             external: false,
+            backup: std::ptr::null_mut(),
+            saved: Mutex::new(Saved::Nothing),
+            _keepalive: keepalive,
+        }
+    }
+
+    /// Memory of an in-place all-reduce whose results land in `tensor` itself as the
+    /// ring computes them; a backup of `len` bytes (from `pool`) receives the original
+    /// bytes of every range before it is written, so a failure can put them back.
+    ///
+    /// # Safety
+    /// `tensor..tensor+len` must stay valid while `keepalive` lives, and nothing else
+    /// may read or write it until the op has run and been committed or rolled back.
+    pub unsafe fn in_place(
+        tensor: *mut u8,
+        len: usize,
+        keepalive: Box<dyn Send + Sync>,
+        pool: Option<Arc<ScratchPool>>,
+    ) -> Self {
+        let mut owner = match &pool {
+            Some(p) => p.take(len),
+            None => vec![0u8; len],
+        };
+        let backup = owner.as_mut_ptr();
+        OpMemory {
+            input: tensor,
+            len,
+            scratch: tensor,
+            scratch_owner: owner,
+            pool,
+            external: false,
+            backup,
+            saved: Mutex::new(Saved::Nothing),
             _keepalive: keepalive,
         }
     }
@@ -219,6 +273,8 @@ impl OpMemory {
             scratch_owner: Vec::new(),
             pool: None,
             external: true,
+            backup: std::ptr::null_mut(),
+            saved: Mutex::new(Saved::Nothing),
             _keepalive: keepalive,
         }
     }
@@ -226,6 +282,91 @@ impl OpMemory {
     /// Whether the results land in the caller's output buffer.
     pub fn is_external(&self) -> bool {
         self.external
+    }
+
+    /// Whether the results land in the caller's input buffer (see [`OpMemory::in_place`]).
+    pub fn is_in_place(&self) -> bool {
+        !self.backup.is_null()
+    }
+
+    /// Whether the op's tasks write memory the caller owns.
+    fn writes_caller_memory(&self) -> bool {
+        self.external || self.is_in_place()
+    }
+
+    #[allow(clippy::mut_from_ref)]
+    fn backup_mut(&self, r: std::ops::Range<usize>) -> &mut [u8] {
+        debug_assert!(self.is_in_place() && r.end <= self.len);
+        // SAFETY: in bounds of the backup; each piece range is written by one task at a
+        // time (as for scratch).
+        unsafe { std::slice::from_raw_parts_mut(self.backup.add(r.start), r.len()) }
+    }
+
+    /// In place: `tensor[r] = backup[r] op tensor[r]` while the original `tensor[r]`
+    /// moves to `backup[r]`, in blocks small enough to stay in cache, so each byte is
+    /// read and written once. `backup[r]` held what the previous peer accumulated.
+    fn reduce_swapping(
+        &self,
+        dtype: DType,
+        op: ReduceOp,
+        r: std::ops::Range<usize>,
+    ) -> CoreResult<()> {
+        let (tensor, backup) = (self.scratch_mut(r.clone()), self.backup_mut(r));
+        let mut ours = [0u8; SWAP_BLOCK];
+        for (t, b) in tensor
+            .chunks_mut(SWAP_BLOCK)
+            .zip(backup.chunks_mut(SWAP_BLOCK))
+        {
+            let ours = &mut ours[..t.len()];
+            ours.copy_from_slice(t);
+            reduce::reduce(dtype, op, t, b, ours)?;
+            b.copy_from_slice(ours);
+        }
+        Ok(())
+    }
+
+    /// In place: swaps `tensor[r]` (the original bytes) and `backup[r]` (the result
+    /// that landed there).
+    fn swap_in(&self, r: std::ops::Range<usize>) {
+        self.scratch_mut(r.clone())
+            .swap_with_slice(self.backup_mut(r));
+    }
+
+    /// In place: copies the original `tensor[r]` to `backup[r]` before the op writes it.
+    fn save(&self, r: std::ops::Range<usize>) {
+        self.backup_mut(r.clone()).copy_from_slice(self.scratch(r));
+    }
+
+    /// Records which ranges hold results (their originals in the backup).
+    fn set_saved(&self, saved: Saved) {
+        if self.is_in_place() {
+            *self.saved.lock().unwrap() = saved;
+        }
+    }
+
+    /// In place, after the op ran: puts the original bytes back wherever it wrote
+    /// them, so the caller's tensor is as before the op (a no-op otherwise, and the
+    /// second time). Not while the op's tasks may still write (it has returned).
+    pub fn rollback(&self) {
+        if !self.is_in_place() {
+            return;
+        }
+        let saved = std::mem::replace(&mut *self.saved.lock().unwrap(), Saved::Nothing);
+        let put_back = |r: std::ops::Range<usize>| {
+            self.scratch_mut(r.clone())
+                .copy_from_slice(self.backup_mut(r));
+        };
+        match saved {
+            Saved::Nothing => {}
+            Saved::All => put_back(0..self.len),
+            Saved::Ranges(ranges) => ranges.into_iter().for_each(put_back),
+        }
+    }
+
+    /// In place: the results stay in the caller's tensor for good (rollback is a no-op
+    /// from now on).
+    pub fn keep(&self) {
+        self.set_saved(Saved::Nothing);
     }
 
     pub fn len(&self) -> usize {
@@ -265,6 +406,10 @@ impl OpMemory {
         self.scratch(0..self.len)
     }
 }
+
+/// Bytes per block of [`OpMemory::reduce_swapping`]: a whole number of elements of every
+/// dtype, and small enough that the copy of ours stays in L1.
+const SWAP_BLOCK: usize = 4096;
 
 /// Staging memory for quantized pieces, written at disjoint slots by one task at a time.
 struct Stage {
@@ -510,6 +655,8 @@ impl Landing for Shared {
         }
         let dst = match self.staging(step, p, expected) {
             Some(slot) => slot,
+            // In place, a range not saved yet receives into the backup (see `landed`).
+            None if self.mem.is_in_place() && step < plan.world => self.mem.backup_mut(range),
             None => self.mem.scratch_mut(range),
         };
         Ok((dst.as_mut_ptr(), dst.len()))
@@ -524,25 +671,52 @@ impl Landing for Shared {
             .fetch_add((HEADER_LEN + wire_len) as u64, Ordering::Relaxed);
         let last_rs = plan.world - 2;
         let (dtype, op) = (self.spec.dtype, self.spec.op);
-        let acc = self.mem.scratch_mut(range.clone());
+        // In place, steps up to the first all-gather write ranges not saved yet.
+        let first_write = self.mem.is_in_place() && step <= last_rs + 1;
         match (self.spec.quant, self.staging(step, p, wire_len)) {
             (Some((_, wire)), Some(slot)) => {
-                if step <= last_rs {
+                if first_write {
+                    self.mem.save(range.clone());
+                }
+                let acc = self.mem.scratch_mut(range.clone());
+                let decoded = if step <= last_rs {
                     // What the previous peer accumulated, decoded, then ours after it.
-                    quant::dequantize_reduce(wire, dtype, op, slot, self.mem.input(range), acc)?;
+                    let ours = match first_write {
+                        true => &*self.mem.backup_mut(range.clone()),
+                        false => self.mem.input(range.clone()),
+                    };
+                    quant::dequantize_reduce(wire, dtype, op, slot, ours, acc)
                 } else {
-                    quant::dequantize(wire, dtype, slot, acc)?;
+                    quant::dequantize(wire, dtype, slot, acc)
+                };
+                if decoded.is_err() && first_write {
+                    // Not counted as landed, so not in `written_ranges`: undo it here.
+                    let original = &*self.mem.backup_mut(range.clone());
+                    self.mem
+                        .scratch_mut(range.clone())
+                        .copy_from_slice(original);
+                }
+                decoded?;
+            }
+            _ if first_write => {
+                // The backup holds what landed: the previous peer's partial (ours after
+                // it), or the final bytes of our own chunk.
+                if step <= last_rs {
+                    self.mem.reduce_swapping(dtype, op, range.clone())?;
+                } else {
+                    self.mem.swap_in(range.clone());
                 }
             }
             _ => {
                 if step <= last_rs {
                     // scratch holds what the previous peer accumulated; add ours after it.
-                    reduce::reduce_inplace(dtype, op, acc, self.mem.input(range))?;
+                    let acc = self.mem.scratch_mut(range.clone());
+                    reduce::reduce_inplace(dtype, op, acc, self.mem.input(range.clone()))?;
                 }
             }
         }
         if step == last_rs {
-            reduce::finalize(dtype, op, acc, plan.world)?;
+            reduce::finalize(dtype, op, self.mem.scratch_mut(range), plan.world)?;
         }
         self.progress[p].store(step as u32 + 1, Ordering::Release);
         self.landed.fetch_add(1, Ordering::AcqRel);
@@ -587,7 +761,7 @@ pub async fn ring_all_reduce(
     }
     guard.armed = false;
     links.finish(op_id);
-    if outcome.is_err() && shared.mem.is_external() {
+    if outcome.is_err() && shared.mem.writes_caller_memory() {
         // The results land in the caller's buffer: no reader may write it once this
         // returns. Wait (bounded) for pieces being received now; a reader stuck in one
         // is stopped by closing the links (after a failure they are rebuilt anyway).
@@ -605,6 +779,16 @@ pub async fn ring_all_reduce(
             }
         }
     }
+    if shared.mem.is_in_place() {
+        match outcome {
+            Ok(()) => shared.mem.set_saved(Saved::All),
+            Err(_) => {
+                // Every range written so far has its original in the backup: put it back.
+                shared.mem.set_saved(Saved::Ranges(shared.written_ranges()));
+                shared.mem.rollback();
+            }
+        }
+    }
     outcome?;
     Ok(ReduceStats {
         tx_bytes: shared.tx.load(Ordering::Relaxed),
@@ -613,6 +797,25 @@ pub async fn ring_all_reduce(
 }
 
 impl Shared {
+    /// In place, once no task writes any more: the ranges whose original bytes moved to
+    /// the backup. Piece `p` saved one range at each step below `progress[p]`, up to
+    /// the first all-gather step; later steps (and pieces cut off mid-landing) write
+    /// only ranges saved before, or the backup.
+    fn written_ranges(&self) -> Vec<std::ops::Range<usize>> {
+        let plan = &self.plan;
+        let mut ranges = Vec::new();
+        for (p, progress) in self.progress.iter().enumerate() {
+            let done = progress.load(Ordering::Acquire) as usize;
+            for step in 0..done.min(plan.world) {
+                let r = plan.piece(plan.recv_chunk(step), p);
+                if !r.is_empty() {
+                    ranges.push(r);
+                }
+            }
+        }
+        ranges
+    }
+
     /// Checks `spec` against `mem` and the links' piece limit and sets up the op's
     /// state: the plan, the staging memory of quantized runs and the progress counters.
     fn prepare(

@@ -333,6 +333,28 @@ impl RingOp {
         RingOp::new(links, spec, Arc::new(mem))
     }
 
+    /// An op over `links` reducing the `len` bytes at `tensor` in place: the results
+    /// land there as the ring computes them, its original bytes move to a backup from
+    /// `pool`. A failed run puts them back before it returns; after a successful run,
+    /// [`RingOp::commit_into`] the tensor itself keeps the result and
+    /// [`RingOp::rollback`] puts the original back.
+    ///
+    /// # Safety
+    /// As for [`OpMemory::in_place`]: the range stays valid while `keepalive` lives,
+    /// and nothing else reads or writes it until the op is committed or rolled back.
+    pub unsafe fn in_place(
+        links: Arc<RingLinks>,
+        spec: ReduceSpec,
+        tensor: *mut u8,
+        len: usize,
+        keepalive: Box<dyn Send + Sync>,
+        pool: Option<Arc<ScratchPool>>,
+    ) -> RingOp {
+        // SAFETY: forwarded to the caller.
+        let mem = unsafe { OpMemory::in_place(tensor, len, keepalive, pool) };
+        RingOp::new(links, spec, Arc::new(mem))
+    }
+
     pub fn spec(&self) -> &ReduceSpec {
         &self.spec
     }
@@ -374,7 +396,8 @@ impl RingOp {
     }
 
     /// Copies the reduced bytes into `out`, which must be exactly as long (nothing to
-    /// copy when the results already landed there: an op made by `with_output`).
+    /// copy when the results already landed there: an op made by `with_output` or
+    /// `in_place`; an in-place op committed elsewhere puts its tensor back).
     pub fn commit_into(&self, out: &mut [u8]) -> CoreResult<()> {
         if out.len() != self.len() {
             return Err(CoreError::InvalidArgument(format!(
@@ -386,8 +409,18 @@ impl RingOp {
         // (Compared before borrowing the result: `out` may be that very memory.)
         if !std::ptr::eq(out.as_ptr(), self.mem.result_ptr()) {
             out.copy_from_slice(self.result());
+            self.mem.rollback();
+        } else {
+            self.mem.keep();
         }
         Ok(())
+    }
+
+    /// An in-place op that ran: puts the tensor's original bytes back (the group's
+    /// outcome was a failure). A no-op for other ops, before `run()` ended, after a
+    /// commit, and the second time.
+    pub fn rollback(&self) {
+        self.mem.rollback();
     }
 }
 

@@ -329,32 +329,52 @@ async fn quantized_loopback_ring_gives_every_peer_the_same_bits() {
 /// dropped peer runs the op too and is aborted; the peer after it starts only after
 /// the drop, so the op cannot complete anywhere. Every other peer must fail with a
 /// peer-connection error, and no later than a few I/O timeouts.
-/// `external`: the ops land their results in per-peer output buffers
-/// (`RingOp::with_output`), whose inputs must come out of a failure unwritten.
-async fn drop_one_peer(k: usize, dropped: usize, started: bool, external: bool) {
+/// Where an op's results land (see [`drop_one_peer`]).
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Landing {
+    /// Scratch memory (`Ring::start_all_reduce`).
+    Scratch,
+    /// Per-peer output buffers (`RingOp::with_output`): the inputs must come out of a
+    /// failure unwritten.
+    Output,
+    /// The inputs themselves (`RingOp::in_place`): a failure must put them back.
+    InPlace,
+}
+
+async fn drop_one_peer(k: usize, dropped: usize, started: bool, landing: Landing) {
     let io_timeout = Duration::from_secs(1);
     let peers = loopback_ring(k, 2, 3, link_cfg(io_timeout)).await.unwrap();
     let inputs: Vec<Arc<Vec<u8>>> = (0..k)
         .map(|r| Arc::new(random_input(DType::F32, 50_001, r as u64)))
         .collect();
-    let outputs: Vec<Arc<Output>> = (0..k).map(|_| Arc::new(Output::new(50_001 * 4))).collect();
+    let outputs: Vec<Arc<Output>> = (0..k)
+        .map(|r| match landing {
+            Landing::InPlace => Arc::new(Output::holding(inputs[r].to_vec())),
+            _ => Arc::new(Output::new(50_001 * 4)),
+        })
+        .collect();
     let start = |op_id: u64, rank: usize| {
         let s = spec(op_id, rank, k, DType::F32, ReduceOp::Sum);
         let s = ReduceSpec {
             piece_bytes: 4096,
             ..s
         };
-        if !external {
-            return peers[rank]
+        match landing {
+            Landing::Scratch => peers[rank]
                 .1
-                .start_all_reduce_shared(s, inputs[rank].clone());
+                .start_all_reduce_shared(s, inputs[rank].clone()),
+            Landing::Output => start_into(&peers[rank].1, s, &inputs[rank], &outputs[rank]),
+            Landing::InPlace => start_in_place(&peers[rank].1, s, &outputs[rank]),
         }
-        start_into(&peers[rank].1, s, &inputs[rank], &outputs[rank])
     };
-    // The whole ring works.
+    // The whole ring works (in place: the group's outcome is taken to be a failure, so
+    // the tensors are put back).
     let ops: Vec<RingOp> = (0..k).map(|r| start(1, r).unwrap()).collect();
     for r in run_all(&ops).await {
         r.unwrap();
+    }
+    for op in &ops {
+        op.rollback();
     }
     // Op 2: everyone but the dropped peer and the one after it starts.
     let after = (dropped + 1) % k;
@@ -397,6 +417,12 @@ async fn drop_one_peer(k: usize, dropped: usize, started: bool, external: bool) 
             *inputs[rank] == want,
             "rank {rank}: the failed op wrote its input"
         );
+        if landing == Landing::InPlace {
+            assert!(
+                outputs[rank].bytes() == want,
+                "rank {rank}: the failed in-place op did not put its tensor back"
+            );
+        }
     }
     // Every peer notices within an I/O timeout or two (of silence, or of a blocked
     // send); the bound leaves room for a loaded machine.
@@ -413,9 +439,10 @@ async fn drop_one_peer(k: usize, dropped: usize, started: bool, external: bool) 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn dropped_peer_fails_the_others_with_a_peer_connection_error() {
     bounded("the dropped-peer rings", async {
-        drop_one_peer(4, 1, false, false).await;
-        drop_one_peer(2, 0, false, false).await;
-        drop_one_peer(3, 2, false, true).await;
+        drop_one_peer(4, 1, false, Landing::Scratch).await;
+        drop_one_peer(2, 0, false, Landing::Scratch).await;
+        drop_one_peer(3, 2, false, Landing::Output).await;
+        drop_one_peer(3, 1, false, Landing::InPlace).await;
     })
     .await;
 }
@@ -423,9 +450,11 @@ async fn dropped_peer_fails_the_others_with_a_peer_connection_error() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn peer_dropped_mid_op_fails_the_others_with_a_peer_connection_error() {
     bounded("the aborted-peer rings", async {
-        drop_one_peer(3, 0, true, false).await;
-        drop_one_peer(4, 3, true, false).await;
-        drop_one_peer(4, 1, true, true).await;
+        drop_one_peer(3, 0, true, Landing::Scratch).await;
+        drop_one_peer(4, 3, true, Landing::Scratch).await;
+        drop_one_peer(4, 1, true, Landing::Output).await;
+        drop_one_peer(4, 2, true, Landing::InPlace).await;
+        drop_one_peer(2, 1, true, Landing::InPlace).await;
     })
     .await;
 }
@@ -439,7 +468,16 @@ unsafe impl Sync for Output {}
 
 impl Output {
     fn new(len: usize) -> Output {
-        Output(std::cell::UnsafeCell::new(vec![0xA5; len]))
+        Output::holding(vec![0xA5; len])
+    }
+
+    fn holding(bytes: Vec<u8>) -> Output {
+        Output(std::cell::UnsafeCell::new(bytes))
+    }
+
+    fn len(&self) -> usize {
+        // SAFETY: the length never changes.
+        unsafe { (*self.0.get()).len() }
     }
 
     fn ptr(&self) -> *mut u8 {
@@ -472,6 +510,128 @@ fn start_into(
             Box::new((input.clone(), output.clone())),
         )
     })
+}
+
+/// An op on `ring`'s links reducing `tensor` in place (`RingOp::in_place`).
+fn start_in_place(
+    ring: &Ring,
+    spec: ReduceSpec,
+    tensor: &Arc<Output>,
+) -> Result<RingOp, CoreError> {
+    let links = ring.usable_links()?;
+    // SAFETY: the buffer lives in the keep-alive; only this op touches it until it is
+    // committed or rolled back.
+    Ok(unsafe {
+        RingOp::in_place(
+            links,
+            spec,
+            tensor.ptr(),
+            tensor.len(),
+            Box::new(tensor.clone()),
+            Some(ring.scratch()),
+        )
+    })
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn in_place_ops_give_the_scratch_ops_bytes_and_roll_back_exactly() {
+    let cases = [
+        (DType::F32, ReduceOp::Sum, 1001, None),
+        (DType::F32, ReduceOp::Avg, 5003, None),
+        (DType::BF16, ReduceOp::Avg, 257, None),
+        (DType::F16, ReduceOp::Min, 3000, None),
+        (DType::I64, ReduceOp::Max, 77, None),
+        (DType::U8, ReduceOp::Prod, 2, None),
+        (DType::I32, ReduceOp::Sum, 1, None),
+        (
+            DType::F32,
+            ReduceOp::Sum,
+            5003,
+            Some((QuantAlgorithm::MinMax, WireType::U8)),
+        ),
+        (
+            DType::BF16,
+            ReduceOp::Avg,
+            999,
+            Some((QuantAlgorithm::ZeroPointScale, WireType::F8E4M3)),
+        ),
+    ];
+    bounded("the in-place rings", async {
+        for k in [2usize, 3, 5] {
+            let peers = loopback_ring(k, 2, 12, link_cfg(Duration::from_secs(10)))
+                .await
+                .unwrap();
+            for (c, &(dtype, op, count, quant)) in cases.iter().enumerate() {
+                let what = format!("{k} peers, {} {} x{count}", op.name(), dtype.name());
+                let seed = |r: usize| (k * 131 + c * 17 + r) as u64;
+                let inputs: Vec<Arc<Vec<u8>>> = (0..k)
+                    .map(|r| Arc::new(random_input(dtype, count, seed(r))))
+                    .collect();
+                // Pieces of 1 KiB and of 24 bytes: many per chunk, on every lane.
+                let piece_bytes = if c % 2 == 0 { 1024 } else { 24 };
+                let spec_of = |op_id: u64, rank: usize| ReduceSpec {
+                    quant,
+                    piece_bytes,
+                    ..spec(op_id, rank, k, dtype, op)
+                };
+                let scratch: Vec<RingOp> = (0..k)
+                    .map(|r| {
+                        peers[r]
+                            .1
+                            .start_all_reduce_shared(spec_of(2 * c as u64, r), inputs[r].clone())
+                            .unwrap()
+                    })
+                    .collect();
+                for r in run_all(&scratch).await {
+                    r.unwrap_or_else(|e| panic!("{what}: {e}"));
+                }
+                let tensors: Vec<Arc<Output>> = inputs
+                    .iter()
+                    .map(|i| Arc::new(Output::holding(i.to_vec())))
+                    .collect();
+                let ops: Vec<RingOp> = (0..k)
+                    .map(|r| {
+                        start_in_place(&peers[r].1, spec_of(2 * c as u64 + 1, r), &tensors[r])
+                            .unwrap()
+                    })
+                    .collect();
+                let stats: Vec<ReduceStats> = run_all(&ops)
+                    .await
+                    .into_iter()
+                    .map(|r| r.unwrap_or_else(|e| panic!("{what}: {e}")))
+                    .collect();
+                for rank in 0..k {
+                    let want = scratch[rank].result().to_vec();
+                    assert_eq!(tensors[rank].bytes(), want, "{what}: rank {rank}");
+                    if rank % 2 == 0 {
+                        // The group failed: the original comes back, once.
+                        ops[rank].rollback();
+                        assert!(
+                            tensors[rank].bytes() == *inputs[rank],
+                            "{what}: rank {rank}"
+                        );
+                        ops[rank].rollback();
+                        assert!(
+                            tensors[rank].bytes() == *inputs[rank],
+                            "{what}: rank {rank}"
+                        );
+                    } else {
+                        // Committed into the tensor itself: nothing to copy, nothing to undo.
+                        // SAFETY: the op has finished; nothing else touches the tensor.
+                        let dst = unsafe {
+                            std::slice::from_raw_parts_mut(tensors[rank].ptr(), tensors[rank].len())
+                        };
+                        ops[rank].commit_into(dst).unwrap();
+                        ops[rank].rollback();
+                        assert_eq!(tensors[rank].bytes(), want, "{what}: rank {rank}");
+                    }
+                }
+                assert_eq!(stats[0].tx_bytes, stats[1 % k].rx_bytes, "{what}");
+            }
+            close_all(&peers).await;
+        }
+    })
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
