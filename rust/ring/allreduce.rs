@@ -26,8 +26,8 @@
 use crate::error::{CoreError, CoreResult};
 use crate::quant::{self, QuantAlgorithm, WireType};
 use crate::reduce::{self, DType, ReduceOp};
-use crate::ring::links::{Landing, PieceHeader, RingLinks, HEADER_LEN};
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use crate::ring::links::{Dest, Landing, PieceHeader, RingLinks, HEADER_LEN};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
@@ -302,36 +302,6 @@ impl OpMemory {
         unsafe { std::slice::from_raw_parts_mut(self.backup.add(r.start), r.len()) }
     }
 
-    /// In place: `tensor[r] = backup[r] op tensor[r]` while the original `tensor[r]`
-    /// moves to `backup[r]`, in blocks small enough to stay in cache, so each byte is
-    /// read and written once. `backup[r]` held what the previous peer accumulated.
-    fn reduce_swapping(
-        &self,
-        dtype: DType,
-        op: ReduceOp,
-        r: std::ops::Range<usize>,
-    ) -> CoreResult<()> {
-        let (tensor, backup) = (self.scratch_mut(r.clone()), self.backup_mut(r));
-        let mut ours = [0u8; SWAP_BLOCK];
-        for (t, b) in tensor
-            .chunks_mut(SWAP_BLOCK)
-            .zip(backup.chunks_mut(SWAP_BLOCK))
-        {
-            let ours = &mut ours[..t.len()];
-            ours.copy_from_slice(t);
-            reduce::reduce(dtype, op, t, b, ours)?;
-            b.copy_from_slice(ours);
-        }
-        Ok(())
-    }
-
-    /// In place: swaps `tensor[r]` (the original bytes) and `backup[r]` (the result
-    /// that landed there).
-    fn swap_in(&self, r: std::ops::Range<usize>) {
-        self.scratch_mut(r.clone())
-            .swap_with_slice(self.backup_mut(r));
-    }
-
     /// In place: copies the original `tensor[r]` to `backup[r]` before the op writes it.
     fn save(&self, r: std::ops::Range<usize>) {
         self.backup_mut(r.clone()).copy_from_slice(self.scratch(r));
@@ -406,10 +376,6 @@ impl OpMemory {
         self.scratch(0..self.len)
     }
 }
-
-/// Bytes per block of [`OpMemory::reduce_swapping`]: a whole number of elements of every
-/// dtype, and small enough that the copy of ours stays in L1.
-const SWAP_BLOCK: usize = 4096;
 
 /// Staging memory for quantized pieces, written at disjoint slots by one task at a time.
 struct Stage {
@@ -532,6 +498,9 @@ struct Shared {
     failure: Mutex<Option<CoreError>>,
     /// progress[p] = steps whose piece p has landed and been reduced.
     progress: Vec<AtomicU32>,
+    /// In place: bytes of piece p's current streamed step already folded into the
+    /// tensor (their originals saved), until it has landed; see `written_ranges`.
+    applied: Vec<AtomicUsize>,
     /// claimed[p] = steps whose piece p some lane has started to receive: each piece is
     /// handed to one lane only, even if the previous peer announces it on several.
     claimed: Vec<AtomicU32>,
@@ -570,6 +539,17 @@ impl Shared {
         idle
     }
 
+    /// Whether piece of `step` arrive block by block through `land_part`: unquantized
+    /// reduce-scatter steps of ops that write the caller's memory (received and reduced
+    /// in one pass), and, in place, the first all-gather step (the last to write a
+    /// range not saved yet). Scratch-memory ops land every piece directly.
+    fn streamed(&self, step: usize) -> bool {
+        let last_rs = self.plan.world - 2;
+        self.spec.quant.is_none()
+            && self.mem.writes_caller_memory()
+            && (step <= last_rs || (self.mem.is_in_place() && step == last_rs + 1))
+    }
+
     /// Bytes a piece of `raw` payload bytes takes on the wire.
     fn wire_len(&self, raw: usize) -> usize {
         match self.spec.quant {
@@ -594,13 +574,7 @@ impl Shared {
 }
 
 impl Landing for Shared {
-    fn landing(
-        &self,
-        step: u32,
-        piece: u32,
-        len: u32,
-        digest: u32,
-    ) -> CoreResult<(*mut u8, usize)> {
+    fn landing(&self, step: u32, piece: u32, len: u32, digest: u32) -> CoreResult<Dest> {
         if digest != self.digest {
             let e = CoreError::InvalidUsage(format!(
                 "peer {} runs a different collective as op {} (descriptor digest \
@@ -653,13 +627,49 @@ impl Landing for Shared {
                 self.spec.op_id
             )));
         }
+        if self.streamed(step) {
+            return Ok(Dest::Streamed);
+        }
         let dst = match self.staging(step, p, expected) {
             Some(slot) => slot,
-            // In place, a range not saved yet receives into the backup (see `landed`).
-            None if self.mem.is_in_place() && step < plan.world => self.mem.backup_mut(range),
             None => self.mem.scratch_mut(range),
         };
-        Ok((dst.as_mut_ptr(), dst.len()))
+        Ok(Dest::Direct(dst.as_mut_ptr(), dst.len()))
+    }
+
+    fn land_part(&self, step: u32, piece: u32, offset: usize, data: &[u8]) -> CoreResult<()> {
+        let (step, p) = (step as usize, piece as usize);
+        let plan = &self.plan;
+        let range = plan.piece(plan.recv_chunk(step), p);
+        if !self.streamed(step)
+            || offset + data.len() > range.len()
+            || !data.len().is_multiple_of(plan.elem)
+        {
+            return Err(CoreError::Protocol(format!(
+                "block {offset}+{} of piece {step}/{p} of collective {} does not fit it",
+                data.len(),
+                self.spec.op_id
+            )));
+        }
+        let sub = range.start + offset..range.start + offset + data.len();
+        let (dtype, op) = (self.spec.dtype, self.spec.op);
+        if self.mem.is_in_place() {
+            // Ours moves to the backup first; the tensor then gets what arrived, reduced
+            // with ours after it in reduce-scatter, as is in the first all-gather step.
+            self.mem.save(sub.clone());
+            let out = self.mem.scratch_mut(sub.clone());
+            if step <= plan.world - 2 {
+                reduce::reduce(dtype, op, out, data, self.mem.backup_mut(sub))?;
+            } else {
+                out.copy_from_slice(data);
+            }
+            self.applied[p].store(offset + data.len(), Ordering::Release);
+        } else {
+            // What the previous peer accumulated, then ours after it, into the output.
+            let out = self.mem.scratch_mut(sub.clone());
+            reduce::reduce(dtype, op, out, data, self.mem.input(sub))?;
+        }
+        Ok(())
     }
 
     fn landed(&self, step: u32, piece: u32) -> CoreResult<()> {
@@ -698,14 +708,9 @@ impl Landing for Shared {
                 }
                 decoded?;
             }
-            _ if first_write => {
-                // The backup holds what landed: the previous peer's partial (ours after
-                // it), or the final bytes of our own chunk.
-                if step <= last_rs {
-                    self.mem.reduce_swapping(dtype, op, range.clone())?;
-                } else {
-                    self.mem.swap_in(range.clone());
-                }
+            _ if self.streamed(step) => {
+                // Reduced (or, in place, saved and written) block by block as it came.
+                self.applied[p].store(0, Ordering::Release);
             }
             _ => {
                 if step <= last_rs {
@@ -812,6 +817,12 @@ impl Shared {
                     ranges.push(r);
                 }
             }
+            // A streamed piece cut off mid-way: the blocks it folded in so far.
+            let applied = self.applied[p].load(Ordering::Acquire);
+            if applied > 0 && done < plan.world {
+                let r = plan.piece(plan.recv_chunk(done), p);
+                ranges.push(r.start..r.start + applied);
+            }
         }
         ranges
     }
@@ -863,6 +874,7 @@ impl Shared {
             ag_stage,
             qslot,
             progress: (0..plan.pieces).map(|_| AtomicU32::new(0)).collect(),
+            applied: (0..plan.pieces).map(|_| AtomicUsize::new(0)).collect(),
             claimed: (0..plan.pieces).map(|_| AtomicU32::new(0)).collect(),
             mem,
             plan,
@@ -905,11 +917,40 @@ impl Receiver {
         len: u32,
         digest: u32,
     ) -> CoreResult<(*mut u8, usize)> {
-        self.0.landing(step, piece, len, digest)
+        match self.0.landing(step, piece, len, digest)? {
+            Dest::Direct(ptr, n) => Ok((ptr, n)),
+            Dest::Streamed => unreachable!("ops on scratch memory land every piece directly"),
+        }
     }
 
     pub(crate) fn landed(&self, step: u32, piece: u32) -> CoreResult<()> {
         self.0.landed(step, piece)
+    }
+
+    /// Claims a piece as a reader does, whatever its destination.
+    #[cfg(test)]
+    pub(crate) fn claim(&self, step: u32, piece: u32, len: u32, digest: u32) -> CoreResult<Dest> {
+        self.0.landing(step, piece, len, digest)
+    }
+
+    /// Hands a block of a streamed piece to the op (as a reader does).
+    #[cfg(test)]
+    pub(crate) fn land_part(
+        &self,
+        step: u32,
+        piece: u32,
+        offset: usize,
+        data: &[u8],
+    ) -> CoreResult<()> {
+        self.0.land_part(step, piece, offset, data)
+    }
+
+    /// What a failed op does before it returns: an in-place op puts back every range
+    /// it wrote (the receiving side here being all there is of it).
+    #[cfg(test)]
+    pub(crate) fn fail(&self) {
+        self.0.mem.set_saved(Saved::Ranges(self.0.written_ranges()));
+        self.0.mem.rollback();
     }
 
     /// Bytes piece `(step, piece)` takes on the wire.

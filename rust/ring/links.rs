@@ -84,15 +84,33 @@ impl PieceHeader {
     }
 }
 
+/// Where a piece's payload goes (see [`Landing::landing`]).
+#[derive(Debug)]
+pub enum Dest {
+    /// Straight into these bytes (no intermediate copy); valid while the op lives.
+    Direct(*mut u8, usize),
+    /// In blocks of at most [`STREAM_BLOCK`] bytes, in order, through
+    /// [`Landing::land_part`]: the op folds each block into its memory while it is still
+    /// in cache (receive and reduce in one pass).
+    Streamed,
+}
+
+/// Bytes per block of a [`Dest::Streamed`] piece: a whole number of elements of every
+/// dtype, and small enough to stay in cache between the read and the reduce.
+pub const STREAM_BLOCK: usize = 64 << 10;
+
 /// Where an op wants the pieces addressed to it. The reader task of each receiving
-/// lane writes a piece's payload straight into the slice `landing` returns (no
-/// intermediate copy) and then calls `landed`, which does the op's per-piece work.
+/// lane writes a piece's payload where `landing` says (the op's memory, or block by
+/// block through `land_part`) and then calls `landed`, which does the op's per-piece
+/// work.
 pub trait Landing: Send + Sync {
     /// Destination of piece `(step, piece)` of `len` bytes sent under descriptor
     /// `digest`; an error if the op did not expect exactly that piece now (or runs
-    /// another descriptor). The pointer stays valid while `self` lives.
-    fn landing(&self, step: u32, piece: u32, len: u32, digest: u32)
-        -> CoreResult<(*mut u8, usize)>;
+    /// another descriptor).
+    fn landing(&self, step: u32, piece: u32, len: u32, digest: u32) -> CoreResult<Dest>;
+    /// Bytes `offset..offset + data.len()` of a [`Dest::Streamed`] piece (blocks come in
+    /// order and cover the piece; each but the last is [`STREAM_BLOCK`] bytes).
+    fn land_part(&self, step: u32, piece: u32, offset: usize, data: &[u8]) -> CoreResult<()>;
     /// The payload of `(step, piece)` has been written.
     fn landed(&self, step: u32, piece: u32) -> CoreResult<()>;
 }
@@ -128,18 +146,26 @@ enum Route {
 /// Lands a stashed piece in `target`: the same checks as a piece off the wire.
 fn land_stashed(target: &dyn Landing, s: &Stashed) -> CoreResult<()> {
     let h = &s.header;
-    let (ptr, len) = target.landing(h.step, h.piece, h.len, h.digest)?;
-    if len != s.payload.len() {
-        return Err(CoreError::Protocol(format!(
-            "piece {}/{} of collective {} has {} bytes, its slot {len}",
-            h.step,
-            h.piece,
-            h.op,
-            s.payload.len()
-        )));
+    match target.landing(h.step, h.piece, h.len, h.digest)? {
+        Dest::Direct(ptr, len) => {
+            if len != s.payload.len() {
+                return Err(CoreError::Protocol(format!(
+                    "piece {}/{} of collective {} has {} bytes, its slot {len}",
+                    h.step,
+                    h.piece,
+                    h.op,
+                    s.payload.len()
+                )));
+            }
+            // SAFETY: the target hands this range to us alone until `landed` is called.
+            unsafe { std::ptr::copy_nonoverlapping(s.payload.as_ptr(), ptr, len) };
+        }
+        Dest::Streamed => {
+            for (i, block) in s.payload.chunks(STREAM_BLOCK).enumerate() {
+                target.land_part(h.step, h.piece, i * STREAM_BLOCK, block)?;
+            }
+        }
     }
-    // SAFETY: the target hands this range to us alone until `landed` is called.
-    unsafe { std::ptr::copy_nonoverlapping(s.payload.as_ptr(), ptr, len) };
     target.landed(h.step, h.piece)
 }
 
@@ -466,6 +492,7 @@ async fn read_lane(
         None => return Ok(()),
     };
     let mut sink = Vec::new();
+    let mut block = Vec::new();
     loop {
         let mut h = [0u8; HEADER_LEN];
         match read.read_exact(&mut h).await {
@@ -501,14 +528,38 @@ async fn read_lane(
         drop(l);
         match target {
             Some(target) => {
-                let (ptr, len) =
-                    target.landing(header.step, header.piece, header.len, header.digest)?;
-                // SAFETY: the target keeps this range alive and hands it to this lane
-                // alone until `landed` is called.
-                let dst = unsafe { std::slice::from_raw_parts_mut(ptr, len) };
-                read.read_exact(dst)
-                    .await
-                    .map_err(|e| CoreError::io("reading a piece", e))?;
+                // (A slice, not the raw pointer, is held across the reads: it is Send.)
+                let direct =
+                    match target.landing(header.step, header.piece, header.len, header.digest)? {
+                        // SAFETY: the target keeps this range alive and hands it to this lane
+                        // alone until `landed` is called.
+                        Dest::Direct(ptr, len) => {
+                            Some(unsafe { std::slice::from_raw_parts_mut(ptr, len) })
+                        }
+                        Dest::Streamed => None,
+                    };
+                match direct {
+                    Some(dst) => {
+                        read.read_exact(dst)
+                            .await
+                            .map_err(|e| CoreError::io("reading a piece", e))?;
+                    }
+                    None => {
+                        let total = header.len as usize;
+                        if block.len() < STREAM_BLOCK.min(total) {
+                            block.resize(STREAM_BLOCK.min(total), 0);
+                        }
+                        let mut offset = 0;
+                        while offset < total {
+                            let n = STREAM_BLOCK.min(total - offset);
+                            read.read_exact(&mut block[..n])
+                                .await
+                                .map_err(|e| CoreError::io("reading a piece", e))?;
+                            target.land_part(header.step, header.piece, offset, &block[..n])?;
+                            offset += n;
+                        }
+                    }
+                }
                 target.landed(header.step, header.piece)?;
             }
             None => {

@@ -2,7 +2,9 @@
 //! assembled by `assembly.rs` exactly as for Python, and results are checked bit for
 //! bit against a scalar reference that folds each chunk in the documented ring order.
 
+use super::allreduce::{OpMemory, Receiver};
 use super::assembly::{loopback_ring, LinkConfig, Ring, RingOp};
+use super::links::{Dest, STREAM_BLOCK};
 use super::{ReduceSpec, ReduceStats};
 use crate::error::CoreError;
 use crate::net::node::Node;
@@ -543,6 +545,9 @@ async fn in_place_ops_give_the_scratch_ops_bytes_and_roll_back_exactly() {
         (DType::I64, ReduceOp::Max, 77, None),
         (DType::U8, ReduceOp::Prod, 2, None),
         (DType::I32, ReduceOp::Sum, 1, None),
+        // Pieces of several stream blocks, the last one short.
+        (DType::F32, ReduceOp::Avg, 300_001, None),
+        (DType::F64, ReduceOp::Max, 150_001, None),
         (
             DType::F32,
             ReduceOp::Sum,
@@ -567,8 +572,13 @@ async fn in_place_ops_give_the_scratch_ops_bytes_and_roll_back_exactly() {
                 let inputs: Vec<Arc<Vec<u8>>> = (0..k)
                     .map(|r| Arc::new(random_input(dtype, count, seed(r))))
                     .collect();
-                // Pieces of 1 KiB and of 24 bytes: many per chunk, on every lane.
-                let piece_bytes = if c % 2 == 0 { 1024 } else { 24 };
+                // Pieces of 1 KiB and of 24 bytes: many per chunk, on every lane; of
+                // 200 KiB and a bit for the large tensors (3 stream blocks and a short one).
+                let piece_bytes = match count {
+                    100_000.. => 200 * 1024 + 8,
+                    _ if c % 2 == 0 => 1024,
+                    _ => 24,
+                };
                 let spec_of = |op_id: u64, rank: usize| ReduceSpec {
                     quant,
                     piece_bytes,
@@ -1357,4 +1367,44 @@ fn star_all_reduce_matches_the_real_ring_on_random_inputs() {
             close_all(peers).await;
         }
     });
+}
+
+/// In place, a failed op puts back every byte it wrote, including those of a streamed
+/// piece cut off between two blocks, in reduce-scatter and in the first all-gather step
+/// (writes that no piece counted as landed covers).
+#[test]
+fn a_failed_in_place_op_puts_back_pieces_cut_off_mid_way() {
+    let (world, rank) = (2usize, 0usize);
+    let piece_bytes = 4 * STREAM_BLOCK;
+    // Two chunks of two pieces of four blocks each.
+    let count = piece_bytes;
+    let original = random_input(DType::F32, count, 5);
+    let tensor = Arc::new(Output::holding(original.clone()));
+    // SAFETY: the keep-alive holds the buffer; only this receiver touches it.
+    let mem =
+        unsafe { OpMemory::in_place(tensor.ptr(), tensor.len(), Box::new(tensor.clone()), None) };
+    let spec = ReduceSpec {
+        piece_bytes,
+        ..spec(7, rank, world, DType::F32, ReduceOp::Sum)
+    };
+    let rx = Receiver::new(spec, Arc::new(mem), piece_bytes).unwrap();
+    let incoming = random_input(DType::F32, count, 6);
+    let land = |step: u32, piece: u32, blocks: usize| {
+        let n = rx.wire_len(step as usize, piece as usize);
+        assert_eq!(n, piece_bytes);
+        let dest = rx.claim(step, piece, n as u32, rx.digest()).unwrap();
+        assert!(matches!(dest, Dest::Streamed), "{dest:?}");
+        for b in 0..blocks {
+            let at = b * STREAM_BLOCK;
+            rx.land_part(step, piece, at, &incoming[at..at + STREAM_BLOCK])
+                .unwrap();
+        }
+    };
+    land(0, 0, 4); // reduce-scatter, piece 0: whole ...
+    rx.landed(0, 0).unwrap();
+    land(0, 1, 2); // ... piece 1: cut off after two blocks
+    land(1, 0, 1); // first all-gather step, piece 0: cut off after one block
+    assert!(tensor.bytes() != original);
+    rx.fail();
+    assert!(tensor.bytes() == original, "the tensor was not put back");
 }
