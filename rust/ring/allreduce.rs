@@ -17,11 +17,17 @@
 //! a failed collective still loses nothing (the output then holds unspecified bytes).
 //!
 //! In place ([`OpMemory::in_place`]) the results also land straight in the caller's
-//! buffer, and the original bytes move to a backup as the ring goes: a received partial
-//! lands in the backup, and one blocked pass then writes `partial op ours` to the tensor
-//! and `ours` to the backup. A failed op puts back every range it wrote before it
+//! buffer, and the original bytes move to a backup as the ring goes, just before the
+//! ring first writes them. A failed op puts back every range it wrote before it
 //! returns; one that succeeded here but fails for the group is put back by
-//! [`OpMemory::rollback`]. The copy into the caller's tensor after the outcome is gone.
+//! [`OpMemory::rollback`]. No copy into the caller's tensor after the outcome.
+//!
+//! Ops that write the caller's memory receive and reduce in one pass: their
+//! reduce-scatter pieces (and, in place, the first all-gather step's) arrive in blocks
+//! of about [`crate::ring::links::STREAM_BLOCK`] bytes (`Landing::land_part`), and each
+//! block is folded in while it is still in cache: out of place `out = partial op input`; in
+//! place `backup = tensor`, then `tensor = partial op backup`. Nothing is written to
+//! memory only to be read back at once. Ops on scratch memory land whole pieces.
 
 use crate::error::{CoreError, CoreResult};
 use crate::quant::{self, QuantAlgorithm, WireType};

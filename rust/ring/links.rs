@@ -95,8 +95,8 @@ pub enum Dest {
     Streamed,
 }
 
-/// Bytes per block of a [`Dest::Streamed`] piece: a whole number of elements of every
-/// dtype, and small enough to stay in cache between the read and the reduce.
+/// The scale of the parts of a [`Dest::Streamed`] piece (about one encrypted record):
+/// small enough to stay in cache between the read and the reduce.
 pub const STREAM_BLOCK: usize = 64 << 10;
 
 /// Where an op wants the pieces addressed to it. The reader task of each receiving
@@ -108,8 +108,9 @@ pub trait Landing: Send + Sync {
     /// `digest`; an error if the op did not expect exactly that piece now (or runs
     /// another descriptor).
     fn landing(&self, step: u32, piece: u32, len: u32, digest: u32) -> CoreResult<Dest>;
-    /// Bytes `offset..offset + data.len()` of a [`Dest::Streamed`] piece (blocks come in
-    /// order and cover the piece; each but the last is [`STREAM_BLOCK`] bytes).
+    /// Bytes `offset..offset + data.len()` of a [`Dest::Streamed`] piece (parts come in
+    /// order and cover the piece; each but the last is a whole number of 8-byte words,
+    /// at most twice [`STREAM_BLOCK`]).
     fn land_part(&self, step: u32, piece: u32, offset: usize, data: &[u8]) -> CoreResult<()>;
     /// The payload of `(step, piece)` has been written.
     fn landed(&self, step: u32, piece: u32) -> CoreResult<()>;
@@ -482,6 +483,46 @@ impl Drop for RingLinks {
     }
 }
 
+/// Reads the payload of a [`Dest::Streamed`] piece into `block` and hands it to
+/// `target` part by part: whatever each read brought, cut to whole 8-byte words (a
+/// whole number of elements of every dtype), once there is at least a quarter block or
+/// the piece is complete. Reading what came rather than exact blocks lets an encrypted
+/// stream decrypt each record straight into `block` (it needs room for a whole record).
+async fn read_streamed(
+    read: &mut P2PReadHalf,
+    target: &dyn Landing,
+    header: &PieceHeader,
+    block: &mut Vec<u8>,
+) -> CoreResult<()> {
+    const WORD: usize = 8;
+    let total = header.len as usize;
+    // Room for two records and the carried partial word.
+    if block.len() < 2 * STREAM_BLOCK + WORD {
+        block.resize(2 * STREAM_BLOCK + WORD, 0);
+    }
+    let (mut offset, mut filled) = (0, 0);
+    while offset + filled < total {
+        let want = (block.len() - filled).min(total - offset - filled);
+        let n = read
+            .read(&mut block[filled..filled + want])
+            .await
+            .map_err(|e| CoreError::io("reading a piece", e))?;
+        if n == 0 {
+            return Err(CoreError::PeerConnection("connection closed".into()));
+        }
+        filled += n;
+        let done = offset + filled == total;
+        let usable = if done { filled } else { filled / WORD * WORD };
+        if usable >= STREAM_BLOCK / 4 || done {
+            target.land_part(header.step, header.piece, offset, &block[..usable])?;
+            block.copy_within(usable..filled, 0);
+            offset += usable;
+            filled -= usable;
+        }
+    }
+    Ok(())
+}
+
 async fn read_lane(
     links: &std::sync::Weak<RingLinks>,
     read: &mut P2PReadHalf,
@@ -545,19 +586,7 @@ async fn read_lane(
                             .map_err(|e| CoreError::io("reading a piece", e))?;
                     }
                     None => {
-                        let total = header.len as usize;
-                        if block.len() < STREAM_BLOCK.min(total) {
-                            block.resize(STREAM_BLOCK.min(total), 0);
-                        }
-                        let mut offset = 0;
-                        while offset < total {
-                            let n = STREAM_BLOCK.min(total - offset);
-                            read.read_exact(&mut block[..n])
-                                .await
-                                .map_err(|e| CoreError::io("reading a piece", e))?;
-                            target.land_part(header.step, header.piece, offset, &block[..n])?;
-                            offset += n;
-                        }
+                        read_streamed(read, &*target, &header, &mut block).await?;
                     }
                 }
                 target.landed(header.step, header.piece)?;
