@@ -166,17 +166,7 @@ async def test_sigstop_after_every_peer_called_fails_everyone_by_the_stall_timer
     async with LinkEmulator(bandwidth=2e6, chunk_size=64 * 1024) as emu:
         async with Cluster(1, master_kwargs={"heartbeat_timeout": 5.0},
                            comm_kwargs={**RING, "peer_timeout": 1.0}) as cluster:
-            (a,) = cluster.comms
-            victim = await pccl_peer_process(cluster.master.address)
-            await cluster.master.wait_for(lambda s: len(s.pending()) == 1, timeout=60)
-            await a.update_topology()
-            await victim.wait_accepted()
-            b = cluster.new_comm(p2p_advertise_address=emu.address)
-            emu.target = lambda: f"127.0.0.1:{b.p2p_port}"
-            join = asyncio.create_task(b.connect())
-            await cluster.master.wait_for(lambda s: len(s.pending()) == 1, timeout=60)
-            await asyncio.gather(a.update_topology(), victim.call("update_topology"))
-            await join
+            a, victim, b = await cluster.ring_with_process(pccl_peer_process, emu)
             xa = deterministic_tensor("float32", n, seed=1)
             xb = deterministic_tensor("float32", n, seed=2)
             ca, cb = xa.copy(), xb.copy()

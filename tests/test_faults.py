@@ -150,17 +150,7 @@ async def test_sigkill_mid_reduce_of_64_mib(pccl_peer_process) -> None:
         # A roomy heartbeat: on a loaded machine V (busy making 64 MiB) must not be dropped
         # before the reduce starts (the repaired ring would then run it without V).
         async with Cluster(1, master_kwargs={"heartbeat_timeout": 30.0}) as cluster:
-            (a,) = cluster.comms
-            victim = await pccl_peer_process(cluster.master.address)
-            await cluster.master.wait_for(lambda s: len(s.pending()) == 1, timeout=60)
-            await a.update_topology()
-            await victim.wait_accepted()
-            b = cluster.new_comm(p2p_advertise_address=emu.address)
-            emu.target = lambda: f"127.0.0.1:{b.p2p_port}"
-            join = asyncio.create_task(b.connect())
-            await cluster.master.wait_for(lambda s: len(s.pending()) == 1, timeout=60)
-            await asyncio.gather(a.update_topology(), victim.call("update_topology"))
-            await join
+            a, victim, b = await cluster.ring_with_process(pccl_peer_process, emu)
             assert a.ring == [a.peer_id, victim.peer_id, b.peer_id]
 
             xa = deterministic_tensor("float32", n, seed=11)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from types import TracebackType
 from typing import Any
 
@@ -92,6 +92,27 @@ class Cluster:
         """Connects new communicators while every accepted one votes them in."""
         live = [c for c in self.comms if c.state.name == "ACCEPTED"]
         await connect_all(self.master, [*live, *comms])
+
+    async def ring_with_process(
+        self, spawn: Callable[[str], Awaitable[Any]], emu: Any
+    ) -> tuple[Communicator, Any, Communicator]:
+        """Builds the ring A -> V -> B -> A for fault tests: A is this cluster's one
+        in-process peer, V a peer process from ``spawn(master address)`` (the
+        ``pccl_peer_process`` fixture), B a new in-process peer whose incoming ring link
+        crosses ``emu`` (a :class:`pccl.testing.LinkEmulator`), so a slow B keeps the
+        ring busy while V is killed or frozen. -> (A, V, B)"""
+        (a,) = self.comms
+        victim = await spawn(self.master.address)
+        await self.master.wait_for(lambda s: len(s.pending()) == 1, timeout=60)
+        await a.update_topology()
+        await victim.wait_accepted()
+        b = self.new_comm(p2p_advertise_address=emu.address)
+        emu.target = lambda: f"127.0.0.1:{b.p2p_port}"
+        join = asyncio.create_task(b.connect())
+        await self.master.wait_for(lambda s: len(s.pending()) == 1, timeout=60)
+        await asyncio.gather(a.update_topology(), victim.call("update_topology"))
+        await join
+        return a, victim, b
 
     async def close(self) -> None:
         await asyncio.gather(*(c.close() for c in self.comms), return_exceptions=True)
