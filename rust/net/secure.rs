@@ -262,9 +262,45 @@ enum HsState {
     /// for the reply; the acceptor waiting for the hello).
     Noise(Box<HandshakeState>),
     /// The acceptor's keys are set; it waits for the dialer's key confirmation.
-    Confirm(StatelessTransportState),
-    Done(StatelessTransportState),
+    Confirm(StatelessTransportState, Option<RecvKey>),
+    Done(StatelessTransportState, Option<RecvKey>),
     Failed,
+}
+
+/// The receiving direction's AES-256-GCM key, for suites whose records this module may
+/// open itself with ring (`ReadState` then reads a record's ciphertext straight into the
+/// caller's buffer and decrypts it there, with no copy). The records are the very
+/// Noise transport messages snow would open: nonce `0^32 || n` big-endian, no AD.
+pub struct RecvKey(Box<ring::aead::LessSafeKey>);
+
+impl RecvKey {
+    /// From the handshake's split (`k1` protects dialer -> acceptor, `k2` the reverse),
+    /// for `Suite { AesGcm, Ring }` only.
+    fn from_split(hs: &mut HandshakeState, role: Role, suite: Suite) -> Option<RecvKey> {
+        if suite.cipher != Cipher::AesGcm || suite.provider != Provider::Ring {
+            return None;
+        }
+        let (mut k1, mut k2) = hs.dangerously_get_raw_split();
+        let key = match role {
+            Role::Dialer => &k2,
+            Role::Acceptor => &k1,
+        };
+        let unbound = ring::aead::UnboundKey::new(&ring::aead::AES_256_GCM, key).ok();
+        k1.fill(0);
+        k2.fill(0);
+        unbound.map(|k| RecvKey(Box::new(ring::aead::LessSafeKey::new(k))))
+    }
+
+    /// Decrypts the record `in_out` (ciphertext and tag) in place; the plaintext length.
+    fn open(&self, nonce: u64, in_out: &mut [u8]) -> Option<usize> {
+        let mut n = [0u8; 12];
+        n[4..].copy_from_slice(&nonce.to_be_bytes());
+        let nonce = ring::aead::Nonce::assume_unique_for_key(n);
+        self.0
+            .open_in_place(nonce, ring::aead::Aad::empty(), in_out)
+            .ok()
+            .map(|p| p.len())
+    }
 }
 
 /// The secure handshake as a state machine without I/O: frames in, frames out. The
@@ -306,13 +342,18 @@ impl Handshake {
     }
 
     pub fn is_done(&self) -> bool {
-        matches!(self.state, HsState::Done(_))
+        matches!(self.state, HsState::Done(..))
     }
 
     /// The session keys, once done.
     pub fn into_transport(self) -> Option<StatelessTransportState> {
+        self.into_parts().map(|(t, _)| t)
+    }
+
+    /// The session keys, and the receiving key for opening records directly, once done.
+    fn into_parts(self) -> Option<(StatelessTransportState, Option<RecvKey>)> {
         match self.state {
-            HsState::Done(t) => Some(t),
+            HsState::Done(t, k) => Some((t, k)),
             _ => None,
         }
     }
@@ -348,7 +389,7 @@ impl Handshake {
                 self.dialer_reply(*hs, frame)?
             }
             (Role::Acceptor, HsState::Noise(hs)) => self.acceptor_hello(*hs, frame)?,
-            (Role::Acceptor, HsState::Confirm(t)) => (acceptor_confirm(t, frame)?, None),
+            (Role::Acceptor, HsState::Confirm(t, k)) => (acceptor_confirm(t, k, frame)?, None),
             _ => {
                 return Err(HandshakeFailure::quiet(CoreError::InvalidUsage(
                     "secure handshake: a frame out of turn".into(),
@@ -405,6 +446,7 @@ impl Handshake {
                 auth_failed("the peer's handshake reply did not authenticate"),
             ));
         }
+        let key = RecvKey::from_split(&mut hs, Role::Dialer, self.suite);
         let transport = hs
             .into_stateless_transport_mode()
             .map_err(|e| HandshakeFailure::quiet(noise_err(e)))?;
@@ -415,7 +457,7 @@ impl Handshake {
         let mut confirm = Vec::with_capacity(1 + n);
         confirm.push(STATUS_OK);
         confirm.extend_from_slice(&msg[..n]);
-        Ok((HsState::Done(transport), Some(confirm)))
+        Ok((HsState::Done(transport, key), Some(confirm)))
     }
 
     fn acceptor_hello(
@@ -474,15 +516,17 @@ impl Handshake {
         let mut reply = Vec::with_capacity(1 + n);
         reply.push(STATUS_OK);
         reply.extend_from_slice(&msg[..n]);
+        let key = RecvKey::from_split(&mut hs, Role::Acceptor, self.suite);
         let transport = hs
             .into_stateless_transport_mode()
             .map_err(|e| HandshakeFailure::quiet(noise_err(e)))?;
-        Ok((HsState::Confirm(transport), Some(reply)))
+        Ok((HsState::Confirm(transport, key), Some(reply)))
     }
 }
 
 fn acceptor_confirm(
     transport: StatelessTransportState,
+    key: Option<RecvKey>,
     frame: &[u8],
 ) -> Result<HsState, HandshakeFailure> {
     match frame.first().copied() {
@@ -500,7 +544,7 @@ fn acceptor_confirm(
     }
     let mut scratch = [0u8; MAX_HANDSHAKE_FRAME];
     match transport.read_message(0, &frame[1..], &mut scratch) {
-        Ok(n) if &scratch[..n] == CONFIRM_LABEL => Ok(HsState::Done(transport)),
+        Ok(n) if &scratch[..n] == CONFIRM_LABEL => Ok(HsState::Done(transport, key)),
         _ => Err(HandshakeFailure::quiet(auth_failed(
             "the peer's key confirmation did not authenticate",
         ))),
@@ -524,7 +568,7 @@ async fn run_handshake<T: AsyncRead + AsyncWrite + Unpin>(
     prologue: &[u8],
     suite: Suite,
     first: Option<Vec<u8>>,
-) -> CoreResult<StatelessTransportState> {
+) -> CoreResult<(StatelessTransportState, Option<RecvKey>)> {
     let mut hs = Handshake::new(role == Role::Dialer, psk, prologue, suite)?;
     if role == Role::Dialer {
         let hello = hs.hello()?;
@@ -549,7 +593,7 @@ async fn run_handshake<T: AsyncRead + AsyncWrite + Unpin>(
             }
         }
     }
-    Ok(hs.into_transport().expect("the handshake is done"))
+    Ok(hs.into_parts().expect("the handshake is done"))
 }
 
 async fn handshake<T: AsyncRead + AsyncWrite + Unpin>(
@@ -561,7 +605,7 @@ async fn handshake<T: AsyncRead + AsyncWrite + Unpin>(
     suite: Suite,
     first: Option<Vec<u8>>,
 ) -> CoreResult<(ReadState, WriteState)> {
-    let transport = tokio::time::timeout(
+    let (transport, key) = tokio::time::timeout(
         timeout,
         run_handshake(io, role, psk, prologue, suite, first),
     )
@@ -574,7 +618,7 @@ async fn handshake<T: AsyncRead + AsyncWrite + Unpin>(
     let cipher = Arc::new(transport);
     let (read_nonce, write_nonce) = first_nonces(role == Role::Dialer);
     Ok((
-        ReadState::new(cipher.clone(), read_nonce),
+        ReadState::new(cipher.clone(), read_nonce).with_key(key),
         WriteState::new(cipher, write_nonce),
     ))
 }
@@ -702,9 +746,71 @@ struct ReadState {
     /// Authenticated end of stream received.
     closed: bool,
     failed: Option<(io::ErrorKind, String)>,
+    /// Opens records here instead of through snow (see [`RecvKey`]).
+    key: Option<RecvKey>,
 }
 
 impl ReadState {
+    fn with_key(self, key: Option<RecvKey>) -> Self {
+        ReadState { key, ..self }
+    }
+
+    /// The zero-copy path: a record's ciphertext read straight into the caller's
+    /// buffer (which has room for it) and opened there. Only what one call reads can
+    /// stay there (the next call may bring another buffer): a record not complete by
+    /// then is moved to `self.record` and finished the usual way. `Ready(Ok(true))`:
+    /// the record is in `buf`; `Ready(Ok(false))`: go on with `self.record`.
+    fn poll_direct<R: AsyncRead + Unpin>(
+        &mut self,
+        io: &mut R,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<bool>> {
+        let len = self.record_len;
+        let dst = buf.initialize_unfilled_to(len);
+        let mut got = 0;
+        let mut pending = false;
+        while got < len {
+            let mut rb = ReadBuf::new(&mut dst[got..]);
+            match Pin::new(&mut *io).poll_read(cx, &mut rb) {
+                Poll::Ready(Ok(())) if rb.filled().is_empty() => break,
+                Poll::Ready(Ok(())) => got += rb.filled().len(),
+                Poll::Ready(Err(e)) => return Poll::Ready(Err(e)),
+                Poll::Pending => {
+                    pending = true;
+                    break;
+                }
+            }
+        }
+        if got == len {
+            if self.nonce == u64::MAX {
+                return Poll::Ready(Err(integrity_error("nonce exhausted")));
+            }
+            let key = self.key.as_ref().expect("direct reads need the key");
+            match key.open(self.nonce, &mut dst[..len]) {
+                Some(n) if n == len - TAG_LEN => {}
+                _ => {
+                    dst[..len].fill(0);
+                    return Poll::Ready(Err(integrity_error("a record did not authenticate")));
+                }
+            }
+            self.nonce += 1;
+            self.header_got = 0;
+            self.record_len = 0;
+            buf.advance(len - TAG_LEN);
+            return Poll::Ready(Ok(true));
+        }
+        if self.record.len() < MAX_RECORD {
+            self.record.resize(MAX_RECORD, 0);
+        }
+        self.record[..got].copy_from_slice(&dst[..got]);
+        self.record_got = got;
+        if pending {
+            return Poll::Pending;
+        }
+        // The connection ended inside the record: the usual path reports it.
+        Poll::Ready(Ok(false))
+    }
     fn new(cipher: Arc<StatelessTransportState>, nonce: u64) -> Self {
         ReadState {
             cipher,
@@ -719,6 +825,7 @@ impl ReadState {
             plain_len: 0,
             closed: false,
             failed: None,
+            key: None,
         }
     }
 
@@ -773,6 +880,14 @@ impl ReadState {
                 }
                 self.record_len = len;
                 self.record_got = 0;
+                if self.key.is_some() && len > TAG_LEN && buf.remaining() >= len {
+                    match self.poll_direct(io, cx, buf) {
+                        Poll::Ready(Ok(true)) => return Poll::Ready(Ok(())),
+                        Poll::Ready(Ok(false)) => {}
+                        Poll::Ready(Err(e)) => return self.fail(e),
+                        Poll::Pending => return Poll::Pending,
+                    }
+                }
                 if self.record.len() < len {
                     self.record.resize(MAX_RECORD, 0);
                 }
@@ -811,8 +926,19 @@ impl ReadState {
                 }
                 &mut self.plain[..len]
             };
-            match self.cipher.read_message(nonce, &self.record[..len], out) {
-                Ok(n) if n == plain_len => {}
+            let opened = match &self.key {
+                Some(key) => {
+                    // (A copy, then the record is opened in place, as snow would.)
+                    out[..len].copy_from_slice(&self.record[..len]);
+                    key.open(nonce, &mut out[..len])
+                }
+                None => self
+                    .cipher
+                    .read_message(nonce, &self.record[..len], out)
+                    .ok(),
+            };
+            match opened {
+                Some(n) if n == plain_len => {}
                 _ => {
                     // Whatever a failed decryption left there is no one's business.
                     out.fill(0);
@@ -1316,6 +1442,36 @@ mod tests {
         .await
     }
 
+    /// Records arriving 100 bytes at a time: every attempt to read one straight into the
+    /// caller's (large) buffer gets part of it, moves that into the stream's own buffer
+    /// and finishes it there.
+    #[tokio::test]
+    async fn records_trickling_in_are_read_whole_into_large_buffers() {
+        within(async {
+            let psk = psk_from_secret(b"trickle");
+            let (a, b) = duplex(100);
+            let (d, acc) = tokio::join!(
+                secure_dial(a, Some(&psk), PROLOGUE, HS_TIMEOUT),
+                secure_accept(b, Some(&psk), PROLOGUE, HS_TIMEOUT),
+            );
+            let (mut d, mut acc) = (d.unwrap(), acc.unwrap());
+            let data = random_bytes(&mut StdRng::seed_from_u64(9), 300_000);
+            let sent = data.clone();
+            let writer = tokio::spawn(async move {
+                d.write_all(&sent).await.unwrap();
+                d.shutdown().await.unwrap();
+                d
+            });
+            let mut got = vec![0u8; data.len()];
+            acc.read_exact(&mut got).await.unwrap();
+            assert!(got == data, "the bytes differ");
+            let mut rest = vec![0u8; MAX_RECORD + 1];
+            assert_eq!(acc.read(&mut rest).await.unwrap(), 0, "authenticated end");
+            drop(writer.await.unwrap());
+        })
+        .await
+    }
+
     #[tokio::test]
     async fn round_trip_over_loopback_tcp() {
         within(async {
@@ -1548,7 +1704,16 @@ mod tests {
 
     /// Sends 8 records of 1000 bytes each through a tampering relay; the acceptor must
     /// fail (and keep failing) with `expect` in the message, never see a wrong byte.
-    async fn tampered(tamper: Tamper, expect: &str) {
+    /// Twice: reading 1000 bytes at a time (each record through the stream's own
+    /// buffer), and with room for whole records (each one read and opened in the
+    /// caller's buffer).
+    async fn tampered(tamper: impl Fn() -> Tamper, expect: &str) {
+        for read_size in [1000, MAX_RECORD + 1] {
+            tampered_with(tamper(), expect, read_size).await;
+        }
+    }
+
+    async fn tampered_with(tamper: Tamper, expect: &str, read_size: usize) {
         let (mut d, mut a, _) = through_mitm(tamper).await;
         let data: Vec<u8> = (0..8000u32).map(|i| (i % 251) as u8).collect();
         let writer = tokio::spawn(async move {
@@ -1563,7 +1728,7 @@ mod tests {
             let _ = d.read_to_end(&mut sink).await;
         });
         let mut got = Vec::new();
-        let mut buf = [0u8; 1000];
+        let mut buf = vec![0u8; read_size];
         let err = loop {
             match a.read(&mut buf).await {
                 Ok(0) => panic!("tampering went unnoticed ({} bytes read)", got.len()),
@@ -1591,13 +1756,15 @@ mod tests {
     #[tokio::test]
     async fn flipped_bit_in_a_record_is_an_integrity_error() {
         within(tampered(
-            Box::new(|i, mut f| {
-                if i == 4 {
-                    let mid = f.len() / 2;
-                    f[mid] ^= 0x10;
-                }
-                vec![Act::Frame(f)]
-            }),
+            || {
+                Box::new(|i, mut f| {
+                    if i == 4 {
+                        let mid = f.len() / 2;
+                        f[mid] ^= 0x10;
+                    }
+                    vec![Act::Frame(f)]
+                })
+            },
             INTEGRITY,
         ))
         .await
@@ -1605,17 +1772,19 @@ mod tests {
 
     #[tokio::test]
     async fn replayed_record_is_an_integrity_error() {
-        let mut prev = Vec::new();
         within(tampered(
-            Box::new(move |i, f| {
-                let out = if i == 4 {
-                    vec![Act::Frame(f.clone()), Act::Frame(prev.clone())]
-                } else {
-                    vec![Act::Frame(f.clone())]
-                };
-                prev = f;
-                out
-            }),
+            || {
+                let mut prev = Vec::new();
+                Box::new(move |i, f| {
+                    let out = if i == 4 {
+                        vec![Act::Frame(f.clone()), Act::Frame(prev.clone())]
+                    } else {
+                        vec![Act::Frame(f.clone())]
+                    };
+                    prev = f;
+                    out
+                })
+            },
             INTEGRITY,
         ))
         .await
@@ -1624,7 +1793,7 @@ mod tests {
     #[tokio::test]
     async fn dropped_record_is_an_integrity_error() {
         within(tampered(
-            Box::new(|i, f| if i == 4 { vec![] } else { vec![Act::Frame(f)] }),
+            || Box::new(|i, f| if i == 4 { vec![] } else { vec![Act::Frame(f)] }),
             INTEGRITY,
         ))
         .await
@@ -1632,16 +1801,18 @@ mod tests {
 
     #[tokio::test]
     async fn reordered_records_are_an_integrity_error() {
-        let mut held = None;
         within(tampered(
-            Box::new(move |i, f| match i {
-                3 => {
-                    held = Some(f);
-                    vec![]
-                }
-                4 => vec![Act::Frame(f), Act::Frame(held.take().unwrap())],
-                _ => vec![Act::Frame(f)],
-            }),
+            || {
+                let mut held = None;
+                Box::new(move |i, f| match i {
+                    3 => {
+                        held = Some(f);
+                        vec![]
+                    }
+                    4 => vec![Act::Frame(f), Act::Frame(held.take().unwrap())],
+                    _ => vec![Act::Frame(f)],
+                })
+            },
             INTEGRITY,
         ))
         .await
@@ -1650,13 +1821,15 @@ mod tests {
     #[tokio::test]
     async fn injected_record_is_an_integrity_error() {
         within(tampered(
-            Box::new(|i, f| {
-                if i == 4 {
-                    vec![Act::Frame(vec![0x5a; 1016]), Act::Frame(f)]
-                } else {
-                    vec![Act::Frame(f)]
-                }
-            }),
+            || {
+                Box::new(|i, f| {
+                    if i == 4 {
+                        vec![Act::Frame(vec![0x5a; 1016]), Act::Frame(f)]
+                    } else {
+                        vec![Act::Frame(f)]
+                    }
+                })
+            },
             INTEGRITY,
         ))
         .await
@@ -1665,15 +1838,17 @@ mod tests {
     #[tokio::test]
     async fn truncated_record_is_an_error() {
         within(tampered(
-            Box::new(|i, f| {
-                if i == 4 {
-                    let mut raw = (f.len() as u32).to_be_bytes().to_vec();
-                    raw.extend_from_slice(&f[..f.len() / 2]);
-                    vec![Act::Raw(raw), Act::Close]
-                } else {
-                    vec![Act::Frame(f)]
-                }
-            }),
+            || {
+                Box::new(|i, f| {
+                    if i == 4 {
+                        let mut raw = (f.len() as u32).to_be_bytes().to_vec();
+                        raw.extend_from_slice(&f[..f.len() / 2]);
+                        vec![Act::Raw(raw), Act::Close]
+                    } else {
+                        vec![Act::Frame(f)]
+                    }
+                })
+            },
             INTEGRITY,
         ))
         .await
@@ -1682,13 +1857,15 @@ mod tests {
     #[tokio::test]
     async fn cut_between_records_is_an_error_not_an_end() {
         within(tampered(
-            Box::new(|i, f| {
-                if i == 4 {
-                    vec![Act::Close]
-                } else {
-                    vec![Act::Frame(f)]
-                }
-            }),
+            || {
+                Box::new(|i, f| {
+                    if i == 4 {
+                        vec![Act::Close]
+                    } else {
+                        vec![Act::Frame(f)]
+                    }
+                })
+            },
             "truncated",
         ))
         .await
