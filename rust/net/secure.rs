@@ -31,6 +31,12 @@
 //!
 //! Writes are buffered into records like a `BufWriter`: call `flush()` when a message is
 //! complete and the peer should see it.
+//!
+//! Reads with room for a whole record take its ciphertext straight into the caller's
+//! buffer and, with the default suite, open it there with ring (`RecvKey`: the
+//! receiving key from the handshake's split), so a received byte is copied once, by the
+//! kernel. A record that one read does not bring whole is finished in the stream's own
+//! buffer. Either way the records on the wire are snow's Noise transport messages.
 
 use crate::error::{CoreError, CoreResult};
 use crate::net::frame::{read_frame, write_frame};
