@@ -545,7 +545,7 @@ impl Shared {
         idle
     }
 
-    /// Whether piece of `step` arrive block by block through `land_part`: unquantized
+    /// Whether the pieces of `step` arrive in parts through `land_part`: unquantized
     /// reduce-scatter steps of ops that write the caller's memory (received and reduced
     /// in one pass), and, in place, the first all-gather step (the last to write a
     /// range not saved yet). Scratch-memory ops land every piece directly.

@@ -89,8 +89,8 @@ impl PieceHeader {
 pub enum Dest {
     /// Straight into these bytes (no intermediate copy); valid while the op lives.
     Direct(*mut u8, usize),
-    /// In blocks of at most [`STREAM_BLOCK`] bytes, in order, through
-    /// [`Landing::land_part`]: the op folds each block into its memory while it is still
+    /// In parts of the order of [`STREAM_BLOCK`] bytes, in order, through
+    /// [`Landing::land_part`]: the op folds each part into its memory while it is still
     /// in cache (receive and reduce in one pass).
     Streamed,
 }
