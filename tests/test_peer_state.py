@@ -111,6 +111,27 @@ def test_a_perform_on_a_ring_being_installed_waits_for_the_install() -> None:
     assert [type(c) for c in out] == [ps.Resolve, ps.RunRing]
 
 
+def test_a_round_of_an_epoch_being_installed_waits_for_that_install() -> None:
+    """The master repaired the ring (epoch 2) and the peers' own update_topology() round
+    ends on that same epoch before its install finished here: one install, and it
+    answers both (a second would close the first one's links and find no pools)."""
+    mc = accepted()
+    out = cmds(mc, ps.FromMaster(world([1, 2], 2)),
+               ps.FromMaster(m.TopologyUpdated(epoch=2, repair=True)))
+    assert [c for c in out if isinstance(c, ps.InstallRing)] == [ps.InstallRing(2, 1, 1, 1)]
+    mc.handle(ps.StartTopology(0.0))
+    out = mc.handle(ps.FromMaster(m.TopologyUpdated(epoch=2)))
+    assert not any(isinstance(c, ps.InstallRing) for c in out)
+    assert ps.Resolve(ps.UPDATE) not in out  # not before the links are up
+    out = mc.handle(ps.RingInstalled(2, mc.generation))
+    assert ps.Resolve(ps.UPDATE) in out
+    assert mc.ring_epoch == 2 and not mc.installs and not mc.installing
+    # A later epoch installs again.
+    out = cmds(mc, ps.FromMaster(world([1, 2], 3)),
+               ps.FromMaster(m.TopologyUpdated(epoch=3, repair=True)))
+    assert ps.InstallRing(3, 1, 1, 1) in out
+
+
 def test_a_perform_on_a_ring_that_is_not_here_fails_this_peers_part() -> None:
     mc = accepted()
     mc.handle(ps.StartCollective(init()))

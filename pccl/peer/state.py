@@ -406,6 +406,11 @@ class PeerMachine:
         self.topology: StartTopology | None = None
         self.sync: Sync | None = None
         self.installs: list[m.TopologyUpdated] = []  # rounds whose ring install runs
+        # epoch -> generation of the InstallRing running for it: a second round of the
+        # same epoch (the master's repair, then the round the peers called) waits for
+        # that install; a second install would close the first one's links and find
+        # their pools taken.
+        self.installing: dict[int, int] = {}
         self.asking_req: int | None = None  # the collective are_peers_pending() waiting
         # Early starts: successful collectives per tag on the installed ring (what the
         # next early op id derives from), and the ring epoch on which a failure turned
@@ -679,12 +684,16 @@ class PeerMachine:
             i, n = self.ring.index(self.peer_id), len(self.ring)
             nxt = self.ring[(i + 1) % n] if n > 1 else -1
             prv = self.ring[(i - 1) % n] if n > 1 else -1
-            out.append(InstallRing(msg.epoch, nxt, prv, self.generation))
+            if self.installing.get(msg.epoch) != self.generation:
+                out.append(InstallRing(msg.epoch, nxt, prv, self.generation))
+                self.installing[msg.epoch] = self.generation
             self.installs.append(msg)
         else:
             self._topology_done(msg, "", out)
 
     def _on_installed(self, ev: RingInstalled, out: list[Command]) -> None:
+        if self.installing.get(ev.epoch) == ev.generation:
+            del self.installing[ev.epoch]
         if not ev.error:
             if ev.epoch != self.ring_epoch:
                 self.early_counts.clear()
