@@ -922,28 +922,11 @@ fn ring_knobs(
 /// A complete, valid piece stream for the op `knobs` describe: every (step, piece) in
 /// order, piece `p` on lane `p % lanes`, quantized payloads made by the real encoder.
 fn ring_stream(knobs: [u8; 8]) -> Vec<u8> {
-    let dtype = DType::ALL[usize::from(knobs[1] % 12)];
-    let op = ReduceOp::ALL[usize::from(knobs[1] / 12) % 5];
-    let world = 2 + usize::from(knobs[0] % 3);
-    let quant = match knobs[4] % 9 {
-        0 => None,
-        k => Some((
-            [QuantAlgorithm::MinMax, QuantAlgorithm::ZeroPointScale][usize::from(k - 1) / 4],
-            WireType::ALL[usize::from(k - 1) % 4],
-        )),
-    };
+    // The very op `ring_receive` decodes from these knobs.
+    let (spec, count) = knob_spec(&knobs);
+    let (dtype, quant, piece_bytes) = (spec.dtype, spec.quant, spec.piece_bytes);
     let lanes = 1 + usize::from(knobs[5] % 3);
-    let piece_bytes = (1 + usize::from(knobs[3] % 64)) * dtype.size();
-    let len = usize::from(knobs[2]) * dtype.size();
-    let spec = ReduceSpec {
-        op_id: OP,
-        rank: usize::from(knobs[0] / 3) % world,
-        world,
-        dtype,
-        op,
-        piece_bytes,
-        quant,
-    };
+    let len = count * dtype.size();
     // A receiver of the same shape tells the wire length of every piece.
     let probe_mem = vec![0u8; len];
     let (ptr, n) = (probe_mem.as_ptr(), probe_mem.len());
