@@ -144,6 +144,14 @@ impl ScratchPool {
         })
     }
 
+    /// A buffer of `len` bytes from `pool`, or a fresh zeroed one without a pool.
+    fn take_from(pool: Option<&ScratchPool>, len: usize) -> Vec<u8> {
+        match pool {
+            Some(p) => p.take(len),
+            None => vec![0u8; len],
+        }
+    }
+
     /// A buffer of exactly `len` bytes (contents unspecified but initialised).
     fn take(&self, len: usize) -> Vec<u8> {
         let mut free = self.free.lock().unwrap();
@@ -209,10 +217,7 @@ impl OpMemory {
         keepalive: Box<dyn Send + Sync>,
         pool: Option<Arc<ScratchPool>>,
     ) -> Self {
-        let mut owner = match &pool {
-            Some(p) => p.take(len),
-            None => vec![0u8; len],
-        };
+        let mut owner = ScratchPool::take_from(pool.as_deref(), len);
         let scratch = owner.as_mut_ptr();
         OpMemory {
             input,
@@ -240,10 +245,7 @@ impl OpMemory {
         keepalive: Box<dyn Send + Sync>,
         pool: Option<Arc<ScratchPool>>,
     ) -> Self {
-        let mut owner = match &pool {
-            Some(p) => p.take(len),
-            None => vec![0u8; len],
-        };
+        let mut owner = ScratchPool::take_from(pool.as_deref(), len);
         let backup = owner.as_mut_ptr();
         OpMemory {
             input: tensor,
