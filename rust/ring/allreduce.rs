@@ -315,6 +315,12 @@ impl OpMemory {
         self.backup_mut(r.clone()).copy_from_slice(self.scratch(r));
     }
 
+    /// In place: puts the original `tensor[r]` back from `backup[r]` (see `save`).
+    fn restore(&self, r: std::ops::Range<usize>) {
+        self.scratch_mut(r.clone())
+            .copy_from_slice(self.backup_mut(r));
+    }
+
     /// Records which ranges hold results (their originals in the backup).
     fn set_saved(&self, saved: Saved) {
         if self.is_in_place() {
@@ -330,14 +336,10 @@ impl OpMemory {
             return;
         }
         let saved = std::mem::replace(&mut *self.saved.lock().unwrap(), Saved::Nothing);
-        let put_back = |r: std::ops::Range<usize>| {
-            self.scratch_mut(r.clone())
-                .copy_from_slice(self.backup_mut(r));
-        };
         match saved {
             Saved::Nothing => {}
-            Saved::All => put_back(0..self.len),
-            Saved::Ranges(ranges) => ranges.into_iter().for_each(put_back),
+            Saved::All => self.restore(0..self.len),
+            Saved::Ranges(ranges) => ranges.into_iter().for_each(|r| self.restore(r)),
         }
     }
 
@@ -709,10 +711,7 @@ impl Landing for Shared {
                 };
                 if decoded.is_err() && first_write {
                     // Not counted as landed, so not in `written_ranges`: undo it here.
-                    let original = &*self.mem.backup_mut(range.clone());
-                    self.mem
-                        .scratch_mut(range.clone())
-                        .copy_from_slice(original);
+                    self.mem.restore(range.clone());
                 }
                 decoded?;
             }
