@@ -36,6 +36,8 @@ pub enum Purpose {
     Ring = 0,
     Transfer = 1,
     Probe = 2,
+    /// The links of the mesh all-reduce (`crate::ring::mesh`), besides the ring's.
+    Mesh = 3,
 }
 
 impl Purpose {
@@ -44,6 +46,7 @@ impl Purpose {
             0 => Some(Purpose::Ring),
             1 => Some(Purpose::Transfer),
             2 => Some(Purpose::Probe),
+            3 => Some(Purpose::Mesh),
             _ => None,
         }
     }

@@ -109,8 +109,9 @@ impl PyP2PNode {
     /// Dials `pool_size` authenticated streams to peer `to` for `epoch`. `route`:
     /// "direct" (to `addr`), "reverse" (peer `to` dials us with `token`; `addr` unused),
     /// "relay" (through the relay at `addr` with `token`) or "punch" (one hole-punched
-    /// connection to `addr`, else the relay at `relay`).
-    #[pyo3(signature = (addr, to, epoch, pool_size, route="direct", token=None, relay=None))]
+    /// connection to `addr`, else the relay at `relay`). `mesh`: the pool is a link of
+    /// the mesh all-reduce, not the ring's.
+    #[pyo3(signature = (addr, to, epoch, pool_size, route="direct", token=None, relay=None, mesh=false))]
     #[allow(clippy::too_many_arguments)]
     fn connect_pool<'py>(
         &self,
@@ -122,9 +123,11 @@ impl PyP2PNode {
         route: &str,
         token: Option<Vec<u8>>,
         relay: Option<String>,
+        mesh: bool,
     ) -> PyResult<Bound<'py, PyAny>> {
         let node = self.node.clone();
         let kind = route.to_owned();
+        let purpose = if mesh { Purpose::Mesh } else { Purpose::Ring };
         future_into_py(py, async move {
             let sock = if addr.is_empty() {
                 None
@@ -136,7 +139,7 @@ impl PyP2PNode {
                 None => None,
             };
             let route = Route::parse(&kind, sock, token.as_deref().unwrap_or_default(), relay)?;
-            node.connect_pool_via(route, to, epoch, pool_size, Purpose::Ring)
+            node.connect_pool_via(route, to, epoch, pool_size, purpose)
                 .await?;
             Ok(())
         })

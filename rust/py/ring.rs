@@ -6,7 +6,9 @@
 use crate::error::CoreError;
 use crate::py::node::{seconds, PyP2PNode};
 use crate::ring::allreduce;
-use crate::ring::assembly::{self, dtype_from_code, op_from_code, quant_from_codes, LinkConfig};
+use crate::ring::assembly::{
+    self, dtype_from_code, op_from_code, quant_from_codes, LinkConfig, MeshConfig,
+};
 use crate::ring::ReduceSpec;
 use pyo3::buffer::PyBuffer;
 use pyo3::prelude::*;
@@ -46,8 +48,11 @@ pub(crate) struct KeepAlive(#[allow(dead_code)] pub(crate) Py<PyAny>);
 #[pymethods]
 impl PyP2PNode {
     /// Turns the pools of `epoch` into the ring links (to `next_id`, from `prev_id`).
-    /// A ring of one (`next_id < 0`) just drops the old links.
-    #[pyo3(signature = (epoch, next_id, prev_id, pool_timeout=10.0, io_timeout=30.0, max_piece=16 << 20))]
+    /// A ring of one (`next_id < 0`) just drops the old links. With `ring` (the peer
+    /// ids in ring order) and `mesh_max_bytes > 0`, also the mesh links of the epoch
+    /// (pools dialed with `connect_pool(mesh=True)` to and from every partner):
+    /// unquantized all-reduces of up to that many bytes then run on the mesh.
+    #[pyo3(signature = (epoch, next_id, prev_id, pool_timeout=10.0, io_timeout=30.0, max_piece=16 << 20, ring=None, mesh_max_bytes=0))]
     #[allow(clippy::too_many_arguments)]
     fn install_ring<'py>(
         &self,
@@ -58,8 +63,11 @@ impl PyP2PNode {
         pool_timeout: f64,
         io_timeout: f64,
         max_piece: usize,
+        ring: Option<Vec<u64>>,
+        mesh_max_bytes: usize,
     ) -> PyResult<Bound<'py, PyAny>> {
         let node = self.node.clone();
+        let ring_ids = ring;
         let ring = self.ring.clone();
         let cfg = LinkConfig {
             pool_timeout: seconds("pool_timeout", pool_timeout)?,
@@ -68,14 +76,23 @@ impl PyP2PNode {
         };
         // A ring of one has no neighbours.
         let neighbours = (next_id >= 0 && prev_id >= 0).then_some((next_id as u64, prev_id as u64));
+        let mesh = ring_ids.map(|ring| MeshConfig {
+            ring,
+            max_bytes: mesh_max_bytes,
+        });
         future_into_py(py, async move {
-            if let Some(links) = ring.install(&node, epoch, neighbours, cfg).await? {
+            let installed = ring
+                .install_with_mesh(&node, epoch, neighbours, mesh, cfg)
+                .await?;
+            if let Some(links) = installed {
                 // Logged here so that the record's logger stays `pccl._core.py.ring`.
                 log::debug!(
-                    "peer {}: ring of epoch {epoch} installed (next peer {}, previous {})",
+                    "peer {}: ring of epoch {epoch} installed (next peer {}, previous {}; \
+                     mesh up to {} bytes)",
                     node.peer_id(),
                     links.next,
-                    links.prev
+                    links.prev,
+                    ring.mesh().map_or(0, |m| m.max_bytes)
                 );
             }
             Ok(())
@@ -119,6 +136,7 @@ impl PyP2PNode {
         };
         let links = self.ring.usable_links()?;
         let raw = raw_buffer(buffer, false, "the input tensor")?;
+        let mesh = self.ring.mesh_for(&spec, raw.len);
         if let Some(out) = out {
             let dst = raw_buffer(out, true, "the output tensor")?;
             if dst.len != raw.len {
@@ -149,7 +167,7 @@ impl PyP2PNode {
                     )
                 };
                 return Ok(RingOp {
-                    op: op.with_armed(armed),
+                    op: op.with_armed(armed).with_mesh(mesh),
                 });
             }
         }
@@ -170,7 +188,7 @@ impl PyP2PNode {
                 )
             };
             return Ok(RingOp {
-                op: op.with_armed(armed),
+                op: op.with_armed(armed).with_mesh(mesh),
             });
         }
         let keep = KeepAlive(buffer.clone().unbind());
@@ -187,7 +205,7 @@ impl PyP2PNode {
             )
         };
         Ok(RingOp {
-            op: op.with_armed(armed),
+            op: op.with_armed(armed).with_mesh(mesh),
         })
     }
 
@@ -220,6 +238,16 @@ impl RingOp {
             let stats = run.await?;
             Ok((stats.tx_bytes, stats.rx_bytes))
         })
+    }
+
+    /// "mesh" (recursive doubling over the mesh links) or "ring".
+    #[getter]
+    fn algorithm(&self) -> &'static str {
+        if self.op.is_mesh() {
+            "mesh"
+        } else {
+            "ring"
+        }
     }
 
     /// Stops the op (its `run()` fails). The links are poisoned if a frame was cut.
@@ -289,4 +317,18 @@ pub fn star_all_reduce<'py>(
     drop(slices);
     drop(views);
     Ok(PyBytes::new(py, &out))
+}
+
+/// The ranks that `rank` exchanges pieces with in a mesh all-reduce of `world` peers
+/// (recursive doubling; a link each way with each), in step order.
+#[pyfunction]
+pub fn mesh_partners(rank: usize, world: usize) -> Vec<usize> {
+    crate::ring::mesh::mesh_partners(rank, world)
+}
+
+/// Hops of a mesh all-reduce of `world` peers (log2 of the largest power of two not
+/// above it, plus 2 when `world` is not a power of two).
+#[pyfunction]
+pub fn mesh_rounds(world: usize) -> usize {
+    crate::ring::mesh::mesh_rounds(world)
 }

@@ -301,6 +301,8 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(copy_into, m)?)?;
     m.add_function(wrap_pyfunction!(prefault, m)?)?;
     m.add_function(wrap_pyfunction!(crate::py::ring::star_all_reduce, m)?)?;
+    m.add_function(wrap_pyfunction!(crate::py::ring::mesh_partners, m)?)?;
+    m.add_function(wrap_pyfunction!(crate::py::ring::mesh_rounds, m)?)?;
     m.add_class::<ByteCounter>()?;
     // The fetch engine's Python edge (`py/fetch.rs`) registers with the transfers.
     crate::py::fetch::register(m)

@@ -95,6 +95,11 @@ impl Armed {
     pub fn is_armed(&self) -> bool {
         self.set.load(Ordering::Acquire)
     }
+
+    /// Resolves at the next `arm()` (enable it before checking `is_armed`).
+    pub(crate) fn notified(&self) -> tokio::sync::futures::Notified<'_> {
+        self.notify.notified()
+    }
 }
 
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -374,6 +379,23 @@ impl OpMemory {
         debug_assert!(r.end <= self.len);
         // SAFETY: each piece range is written by exactly one task at a time.
         unsafe { std::slice::from_raw_parts_mut(self.scratch.add(r.start), r.len()) }
+    }
+
+    /// The whole input (an algorithm that reads it before writing anything).
+    pub(crate) fn input_all(&self) -> &[u8] {
+        self.input(0..self.len)
+    }
+
+    /// Writes the whole result at once, for an algorithm that computed it in its own
+    /// memory (`crate::ring::mesh`): in place, the original bytes move to the backup
+    /// first, so `rollback` can put them back. Not while anything else reads the input.
+    pub(crate) fn write_result(&self, bytes: &[u8]) {
+        debug_assert_eq!(bytes.len(), self.len);
+        if self.is_in_place() {
+            self.save(0..self.len);
+        }
+        self.scratch_mut(0..self.len).copy_from_slice(bytes);
+        self.set_saved(Saved::All);
     }
 
     /// Where the results are written (the output buffer of `with_output`, or scratch).

@@ -18,6 +18,7 @@ use crate::ring::allreduce::{
     ring_all_reduce, Armed, OpMemory, ReduceSpec, ReduceStats, ScratchPool,
 };
 use crate::ring::links::RingLinks;
+use crate::ring::mesh::{mesh_all_reduce, Mesh};
 use std::future::Future;
 use std::net::{Ipv4Addr, SocketAddr};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -96,6 +97,44 @@ pub async fn loopback_ring_with(
     cfg: LinkConfig,
     insecure: bool,
 ) -> CoreResult<Vec<(Arc<Node>, Ring)>> {
+    let nodes = loopback_nodes(k, lanes, epoch, insecure).await?;
+    install_loopback(&nodes, epoch, cfg, None).await
+}
+
+/// `loopback_ring_with`, plus the mesh of the same epoch (one stream per direction and
+/// partner): all-reduces of up to `mesh_max_bytes` run on the mesh.
+pub async fn loopback_mesh(
+    k: usize,
+    lanes: u16,
+    epoch: u64,
+    cfg: LinkConfig,
+    insecure: bool,
+    mesh_max_bytes: usize,
+) -> CoreResult<Vec<(Arc<Node>, Ring)>> {
+    let nodes = loopback_nodes(k, lanes, epoch, insecure).await?;
+    for (i, node) in nodes.iter().enumerate() {
+        for r in crate::ring::mesh::mesh_partners(i, k) {
+            let to = &nodes[r];
+            node.connect_pool(to.local_addr(), to.peer_id(), epoch, 1, Purpose::Mesh)
+                .await?;
+        }
+    }
+    let ids: Vec<u64> = nodes.iter().map(|n| n.peer_id()).collect();
+    let mesh = MeshConfig {
+        ring: ids,
+        max_bytes: mesh_max_bytes,
+    };
+    install_loopback(&nodes, epoch, cfg, Some(mesh)).await
+}
+
+/// `k` nodes on loopback (ids `1..=k`), each with its pool of `lanes` streams dialed to
+/// the next one for `epoch`.
+async fn loopback_nodes(
+    k: usize,
+    lanes: u16,
+    epoch: u64,
+    insecure: bool,
+) -> CoreResult<Vec<Arc<Node>>> {
     let any: SocketAddr = (Ipv4Addr::LOCALHOST, 0).into();
     let mut nodes = Vec::with_capacity(k);
     for i in 0..k {
@@ -121,6 +160,17 @@ pub async fn loopback_ring_with(
             .await?;
         }
     }
+    Ok(nodes)
+}
+
+/// Installs the ring 1 -> 2 -> ... -> k -> 1 (and the mesh) on every node.
+async fn install_loopback(
+    nodes: &[Arc<Node>],
+    epoch: u64,
+    cfg: LinkConfig,
+    mesh: Option<MeshConfig>,
+) -> CoreResult<Vec<(Arc<Node>, Ring)>> {
+    let k = nodes.len();
     let mut peers = Vec::with_capacity(k);
     for (i, node) in nodes.iter().enumerate() {
         let neighbours = (k > 1).then(|| {
@@ -129,7 +179,8 @@ pub async fn loopback_ring_with(
             (next, prev)
         });
         let ring = Ring::new(1 << 30);
-        ring.install(node, epoch, neighbours, cfg).await?;
+        ring.install_with_mesh(node, epoch, neighbours, mesh.clone(), cfg)
+            .await?;
         peers.push((node.clone(), ring));
     }
     Ok(peers)
@@ -139,7 +190,17 @@ pub async fn loopback_ring_with(
 /// before the first install) and the scratch buffers its ops recycle.
 pub struct Ring {
     links: Mutex<Option<Arc<RingLinks>>>,
+    /// The mesh of the same epoch, if one was installed with the links.
+    mesh: Mutex<Option<Arc<Mesh>>>,
     scratch: Arc<ScratchPool>,
+}
+
+/// What [`Ring::install`] needs for the mesh of an epoch besides the ring links: the
+/// ring's peer ids in order and the largest collective (bytes) to run on it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct MeshConfig {
+    pub ring: Vec<u64>,
+    pub max_bytes: usize,
 }
 
 impl Ring {
@@ -147,6 +208,7 @@ impl Ring {
     pub fn new(scratch_cache_bytes: usize) -> Ring {
         Ring {
             links: Mutex::new(None),
+            mesh: Mutex::new(None),
             scratch: ScratchPool::new(scratch_cache_bytes),
         }
     }
@@ -161,13 +223,54 @@ impl Ring {
         neighbours: Option<(u64, u64)>,
         cfg: LinkConfig,
     ) -> CoreResult<Option<Arc<RingLinks>>> {
+        self.install_with_mesh(node, epoch, neighbours, None, cfg)
+            .await
+    }
+
+    /// [`Ring::install`], and with `mesh` (and neighbours) the mesh links of the same
+    /// epoch (see [`Mesh::build`]), so that collectives of up to `mesh.max_bytes` run
+    /// on them. Without the mesh every collective takes the ring.
+    pub async fn install_with_mesh(
+        &self,
+        node: &Node,
+        epoch: u64,
+        neighbours: Option<(u64, u64)>,
+        mesh: Option<MeshConfig>,
+        cfg: LinkConfig,
+    ) -> CoreResult<Option<Arc<RingLinks>>> {
         self.close().await;
         let Some((next, prev)) = neighbours else {
             return Ok(None);
         };
         let links = build_links(node, epoch, next, prev, cfg).await?;
+        let mesh = match mesh.filter(|m| m.max_bytes > 0) {
+            Some(m) => {
+                let built =
+                    Mesh::build(node, epoch, m.ring, node.peer_id(), m.max_bytes, cfg).await;
+                match built {
+                    Ok(mesh) => Some(Arc::new(mesh)),
+                    Err(e) => {
+                        links.close().await;
+                        return Err(e);
+                    }
+                }
+            }
+            None => None,
+        };
+        *self.mesh.lock().unwrap() = mesh;
         *self.links.lock().unwrap() = Some(links.clone());
         Ok(Some(links))
+    }
+
+    /// The mesh of the current epoch, if any.
+    pub fn mesh(&self) -> Option<Arc<Mesh>> {
+        self.mesh.lock().unwrap().clone()
+    }
+
+    /// The mesh if an all-reduce of `len` bytes under `spec` runs on it (see
+    /// [`Mesh::takes`]); `None`: it runs on the ring.
+    pub fn mesh_for(&self, spec: &ReduceSpec, len: usize) -> Option<Arc<Mesh>> {
+        self.mesh().filter(|m| m.takes(spec, len))
     }
 
     /// Takes the current links out of the ring (they stay open until closed).
@@ -175,11 +278,15 @@ impl Ring {
         self.links.lock().unwrap().take()
     }
 
-    /// Closes and forgets the current links, if any.
+    /// Closes and forgets the current links (and mesh), if any.
     pub async fn close(&self) {
         let old = self.take();
+        let mesh = self.mesh.lock().unwrap().take();
         if let Some(old) = old {
             old.close().await;
+        }
+        if let Some(mesh) = mesh {
+            mesh.close().await;
         }
     }
 
@@ -214,13 +321,15 @@ impl Ring {
         self.scratch.clone()
     }
 
-    /// Whether there are links and they are usable (false after any link failure).
+    /// Whether there are links and they are usable (false after any link failure,
+    /// the mesh's included).
     pub fn is_ok(&self) -> bool {
         self.links
             .lock()
             .unwrap()
             .as_ref()
             .is_some_and(|l| !l.is_poisoned())
+            && !self.mesh().is_some_and(|m| m.is_poisoned())
     }
 
     /// Binds an all-reduce of the `len` bytes at `input` to the current links (see
@@ -237,8 +346,11 @@ impl Ring {
         keepalive: Box<dyn Send + Sync>,
     ) -> CoreResult<RingOp> {
         let links = self.usable_links()?;
+        let mesh = self.mesh_for(&spec, len);
         // SAFETY: forwarded to the caller.
-        Ok(unsafe { RingOp::with_input(links, spec, input, len, keepalive, Some(self.scratch())) })
+        let op =
+            unsafe { RingOp::with_input(links, spec, input, len, keepalive, Some(self.scratch())) };
+        Ok(op.with_mesh(mesh))
     }
 
     /// [`Ring::start_all_reduce`] of bytes the op shares (and nobody can modify while it
@@ -260,6 +372,8 @@ impl Ring {
 /// bytes (never written to the caller's memory before that).
 pub struct RingOp {
     links: Arc<RingLinks>,
+    /// Runs on this mesh instead of the ring links.
+    mesh: Option<Arc<Mesh>>,
     spec: ReduceSpec,
     mem: Arc<OpMemory>,
     cancel: CancellationToken,
@@ -272,6 +386,7 @@ impl RingOp {
     pub fn new(links: Arc<RingLinks>, spec: ReduceSpec, mem: Arc<OpMemory>) -> RingOp {
         RingOp {
             links,
+            mesh: None,
             spec,
             mem,
             cancel: CancellationToken::new(),
@@ -288,6 +403,16 @@ impl RingOp {
             armed: Armed::new(armed),
             ..self
         }
+    }
+
+    /// The op runs on `mesh` (recursive doubling) instead of the ring links, if any.
+    pub fn with_mesh(self, mesh: Option<Arc<Mesh>>) -> RingOp {
+        RingOp { mesh, ..self }
+    }
+
+    /// Whether the op runs on the mesh.
+    pub fn is_mesh(&self) -> bool {
+        self.mesh.is_some()
     }
 
     /// Lets the op declare a stall from now on (idempotent; harmless once it ended).
@@ -367,13 +492,14 @@ impl RingOp {
         if self.started.swap(true, Ordering::AcqRel) {
             return Err(CoreError::InvalidUsage("RingOp.run() called twice".into()));
         }
-        Ok(ring_all_reduce(
-            self.links.clone(),
-            self.spec.clone(),
-            self.mem.clone(),
-            self.cancel.clone(),
-            self.armed.clone(),
-        ))
+        let (links, mesh, spec) = (self.links.clone(), self.mesh.clone(), self.spec.clone());
+        let (mem, cancel, armed) = (self.mem.clone(), self.cancel.clone(), self.armed.clone());
+        Ok(async move {
+            match mesh {
+                Some(mesh) => mesh_all_reduce(mesh, spec, mem, cancel, armed).await,
+                None => ring_all_reduce(links, spec, mem, cancel, armed).await,
+            }
+        })
     }
 
     /// Stops the op (its run fails). The links are poisoned if a frame was cut.

@@ -3,8 +3,9 @@
 //! bit against a scalar reference that folds each chunk in the documented ring order.
 
 use super::allreduce::{OpMemory, Receiver};
-use super::assembly::{loopback_ring, LinkConfig, Ring, RingOp};
+use super::assembly::{loopback_mesh, loopback_ring, LinkConfig, Ring, RingOp};
 use super::links::{Dest, STREAM_BLOCK};
+use super::mesh::{mesh_partners, mesh_rounds};
 use super::{ReduceSpec, ReduceStats};
 use crate::error::CoreError;
 use crate::net::node::Node;
@@ -1407,4 +1408,141 @@ fn a_failed_in_place_op_puts_back_pieces_cut_off_mid_way() {
     assert!(tensor.bytes() != original);
     rx.fail();
     assert!(tensor.bytes() == original, "the tensor was not put back");
+}
+
+// --- the mesh all-reduce (recursive doubling) ------------------------------------------
+
+/// What every peer must hold after a mesh all-reduce of `inputs`: the extras
+/// (`p..world`, `p` the largest power of two not above it) fold into rank `r - p` after
+/// it, then blocks of doubling size combine lower block first; AVG divides once.
+fn mesh_reference(dtype: DType, op: ReduceOp, inputs: &[Vec<u8>]) -> Vec<u8> {
+    let world = inputs.len();
+    let p = 1usize << (usize::BITS - 1 - world.leading_zeros());
+    let size = dtype.size();
+    let count = inputs[0].len() / size;
+    let mut out = vec![0u8; count * size];
+    for i in 0..count {
+        let r = i * size..(i + 1) * size;
+        let mut acc: Vec<Vec<u8>> = (0..p)
+            .map(|rank| {
+                let x = inputs[rank][r.clone()].to_vec();
+                match inputs.get(rank + p) {
+                    Some(extra) => combine(dtype, op, &x, &extra[r.clone()]),
+                    None => x,
+                }
+            })
+            .collect();
+        while acc.len() > 1 {
+            acc = acc
+                .chunks(2)
+                .map(|pair| combine(dtype, op, &pair[0], &pair[1]))
+                .collect();
+        }
+        let mut v = acc.pop().unwrap();
+        if op == ReduceOp::Avg {
+            v = divide(dtype, &v, world);
+        }
+        out[r].copy_from_slice(&v);
+    }
+    out
+}
+
+async fn mesh_peers(k: usize, max_bytes: usize, io_timeout: Duration) -> Vec<(Arc<Node>, Ring)> {
+    loopback_mesh(k, 2, 9, link_cfg(io_timeout), true, max_bytes)
+        .await
+        .unwrap()
+}
+
+#[test]
+fn mesh_partners_pair_up_both_ways_and_take_log_k_rounds() {
+    for world in 1..=40usize {
+        let p = 1usize << (usize::BITS - 1 - world.leading_zeros());
+        for rank in 0..world {
+            let partners = mesh_partners(rank, world);
+            for &q in &partners {
+                assert!(q < world && q != rank, "{rank}/{world}: partner {q}");
+                assert!(
+                    mesh_partners(q, world).contains(&rank),
+                    "{rank}<->{q} of {world}"
+                );
+            }
+            let want = if rank >= p {
+                1
+            } else {
+                p.trailing_zeros() as usize + usize::from(rank + p < world)
+            };
+            assert_eq!(partners.len(), want, "{rank}/{world}");
+        }
+        let log = p.trailing_zeros() as usize;
+        let rounds = if world == 1 {
+            0
+        } else {
+            log + if p == world { 0 } else { 2 }
+        };
+        assert_eq!(mesh_rounds(world), rounds, "{world}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mesh_all_reduce_is_exact_and_alike_for_every_dtype_op_and_world() {
+    let dtypes = [
+        DType::F16,
+        DType::BF16,
+        DType::F32,
+        DType::F64,
+        DType::I8,
+        DType::I16,
+        DType::I32,
+        DType::I64,
+        DType::U8,
+        DType::U16,
+        DType::U32,
+        DType::U64,
+    ];
+    let ops = [
+        ReduceOp::Sum,
+        ReduceOp::Avg,
+        ReduceOp::Prod,
+        ReduceOp::Max,
+        ReduceOp::Min,
+    ];
+    bounded("the meshes", async {
+        for k in [2usize, 3, 4, 5, 6, 7, 8] {
+            let peers = mesh_peers(k, 1 << 20, Duration::from_secs(10)).await;
+            let mut started = Vec::new();
+            let mut id = 0u64;
+            for &dtype in &dtypes {
+                for &op in &ops {
+                    // Odd counts: one element, fewer than the world, several pieces.
+                    let count = [1, 5, 37][(id % 3) as usize];
+                    let inputs: Vec<Vec<u8>> = (0..k)
+                        .map(|r| random_input(dtype, count, id * 31 + r as u64))
+                        .collect();
+                    let ops: Vec<RingOp> = peers
+                        .iter()
+                        .enumerate()
+                        .map(|(rank, (_, ring))| {
+                            let s = spec(id, rank, k, dtype, op);
+                            ring.start_all_reduce_shared(s, Arc::new(inputs[rank].clone()))
+                                .unwrap()
+                        })
+                        .collect();
+                    assert!(ops.iter().all(RingOp::is_mesh));
+                    let runs: Vec<_> = ops.iter().map(|o| tokio::spawn(o.run().unwrap())).collect();
+                    started.push((dtype, op, count, inputs, ops, runs));
+                    id += 1;
+                }
+            }
+            for (dtype, op, count, inputs, ops, runs) in started {
+                let what = format!("mesh of {k}, {} {} x{count}", op.name(), dtype.name());
+                let want = mesh_reference(dtype, op, &inputs);
+                for (rank, run) in runs.into_iter().enumerate() {
+                    run.await.unwrap().unwrap_or_else(|e| panic!("{what}: {e}"));
+                    assert!(ops[rank].result() == want, "{what}: rank {rank} differs");
+                }
+            }
+            close_all(&peers).await;
+        }
+    })
+    .await;
 }
