@@ -39,7 +39,8 @@ _LOG_LEVELS = ["DEBUG", "INFO", "WARNING", "ERROR"]
 # Flags whose value goes to the MasterNode parameter of the same name as it is.
 _PLAIN_FLAGS = ("listen", "heartbeat_interval", "heartbeat_timeout", "handshake_timeout",
                 "establish_timeout", "max_establish_attempts", "recovery_grace",
-                "repair_rings", "dial_back_timeout", "max_relayed_streams", "insecure")
+                "repair_rings", "dial_back_timeout", "max_relayed_streams", "insecure",
+                "mesh_max_bytes")
 
 
 def _add_master_args(p: argparse.ArgumentParser) -> None:
@@ -85,6 +86,10 @@ def _add_master_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-relayed-streams", type=int, default=s, metavar="N",
                    help=f"ring-link streams relayed at once for peers that cannot connect "
                         f"directly (0: no relay; {d('max_relayed_streams')})")
+    p.add_argument("--mesh-max-bytes", type=int, default=s, metavar="N",
+                   help=f"all-reduces up to N bytes run on the mesh (recursive doubling, "
+                        f"log2(k) hops) instead of the ring (-1: chosen from k and the "
+                        f"measured links; 0: never; {d('mesh_max_bytes')})")
     p.add_argument("--insecure", action=argparse.BooleanOptionalAction, default=s,
                    help=f"also accept peers whose control connection is in clear text "
                         f"(Communicator(insecure=True)); encrypted ones are accepted either "

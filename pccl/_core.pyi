@@ -150,7 +150,7 @@ class P2PNode:
     def set_peer_id(self, peer_id: int) -> None: ...
     def connect_pool(self, addr: str, to: int, epoch: int, pool_size: int,
                      route: str = "direct", token: bytes | None = None,
-                     relay: str | None = None) -> Future[None]: ...
+                     relay: str | None = None, mesh: bool = False) -> Future[None]: ...
     def open_inbound(self, route: str, addr: str, token: bytes, stream: int | None = None,
                      relay: str | None = None) -> Future[None]: ...
     def set_transfer_relay(self, to: int, relay: str, token: bytes) -> Future[None]: ...
@@ -164,6 +164,8 @@ class P2PNode:
         pool_timeout: float = 10.0,
         io_timeout: float = 30.0,
         max_piece: int = 16 << 20,
+        ring: list[int] | None = None,
+        mesh_max_bytes: int = 0,
     ) -> Future[None]: ...
     def start_all_reduce(
         self,
@@ -277,6 +279,9 @@ class RingOp:
     """One all-reduce in flight."""
 
     def run(self) -> Future[tuple[int, int]]: ...
+    @property
+    def algorithm(self) -> str:
+        """"mesh" (recursive doubling over the mesh links) or "ring"."""
     def abort(self) -> None: ...
     def arm(self) -> None:
         """Starts the stall clock: silence from the previous peer for the I/O timeout
@@ -302,6 +307,12 @@ def prefault(buffer: Any) -> None:
 
 def star_all_reduce(inputs: list[Any], dtype: int, op: int) -> bytes:
     """The bytes a ring all-reduce of ``inputs`` (one per rank, in rank order) gives every peer."""
+
+def mesh_partners(rank: int, world: int) -> list[int]:
+    """The ranks ``rank`` exchanges pieces with in a mesh all-reduce of ``world`` peers."""
+
+def mesh_rounds(world: int) -> int:
+    """Hops of a mesh all-reduce of ``world`` peers."""
 
 def leaf_digests(buffer: Any, first_leaf: int) -> bytes:
     """Leaf digests of a run of whole hash leaves starting at leaf ``first_leaf``."""

@@ -126,6 +126,9 @@ _HELP: dict[str, str] = {
     "repair_rings": "rebuild a ring that lost a peer without waiting for update_topology()",
     "dial_back_timeout": "seconds for the reachability check of each peer's p2p address",
     "max_relayed_streams": "ring-link streams relayed at once (0: no relay)",
+    "mesh_max_bytes": "all-reduces up to this size run on the mesh (recursive doubling) "
+                      "instead of the ring (-1: chosen from k and the measured links; 0: "
+                      "never)",
     "status_listen": "`host:port` of the status page, `/api/status`, `/metrics` and "
                      "`/healthz` (none: off)",
     "status_token": "bearer token the status server asks for; needed off loopback",

@@ -98,6 +98,7 @@ class MasterNode:
         max_relayed_streams: int = 256,
         status_listen: str | None = None,
         status_token: str | None = None,
+        mesh_max_bytes: int = -1,
     ) -> None:
         for name, value in (("heartbeat_interval", heartbeat_interval),
                             ("heartbeat_timeout", heartbeat_timeout),
@@ -142,6 +143,14 @@ class MasterNode:
                 f"MasterNode(max_relayed_streams=...) must be an integer >= 0 (0: no relay), "
                 f"got {max_relayed_streams!r}")
         self.max_relayed_streams = max_relayed_streams
+        # All-reduces up to this size run on the mesh (recursive doubling) instead of the
+        # ring: -1 lets the cost model choose per group from k and the measured links
+        # (pccl.topology.mesh_max_bytes), 0 turns the mesh off.
+        if isinstance(mesh_max_bytes, bool) or not isinstance(mesh_max_bytes, int) \
+                or mesh_max_bytes < -1:
+            raise InvalidArgumentError(
+                f"MasterNode(mesh_max_bytes=...) must be an integer >= -1 (-1: chosen by the "
+                f"cost model, 0: no mesh), got {mesh_max_bytes!r}")
         # The read-only status page, /api/status and /metrics (pccl/master/status.py): off
         # (None) unless given "host:port"; a non-loopback host needs status_token.
         if status_listen is not None:
@@ -158,7 +167,8 @@ class MasterNode:
         # the peers call update_topology().
         self.state = st.MasterState(max_establish_attempts=max_establish_attempts,
                                     repair_rings=repair_rings,
-                                    relay=max_relayed_streams > 0)
+                                    relay=max_relayed_streams > 0,
+                                    mesh_max_bytes=mesh_max_bytes)
         self._deadlines: dict[int, asyncio.TimerHandle] = {}
         self._server: asyncio.Server | None = None
         self._conns: dict[int, FramedConnection] = {}

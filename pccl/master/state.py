@@ -36,7 +36,7 @@ import os
 from collections import Counter, deque
 from collections.abc import Collection
 
-from pccl import _core
+from pccl import _core, algorithms
 from pccl.enums import DTYPES, DataType, QuantizationAlgorithm, ReduceOp
 from pccl.errors import ErrorKind, PCCLError
 from pccl.protocol import messages as m
@@ -268,6 +268,10 @@ class Round:
     # failed, on its own (no votes, nobody admitted); only those groups take part.
     repair: bool = False
     groups: set[int] = dataclasses.field(default_factory=set)
+    # Groups whose members were sent mesh links, until one reports a mesh pool failed.
+    mesh_ok: set[int] = dataclasses.field(default_factory=set)
+    # Per group: how long the members' pool dials took (the latency measurement).
+    dials: dict[int, list[float]] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass
@@ -342,8 +346,17 @@ class MasterState:
     """The master's whole state. Feed it events with :meth:`handle`."""
 
     def __init__(self, *, max_establish_attempts: int = 3, repair_rings: bool = True,
-                 token_key: bytes | None = None, relay: bool = True) -> None:
+                 token_key: bytes | None = None, relay: bool = True,
+                 mesh_max_bytes: int = -1) -> None:
         self.max_establish_attempts = max_establish_attempts
+        # All-reduces up to this size run on the mesh: -1 chosen per group by the cost
+        # model (pccl.algorithms), 0 no mesh (no mesh links are made either).
+        self.mesh_max_bytes = mesh_max_bytes
+        # Per group: the mesh limit of its current ring epoch (sent with TopologyUpdated).
+        self.mesh_limits: dict[int, int] = {}
+        # Relay tokens of mesh links (not ring links: their fallback says nothing of a
+        # ring link's hole punching).
+        self.mesh_tokens: set[bytes] = set()
         # Route tokens (ring links that are not direct, relayed transfers) are keyed
         # hashes under this key (see _token).
         self._token_key = token_key if token_key is not None else os.urandom(32)
@@ -474,7 +487,8 @@ class MasterState:
                 self.rings_stale = True  # the next update_topology() rebuilds in it
         elif isinstance(event, Relayed):
             pair = self.relay_tokens.get(event.token)
-            if pair is not None and self.paths.get(pair) == "punch":
+            if pair is not None and self.paths.get(pair) == "punch" \
+                    and event.token not in self.mesh_tokens:
                 self.punch_failed.add(pair)
         elif isinstance(event, RoundTimeout):
             rnd = self.round
@@ -559,6 +573,11 @@ class MasterState:
             rnd = self.round
             if rnd is not None and msg.epoch == rnd.epoch and peer in rnd.members:
                 rnd.reported.add(peer)
+                group = self.peers[peer].peer_group
+                rnd.dials.setdefault(group, []).extend(
+                    float(d) for d in msg.dial_seconds[:64] if d >= 0)
+                if msg.mesh_failed:
+                    rnd.mesh_ok.discard(group)
                 rnd.unreachable.update(rnd.blame.get((peer, p), p) for p in msg.failed
                                        if p in rnd.members)
                 self._maybe_finish_round(out)
@@ -802,8 +821,10 @@ class MasterState:
             self.phase = Phase.IDLE
             self.fresh |= set(voters)
             for p in voters:
+                g = self.peers[p].peer_group
                 out.append(Send(p, m.TopologyUpdated(
-                    epoch=self.ring_epochs.get(self.peers[p].peer_group, self.epoch))))
+                    epoch=self.ring_epochs.get(g, self.epoch),
+                    mesh_max_bytes=self.mesh_limits.get(g, 0))))
             return
         self.attempts = 0
         self._start_round(accepted + pending, out)
@@ -825,18 +846,26 @@ class MasterState:
         rnd = self.round = Round(self.epoch, members, repair=repair,
                                  groups={self.peers[p].peer_group for p in members})
         self.relay_tokens.clear()
+        self.mesh_tokens.clear()
         self.paths.clear()
-        for ring in self._rings_of(members).values():
+        for group, ring in self._rings_of(members).items():
             n = len(ring)
             routes = {}
             for i, p in enumerate(ring):
                 if n > 1:
                     routes[p] = self._route(p, ring[(i + 1) % n], rnd)
+            mesh = self._mesh_routes(ring)
+            if mesh is not None:
+                rnd.mesh_ok.add(group)
             for i, p in enumerate(ring):
                 nxt = ring[(i + 1) % n] if n > 1 else -1
                 prv = ring[(i - 1) % n] if n > 1 else -1
                 route, token = routes.get(p, ("direct", b""))
                 prev_route, prev_token = routes.get(prv, ("direct", b""))
+                partners = ([ring[r] for r in algorithms.mesh_partners(i, n)]
+                            if mesh is not None else [])
+                out_routes = [mesh[(p, q)] for q in partners] if mesh is not None else []
+                in_routes = [mesh[(q, p)] for q in partners] if mesh is not None else []
                 out.append(Send(p, m.EstablishP2P(
                     epoch=self.epoch,
                     ring=list(ring),
@@ -845,7 +874,56 @@ class MasterState:
                     route=route, token=token, prev_id=prv,
                     prev_addr=self._inbound_addr(prv, prev_route),
                     prev_route=prev_route, prev_token=prev_token,
+                    mesh_ids=partners,
+                    mesh_addrs=[self.peers[q].p2p_addr for q in partners],
+                    mesh_routes=[r for r, _ in out_routes],
+                    mesh_tokens=[t for _, t in out_routes],
+                    mesh_in_addrs=[self.peers[q].p2p_addr for q in partners],
+                    mesh_in_routes=[r for r, _ in in_routes],
+                    mesh_in_tokens=[t for _, t in in_routes],
                 )))
+
+    def _mesh_routes(self, ring: list[int]) -> dict[tuple[int, int], tuple[str, bytes]] | None:
+        """How each directed mesh link of ``ring`` is made (sender, receiver) -> (route,
+        token): dialed when the receiver is reachable, dialed back when only the sender
+        is, else through the relay. None: no mesh for this ring (the mesh is off, the
+        ring is too small, or two partners behind NAT cannot use the relay); its
+        collectives then all take the ring, and nobody is dropped for it."""
+        n = len(ring)
+        if self.mesh_max_bytes == 0 or n < 2:
+            return None
+        routes: dict[tuple[int, int], tuple[str, bytes]] = {}
+        for i, p in enumerate(ring):
+            for r in algorithms.mesh_partners(i, n):
+                q = ring[r]
+                a, b = self.peers[p], self.peers[q]
+                token = self._token(f"{self.epoch}:{p}:{q}:mesh")
+                if b.reachable:
+                    routes[(p, q)] = ("direct", b"")
+                elif a.reachable:
+                    routes[(p, q)] = ("reverse", token)
+                elif self.relay and a.allow_relay and b.allow_relay:
+                    routes[(p, q)] = ("relay", token)
+                    self.relay_tokens[token] = (p, q)
+                    self.mesh_tokens.add(token)
+                else:
+                    return None
+        return routes
+
+    def _mesh_limit(self, group: int, ring: list[int], rnd: Round) -> int:
+        """The mesh limit of ``group``'s new ring (see pccl.algorithms): 0 without mesh
+        links, the master's fixed value if it has one, else the cost model's, from the
+        dials measured in this round and the group's measured bandwidths."""
+        if group not in rnd.mesh_ok or len(ring) < 2:
+            return 0
+        if self.mesh_max_bytes > 0:
+            return self.mesh_max_bytes
+        members = set(ring)
+        rates = sorted(r for (a, b), (r, _) in self.bandwidth.items()
+                       if a in members and b in members and r > 0)
+        bandwidth = rates[len(rates) // 2] if rates else algorithms.DEFAULT_BANDWIDTH
+        one_way = algorithms.one_way_latency(rnd.dials.get(group, []))
+        return algorithms.mesh_max_bytes(len(ring), one_way, bandwidth)
 
     def _token(self, label: str) -> bytes:
         """A route token: unguessable without the master's key, the same for the same
@@ -965,9 +1043,11 @@ class MasterState:
                 if g in rings:
                     self.rings[g] = rings[g]
                     self.ring_epochs[g] = rnd.epoch
+                    self.mesh_limits[g] = self._mesh_limit(g, rings[g], rnd)
                 else:
                     self.rings.pop(g, None)
                     self.ring_epochs.pop(g, None)
+                    self.mesh_limits.pop(g, None)
                 self.broken_groups.discard(g)
             self._note("repair", f"ring epoch {rnd.epoch}: rebuilt without the lost peers: "
                        + self._describe_rings(rnd.groups), rnd.members, value=rnd.epoch)
@@ -975,7 +1055,9 @@ class MasterState:
             self.phase = Phase.IDLE
             self._broadcast_world(rnd.members, out)
             for p in rnd.members:
-                out.append(Send(p, m.TopologyUpdated(epoch=rnd.epoch, repair=True)))
+                out.append(Send(p, m.TopologyUpdated(
+                    epoch=rnd.epoch, repair=True,
+                    mesh_max_bytes=self.mesh_limits.get(self.peers[p].peer_group, 0))))
             self._after_repair(out)
             return
         joined = [p for p in rnd.members if self.peers[p].status is PeerStatus.REGISTERED]
@@ -989,6 +1071,7 @@ class MasterState:
         self.fresh |= set(rnd.members)
         self.rings = self._rings_of(rnd.members)
         self.ring_epochs = dict.fromkeys(self.rings, rnd.epoch)
+        self.mesh_limits = {g: self._mesh_limit(g, ring, rnd) for g, ring in self.rings.items()}
         self.rings_stale = False
         self.broken_groups.clear()
         self.repair_failed.clear()
@@ -999,7 +1082,9 @@ class MasterState:
                    rnd.members, value=rnd.epoch)
         self._broadcast_world(rnd.members, out)
         for p in rnd.members:
-            out.append(Send(p, m.TopologyUpdated(epoch=rnd.epoch)))
+            out.append(Send(p, m.TopologyUpdated(
+                epoch=rnd.epoch,
+                mesh_max_bytes=self.mesh_limits.get(self.peers[p].peer_group, 0))))
 
     def _describe_rings(self, groups: Collection[int]) -> str:
         return "; ".join(

@@ -351,33 +351,55 @@ class Driver:
         node.retain_from_epoch(msg.epoch)
         failed: list[int] = []
 
-        async def outbound() -> None:
-            if msg.next_id < 0:
+        mesh_failed: list[int] = []
+        dials: list[float] = []
+
+        async def outbound(to: int, to_addr: str, route: str, token: bytes, size: int,
+                           mesh: bool) -> None:
+            addr = self.master if route == "relay" else to_addr
+            started = time.perf_counter()
+            try:
+                await node.connect_pool(addr, to, msg.epoch, size, route=route,
+                                        token=token or None, relay=self.master, mesh=mesh)
+            except PCCLError as e:
+                log.warning("peer %s: p2p %s pool to peer %d (%s %s) failed: %s",
+                            self.peer_id, "mesh" if mesh else "ring", to, route, to_addr, e)
+                (mesh_failed if mesh else failed).append(to)
                 return
-            addr = self.master if msg.route == "relay" else msg.next_addr
-            try:
-                await node.connect_pool(addr, msg.next_id, msg.epoch,
-                                        self.p2p_connection_pool_size, route=msg.route,
-                                        token=msg.token or None, relay=self.master)
-            except PCCLError as e:
-                log.warning("peer %s: p2p pool to peer %d (%s %s) failed: %s",
-                            self.peer_id, msg.next_id, msg.route, msg.next_addr, e)
-                failed.append(msg.next_id)
+            if route == "direct":  # (a latency measurement of the link itself)
+                dials.append(time.perf_counter() - started)
 
-        async def inbound() -> None:
-            if msg.prev_id < 0 or msg.prev_route == "direct":
+        async def inbound(frm: int, frm_addr: str, route: str, token: bytes,
+                          mesh: bool) -> None:
+            if route == "direct":
                 return  # the sender dials us
-            addr = self.master if msg.prev_route == "relay" else msg.prev_addr
+            addr = self.master if route == "relay" else frm_addr
             try:
-                await node.open_inbound(msg.prev_route, addr, msg.prev_token,
-                                        relay=self.master)
+                await node.open_inbound(route, addr, token, relay=self.master)
             except PCCLError as e:
-                # Not reported: the sender's side reports the link (as for direct links).
-                log.warning("peer %s: p2p pool from peer %d (%s %s) failed: %s",
-                            self.peer_id, msg.prev_id, msg.prev_route, addr, e)
+                # The sender's side reports the link (as for direct links); a mesh link
+                # is reported by both (either side failing turns the mesh off).
+                log.warning("peer %s: p2p %s pool from peer %d (%s %s) failed: %s",
+                            self.peer_id, "mesh" if mesh else "ring", frm, route, addr, e)
+                if mesh:
+                    mesh_failed.append(frm)
 
-        await asyncio.gather(outbound(), inbound())
-        self._feed(ps.PoolsEstablished(msg.epoch, c.generation, tuple(failed)))
+        links = []
+        if msg.next_id >= 0:
+            links.append(outbound(msg.next_id, msg.next_addr, msg.route, msg.token,
+                                  self.p2p_connection_pool_size, False))
+        if msg.prev_id >= 0:
+            links.append(inbound(msg.prev_id, msg.prev_addr, msg.prev_route, msg.prev_token,
+                                 False))
+        for q, addr, route, token in zip(msg.mesh_ids, msg.mesh_addrs, msg.mesh_routes,
+                                         msg.mesh_tokens, strict=False):
+            links.append(outbound(q, addr, route, token, 1, True))
+        for q, addr, route, token in zip(msg.mesh_ids, msg.mesh_in_addrs, msg.mesh_in_routes,
+                                         msg.mesh_in_tokens, strict=False):
+            links.append(inbound(q, addr, route, token, True))
+        await asyncio.gather(*links)
+        self._feed(ps.PoolsEstablished(msg.epoch, c.generation, tuple(failed),
+                                       tuple(mesh_failed), tuple(dials)))
 
     async def _install(self, c: ps.InstallRing) -> None:
         """Takes over the ring links of a new epoch."""
@@ -387,7 +409,9 @@ class Driver:
             await self._node.install_ring(c.epoch, c.next_id, c.prev_id,
                                           pool_timeout=self.p2p_timeout,
                                           io_timeout=self.peer_timeout,
-                                          max_piece=max(self.piece_bytes, 1 << 16))
+                                          max_piece=max(self.piece_bytes, 1 << 16),
+                                          ring=list(c.ring) or None,
+                                          mesh_max_bytes=c.mesh_max_bytes)
         except PCCLError as e:
             error = str(e) or type(e).__name__
         self._feed(ps.RingInstalled(c.epoch, c.generation, error))
@@ -528,9 +552,12 @@ class Driver:
                 raise ErrorKind.parse(outcome.kind).error(outcome.message)
             self._apply_reduce(perform.world, ring, src, dst, outcome)
             applied = True
+            algorithm = "local" if ring is None else str(ring.algorithm)
             if outcome.data:  # reduced by the master: the bytes went there and back
                 tx, rx = src.nbytes, len(outcome.data)
-            return (ReduceInfo(tx_bytes=int(tx), rx_bytes=int(rx), world_size=perform.world),
+                algorithm = "master"
+            return (ReduceInfo(tx_bytes=int(tx), rx_bytes=int(rx), world_size=perform.world,
+                               algorithm=algorithm),
                     bool(outcome.data))
         finally:
             if ring is not None and not applied:

@@ -20,6 +20,9 @@ class ReduceInfo:
     tx_bytes: int  #: bytes this peer put on the wire (headers included)
     rx_bytes: int  #: bytes this peer received
     world_size: int  #: peers that took part
+    #: How it ran: "ring", "mesh" (recursive doubling between the peers), "master"
+    #: (reduced by the master) or "local" (a group of one).
+    algorithm: str = "ring"
 
 
 @dataclasses.dataclass(frozen=True)

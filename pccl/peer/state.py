@@ -161,6 +161,9 @@ class PoolsEstablished:
     epoch: int
     generation: int
     failed: tuple[int, ...] = ()
+    # Mesh partners whose pool did not come up, and how long each dialed pool took (s).
+    mesh_failed: tuple[int, ...] = ()
+    dial_seconds: tuple[float, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -298,6 +301,9 @@ class InstallRing:
     next_id: int  # -1: a ring of one
     prev_id: int
     generation: int
+    # The ring's peer ids in order, and the largest all-reduce for its mesh (0: none).
+    ring: tuple[int, ...] = ()
+    mesh_max_bytes: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -477,7 +483,9 @@ class PeerMachine:
             self._on_installed(ev, out)
         elif isinstance(ev, PoolsEstablished):
             if ev.generation == self.generation and self.connected:
-                out.append(Send(m.P2PReport(epoch=ev.epoch, failed=list(ev.failed))))
+                out.append(Send(m.P2PReport(epoch=ev.epoch, failed=list(ev.failed),
+                                            mesh_failed=list(ev.mesh_failed),
+                                            dial_seconds=list(ev.dial_seconds))))
         elif isinstance(ev, Probed):
             if ev.generation == self.generation and self.connected:
                 out.append(Send(m.ProbeReport(target_ids=list(ev.target_ids),
@@ -685,7 +693,8 @@ class PeerMachine:
             nxt = self.ring[(i + 1) % n] if n > 1 else -1
             prv = self.ring[(i - 1) % n] if n > 1 else -1
             if self.installing.get(msg.epoch) != self.generation:
-                out.append(InstallRing(msg.epoch, nxt, prv, self.generation))
+                out.append(InstallRing(msg.epoch, nxt, prv, self.generation,
+                                       tuple(self.ring), msg.mesh_max_bytes))
                 self.installing[msg.epoch] = self.generation
             self.installs.append(msg)
         else:

@@ -14,7 +14,7 @@ from typing import ClassVar
 from pccl.errors import ErrorKind
 
 #: Bumped on every incompatible change; checked in the handshake.
-PROTOCOL_VERSION = 7
+PROTOCOL_VERSION = 8
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -198,6 +198,16 @@ class EstablishP2P(Message):
     prev_addr: str = ""
     prev_route: str = "direct"
     prev_token: bytes = b""
+    # The mesh (small collectives by recursive doubling): a pool of one stream to each
+    # partner (parallel lists; routes and tokens as for ``next_id``), and how each
+    # partner's pool to us is opened when it cannot simply dial us.
+    mesh_ids: list[int] = dataclasses.field(default_factory=list)
+    mesh_addrs: list[str] = dataclasses.field(default_factory=list)
+    mesh_routes: list[str] = dataclasses.field(default_factory=list)
+    mesh_tokens: list[bytes] = dataclasses.field(default_factory=list)
+    mesh_in_addrs: list[str] = dataclasses.field(default_factory=list)
+    mesh_in_routes: list[str] = dataclasses.field(default_factory=list)
+    mesh_in_tokens: list[bytes] = dataclasses.field(default_factory=list)
 
 
 @message
@@ -208,6 +218,12 @@ class P2PReport(Message):
     TYPE: ClassVar[str] = "p2p_report"
     epoch: int
     failed: list[int]
+    # Mesh partners whose pool did not come up (the epoch then runs without a mesh;
+    # nobody is dropped for it).
+    mesh_failed: list[int] = dataclasses.field(default_factory=list)
+    # Seconds each pool this peer dialed took to open (TCP connect, transport and p2p
+    # handshakes): the master's latency measurement for the algorithm choice.
+    dial_seconds: list[float] = dataclasses.field(default_factory=list)
 
 
 @message
@@ -234,6 +250,9 @@ class TopologyUpdated(Message):
     TYPE: ClassVar[str] = "topology_updated"
     epoch: int
     repair: bool = False
+    # All-reduces of up to this many bytes (unquantized) run on the mesh of ``epoch``
+    # instead of the ring; 0: no mesh. The same for every member of a group.
+    mesh_max_bytes: int = 0
 
 
 @message

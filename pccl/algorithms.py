@@ -1,0 +1,99 @@
+"""Which all-reduce algorithm a group's collectives use, from a cost model.
+
+Two algorithms run between peers (a third, for tiny tensors, is the master reducing
+them: ``Communicator(via_master_max_bytes=)``):
+
+* the **ring** (reduce-scatter + all-gather): ``2 (k - 1)`` hops, each carrying
+  ``S / k`` bytes: ``T_ring(S) = 2 (k - 1) a + 2 (k - 1) / k * S / bw``;
+* the **mesh** (recursive doubling over direct links to ``log2 k`` partners, plus one
+  hop in and one out for the peers above the largest power of two ``p <= k``):
+  ``R = log2 p (+ 2)`` hops, each carrying all ``S`` bytes: ``T_mesh(S) = R a + R S / bw``.
+
+``a`` is the cost of one hop: the link's one-way latency plus this implementation's
+own cost of moving a piece (:data:`HOP_OVERHEAD_S`). The mesh wins below the size where
+the two meet,
+
+    S* = a * bw * (2 (k - 1) - R) / (R - 2 (k - 1) / k),
+
+which grows with the bandwidth-delay product and with k (about 18.6 a bw at k = 32). At
+k = 2 the mesh sends the same bytes in one hop instead of two, so it wins at every
+size; :data:`MESH_CAP_BYTES` bounds it anyway (the ring stripes large tensors over
+several streams and pipelines them, the mesh does neither).
+
+The master computes ``S*`` once per group and ring epoch (:func:`mesh_max_bytes`), from
+the latencies measured while the peers opened that epoch's links, and sends the one
+number to every member: every peer then picks the same algorithm for the same tensor.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Sequence
+
+from pccl import _core
+
+#: What one hop costs this implementation besides the link's latency: a piece's send,
+#: receive and reduce through the Rust data plane (encrypted), seconds. Calibrated
+#: with ``bench/latency.py --master-ms 0 --hop-ms 0`` (docs/benchmarks.md, "Mesh").
+HOP_OVERHEAD_S = 100e-6
+
+#: Round trips a pool's dial takes (TCP connect, the Noise handshake, the p2p hello):
+#: the dial times the peers report are divided by twice this to estimate one-way
+#: latency. Calibrated against emulated links (docs/benchmarks.md, "Mesh").
+DIAL_ROUND_TRIPS = 3.0
+
+#: Bandwidth assumed when no probe measured the group's links (bytes/s).
+DEFAULT_BANDWIDTH = 1e9
+
+#: Largest all-reduce the cost model sends to the mesh, in bytes.
+MESH_CAP_BYTES = 1 << 20
+
+
+def mesh_rounds(world: int) -> int:
+    """Hops of the mesh all-reduce of ``world`` peers."""
+    return int(_core.mesh_rounds(world))
+
+
+def mesh_partners(rank: int, world: int) -> list[int]:
+    """The ranks ``rank`` exchanges pieces with in a mesh all-reduce of ``world`` peers
+    (a link each way with each)."""
+    return [int(r) for r in _core.mesh_partners(rank, world)]
+
+
+def one_way_latency(dial_seconds: Sequence[float]) -> float:
+    """One-way link latency (s) estimated from the durations of pool dials: the median
+    dial over twice :data:`DIAL_ROUND_TRIPS`; 0 when nothing was measured."""
+    dials = [d for d in dial_seconds if d >= 0]
+    if not dials:
+        return 0.0
+    return statistics.median(dials) / (2 * DIAL_ROUND_TRIPS)
+
+
+def ring_seconds(world: int, nbytes: int, one_way: float, bandwidth: float) -> float:
+    """Modelled time of a ring all-reduce (see the module docs)."""
+    if world < 2:
+        return 0.0
+    hops = 2 * (world - 1)
+    return hops * (one_way + HOP_OVERHEAD_S) + hops / world * nbytes / bandwidth
+
+
+def mesh_seconds(world: int, nbytes: int, one_way: float, bandwidth: float) -> float:
+    """Modelled time of a mesh all-reduce (see the module docs)."""
+    hops = mesh_rounds(world)
+    return hops * (one_way + HOP_OVERHEAD_S) + hops * nbytes / bandwidth
+
+
+def mesh_max_bytes(world: int, one_way: float, bandwidth: float = DEFAULT_BANDWIDTH,
+                   cap: int = MESH_CAP_BYTES) -> int:
+    """The largest all-reduce (bytes) for which the mesh is modelled faster than the
+    ring, at most ``cap``; 0 for a group of one."""
+    if world < 2:
+        return 0
+    hops_ring, hops_mesh = 2 * (world - 1), mesh_rounds(world)
+    per_byte = (hops_mesh - hops_ring / world) / bandwidth
+    saved = (hops_ring - hops_mesh) * (one_way + HOP_OVERHEAD_S)
+    if saved <= 0:
+        return 0
+    if per_byte <= 0:
+        return cap
+    return int(min(cap, saved / per_byte))
