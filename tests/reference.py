@@ -1,10 +1,16 @@
-"""Reference results for ring all-reduce, computed with numpy in the exact order the
-ring uses, so float results can be compared bit for bit.
+"""Reference results for the all-reduce, computed with numpy in the exact order each
+algorithm uses, so float results can be compared bit for bit.
+
+The ring (and the master, which replays it):
 
 Chunk ``c`` of the buffer (elements ``count*c//world .. count*(c+1)//world``) is
 accumulated along the ring starting at rank ``c``: ``((x_c op x_c+1) op x_c+2) ...``.
 AVG is that SUM divided once by ``world``. float16/bfloat16 arithmetic happens in float32,
 rounded to 16 bits after every operation; integers wrap.
+
+The mesh (recursive doubling, ``mesh_reference``): with ``p`` the largest power of two
+not above ``world``, rank ``r + p`` folds into rank ``r`` after it, then blocks of
+doubling size combine lower block first.
 """
 
 from __future__ import annotations
@@ -78,6 +84,28 @@ def ring_reference(inputs: list[np.ndarray], op: pccl.ReduceOp, dtype: str) -> n
             acc = _divide(dtype, acc, world)
         out[lo:hi] = acc
     return out
+
+
+def mesh_reference(inputs: list[np.ndarray], op: pccl.ReduceOp, dtype: str) -> np.ndarray:
+    """What every peer must hold after a mesh all-reduce of ``inputs`` (in rank order)."""
+    world = len(inputs)
+    p = 1 << (world.bit_length() - 1)
+    acc = [inputs[r].copy() if r + p >= world else _combine(dtype, op, inputs[r], inputs[r + p])
+           for r in range(p)]
+    while len(acc) > 1:
+        acc = [_combine(dtype, op, acc[i], acc[i + 1]) for i in range(0, len(acc), 2)]
+    out = acc[0]
+    if op == pccl.ReduceOp.AVG:
+        out = _divide(dtype, out, world)
+    return out
+
+
+def reference(algorithm: str, inputs: list[np.ndarray], op: pccl.ReduceOp,
+              dtype: str) -> np.ndarray:
+    """The reference for how the all-reduce ran (``ReduceInfo.algorithm``)."""
+    if algorithm == "mesh":
+        return mesh_reference(inputs, op, dtype)
+    return ring_reference(inputs, op, dtype)
 
 
 def random_input(dtype: str, count: int, seed: int, op: pccl.ReduceOp) -> np.ndarray:

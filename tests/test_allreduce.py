@@ -14,6 +14,7 @@ from reference import (
     OPS,
     in_ring_order,
     random_input,
+    reference,
     ring_reference,
 )
 
@@ -49,19 +50,27 @@ async def reduce_all(cluster, tensors, op, tag=0, **kw):
                                   for c, t in zip(cluster.comms, tensors)))
 
 
-# The three paths of a small all-reduce: reduced by the master (the default below
-# 64 KiB), the ring started early (one master round trip), the ring after the master's
-# perform (two). Each must give the very bytes of the ring's reduction order.
-PATHS = {"via_master": {},
-         "early_ring": {"via_master_max_bytes": 0},
-         "performed_ring": {"via_master_max_bytes": 0, "early_start_max_bytes": 0}}
+# The paths of a small all-reduce: reduced by the master (the default below 64 KiB),
+# the ring started early (one master round trip), the ring after the master's perform
+# (two), each of those on the mesh instead (recursive doubling). Each must give the
+# very bytes of its algorithm's reduction order (the master replays the ring's).
+NO_MESH, MESH = {"mesh_max_bytes": 0}, {"mesh_max_bytes": 1 << 20}
+PATHS = {"via_master": ({}, NO_MESH, "master"),
+         "early_ring": ({"via_master_max_bytes": 0}, NO_MESH, "ring"),
+         "performed_ring": ({"via_master_max_bytes": 0, "early_start_max_bytes": 0}, NO_MESH,
+                            "ring"),
+         "early_mesh": ({"via_master_max_bytes": 0}, MESH, "mesh"),
+         "performed_mesh": ({"via_master_max_bytes": 0, "early_start_max_bytes": 0}, MESH,
+                            "mesh")}
 
 
 @pytest.mark.parametrize("path", list(PATHS))
-@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("world", [2, 3, 4, 5])
 async def test_every_dtype_and_op_is_exact_and_bit_identical(pccl_cluster, world,
                                                                path) -> None:
-    cluster = await pccl_cluster(world, pool_size=2, comm_kwargs=PATHS[path])
+    comm_kwargs, master_kwargs, algorithm = PATHS[path]
+    cluster = await pccl_cluster(world, pool_size=2, comm_kwargs=comm_kwargs,
+                                 master_kwargs=master_kwargs)
     count = 37  # not a multiple of any world size
     for dtype in INT_DTYPES + FLOAT_DTYPES:
         if dtype == "bfloat16" and torch is None:
@@ -72,7 +81,9 @@ async def test_every_dtype_and_op_is_exact_and_bit_identical(pccl_cluster, world
             tensors = [tensor_for(dtype, x) for x in inputs]
             infos = await reduce_all(cluster, tensors, op)
             assert all(i.world_size == world for i in infos)
-            expected = ring_reference(in_ring_order(cluster.comms, inputs), op, dtype).tobytes()
+            assert {i.algorithm for i in infos} == {algorithm}
+            expected = reference(algorithm, in_ring_order(cluster.comms, inputs), op,
+                                 dtype).tobytes()
             got = [bytes_of(t) for t in tensors]
             assert got[0] == expected, (dtype, op)
             assert all(g == got[0] for g in got), (dtype, op)
@@ -103,7 +114,8 @@ async def test_odd_sizes(pccl_cluster, count) -> None:
 
 
 async def test_large_buffer_spans_many_pieces(pccl_cluster) -> None:
-    cluster = await pccl_cluster(3, pool_size=3, comm_kwargs={"piece_bytes": 64 << 10})
+    cluster = await pccl_cluster(3, pool_size=3, comm_kwargs={"piece_bytes": 64 << 10},
+                                 master_kwargs=NO_MESH)
     n = (4 << 20) // 4 + 7
     inputs = [random_input("float32", n, seed=r, op=pccl.ReduceOp.AVG) for r in range(3)]
     tensors = [x.copy() for x in inputs]
@@ -149,10 +161,16 @@ async def test_concurrent_async_reduces_with_distinct_tags(pccl_cluster) -> None
         order = list(shapes) if r % 2 == 0 else list(reversed(shapes))
         for tag in order:
             handles.append(c.all_reduce_async(tensors[tag][r], op=pccl.ReduceOp.SUM, tag=tag))
-    await asyncio.gather(*handles)
+    infos = await asyncio.gather(*handles)
+    algorithms: dict[int, set[str]] = {}
+    for r in range(len(cluster.comms)):
+        order = list(shapes) if r % 2 == 0 else list(reversed(shapes))
+        for tag in order:
+            algorithms.setdefault(tag, set()).add(infos.pop(0).algorithm)
     for tag, (dt, _) in shapes.items():
-        expected = ring_reference(in_ring_order(cluster.comms, inputs[tag]), pccl.ReduceOp.SUM,
-                                  dt).tobytes()
+        assert len(algorithms[tag]) == 1, algorithms  # every peer ran the same one
+        expected = reference(algorithms[tag].pop(), in_ring_order(cluster.comms, inputs[tag]),
+                             pccl.ReduceOp.SUM, dt).tobytes()
         assert all(t.tobytes() == expected for t in tensors[tag]), tag
 
 

@@ -354,6 +354,8 @@ class MasterState:
         self.mesh_max_bytes = mesh_max_bytes
         # Per group: the mesh limit of its current ring epoch (sent with TopologyUpdated).
         self.mesh_limits: dict[int, int] = {}
+        # Per group: what the cost model was given for it (one-way latency s, bytes/s).
+        self.mesh_inputs: dict[int, tuple[float, float]] = {}
         # Relay tokens of mesh links (not ring links: their fallback says nothing of a
         # ring link's hole punching).
         self.mesh_tokens: set[bytes] = set()
@@ -923,6 +925,7 @@ class MasterState:
                        if a in members and b in members and r > 0)
         bandwidth = rates[len(rates) // 2] if rates else algorithms.DEFAULT_BANDWIDTH
         one_way = algorithms.one_way_latency(rnd.dials.get(group, []))
+        self.mesh_inputs[group] = (one_way, bandwidth)
         return algorithms.mesh_max_bytes(len(ring), one_way, bandwidth)
 
     def _token(self, label: str) -> bytes:

@@ -21,8 +21,9 @@ class ReduceInfo:
     rx_bytes: int  #: bytes this peer received
     world_size: int  #: peers that took part
     #: How it ran: "ring", "mesh" (recursive doubling between the peers), "master"
-    #: (reduced by the master) or "local" (a group of one).
-    algorithm: str = "ring"
+    #: (reduced by the master) or "local" (a group of one). Not compared: infos that
+    #: report the same costs are equal however they ran.
+    algorithm: str = dataclasses.field(default="ring", compare=False)
 
 
 @dataclasses.dataclass(frozen=True)
