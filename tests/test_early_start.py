@@ -10,7 +10,7 @@ import time
 
 import numpy as np
 import pytest
-from reference import in_ring_order, ring_reference
+from reference import in_ring_order, reference
 
 import pccl
 from pccl.testing import Cluster, LinkEmulator
@@ -33,11 +33,12 @@ async def test_small_collectives_take_the_early_path_with_exact_results() -> Non
         for step in range(6):
             xs = [deterministic_tensor("float32", 1000 + step, seed=10 * step + i)
                   for i in range(3)]
-            expected = ring_reference(in_ring_order(comms, [x.copy() for x in xs]),
-                                      pccl.ReduceOp.SUM, "float32")
+            inputs = in_ring_order(comms, [x.copy() for x in xs])
             infos = await asyncio.gather(*(c.all_reduce(x, tag=step % 2)
                                            for c, x in zip(comms, xs)))
             assert [i.world_size for i in infos] == [3, 3, 3]
+            (algorithm,) = {i.algorithm for i in infos}  # the ring or the mesh, one for all
+            expected = reference(algorithm, inputs, pccl.ReduceOp.SUM, "float32")
             assert all(x.tobytes() == expected.tobytes() for x in xs)
         assert stats(cluster) == {"confirmed": 6, "voided": 0}
 
@@ -62,8 +63,7 @@ async def test_a_peer_calling_long_after_the_others_is_no_stall() -> None:
         xs = [deterministic_tensor("float64", 100_003, seed=i) for i in range(3)]
         quantized = [deterministic_tensor("float32", 70_001, seed=7 + i) for i in range(3)]
         q = pccl.QuantizationOptions(pccl.QuantizationAlgorithm.MIN_MAX, pccl.DataType.UINT8)
-        expected = ring_reference(in_ring_order(comms, [x.copy() for x in xs]), pccl.ReduceOp.SUM,
-                                  "float64")
+        inputs = in_ring_order(comms, [x.copy() for x in xs])
         early = [c.all_reduce_async(x, tag=1) for c, x in zip(comms[:2], xs[:2])]
         early_q = [c.all_reduce_async(x, tag=2, quantization=q)
                    for c, x in zip(comms[:2], quantized[:2])]
@@ -77,6 +77,8 @@ async def test_a_peer_calling_long_after_the_others_is_no_stall() -> None:
         late_q = comms[2].all_reduce_async(quantized[2], tag=2, quantization=q)
         infos = await asyncio.gather(*early, late, *early_q, late_q)
         assert all(i.world_size == 3 for i in infos)
+        (algorithm,) = {i.algorithm for i in infos[:3]}
+        expected = reference(algorithm, inputs, pccl.ReduceOp.SUM, "float64")
         assert all(x.tobytes() == expected.tobytes() for x in xs)
         # Quantized: every peer decodes the very same bytes.
         assert quantized[0].tobytes() == quantized[1].tobytes() == quantized[2].tobytes()

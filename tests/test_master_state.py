@@ -25,6 +25,7 @@ from hypothesis.stateful import (
     rule,
 )
 
+from pccl import algorithms
 from pccl.enums import DataType
 from pccl.errors import ErrorKind
 from pccl.master.state import (
@@ -155,7 +156,7 @@ def run_with(groups: Sequence[int], **kwargs: int | bool) -> MasterState:
     Peer 1 is admitted alone (epoch 1), the rest join and are admitted by one vote of
     peer 1 (epoch 2).
     """
-    st = MasterState(**kwargs)  # type: ignore[arg-type]
+    st = MasterState(**{"mesh_max_bytes": 0, **kwargs})  # type: ignore[arg-type]
     join(st, 1, groups[0])
     report_all(st)
     for pid, g in enumerate(groups[1:], start=2):
@@ -182,7 +183,7 @@ def performed3(tag: int = 0, repair_rings: bool = True) -> MasterState:
 
 
 def test_first_peer_is_admitted_alone_without_a_vote() -> None:
-    st = MasterState()
+    st = MasterState(mesh_max_bytes=0)
     assert join(st, 1) == establish(1, [1])
     assert establish(1, [1]) == [Send(1, m.EstablishP2P(epoch=1, ring=[1], next_id=-1,
                                                          next_addr=""))]
@@ -206,7 +207,7 @@ def resume(st: MasterState, pid: int, epoch: int, revision: int,
 
 
 def test_restarted_master_waits_for_the_old_group_and_admits_it_at_once() -> None:
-    st = MasterState()
+    st = MasterState(mesh_max_bytes=0)
     # Peer 3 of an old group of {2, 3, 5} comes back first: the master waits for 2 and 5.
     assert resume(st, 3, 9, 4, [2, 3, 5]) == [ArmRecoveryTimer(1)]
     assert st.recovery_awaiting == {2, 5} and st.phase is Phase.IDLE
@@ -221,7 +222,7 @@ def test_restarted_master_waits_for_the_old_group_and_admits_it_at_once() -> Non
 
 
 def test_recovery_timer_admits_whoever_came_back() -> None:
-    st = MasterState()
+    st = MasterState(mesh_max_bytes=0)
     assert resume(st, 2, 4, -1, [1, 2]) == [ArmRecoveryTimer(1)]
     assert st.handle(RecoveryTimeout(0)) == []  # a stale timer changes nothing
     assert st.handle(RecoveryTimeout(1)) == establish(5, [2])
@@ -566,7 +567,7 @@ def test_last_peer_lost_leaves_an_empty_idle_master() -> None:
 
 
 def test_only_member_of_the_first_round_lost() -> None:
-    st = MasterState()
+    st = MasterState(mesh_max_bytes=0)
     join(st, 1)
     assert join(st, 2) == []  # waits: the round for peer 1 is running
     assert lose(st, 1) == [Disconnect(1, TEXT)] + establish(2, [2])
@@ -2069,7 +2070,7 @@ def test_askers_are_answered_when_a_failed_repair_drops_the_last_one_missing() -
 
 
 def test_a_pair_whose_hole_punching_failed_is_relayed_at_once_next_time() -> None:
-    st = MasterState(token_key=bytes(32))
+    st = MasterState(mesh_max_bytes=0, token_key=bytes(32))
     st.handle(PeerRegistered(1, 0, addr(1), reachable=False))
     report_all(st)  # admitted alone
     st.handle(PeerRegistered(2, 0, addr(2), reachable=False))
@@ -2238,3 +2239,104 @@ def test_a_withdrawal_of_a_tensor_sent_to_the_master_is_answered() -> None:
     tell(st, 1, with_data(0, [1]))
     out = tell(st, 1, done(0, -1, ok=False, kind="CollectiveAbortedError"))
     assert out == [Send(1, refused(0, "CollectiveAbortedError"))]
+
+
+# --- the mesh (recursive doubling between the peers) ------------------------------------
+
+
+def establishes(out: list[Command]) -> dict[int, m.EstablishP2P]:
+    return {c.peer_id: c.msg for c in out
+            if isinstance(c, Send) and isinstance(c.msg, m.EstablishP2P)}
+
+
+def mesh_limits(out: list[Command]) -> dict[int, int]:
+    return {c.peer_id: c.msg.mesh_max_bytes for c in out
+            if isinstance(c, Send) and isinstance(c.msg, m.TopologyUpdated)}
+
+
+def five_peers(st: MasterState, reachable: Sequence[bool] = (True,) * 5,
+               allow_relay: bool = True) -> list[Command]:
+    """Peers 1..5 joined; 1 voted: the EstablishP2P of the round (epoch 2)."""
+    st.handle(PeerRegistered(1, 0, addr(1), reachable=reachable[0], allow_relay=allow_relay))
+    report_all(st)
+    for pid in range(2, 6):
+        st.handle(PeerRegistered(pid, 0, addr(pid), reachable=reachable[pid - 1],
+                                 allow_relay=allow_relay))
+    return vote(st, 1)
+
+
+def test_every_member_gets_pools_to_its_mesh_partners_both_ways() -> None:
+    st = MasterState(token_key=bytes(32), mesh_max_bytes=8192)
+    sent = establishes(five_peers(st))
+    ring = [1, 2, 3, 4, 5]
+    for rank, p in enumerate(ring):
+        msg = sent[p]
+        partners = [ring[r] for r in algorithms.mesh_partners(rank, 5)]
+        assert msg.mesh_ids == partners
+        assert msg.mesh_addrs == msg.mesh_in_addrs == [addr(q) for q in partners]
+        assert msg.mesh_routes == msg.mesh_in_routes == ["direct"] * len(partners)
+        for q in partners:  # symmetric: q is told of p too
+            assert p in sent[q].mesh_ids
+    out = report_all(st)
+    assert mesh_limits(out) == dict.fromkeys(ring, 8192)
+    assert st.mesh_limits == {0: 8192}
+
+
+def test_mesh_links_to_a_peer_behind_nat_are_dialed_back_or_relayed() -> None:
+    # 2 and 3 are behind NAT; they are not mesh partners of each other in a ring of
+    # five (ranks 1 and 2), so every link has one dialable end.
+    assert 2 not in algorithms.mesh_partners(1, 5)
+    st = MasterState(token_key=bytes(32), mesh_max_bytes=8192)
+    sent = establishes(five_peers(st, reachable=(True, False, False, True, True)))
+    routes = {(p, q): r for p, msg in sent.items()
+              for q, r in zip(msg.mesh_ids, msg.mesh_routes)}
+    for (p, q), r in routes.items():
+        assert r == ("direct" if q not in (2, 3) else "reverse"), (p, q)
+    # The receiving end of a reverse link dials the sender back with the same token.
+    for p, msg in sent.items():
+        for q, r, t in zip(msg.mesh_ids, msg.mesh_in_routes, msg.mesh_in_tokens):
+            sender = sent[q]
+            i = sender.mesh_ids.index(p)
+            assert (r, t) == (sender.mesh_routes[i], sender.mesh_tokens[i])
+    assert mesh_limits(report_all(st)) == dict.fromkeys(range(1, 6), 8192)
+
+
+def test_partners_both_behind_nat_go_through_the_relay_or_do_without_a_mesh() -> None:
+    st = MasterState(token_key=bytes(32), mesh_max_bytes=8192)
+    sent = establishes(five_peers(st, reachable=(False,) * 5))
+    assert all(set(msg.mesh_routes) == {"relay"} for msg in sent.values())
+    relayed = {t for msg in sent.values() for t in msg.mesh_tokens}
+    assert relayed <= set(st.relay_tokens) and relayed == st.mesh_tokens
+    # A relayed mesh link says nothing of a ring link's hole punching.
+    assert all(st.handle(Relayed(t)) == [] for t in relayed) and st.punch_failed == set()
+    report_all(st)
+    # Without the relay: no mesh links, nobody dropped for it, the ring as before.
+    st = MasterState(token_key=bytes(32), mesh_max_bytes=8192)
+    sent = establishes(five_peers(st, reachable=(False,) * 5, allow_relay=False))
+    assert all(msg.mesh_ids == [] for msg in sent.values())
+
+
+def test_a_failed_mesh_pool_turns_the_mesh_off_for_the_epoch_and_drops_nobody() -> None:
+    st = MasterState(token_key=bytes(32), mesh_max_bytes=8192)
+    five_peers(st)
+    epoch = st.round.epoch
+    out = []
+    for p in range(1, 6):
+        out += tell(st, p, m.P2PReport(epoch=epoch, failed=[],
+                                       mesh_failed=[2] if p == 1 else []))
+    assert mesh_limits(out) == dict.fromkeys(range(1, 6), 0)
+    assert st.accepted() == [1, 2, 3, 4, 5]
+
+
+def test_the_cost_model_limit_comes_from_the_dials_the_members_measured() -> None:
+    st = MasterState(token_key=bytes(32))  # mesh_max_bytes=-1: the cost model
+    five_peers(st)
+    epoch = st.round.epoch
+    out = []
+    for p in range(1, 6):
+        out += tell(st, p, m.P2PReport(epoch=epoch, failed=[],
+                                       dial_seconds=[0.01 * p, -1.0]))
+    one_way = algorithms.one_way_latency([0.01 * p for p in range(1, 6)])
+    want = algorithms.mesh_max_bytes(5, one_way, algorithms.DEFAULT_BANDWIDTH)
+    assert 0 < want and mesh_limits(out) == dict.fromkeys(range(1, 6), want)
+    assert st.mesh_inputs[0] == (one_way, algorithms.DEFAULT_BANDWIDTH)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from reference import ring_reference
+from reference import reference
 
 import pccl
 from pccl.testing import PeerProcess
@@ -58,14 +58,15 @@ class Run:
 
     async def reduce_exactly(self, name: str) -> None:
         """SUM of each peer's tensor ``name`` (seeded by its id): bit-identical to the
-        reference in ring order, on every peer."""
+        reference in the order of the algorithm that ran, on every peer."""
         for p in self.peers:
             await p.call("make_tensor", name=name, dtype="float32", count=COUNT,
                          seed=p.peer_id + len(name))
         ring = (await self.peers[0].call("info"))["ring"]
         inputs = [deterministic_tensor("float32", COUNT, seed=pid + len(name)) for pid in ring]
-        want = digest(ring_reference(inputs, pccl.ReduceOp.SUM, "float32"))
         results = await asyncio.gather(*(p.call("all_reduce", name=name) for p in self.peers))
+        (algorithm,) = {r["algorithm"] for r in results}  # the ring or the mesh, for all
+        want = digest(reference(algorithm, inputs, pccl.ReduceOp.SUM, "float32"))
         assert [r["digest"] for r in results] == [want] * len(self.peers)
         assert all(r["world_size"] == len(self.peers) for r in results)
 

@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from reference import ring_reference
+from reference import reference
 
 import pccl
 from pccl.testing import PeerProcess
@@ -65,10 +65,12 @@ class Net:
                                         seed=p.peer_id) for p in self.peers}
 
 
-def expected(ring: list[int], dtype: str, count: int) -> str:
-    """Digest of the SUM every peer must hold, computed in the ring's order."""
+def expected(ring: list[int], dtype: str, count: int, results: list) -> str:
+    """Digest of the SUM every peer must hold, computed in the order of the algorithm
+    the peers report (the ring's or the mesh's; one for all)."""
     inputs = [deterministic_tensor(dtype, count, seed=pid) for pid in ring]
-    return digest(ring_reference(inputs, pccl.ReduceOp.SUM, dtype))
+    (algorithm,) = {r["algorithm"] for r in results}
+    return digest(reference(algorithm, inputs, pccl.ReduceOp.SUM, dtype))
 
 
 async def reduce_all(peers: list[PeerProcess], name: str) -> list:
@@ -109,7 +111,7 @@ async def test_membership_across_hosts(pccl_netns: VirtualLan) -> None:
     ring = (await late.call("info"))["ring"]
     assert sorted(ring) == sorted(p.peer_id for p in net.peers)
     results = await reduce_all(net.peers, "t")
-    want = expected(ring, "int64", 10_000)
+    want = expected(ring, "int64", 10_000, results)
     assert [r["digest"] for r in results] == [want] * 3
     assert all(r["world_size"] == 3 for r in results)
 
@@ -130,9 +132,9 @@ async def test_all_reduce_exact_across_hosts(pccl_netns: VirtualLan, qdisc: str 
     t0 = time.monotonic()
     results = await reduce_all(net.peers, "f")
     took = time.monotonic() - t0
-    assert [r["digest"] for r in results] == [expected(ring, "float32", count)] * 4
+    assert [r["digest"] for r in results] == [expected(ring, "float32", count, results)] * 4
     results_i = await reduce_all(net.peers, "i")
-    assert [r["digest"] for r in results_i] == [expected(ring, "int64", count // 4)] * 4
+    assert [r["digest"] for r in results_i] == [expected(ring, "int64", count // 4, results_i)] * 4
     if qdisc is not None:
         sent = results[net.peers.index(slow)]["tx_bytes"]
         assert sent >= 2 * 3 / 4 * count * 4  # 2(n-1)/n of the buffer
@@ -170,7 +172,7 @@ async def test_sigkill_mid_all_reduce_across_hosts(pccl_netns: VirtualLan) -> No
     ring = (await survivors[0].call("info"))["ring"]
     assert sorted(ring) == sorted(p.peer_id for p in survivors)
     results = await reduce_all(survivors, "t")
-    assert [r["digest"] for r in results] == [expected(ring, "float32", count)] * 3
+    assert [r["digest"] for r in results] == [expected(ring, "float32", count, results)] * 3
     assert all(r["world_size"] == 3 for r in results)
 
 
@@ -283,7 +285,7 @@ async def test_link_cut_mid_ring(pccl_netns: VirtualLan) -> None:
     ring = (await survivors[0].call("info"))["ring"]
     assert sorted(ring) == sorted(p.peer_id for p in survivors)
     results = await reduce_all(survivors, "t")
-    assert [r["digest"] for r in results] == [expected(ring, "float32", count)] * 3
+    assert [r["digest"] for r in results] == [expected(ring, "float32", count, results)] * 3
 
 
 async def test_partition_between_two_hosts_mid_ring(pccl_netns: VirtualLan) -> None:
@@ -310,4 +312,4 @@ async def test_partition_between_two_hosts_mid_ring(pccl_netns: VirtualLan) -> N
     ring = (await net.peers[0].call("info"))["ring"]
     assert len(ring) == 4
     results = await reduce_all(net.peers, "t")
-    assert [r["digest"] for r in results] == [expected(ring, "float32", count)] * 4
+    assert [r["digest"] for r in results] == [expected(ring, "float32", count, results)] * 4

@@ -54,9 +54,10 @@ def test_admission_installs_the_ring_between_the_neighbours() -> None:
     mc = ps.PeerMachine()
     assert mc.usable() is not None
     out = cmds(mc, ps.Welcomed(2), ps.FromMaster(world([1, 2, 3], 4)),
-               ps.FromMaster(m.TopologyUpdated(epoch=4)))
+               ps.FromMaster(m.TopologyUpdated(epoch=4, mesh_max_bytes=4096)))
     assert mc.status is ps.Status.REGISTERED
-    assert ps.InstallRing(4, 3, 1, 1) in out
+    # The ring's order goes with the install, and the master's mesh limit of the epoch.
+    assert ps.InstallRing(4, 3, 1, 1, (1, 2, 3), 4096) in out
     assert not any(isinstance(c, ps.Resolve) for c in out)  # not before the links are up
     assert cmds(mc, ps.RingInstalled(4, 1)) == [ps.Resolve(ps.ACCEPT)]
     assert mc.status is ps.Status.ACCEPTED and mc.ring_epoch == 4 and mc.usable() is None
@@ -104,7 +105,7 @@ def test_a_perform_on_a_ring_being_installed_waits_for_the_install() -> None:
     mc.handle(ps.StartCollective(init()))
     out = cmds(mc, ps.FromMaster(world([1, 2], 2)),
                ps.FromMaster(m.TopologyUpdated(epoch=2, repair=True)))
-    assert ps.InstallRing(2, 1, 1, 1) in out
+    assert ps.InstallRing(2, 1, 1, 1, (1, 2)) in out
     assert mc.handle(perform(epoch=2, world_=2)) == []
     assert mc.collectives[0].phase is ps.CollectivePhase.WAIT_INSTALL
     out = mc.handle(ps.RingInstalled(2, 1))
@@ -118,7 +119,8 @@ def test_a_round_of_an_epoch_being_installed_waits_for_that_install() -> None:
     mc = accepted()
     out = cmds(mc, ps.FromMaster(world([1, 2], 2)),
                ps.FromMaster(m.TopologyUpdated(epoch=2, repair=True)))
-    assert [c for c in out if isinstance(c, ps.InstallRing)] == [ps.InstallRing(2, 1, 1, 1)]
+    assert [c for c in out if isinstance(c, ps.InstallRing)] == [
+        ps.InstallRing(2, 1, 1, 1, (1, 2))]
     mc.handle(ps.StartTopology(0.0))
     out = mc.handle(ps.FromMaster(m.TopologyUpdated(epoch=2)))
     assert not any(isinstance(c, ps.InstallRing) for c in out)
@@ -129,7 +131,7 @@ def test_a_round_of_an_epoch_being_installed_waits_for_that_install() -> None:
     # A later epoch installs again.
     out = cmds(mc, ps.FromMaster(world([1, 2], 3)),
                ps.FromMaster(m.TopologyUpdated(epoch=3, repair=True)))
-    assert ps.InstallRing(3, 1, 1, 1) in out
+    assert ps.InstallRing(3, 1, 1, 1, (1, 2)) in out
 
 
 def test_a_perform_on_a_ring_that_is_not_here_fails_this_peers_part() -> None:

@@ -100,7 +100,7 @@ def test_a_better_ring_found_later_is_adopted_at_the_next_update() -> None:
     from pccl.master import state as st
     from pccl.protocol import messages as m
 
-    s = st.MasterState()
+    s = st.MasterState(mesh_max_bytes=0)
     for p in (1, 2, 3):
         s.handle(st.PeerRegistered(p, 0, f"h:{p}"))
     # Admit all three: 1 alone, then 2 and 3 through a vote.
@@ -142,7 +142,7 @@ def test_the_solver_is_told_the_path_types_of_peers_behind_nat() -> None:
     from pccl.master import state as st
     from pccl.protocol import messages as m
 
-    s = st.MasterState(token_key=bytes(32))
+    s = st.MasterState(mesh_max_bytes=0, token_key=bytes(32))
     for p in (1, 2, 3, 4):
         s.handle(st.PeerRegistered(p, 0, f"h:{p}", reachable=p < 3))
     s.handle(st.Received(1, m.P2PReport(epoch=1, failed=[])))

@@ -96,9 +96,9 @@ class MasterNode:
         insecure: bool = False,
         dial_back_timeout: float = 2.0,
         max_relayed_streams: int = 256,
+        mesh_max_bytes: int = -1,
         status_listen: str | None = None,
         status_token: str | None = None,
-        mesh_max_bytes: int = -1,
     ) -> None:
         for name, value in (("heartbeat_interval", heartbeat_interval),
                             ("heartbeat_timeout", heartbeat_timeout),

@@ -61,7 +61,8 @@ class Worker:
     async def cmd_all_reduce(self, name: str, op: str = "SUM", tag: int = 0) -> dict[str, Any]:
         info = await self.comm.all_reduce(self.tensors[name], op=pccl.ReduceOp[op], tag=tag)
         return {"digest": digest(self.tensors[name]), "world_size": info.world_size,
-                "tx_bytes": info.tx_bytes, "rx_bytes": info.rx_bytes}
+                "tx_bytes": info.tx_bytes, "rx_bytes": info.rx_bytes,
+                "algorithm": info.algorithm}
 
     async def cmd_update_topology(self) -> None:
         await self.comm.update_topology()

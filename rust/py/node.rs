@@ -207,11 +207,9 @@ impl PyP2PNode {
     /// Stops the listener and all tasks and drops every stream. Idempotent.
     fn close<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
         let node = self.node.clone();
-        let links = self.ring.take();
+        let ring = self.ring.clone();
         future_into_py(py, async move {
-            if let Some(links) = links {
-                links.close().await;
-            }
+            ring.close().await; // the ring links and the mesh
             node.close().await;
             Ok(())
         })
