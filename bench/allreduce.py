@@ -170,6 +170,12 @@ def _insecure() -> bool:
     return os.environ.get("PCCL_BENCH_INSECURE") == "1"
 
 
+def _mesh_max_bytes() -> int:
+    """The master's mesh limit: ``PCCL_BENCH_MESH_MAX_BYTES`` (0: every collective on
+    the ring), else pccl's default (-1: the cost model chooses)."""
+    return int(os.environ.get("PCCL_BENCH_MESH_MAX_BYTES", "-1"))
+
+
 def _master_proc(addr_q: Any, stop: Any, life_s: float) -> None:
     import pccl
 
@@ -177,7 +183,8 @@ def _master_proc(addr_q: Any, stop: Any, life_s: float) -> None:
         # A long heartbeat timeout: on a small, busy machine a peer's event loop can be
         # late to answer a ping without being dead.
         master = pccl.MasterNode(listen="127.0.0.1:0", heartbeat_interval=1.0,
-                                 heartbeat_timeout=30.0, insecure=_insecure())
+                                 heartbeat_timeout=30.0, insecure=_insecure(),
+                                 mesh_max_bytes=_mesh_max_bytes())
         await master.start()
         try:
             addr_q.put({"done": True, "address": master.address})
@@ -270,7 +277,8 @@ async def _pccl_peer(rank: int, k: int, master: str, pool: int, advertise: str |
             assert info is not None
             q.put({"rank": rank, "size": nbytes, "times": times,
                    "cpu_s": time.process_time() - cpu0, "tx_bytes": info.tx_bytes,
-                   "rx_bytes": info.rx_bytes, "world_size": info.world_size})
+                   "rx_bytes": info.rx_bytes, "world_size": info.world_size,
+                   "algorithm": info.algorithm})
             del x, y
         lanes = comm.ring_lanes()
         ring_pos = comm.ring.index(comm.peer_id) if comm.peer_id in comm.ring else -1
@@ -338,6 +346,7 @@ def pccl_rows(k: int, pool: int, sizes: list[int], res: dict[str, Any]) -> list[
                                     if k > 1 else None),
             "cpu_s_per_peer": [round(per_rank[r]["cpu_s"], 3) for r in range(k)],
             "ring_lanes_per_peer": [res["peers"][r]["lanes"] for r in range(k)],
+            "algorithm": sorted({per_rank[r]["algorithm"] for r in range(k)}),
         })
     return rows
 
@@ -546,8 +555,9 @@ def print_tables(out: dict[str, Any]) -> None:
         bound = loop[k]["busbw_bound_GBps_best"] if k in loop else None
         p, g = pccl.get((k, n)), gloo.get((k, n))
         ratio = p["busbw_GBps_median"] / g["busbw_GBps_median"] if p and g else None
+        ran = "/".join(p["algorithm"]) if p and "algorithm" in p else ""
         print(f"{k:>3} {fmt_size(n):>9} {_fmt(bound):>8} | {cols(p, bound)} | "
-              f"{cols(g, bound)} | {_fmt(ratio):>9}")
+              f"{cols(g, bound)} | {_fmt(ratio):>9} {ran}")
     emu = out.get("emulator")
     if emu and emu["runs"]:
         print(f"\n== pccl through the link emulator: 2 peers, {fmt_size(emu['size_bytes'])}, "
@@ -637,7 +647,8 @@ def main() -> None:
                 for row in pccl_rows(k, args.pool, sizes, res):
                     out["pccl"].append(row)
                     print(f"pccl k={k} {fmt_size(row['size_bytes'])}: busbw "
-                          f"{row['busbw_GBps_median']:.2f} GB/s median", flush=True)
+                          f"{row['busbw_GBps_median']:.2f} GB/s median "
+                          f"({'/'.join(row['algorithm'])})", flush=True)
             if args.out_of_place:
                 with phase(out["errors"], f"pccl out of place k={k}"):
                     res = run_pccl(k, args.pool, sizes, args.iters, args.warmup, floor_rate,

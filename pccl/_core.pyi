@@ -30,6 +30,8 @@ __all__ = [
     "copy_into",
     "prefault",
     "star_all_reduce",
+    "mesh_partners",
+    "mesh_rounds",
     "ByteCounter",
     "HASH_LEAF_BYTES",
     "FETCH_RANGE_BYTES",

@@ -235,6 +235,7 @@ fn dialer_fields(body: &[u8]) -> Option<StreamHello> {
         0 => Purpose::Ring,
         1 => Purpose::Transfer,
         2 => Purpose::Probe,
+        3 => Purpose::Mesh,
         _ => return None,
     };
     (u16_at(8) == VERSION).then_some(StreamHello {

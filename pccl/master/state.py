@@ -359,6 +359,8 @@ class MasterState:
         # Relay tokens of mesh links (not ring links: their fallback says nothing of a
         # ring link's hole punching).
         self.mesh_tokens: set[bytes] = set()
+        # How each mesh link of the current round is made: (sender, receiver) -> route.
+        self.mesh_paths: dict[tuple[int, int], str] = {}
         # Route tokens (ring links that are not direct, relayed transfers) are keyed
         # hashes under this key (see _token).
         self._token_key = token_key if token_key is not None else os.urandom(32)
@@ -499,7 +501,8 @@ class MasterState:
                 # A silent peer whose link waits for a silent receiver (to dial it back,
                 # or to punch a hole) is not to blame: the receiver is, unless that would
                 # leave nobody to blame.
-                waiting = {a for (a, b), path in self.paths.items()
+                links = [*self.paths.items(), *self.mesh_paths.items()]
+                waiting = {a for (a, b), path in links
                            if path in ("reverse", "punch") and a in silent and b in silent}
                 blamed = [p for p in silent if p not in waiting] or silent
                 rnd.unreachable.update(blamed)
@@ -849,6 +852,7 @@ class MasterState:
                                  groups={self.peers[p].peer_group for p in members})
         self.relay_tokens.clear()
         self.mesh_tokens.clear()
+        self.mesh_paths.clear()
         self.paths.clear()
         for group, ring in self._rings_of(members).items():
             n = len(ring)
@@ -910,6 +914,7 @@ class MasterState:
                     self.mesh_tokens.add(token)
                 else:
                     return None
+        self.mesh_paths.update((pair, route) for pair, (route, _) in routes.items())
         return routes
 
     def _mesh_limit(self, group: int, ring: list[int], rnd: Round) -> int:

@@ -492,7 +492,8 @@ class Driver:
             raise
         self.metrics.collectives.labels("ok").inc()
         self.metrics.collective_seconds.observe(time.perf_counter() - started)
-        if not via_master:  # (the master's bytes are not a ring link's)
+        if not via_master and info.algorithm == "ring":
+            # (The master's bytes are not a ring link's; the mesh's go to its partners.)
             self.metrics.ring_traffic(list(self._m.ring) or ring, self.peer_id,
                                       info.tx_bytes, info.rx_bytes)
         return info

@@ -464,7 +464,16 @@ pub async fn mesh_all_reduce(
             "piece larger than the link's limit".into(),
         ));
     }
+    // From here on the op is finished on every link however it ends (its partners'
+    // pieces are then dropped instead of stashed), and poisons them if abandoned.
+    let op_id = spec.op_id;
+    let mut guard = Guard {
+        links: links.values().copied().collect(),
+        op: op_id,
+        armed: true,
+    };
     if let Some(l) = links.values().find(|l| l.is_poisoned()) {
+        guard.armed = false;
         return Err(l.poison_error());
     }
     let pieces = len.div_ceil(piece_len).max(1);
@@ -493,12 +502,6 @@ pub async fn mesh_all_reduce(
         advanced: Notify::new(),
         rx: AtomicU64::new(0),
     });
-    let op_id = sh.spec.op_id;
-    let mut guard = Guard {
-        links: links.values().copied().collect(),
-        op: op_id,
-        armed: true,
-    };
     for s in &steps {
         if let Some(r) = s.recv_from {
             let landing = Arc::new(StepLanding {

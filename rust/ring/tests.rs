@@ -4,7 +4,7 @@
 
 use super::allreduce::{OpMemory, Receiver};
 use super::assembly::{loopback_mesh, loopback_ring, LinkConfig, Ring, RingOp};
-use super::links::{Dest, STREAM_BLOCK};
+use super::links::{Dest, HEADER_LEN, STREAM_BLOCK};
 use super::mesh::{mesh_partners, mesh_rounds};
 use super::{ReduceSpec, ReduceStats};
 use crate::error::CoreError;
@@ -1540,6 +1540,735 @@ async fn mesh_all_reduce_is_exact_and_alike_for_every_dtype_op_and_world() {
                     run.await.unwrap().unwrap_or_else(|e| panic!("{what}: {e}"));
                     assert!(ops[rank].result() == want, "{what}: rank {rank} differs");
                 }
+            }
+            close_all(&peers).await;
+        }
+    })
+    .await;
+}
+
+/// [`start_into`], on `ring`'s mesh when the mesh takes the op (as
+/// `Ring::start_all_reduce` decides).
+fn mesh_into(
+    ring: &Ring,
+    spec: ReduceSpec,
+    input: &Arc<Vec<u8>>,
+    output: &Arc<Output>,
+) -> Result<RingOp, CoreError> {
+    let mesh = ring.mesh_for(&spec, input.len());
+    Ok(start_into(ring, spec, input, output)?.with_mesh(mesh))
+}
+
+/// [`start_in_place`], on `ring`'s mesh when the mesh takes the op.
+fn mesh_in_place(ring: &Ring, spec: ReduceSpec, tensor: &Arc<Output>) -> Result<RingOp, CoreError> {
+    let mesh = ring.mesh_for(&spec, tensor.len());
+    Ok(start_in_place(ring, spec, tensor)?.with_mesh(mesh))
+}
+
+fn plain(inputs: &[Arc<Vec<u8>>]) -> Vec<Vec<u8>> {
+    inputs.iter().map(|i| i.to_vec()).collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mesh_ops_out_of_place_and_in_place_land_the_mesh_result_and_roll_back_exactly() {
+    // (dtype, op, elements): with 24-byte pieces, 37 f32 are 7 pieces, 101 bf16 9,
+    // 50 f64 17, 29 i32 5, 100 u8 5; one element; an empty tensor (one empty piece).
+    let cases = [
+        (DType::F32, ReduceOp::Sum, 37),
+        (DType::BF16, ReduceOp::Avg, 101),
+        (DType::F64, ReduceOp::Prod, 50),
+        (DType::I32, ReduceOp::Avg, 29),
+        (DType::U8, ReduceOp::Max, 100),
+        (DType::F16, ReduceOp::Min, 1),
+        (DType::F32, ReduceOp::Sum, 0),
+    ];
+    bounded("the meshes", async {
+        for k in [3usize, 4] {
+            let peers = mesh_peers(k, 1 << 20, Duration::from_secs(10)).await;
+            for (c, &(dtype, op, count)) in cases.iter().enumerate() {
+                let what = format!("mesh of {k}, {} {} x{count}", op.name(), dtype.name());
+                let seed = |r: usize| (k * 1000 + c * 10 + r) as u64;
+                let inputs: Vec<Arc<Vec<u8>>> = (0..k)
+                    .map(|r| Arc::new(random_input(dtype, count, seed(r))))
+                    .collect();
+                let want = mesh_reference(dtype, op, &plain(&inputs));
+                let len = count * dtype.size();
+
+                // Out of place: the result lands in the output, the input stays.
+                let outputs: Vec<Arc<Output>> =
+                    (0..k).map(|_| Arc::new(Output::new(len))).collect();
+                let ops: Vec<RingOp> = (0..k)
+                    .map(|r| {
+                        let s = spec(2 * c as u64, r, k, dtype, op);
+                        mesh_into(&peers[r].1, s, &inputs[r], &outputs[r]).unwrap()
+                    })
+                    .collect();
+                assert!(ops.iter().all(RingOp::is_mesh), "{what}");
+                for r in run_all(&ops).await {
+                    r.unwrap_or_else(|e| panic!("{what}: {e}"));
+                }
+                for rank in 0..k {
+                    assert!(
+                        outputs[rank].bytes() == want,
+                        "{what}: rank {rank}'s output differs from the mesh reference"
+                    );
+                    assert!(
+                        std::ptr::eq(ops[rank].result().as_ptr(), outputs[rank].ptr()),
+                        "{what}: the result is not in the output"
+                    );
+                    assert!(
+                        *inputs[rank] == random_input(dtype, count, seed(rank)),
+                        "{what}: rank {rank}'s input was written"
+                    );
+                    // Committed into the output itself: nothing to copy; a rollback
+                    // of an out-of-place op is a no-op.
+                    // SAFETY: the op has finished; nothing else touches the output.
+                    let dst = unsafe {
+                        std::slice::from_raw_parts_mut(outputs[rank].ptr(), outputs[rank].len())
+                    };
+                    ops[rank].commit_into(dst).unwrap();
+                    ops[rank].rollback();
+                    assert!(outputs[rank].bytes() == want, "{what}: rank {rank}");
+                }
+
+                // In place: the result lands in the tensor; a rollback puts the original
+                // back exactly (once), a commit into the tensor keeps the result.
+                let tensors: Vec<Arc<Output>> = inputs
+                    .iter()
+                    .map(|i| Arc::new(Output::holding(i.to_vec())))
+                    .collect();
+                let ops: Vec<RingOp> = (0..k)
+                    .map(|r| {
+                        let s = spec(2 * c as u64 + 1, r, k, dtype, op);
+                        mesh_in_place(&peers[r].1, s, &tensors[r]).unwrap()
+                    })
+                    .collect();
+                assert!(ops.iter().all(RingOp::is_mesh), "{what}");
+                for r in run_all(&ops).await {
+                    r.unwrap_or_else(|e| panic!("{what}: {e}"));
+                }
+                for rank in 0..k {
+                    assert!(
+                        tensors[rank].bytes() == want,
+                        "{what}: rank {rank}'s tensor differs from the mesh reference"
+                    );
+                    assert!(
+                        std::ptr::eq(ops[rank].result().as_ptr(), tensors[rank].ptr()),
+                        "{what}: the result is not in the tensor"
+                    );
+                    if rank % 2 == 0 {
+                        ops[rank].rollback();
+                        assert!(
+                            tensors[rank].bytes() == *inputs[rank],
+                            "{what}: rank {rank}: the rollback did not restore the tensor"
+                        );
+                        ops[rank].rollback();
+                        assert!(
+                            tensors[rank].bytes() == *inputs[rank],
+                            "{what}: rank {rank}: the second rollback"
+                        );
+                    } else {
+                        // SAFETY: the op has finished; nothing else touches the tensor.
+                        let dst = unsafe {
+                            std::slice::from_raw_parts_mut(tensors[rank].ptr(), tensors[rank].len())
+                        };
+                        ops[rank].commit_into(dst).unwrap();
+                        ops[rank].rollback();
+                        assert!(
+                            tensors[rank].bytes() == want,
+                            "{what}: rank {rank}: a committed tensor was rolled back"
+                        );
+                    }
+                }
+            }
+            for (_, ring) in &peers {
+                assert!(ring.is_ok());
+            }
+            close_all(&peers).await;
+        }
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mesh_takes_collectives_up_to_its_max_bytes_and_the_ring_the_rest() {
+    let (k, max_bytes) = (3usize, 400usize);
+    // (f32 elements, on the mesh): 100 f32 are exactly `max_bytes`.
+    let cases = [
+        (1usize, true),
+        (99, true),
+        (100, true),
+        (101, false),
+        (5000, false),
+    ];
+    bounded("the threshold", async {
+        let peers = mesh_peers(k, max_bytes, Duration::from_secs(10)).await;
+        for (c, &(count, on_mesh)) in cases.iter().enumerate() {
+            let what = format!("{count} f32 ({} bytes)", count * 4);
+            let inputs: Vec<Vec<u8>> = (0..k)
+                .map(|r| random_input(DType::F32, count, (c * 10 + r) as u64 + 300))
+                .collect();
+            let ops: Vec<RingOp> = peers
+                .iter()
+                .enumerate()
+                .map(|(rank, (_, ring))| {
+                    let s = spec(c as u64, rank, k, DType::F32, ReduceOp::Sum);
+                    assert_eq!(ring.mesh_for(&s, count * 4).is_some(), on_mesh, "{what}");
+                    ring.start_all_reduce_shared(s, Arc::new(inputs[rank].clone()))
+                        .unwrap()
+                })
+                .collect();
+            for op in &ops {
+                assert_eq!(op.is_mesh(), on_mesh, "{what}");
+            }
+            let stats: Vec<ReduceStats> = run_all(&ops)
+                .await
+                .into_iter()
+                .map(|r| r.unwrap_or_else(|e| panic!("{what}: {e}")))
+                .collect();
+            let on_ring = reference(DType::F32, ReduceOp::Sum, &inputs);
+            let meshed = mesh_reference(DType::F32, ReduceOp::Sum, &inputs);
+            // Past one element the two reduction orders give other bytes for these
+            // inputs: the comparison below does tell the paths apart.
+            if count > 1 {
+                assert!(on_ring != meshed, "{what}: the orders agree");
+            }
+            let want = if on_mesh { &meshed } else { &on_ring };
+            for (rank, op) in ops.iter().enumerate() {
+                assert!(op.result() == want.as_slice(), "{what}: rank {rank}");
+            }
+            if !on_mesh {
+                check(&ops, &stats, want, &what);
+            }
+        }
+        // A quantized collective of the mesh's size runs on the ring (the mesh does not
+        // quantize): all peers agree.
+        let count = 100;
+        let inputs: Vec<Vec<u8>> = (0..k)
+            .map(|r| random_input(DType::F32, count, 400 + r as u64))
+            .collect();
+        let ops: Vec<RingOp> = peers
+            .iter()
+            .enumerate()
+            .map(|(rank, (_, ring))| {
+                let s = ReduceSpec {
+                    piece_bytes: 400,
+                    quant: Some((QuantAlgorithm::MinMax, WireType::U8)),
+                    ..spec(99, rank, k, DType::F32, ReduceOp::Sum)
+                };
+                assert!(ring.mesh_for(&s, count * 4).is_none());
+                ring.start_all_reduce_shared(s, Arc::new(inputs[rank].clone()))
+                    .unwrap()
+            })
+            .collect();
+        assert!(ops.iter().all(|o| !o.is_mesh()));
+        for r in run_all(&ops).await {
+            r.unwrap();
+        }
+        for op in &ops {
+            assert!(op.result() == ops[0].result());
+        }
+        close_all(&peers).await;
+    })
+    .await;
+}
+
+/// When the dropped peer of [`drop_one_mesh_peer`] goes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum DropAt {
+    /// Before the others start their op (once its partners saw their links to it go).
+    BeforeStart,
+    /// While the others' op waits for it.
+    AfterStart,
+}
+
+/// A mesh of 5 (ranks 0..4 core, rank 4 the extra of rank 0) runs one op on every
+/// peer; then op 2 on every peer but `dropped`, which never starts it, and whose ring and
+/// node close `when` the others start. No survivor can complete op 2 (each result needs
+/// the dropped peer's input): each must fail with a `PeerConnection` error within a
+/// few I/O timeouts, the partners of the dropped peer by their links to it, the others
+/// by their stall clock, and none may write its caller's memory.
+async fn drop_one_mesh_peer(dropped: usize, when: DropAt, landing: Landing) {
+    let k = 5;
+    let io_timeout = Duration::from_secs(2);
+    let peers = mesh_peers(k, 1 << 20, io_timeout).await;
+    let (dtype, op, count) = (DType::F32, ReduceOp::Sum, 301);
+    let seed = |r: usize| 500 + r as u64;
+    let inputs: Vec<Arc<Vec<u8>>> = (0..k)
+        .map(|r| Arc::new(random_input(dtype, count, seed(r))))
+        .collect();
+    let what = format!("rank {dropped} of {k} dropped {when:?}");
+
+    // The whole mesh works.
+    let ops: Vec<RingOp> = (0..k)
+        .map(|r| {
+            let s = spec(1, r, k, dtype, op);
+            peers[r]
+                .1
+                .start_all_reduce_shared(s, inputs[r].clone())
+                .unwrap()
+        })
+        .collect();
+    assert!(ops.iter().all(RingOp::is_mesh));
+    for r in run_all(&ops).await {
+        r.unwrap_or_else(|e| panic!("{what}: op 1: {e}"));
+    }
+    let want = mesh_reference(dtype, op, &plain(&inputs));
+    assert!(ops.iter().all(|o| o.result() == want), "{what}: op 1");
+
+    // Op 2, bound while every ring link is usable (the dropped peer's ring neighbours
+    // lose theirs with it).
+    let outputs: Vec<Arc<Output>> = (0..k)
+        .map(|r| match landing {
+            Landing::InPlace => Arc::new(Output::holding(inputs[r].to_vec())),
+            _ => Arc::new(Output::new(count * dtype.size())),
+        })
+        .collect();
+    let survivors: Vec<usize> = (0..k).filter(|&r| r != dropped).collect();
+    let ops: Vec<(usize, RingOp)> = survivors
+        .iter()
+        .map(|&r| {
+            let s = spec(2, r, k, dtype, op);
+            let o = match landing {
+                Landing::Scratch => peers[r].1.start_all_reduce_shared(s, inputs[r].clone()),
+                Landing::Output => mesh_into(&peers[r].1, s, &inputs[r], &outputs[r]),
+                Landing::InPlace => mesh_in_place(&peers[r].1, s, &outputs[r]),
+            };
+            (r, o.unwrap())
+        })
+        .collect();
+    assert!(ops.iter().all(|(_, o)| o.is_mesh()));
+    let drop_peer = || async {
+        let (node, ring) = &peers[dropped];
+        ring.close().await;
+        node.close().await;
+    };
+    let partners = mesh_partners(dropped, k);
+    let (t0, runs) = match when {
+        DropAt::BeforeStart => {
+            drop_peer().await;
+            let t0 = tokio::time::Instant::now();
+            for &r in &partners {
+                let mesh = peers[r].1.mesh().unwrap();
+                until("the partners see the dropped peer go", || {
+                    mesh.is_poisoned()
+                })
+                .await;
+            }
+            let runs: Vec<(usize, Run)> = ops
+                .iter()
+                .map(|(r, o)| (*r, tokio::spawn(o.run().unwrap())))
+                .collect();
+            (t0, runs)
+        }
+        DropAt::AfterStart => {
+            let runs: Vec<(usize, Run)> = ops
+                .iter()
+                .map(|(r, o)| (*r, tokio::spawn(o.run().unwrap())))
+                .collect();
+            // Lets the ops register and send what they can. Not a synchronisation: an
+            // op not polled yet meets the BeforeStart case, with the same outcome.
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            for (r, run) in &runs {
+                assert!(!run.is_finished(), "{what}: rank {r} ended before the drop");
+            }
+            drop_peer().await;
+            (tokio::time::Instant::now(), runs)
+        }
+    };
+    let dropped_id = dropped + 1;
+    for (rank, run) in runs {
+        match run.await.unwrap() {
+            Err(CoreError::PeerConnection(msg)) => {
+                if partners.contains(&rank) {
+                    // Its link to the dropped peer failed (EOF, or a failed send).
+                    assert!(
+                        msg.contains(&format!("peer {dropped_id} ")),
+                        "{what}: rank {rank}: {msg}"
+                    );
+                } else {
+                    // Its partners are alive but never send the step it waits for.
+                    assert!(
+                        msg.ends_with("(stalled or dead)"),
+                        "{what}: rank {rank}: {msg}"
+                    );
+                }
+            }
+            other => panic!("{what}: rank {rank}: {other:?}"),
+        }
+        assert!(
+            !peers[rank].1.is_ok(),
+            "{what}: rank {rank}: links still usable"
+        );
+        let original = random_input(dtype, count, seed(rank));
+        assert!(
+            *inputs[rank] == original,
+            "{what}: rank {rank}: input written"
+        );
+        match landing {
+            Landing::Scratch => {}
+            Landing::Output => assert!(
+                outputs[rank].bytes().iter().all(|&b| b == 0xA5),
+                "{what}: rank {rank}: the failed op wrote its output"
+            ),
+            Landing::InPlace => assert!(
+                outputs[rank].bytes() == original,
+                "{what}: rank {rank}: the failed in-place op changed its tensor"
+            ),
+        }
+    }
+    // Every survivor notices within an I/O timeout of silence (or at once); the bound
+    // leaves room for a loaded machine.
+    assert!(
+        t0.elapsed() < io_timeout * 5,
+        "{what}: failures took {:?}",
+        t0.elapsed()
+    );
+    for &r in &survivors {
+        peers[r].1.close().await;
+        peers[r].0.close().await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mesh_peer_dropped_before_the_others_start_fails_them_with_a_peer_connection_error() {
+    bounded("the dropped-peer meshes", async {
+        // A core rank with an extra, a core rank without, the extra.
+        drop_one_mesh_peer(0, DropAt::BeforeStart, Landing::Output).await;
+        drop_one_mesh_peer(1, DropAt::BeforeStart, Landing::InPlace).await;
+        drop_one_mesh_peer(4, DropAt::BeforeStart, Landing::Scratch).await;
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mesh_peer_dropped_while_the_others_wait_fails_them_with_a_peer_connection_error() {
+    bounded("the dropped-peer meshes", async {
+        drop_one_mesh_peer(0, DropAt::AfterStart, Landing::InPlace).await;
+        drop_one_mesh_peer(3, DropAt::AfterStart, Landing::Output).await;
+        drop_one_mesh_peer(4, DropAt::AfterStart, Landing::InPlace).await;
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unarmed_mesh_op_waits_out_silence_and_succeeds_once_the_late_peer_starts() {
+    let io_timeout = Duration::from_millis(300);
+    bounded("the late mesh peer", async {
+        // The extra of rank 0; a core rank every other one waits for; a core rank
+        // whose pair has an extra.
+        for (k, late) in [(3usize, 2usize), (4, 3), (5, 1)] {
+            let what = format!("mesh of {k}, rank {late} late");
+            let peers = mesh_peers(k, 1 << 20, io_timeout).await;
+            let (dtype, op, count) = (DType::F32, ReduceOp::Avg, 77);
+            let inputs: Vec<Arc<Vec<u8>>> = (0..k)
+                .map(|r| Arc::new(random_input(dtype, count, 600 + (k * 10 + r) as u64)))
+                .collect();
+            let outputs: Vec<Arc<Output>> = (0..k)
+                .map(|_| Arc::new(Output::new(count * dtype.size())))
+                .collect();
+            // Unarmed until the master would confirm that the late peer started.
+            let ops: Vec<RingOp> = (0..k)
+                .map(|r| {
+                    let s = spec(5, r, k, dtype, op);
+                    mesh_into(&peers[r].1, s, &inputs[r], &outputs[r])
+                        .unwrap()
+                        .with_armed(r == late)
+                })
+                .collect();
+            assert!(ops.iter().all(RingOp::is_mesh));
+            let mut runs: Vec<Option<Run>> = (0..k)
+                .map(|r| (r != late).then(|| tokio::spawn(ops[r].run().unwrap())))
+                .collect();
+            // Silence for several I/O timeouts: no stall while unarmed.
+            tokio::time::sleep(io_timeout * 3).await;
+            for (r, run) in runs.iter().enumerate() {
+                if let Some(run) = run {
+                    assert!(!run.is_finished(), "{what}: rank {r}'s unarmed op ended");
+                }
+            }
+            assert!(peers.iter().all(|(_, ring)| ring.is_ok()), "{what}");
+            runs[late] = Some(tokio::spawn(ops[late].run().unwrap()));
+            for op in &ops {
+                op.arm();
+            }
+            let want = mesh_reference(dtype, op, &plain(&inputs));
+            for (r, run) in runs.into_iter().enumerate() {
+                run.unwrap()
+                    .await
+                    .unwrap()
+                    .unwrap_or_else(|e| panic!("{what}: rank {r}: {e}"));
+                assert!(outputs[r].bytes() == want, "{what}: rank {r} differs");
+            }
+            assert!(peers.iter().all(|(_, ring)| ring.is_ok()), "{what}");
+            close_all(&peers).await;
+        }
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_armed_mesh_op_whose_partner_never_starts_stalls_after_the_io_timeout() {
+    let io_timeout = Duration::from_millis(300);
+    let stalled = |outcome: Result<ReduceStats, CoreError>, from: u64| match outcome {
+        Err(CoreError::PeerConnection(m)) => {
+            assert_eq!(
+                m,
+                format!("no data from peer {from} for 0.3s (stalled or dead)")
+            )
+        }
+        other => panic!("{other:?}"),
+    };
+    bounded("the stalled mesh ops", async {
+        // Armed from the start: rank 1 of 2 never starts.
+        let peers = mesh_peers(2, 1 << 20, io_timeout).await;
+        let s = spec(3, 0, 2, DType::F32, ReduceOp::Sum);
+        let op = peers[0]
+            .1
+            .start_all_reduce_shared(s, Arc::new(random_input(DType::F32, 100, 1)))
+            .unwrap();
+        assert!(op.is_mesh());
+        let t0 = tokio::time::Instant::now();
+        stalled(op.run().unwrap().await, 2);
+        let took = t0.elapsed();
+        assert!(
+            took >= io_timeout && took < io_timeout * 5,
+            "stalled after {took:?}"
+        );
+        assert!(!peers[0].1.is_ok());
+        close_all(&peers).await;
+
+        // Unarmed, rank 0 of 3 waits for its extra (rank 2, which never starts) for
+        // several I/O timeouts, then stalls an I/O timeout after it is armed.
+        let peers = mesh_peers(3, 1 << 20, io_timeout).await;
+        let s = spec(4, 0, 3, DType::F32, ReduceOp::Sum);
+        let op = peers[0]
+            .1
+            .start_all_reduce_shared(s, Arc::new(random_input(DType::F32, 100, 2)))
+            .unwrap()
+            .with_armed(false);
+        assert!(op.is_mesh());
+        let run = tokio::spawn(op.run().unwrap());
+        tokio::time::sleep(io_timeout * 3).await;
+        assert!(!run.is_finished(), "an unarmed mesh op stalled");
+        assert!(peers[0].1.is_ok());
+        let armed_at = tokio::time::Instant::now();
+        op.arm();
+        stalled(run.await.unwrap(), 3);
+        let took = armed_at.elapsed();
+        assert!(
+            took >= io_timeout && took < io_timeout * 5,
+            "stalled {took:?} after arming"
+        );
+        assert!(!peers[0].1.is_ok());
+        close_all(&peers).await;
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mesh_peers_running_another_descriptor_fail_with_invalid_usage() {
+    let io_timeout = Duration::from_millis(300);
+    let different = |e: &CoreError, from: u64| match e {
+        CoreError::InvalidUsage(m) => {
+            assert!(
+                m.starts_with(&format!("peer {from} runs a different collective as op 7 ")),
+                "{m}"
+            );
+            assert!(m.contains("element count, dtype, reduce op"), "{m}");
+        }
+        other => panic!("{other:?}"),
+    };
+    // A peer that hears nothing stalls; one still sending when its partner failed (and
+    // its reader let go of the stream) may see that send fail first.
+    let stalled = |e: &CoreError| match e {
+        CoreError::PeerConnection(m) => assert!(
+            m.ends_with("(stalled or dead)") || m.starts_with("sending to peer"),
+            "{m}"
+        ),
+        other => panic!("{other:?}"),
+    };
+    bounded("the mismatched meshes", async {
+        // A mesh of 3: the extra (rank 2) sends its input to rank 0 first thing, so
+        // rank 0 always receives its mismatched pieces (stashed or straight off the
+        // wire) and fails before it sends anything; ranks 1 and 2 then hear nothing.
+        // (dtype and element count of rank 2; the others run 100 f32.)
+        for (case, (dtype2, count2)) in [(DType::F32, 101usize), (DType::I32, 100)]
+            .into_iter()
+            .enumerate()
+        {
+            let what = format!("rank 2 runs {count2} {}", dtype2.name());
+            let k = 3;
+            let peers = mesh_peers(k, 1 << 20, io_timeout).await;
+            let (dtypes, counts) = ([DType::F32, DType::F32, dtype2], [100, 100, count2]);
+            let seed = |r: usize| (700 + case * 10 + r) as u64;
+            let inputs: Vec<Arc<Vec<u8>>> = (0..k)
+                .map(|r| Arc::new(random_input(dtypes[r], counts[r], seed(r))))
+                .collect();
+            let outputs: Vec<Arc<Output>> = (0..k)
+                .map(|r| Arc::new(Output::new(inputs[r].len())))
+                .collect();
+            let ops: Vec<RingOp> = (0..k)
+                .map(|r| {
+                    let s = spec(7, r, k, dtypes[r], ReduceOp::Sum);
+                    // Rank 0 unarmed: it cannot stall before the pieces come.
+                    mesh_into(&peers[r].1, s, &inputs[r], &outputs[r])
+                        .unwrap()
+                        .with_armed(r != 0)
+                })
+                .collect();
+            assert!(ops.iter().all(RingOp::is_mesh), "{what}");
+            let outcomes = run_all(&ops).await;
+            different(outcomes[0].as_ref().unwrap_err(), 3);
+            stalled(outcomes[1].as_ref().unwrap_err());
+            stalled(outcomes[2].as_ref().unwrap_err());
+            for r in 0..k {
+                let want = random_input(dtypes[r], counts[r], seed(r));
+                assert_untouched(&outputs[r], &inputs[r], &want, &format!("{what}: rank {r}"));
+                assert!(!peers[r].1.is_ok(), "{what}: rank {r}");
+            }
+            close_all(&peers).await;
+        }
+
+        // A mesh of 2, f32 against i32 of as many bytes, started together: at least one
+        // side lands the other's pieces (whoever registered first sends), and fails
+        // with InvalidUsage; one that never hears from its partner stalls.
+        let peers = mesh_peers(2, 1 << 20, io_timeout).await;
+        let dtypes = [DType::F32, DType::I32];
+        let inputs: Vec<Arc<Vec<u8>>> = (0..2)
+            .map(|r| Arc::new(random_input(dtypes[r], 60, 800 + r as u64)))
+            .collect();
+        let outputs: Vec<Arc<Output>> = (0..2).map(|_| Arc::new(Output::new(240))).collect();
+        let ops: Vec<RingOp> = (0..2)
+            .map(|r| {
+                let s = spec(7, r, 2, dtypes[r], ReduceOp::Max);
+                mesh_into(&peers[r].1, s, &inputs[r], &outputs[r]).unwrap()
+            })
+            .collect();
+        let outcomes = run_all(&ops).await;
+        let mut mismatches = 0;
+        for (r, outcome) in outcomes.iter().enumerate() {
+            match outcome.as_ref().unwrap_err() {
+                e @ CoreError::InvalidUsage(_) => {
+                    different(e, 2 - r as u64);
+                    mismatches += 1;
+                }
+                e => stalled(e),
+            }
+            let want = random_input(dtypes[r], 60, 800 + r as u64);
+            assert_untouched(
+                &outputs[r],
+                &inputs[r],
+                &want,
+                &format!("2 peers: rank {r}"),
+            );
+        }
+        assert!(mismatches > 0, "no peer saw the other's descriptor");
+        close_all(&peers).await;
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn aborting_a_waiting_mesh_op_fails_it_with_aborted_and_leaves_the_mesh_usable() {
+    // A long I/O timeout: only the abort can end the op.
+    let io_timeout = Duration::from_secs(10);
+    bounded("the aborted mesh op", async {
+        let k = 3;
+        let peers = mesh_peers(k, 1 << 20, io_timeout).await;
+        let (dtype, op, count) = (DType::BF16, ReduceOp::Sum, 90);
+        let inputs: Vec<Arc<Vec<u8>>> = (0..k)
+            .map(|r| Arc::new(random_input(dtype, count, 900 + r as u64)))
+            .collect();
+        // Rank 0 alone starts op 1, in place: its first step receives from its extra
+        // (rank 2), which never starts, so it sends nothing and no frame can be cut.
+        let tensor = Arc::new(Output::holding(inputs[0].to_vec()));
+        let aborted = mesh_in_place(&peers[0].1, spec(1, 0, k, dtype, op), &tensor).unwrap();
+        assert!(aborted.is_mesh());
+        let run = tokio::spawn(aborted.run().unwrap());
+        // Lets it reach its wait; an abort before that ends it the same way.
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        assert!(!run.is_finished());
+        let t0 = tokio::time::Instant::now();
+        aborted.abort();
+        match run.await.unwrap() {
+            Err(CoreError::Aborted(m)) => assert_eq!(m, "the collective was aborted"),
+            other => panic!("{other:?}"),
+        }
+        assert!(t0.elapsed() < io_timeout / 4, "took {:?}", t0.elapsed());
+        assert!(
+            tensor.bytes() == *inputs[0],
+            "the aborted op changed its tensor"
+        );
+        aborted.rollback();
+        assert!(tensor.bytes() == *inputs[0]);
+        // No link was poisoned: the next op on the whole mesh succeeds.
+        assert!(peers.iter().all(|(_, ring)| ring.is_ok()));
+        let ops: Vec<RingOp> = (0..k)
+            .map(|r| {
+                let s = spec(2, r, k, dtype, op);
+                peers[r]
+                    .1
+                    .start_all_reduce_shared(s, inputs[r].clone())
+                    .unwrap()
+            })
+            .collect();
+        for r in run_all(&ops).await {
+            r.unwrap();
+        }
+        let want = mesh_reference(dtype, op, &plain(&inputs));
+        assert!(ops.iter().all(|o| o.result() == want));
+        close_all(&peers).await;
+    })
+    .await;
+}
+
+/// Directed steps `rank` sends (and as many it receives) in a mesh all-reduce of `k`.
+fn mesh_sends(rank: usize, k: usize) -> usize {
+    let p = 1usize << (usize::BITS - 1 - k.leading_zeros());
+    if rank >= p {
+        1
+    } else {
+        p.trailing_zeros() as usize + usize::from(rank + p < k)
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mesh_ops_count_every_byte_they_send_and_receive() {
+    bounded("the mesh stats", async {
+        for k in 2..=8usize {
+            let peers = mesh_peers(k, 1 << 20, Duration::from_secs(10)).await;
+            for (c, &(dtype, count)) in [(DType::F32, 1usize), (DType::F64, 37), (DType::U8, 100)]
+                .iter()
+                .enumerate()
+            {
+                let what = format!("mesh of {k}, {count} {}", dtype.name());
+                let ops: Vec<RingOp> = (0..k)
+                    .map(|r| {
+                        let s = spec(c as u64, r, k, dtype, ReduceOp::Sum);
+                        let input = Arc::new(random_input(dtype, count, (k * 10 + r) as u64));
+                        peers[r].1.start_all_reduce_shared(s, input).unwrap()
+                    })
+                    .collect();
+                assert!(ops.iter().all(RingOp::is_mesh));
+                let stats: Vec<ReduceStats> = run_all(&ops)
+                    .await
+                    .into_iter()
+                    .map(|r| r.unwrap_or_else(|e| panic!("{what}: {e}")))
+                    .collect();
+                let len = count * dtype.size();
+                let piece_len = 24 / dtype.size() * dtype.size();
+                let pieces = len.div_ceil(piece_len).max(1);
+                let per_step = (pieces * HEADER_LEN + len) as u64;
+                for (rank, st) in stats.iter().enumerate() {
+                    assert!(st.tx_bytes > 0 && st.rx_bytes > 0, "{what}: rank {rank}");
+                    let steps = mesh_sends(rank, k) as u64;
+                    assert_eq!(st.tx_bytes, steps * per_step, "{what}: rank {rank} tx");
+                    assert_eq!(st.rx_bytes, steps * per_step, "{what}: rank {rank} rx");
+                }
+                let tx: u64 = stats.iter().map(|s| s.tx_bytes).sum();
+                let rx: u64 = stats.iter().map(|s| s.rx_bytes).sum();
+                assert_eq!(tx, rx, "{what}");
             }
             close_all(&peers).await;
         }
