@@ -34,13 +34,16 @@ from pccl import _core
 
 #: What one hop costs this implementation besides the link's latency: a piece's send,
 #: receive and reduce through the Rust data plane (encrypted), seconds. Calibrated
-#: with ``bench/latency.py --master-ms 0 --hop-ms 0`` (docs/benchmarks.md, "Mesh").
+#: with ``bench/latency.py --algorithms --master-ms 0 --link-ms 0``: fitting ring and
+#: mesh times of a 4 KiB all-reduce to (fixed cost + hops x this) gave 25 us at k = 4
+#: and 120 us at k = 8 (every peer in one process on 2 cores).
 HOP_OVERHEAD_S = 100e-6
 
 #: Round trips a pool's dial takes (TCP connect, the Noise handshake, the p2p hello):
 #: the dial times the peers report are divided by twice this to estimate one-way
-#: latency. Calibrated against emulated links (docs/benchmarks.md, "Mesh").
-DIAL_ROUND_TRIPS = 3.0
+#: latency. Calibrated against emulated links: adding 5 ms each way to every p2p link
+#: added 36.6 ms (k = 4) and 35.7 ms (k = 8) to the median dial, 3.6 round trips.
+DIAL_ROUND_TRIPS = 3.5
 
 #: Bandwidth assumed when no probe measured the group's links (bytes/s).
 DEFAULT_BANDWIDTH = 1e9
