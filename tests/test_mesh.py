@@ -113,7 +113,9 @@ def test_the_cost_model_prefers_the_mesh_for_small_tensors_and_large_k() -> None
     limits = [algorithms.mesh_max_bytes(k, 0.005, 1e8) for k in (3, 4, 8, 32)]
     assert 0 < limits[0] < limits[1] and limits[2] <= limits[3] == algorithms.MESH_CAP_BYTES
     assert algorithms.mesh_max_bytes(8, 0.0, 1e9) < algorithms.mesh_max_bytes(8, 1e-3, 1e9)
-    assert algorithms.mesh_max_bytes(2, 0.0, 1e9) == algorithms.MESH_CAP_BYTES
+    # k = 2: one hop instead of two, each byte dearer: S* = a bw / (c - 1).
+    a = algorithms.HOP_OVERHEAD_S
+    assert algorithms.mesh_max_bytes(2, 0.0, 1e9) == int(a * 1e9 / (algorithms.MESH_BYTE_COST - 1))
     assert algorithms.mesh_max_bytes(1, 0.005, 1e9) == 0
     for k in (3, 4, 8, 32):
         s = algorithms.mesh_max_bytes(k, 0.001, 1e9, cap=1 << 40)
