@@ -32,10 +32,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import statistics
 import sys
 import time
+from collections.abc import AsyncIterator
 from typing import Any
 
 import numpy as np
@@ -50,10 +52,16 @@ from pccl.testing import LinkEmulator
 from pccl.testing.cluster import connect_all
 
 
-async def measure(k: int, iters: int, master_ms: float, link_ms: float,
-                  count: int) -> dict[str, Any]:
+@contextlib.asynccontextmanager
+async def emulated_cluster(k: int, master_ms: float, link_ms: float,
+                           master_kwargs: dict[str, Any] | None = None,
+                           comm_kwargs: dict[str, Any] | None = None,
+                           ) -> AsyncIterator[tuple[pccl.MasterNode, list[pccl.Communicator]]]:
+    """A master and ``k`` admitted peers in this process: every peer reaches the master
+    through an emulator adding ``master_ms`` one way, and its inbound p2p link through
+    its own emulator adding ``link_ms`` one way. Everything is closed on exit."""
     master = pccl.MasterNode(listen="127.0.0.1:0", heartbeat_interval=1.0,
-                             heartbeat_timeout=30.0)
+                             **{"heartbeat_timeout": 30.0, **(master_kwargs or {})})
     await master.start()
     emus: list[LinkEmulator] = []
     comms: list[pccl.Communicator] = []
@@ -66,10 +74,22 @@ async def measure(k: int, iters: int, master_ms: float, link_ms: float,
             await inbound.start()
             emus.append(inbound)
             comm = pccl.Communicator(master=to_master.address, p2p_connection_pool_size=1,
-                                     p2p_advertise_address=inbound.address, timeout=60.0)
+                                     p2p_advertise_address=inbound.address, timeout=60.0,
+                                     **(comm_kwargs or {}))
             inbound.target = lambda comm=comm: f"127.0.0.1:{comm.p2p_port}"
             comms.append(comm)
         await connect_all(master, comms)
+        yield master, comms
+    finally:
+        await asyncio.gather(*(c.close() for c in comms), return_exceptions=True)
+        for e in emus:
+            await e.stop()
+        await master.stop()
+
+
+async def measure(k: int, iters: int, master_ms: float, link_ms: float,
+                  count: int) -> dict[str, Any]:
+    async with emulated_cluster(k, master_ms, link_ms) as (master, comms):
         xs = [np.full(count, float(i + 1), dtype=np.float32) for i in range(k)]
         want = float(k * (k + 1) // 2)
         rtt: list[float] = []
@@ -111,36 +131,16 @@ async def measure(k: int, iters: int, master_ms: float, link_ms: float,
                                       if rtt_med > 0 else None),
             }
         return row
-    finally:
-        await asyncio.gather(*(c.close() for c in comms), return_exceptions=True)
-        for e in emus:
-            await e.stop()
-        await master.stop()
 
 
 async def measure_algorithm(k: int, iters: int, master_ms: float, link_ms: float,
                             count: int, mesh_max_bytes: int) -> dict[str, Any]:
     """Median all-reduce time of ``count`` float32 on a fresh cluster whose master was
     given ``mesh_max_bytes``, and what ran."""
-    master = pccl.MasterNode(listen="127.0.0.1:0", heartbeat_interval=1.0,
-                             heartbeat_timeout=60.0, mesh_max_bytes=mesh_max_bytes)
-    await master.start()
-    emus: list[LinkEmulator] = []
-    comms: list[pccl.Communicator] = []
-    try:
-        to_master = LinkEmulator(master.address, latency=master_ms / 1e3)
-        await to_master.start()
-        emus.append(to_master)
-        for _ in range(k):
-            inbound = LinkEmulator(latency=link_ms / 1e3)
-            await inbound.start()
-            emus.append(inbound)
-            comm = pccl.Communicator(master=to_master.address, p2p_connection_pool_size=1,
-                                     p2p_advertise_address=inbound.address, timeout=60.0,
-                                     via_master_max_bytes=0, peer_timeout=60.0)
-            inbound.target = lambda comm=comm: f"127.0.0.1:{comm.p2p_port}"
-            comms.append(comm)
-        await connect_all(master, comms)
+    async with emulated_cluster(
+            k, master_ms, link_ms,
+            master_kwargs={"heartbeat_timeout": 60.0, "mesh_max_bytes": mesh_max_bytes},
+            comm_kwargs={"via_master_max_bytes": 0, "peer_timeout": 60.0}) as (master, comms):
         xs = [np.full(count, float(i + 1), dtype=np.float32) for i in range(k)]
         want = float(k * (k + 1) // 2)
         times: list[float] = []
@@ -160,11 +160,6 @@ async def measure_algorithm(k: int, iters: int, master_ms: float, link_ms: float
                 "all_reduce_ms_min": min(times) * 1e3, "ran": sorted(ran),
                 "mesh_max_bytes": limit,
                 "cost_model_inputs": master.state.mesh_inputs.get(0)}
-    finally:
-        await asyncio.gather(*(c.close() for c in comms), return_exceptions=True)
-        for e in emus:
-            await e.stop()
-        await master.stop()
 
 
 async def compare_algorithms(args: argparse.Namespace) -> dict[str, Any]:

@@ -409,8 +409,9 @@ impl OpMemory {
     }
 }
 
-/// Staging memory for quantized pieces, written at disjoint slots by one task at a time.
-struct Stage {
+/// Staging memory for received pieces (quantized ones here, the mesh's steps in
+/// `mesh.rs`), written at disjoint slots by one task at a time.
+pub(crate) struct Stage {
     ptr: *mut u8,
     len: usize,
     _owner: Vec<u8>,
@@ -421,7 +422,7 @@ unsafe impl Send for Stage {}
 unsafe impl Sync for Stage {}
 
 impl Stage {
-    fn new(len: usize) -> Stage {
+    pub(crate) fn new(len: usize) -> Stage {
         let mut owner = vec![0u8; len];
         Stage {
             ptr: owner.as_mut_ptr(),
@@ -431,7 +432,7 @@ impl Stage {
     }
 
     #[allow(clippy::mut_from_ref)]
-    fn slot(&self, offset: usize, len: usize) -> &mut [u8] {
+    pub(crate) fn slot(&self, offset: usize, len: usize) -> &mut [u8] {
         assert!(offset + len <= self.len);
         // SAFETY: in bounds; see the Sync impl for the aliasing discipline.
         unsafe { std::slice::from_raw_parts_mut(self.ptr.add(offset), len) }

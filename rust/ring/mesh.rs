@@ -27,7 +27,7 @@ use crate::error::{CoreError, CoreResult};
 use crate::net::handshake::Purpose;
 use crate::net::node::{Node, PoolKey};
 use crate::reduce;
-use crate::ring::allreduce::{Armed, OpMemory, ReduceSpec, ReduceStats};
+use crate::ring::allreduce::{Armed, OpMemory, ReduceSpec, ReduceStats, Stage};
 use crate::ring::assembly::LinkConfig;
 use crate::ring::links::{Dest, Landing, PieceHeader, RingLinks, HEADER_LEN};
 use std::collections::BTreeMap;
@@ -242,41 +242,12 @@ impl Mesh {
     }
 }
 
-/// Memory written by one task at a time (a step's pieces by the readers, then read by
-/// the op once all landed).
-struct Buf {
-    ptr: *mut u8,
-    len: usize,
-    _owner: Vec<u8>,
-}
-
-// SAFETY: each piece range is written by the one reader that claimed it, and read by
-// the op only after `arrived` (Release/Acquire) says every piece landed.
-unsafe impl Send for Buf {}
-unsafe impl Sync for Buf {}
-
-impl Buf {
-    fn new(len: usize) -> Buf {
-        let mut owner = vec![0u8; len];
-        Buf {
-            ptr: owner.as_mut_ptr(),
-            len,
-            _owner: owner,
-        }
-    }
-
-    #[allow(clippy::mut_from_ref)]
-    fn slice(&self, r: std::ops::Range<usize>) -> &mut [u8] {
-        assert!(r.end <= self.len);
-        // SAFETY: in bounds; see the Sync impl for the aliasing discipline.
-        unsafe { std::slice::from_raw_parts_mut(self.ptr.add(r.start), r.len()) }
-    }
-}
-
 /// The receiving state of one step.
 struct Incoming {
     from: u64,
-    buf: Buf,
+    /// Written piece by piece by the readers (each by the one that claimed it), read
+    /// by the op only after `arrived` (Release/Acquire) says every piece landed.
+    buf: Stage,
     claimed: Vec<AtomicBool>,
     arrived: AtomicUsize,
 }
@@ -349,7 +320,7 @@ impl Landing for StepLanding {
                 sh.spec.op_id
             )));
         }
-        let dst = inc.buf.slice(range);
+        let dst = inc.buf.slot(range.start, range.len());
         Ok(Dest::Direct(dst.as_mut_ptr(), dst.len()))
     }
 
@@ -483,7 +454,7 @@ pub async fn mesh_all_reduce(
             s.recv_from.map(|r| {
                 let inc = Incoming {
                     from: mesh.ring[r],
-                    buf: Buf::new(len),
+                    buf: Stage::new(len),
                     claimed: (0..pieces).map(|_| AtomicBool::new(false)).collect(),
                     arrived: AtomicUsize::new(0),
                 };
@@ -547,7 +518,7 @@ async fn run_steps(
         }
         if let Some(r) = s.recv_from {
             wait_step(sh, links[&r], s.step, cancel, armed).await?;
-            let got = sh.incoming[&s.step].buf.slice(0..sh.len);
+            let got = sh.incoming[&s.step].buf.slot(0, sh.len);
             match s.combine {
                 Combine::OursFirst => reduce::reduce_inplace(dtype, op, &mut acc, got)?,
                 Combine::TheirsFirst => {
