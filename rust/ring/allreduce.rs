@@ -1143,14 +1143,9 @@ async fn send_lane(
                 len: data.len() as u32,
                 digest: sh.digest,
             };
-            tokio::select! {
-                r = links.send_piece(lane, header, data) => r?,
-                _ = cancel.cancelled() => {
-                    // Half a frame may be on the wire: nobody can use these links now.
-                    links.poison("a collective was aborted while sending".into());
-                    return Err(aborted(links));
-                }
-            }
+            links
+                .send_piece_or_abort(lane, header, data, cancel)
+                .await?;
             sh.tx
                 .fetch_add((HEADER_LEN + data.len()) as u64, Ordering::Relaxed);
         }

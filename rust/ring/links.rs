@@ -461,6 +461,24 @@ impl RingLinks {
         }
     }
 
+    /// [`RingLinks::send_piece`], unless `cancel` fires first: half a frame may be on
+    /// the wire then, so the links are poisoned and the send fails with their error.
+    pub async fn send_piece_or_abort(
+        &self,
+        lane: usize,
+        header: PieceHeader,
+        payload: &[u8],
+        cancel: &CancellationToken,
+    ) -> CoreResult<()> {
+        tokio::select! {
+            r = self.send_piece(lane, header, payload) => r,
+            _ = cancel.cancelled() => {
+                self.poison("a collective was aborted while sending".into());
+                Err(self.poison_error())
+            }
+        }
+    }
+
     /// Stops the reader tasks and closes every stream.
     pub async fn close(&self) {
         self.cancel.cancel();

@@ -557,14 +557,8 @@ async fn send_all(
                 len: payload.len() as u32,
                 digest: sh.digest,
             };
-            tokio::select! {
-                r = link.send_piece(lane, header, payload) => r?,
-                _ = cancel.cancelled() => {
-                    // Half a frame may be on the wire: nobody can use this link now.
-                    link.poison("a collective was aborted while sending".into());
-                    return Err(CoreError::Aborted("the collective was aborted".into()));
-                }
-            }
+            link.send_piece_or_abort(lane, header, payload, cancel)
+                .await?;
             sent += (HEADER_LEN + payload.len()) as u64;
         }
         Ok::<_, CoreError>(sent)

@@ -1485,20 +1485,7 @@ fn mesh_partners_pair_up_both_ways_and_take_log_k_rounds() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn mesh_all_reduce_is_exact_and_alike_for_every_dtype_op_and_world() {
-    let dtypes = [
-        DType::F16,
-        DType::BF16,
-        DType::F32,
-        DType::F64,
-        DType::I8,
-        DType::I16,
-        DType::I32,
-        DType::I64,
-        DType::U8,
-        DType::U16,
-        DType::U32,
-        DType::U64,
-    ];
+    let dtypes = DType::ALL;
     let ops = [
         ReduceOp::Sum,
         ReduceOp::Avg,
