@@ -145,7 +145,7 @@ class MasterNode:
         self.max_relayed_streams = max_relayed_streams
         # All-reduces up to this size run on the mesh (recursive doubling) instead of the
         # ring: -1 lets the cost model choose per group from k and the measured links
-        # (pccl.topology.mesh_max_bytes), 0 turns the mesh off.
+        # (pccl.algorithms.mesh_max_bytes), 0 turns the mesh off.
         if isinstance(mesh_max_bytes, bool) or not isinstance(mesh_max_bytes, int) \
                 or mesh_max_bytes < -1:
             raise InvalidArgumentError(

@@ -910,11 +910,13 @@ class MasterState:
                     routes[(p, q)] = ("reverse", token)
                 elif self.relay and a.allow_relay and b.allow_relay:
                     routes[(p, q)] = ("relay", token)
-                    self.relay_tokens[token] = (p, q)
-                    self.mesh_tokens.add(token)
                 else:
                     return None
-        self.mesh_paths.update((pair, route) for pair, (route, _) in routes.items())
+        for pair, (route, token) in routes.items():
+            self.mesh_paths[pair] = route
+            if route == "relay":  # the relay splices only what presents a known token
+                self.relay_tokens[token] = pair
+                self.mesh_tokens.add(token)
         return routes
 
     def _mesh_limit(self, group: int, ring: list[int], rnd: Round) -> int:
