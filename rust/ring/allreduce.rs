@@ -102,6 +102,39 @@ impl Armed {
     }
 }
 
+/// The stall clock of an op waiting for a peer's pieces: the silence counts from the
+/// last progress, or from the moment the op was armed (an unarmed op never stalls).
+pub(crate) struct StallClock {
+    seen: u64,
+    armed: bool,
+    since: tokio::time::Instant,
+}
+
+impl StallClock {
+    pub(crate) fn new(progress: u64, armed: bool) -> StallClock {
+        StallClock {
+            seen: progress,
+            armed,
+            since: tokio::time::Instant::now(),
+        }
+    }
+
+    /// Restarts the clock if `progress` moved or the op was armed since the last call;
+    /// returns when the silence since then reaches `timeout`.
+    pub(crate) fn stall_at(
+        &mut self,
+        progress: u64,
+        armed: bool,
+        timeout: std::time::Duration,
+    ) -> tokio::time::Instant {
+        if progress != self.seen || armed != self.armed {
+            (self.seen, self.armed) = (progress, armed);
+            self.since = tokio::time::Instant::now();
+        }
+        self.since + timeout
+    }
+}
+
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct ReduceStats {
     pub tx_bytes: u64,
@@ -1008,27 +1041,20 @@ async fn wait_until_done(
     armed: &Armed,
 ) -> CoreResult<()> {
     let mut senders_left = senders.len();
-    let mut seen = sh.landed.load(Ordering::Acquire);
-    let mut idle_since = tokio::time::Instant::now();
-    let mut was_armed = armed.is_armed();
+    let mut clock = StallClock::new(sh.landed.load(Ordering::Acquire), armed.is_armed());
     loop {
         let notified = sh.advanced.notified();
         tokio::pin!(notified);
         notified.as_mut().enable();
-        let arming = armed.notify.notified();
+        let arming = armed.notified();
         tokio::pin!(arming);
         arming.as_mut().enable();
         let is_armed = armed.is_armed();
         let landed = sh.landed.load(Ordering::Acquire);
-        if landed != seen || is_armed != was_armed {
-            seen = landed;
-            was_armed = is_armed;
-            idle_since = tokio::time::Instant::now();
-        }
+        let stall_at = clock.stall_at(landed, is_armed, links.io_timeout());
         if senders_left == 0 && landed == total {
             return Ok(());
         }
-        let stall_at = idle_since + links.io_timeout();
         tokio::select! {
             joined = senders.join_next(), if senders_left > 0 => {
                 senders_left -= 1;
@@ -1038,15 +1064,10 @@ async fn wait_until_done(
             }
             _ = &mut notified => {}
             _ = &mut arming, if !is_armed => {}
-            _ = cancel.cancelled() => return Err(aborted(links)),
+            _ = cancel.cancelled() => return Err(links.aborted_error()),
             _ = links.poisoned().cancelled() => return Err(links.poison_error()),
             _ = tokio::time::sleep_until(stall_at), if is_armed && landed < total => {
-                links.poison(format!(
-                    "no data from peer {} for {:.1}s (stalled or dead)",
-                    links.prev,
-                    links.io_timeout().as_secs_f64()
-                ));
-                return Err(links.poison_error());
+                return Err(links.stall(links.prev));
             }
         }
     }
@@ -1069,14 +1090,6 @@ impl Drop for AbortGuard {
             ));
             self.links.finish(self.op_id);
         }
-    }
-}
-
-fn aborted(links: &RingLinks) -> CoreError {
-    if links.is_poisoned() {
-        links.poison_error()
-    } else {
-        CoreError::Aborted("the collective was aborted".into())
     }
 }
 
@@ -1103,7 +1116,7 @@ async fn send_lane(
                     }
                     tokio::select! {
                         _ = notified => {}
-                        _ = cancel.cancelled() => return Err(aborted(links)),
+                        _ = cancel.cancelled() => return Err(links.aborted_error()),
                         _ = links.poisoned().cancelled() => return Err(links.poison_error()),
                     }
                 }

@@ -461,6 +461,26 @@ impl RingLinks {
         }
     }
 
+    /// The error of an op on these links that was aborted: the links' own error if
+    /// they failed meanwhile (that is the cause worth reporting), else `Aborted`.
+    pub fn aborted_error(&self) -> CoreError {
+        if self.is_poisoned() {
+            self.poison_error()
+        } else {
+            CoreError::Aborted("the collective was aborted".into())
+        }
+    }
+
+    /// Declares `peer` (the sender on these links) stalled: poisons the links and
+    /// returns their error.
+    pub fn stall(&self, peer: u64) -> CoreError {
+        self.poison(format!(
+            "no data from peer {peer} for {:.1}s (stalled or dead)",
+            self.io_timeout.as_secs_f64()
+        ));
+        self.poison_error()
+    }
+
     /// [`RingLinks::send_piece`], unless `cancel` fires first: half a frame may be on
     /// the wire then, so the links are poisoned and the send fails with their error.
     pub async fn send_piece_or_abort(

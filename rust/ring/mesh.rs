@@ -27,7 +27,7 @@ use crate::error::{CoreError, CoreResult};
 use crate::net::handshake::Purpose;
 use crate::net::node::{Node, PoolKey};
 use crate::reduce;
-use crate::ring::allreduce::{Armed, OpMemory, ReduceSpec, ReduceStats, Stage};
+use crate::ring::allreduce::{Armed, OpMemory, ReduceSpec, ReduceStats, Stage, StallClock};
 use crate::ring::assembly::LinkConfig;
 use crate::ring::links::{Dest, Landing, PieceHeader, RingLinks, HEADER_LEN};
 use std::collections::BTreeMap;
@@ -196,23 +196,6 @@ impl Mesh {
             max_bytes,
             links,
         })
-    }
-
-    /// A mesh over links made elsewhere (tests): `links[r]` to and from rank `r`.
-    pub fn from_links(
-        epoch: u64,
-        ring: Vec<u64>,
-        rank: usize,
-        max_bytes: usize,
-        links: BTreeMap<usize, Arc<RingLinks>>,
-    ) -> Mesh {
-        Mesh {
-            epoch,
-            ring,
-            rank,
-            max_bytes,
-            links,
-        }
     }
 
     /// Whether an all-reduce of `len` bytes under `spec` runs here instead of the ring.
@@ -577,9 +560,7 @@ async fn wait_step(
     armed: &Armed,
 ) -> CoreResult<()> {
     let inc = &sh.incoming[&step];
-    let mut seen = inc.arrived.load(Ordering::Acquire);
-    let mut idle_since = tokio::time::Instant::now();
-    let mut was_armed = armed.is_armed();
+    let mut clock = StallClock::new(inc.arrived.load(Ordering::Acquire) as u64, armed.is_armed());
     loop {
         let notified = sh.advanced.notified();
         tokio::pin!(notified);
@@ -592,32 +573,17 @@ async fn wait_step(
         }
         let arrived = inc.arrived.load(Ordering::Acquire);
         let is_armed = armed.is_armed();
-        if arrived != seen || is_armed != was_armed {
-            (seen, was_armed) = (arrived, is_armed);
-            idle_since = tokio::time::Instant::now();
-        }
+        let stall_at = clock.stall_at(arrived as u64, is_armed, link.io_timeout());
         if arrived == sh.pieces {
             return Ok(());
         }
-        let stall_at = idle_since + link.io_timeout();
         tokio::select! {
             _ = &mut notified => {}
             _ = &mut arming, if !is_armed => {}
-            _ = cancel.cancelled() => {
-                return Err(if link.is_poisoned() {
-                    link.poison_error()
-                } else {
-                    CoreError::Aborted("the collective was aborted".into())
-                })
-            }
+            _ = cancel.cancelled() => return Err(link.aborted_error()),
             _ = link.poisoned().cancelled() => return Err(link.poison_error()),
             _ = tokio::time::sleep_until(stall_at), if is_armed => {
-                link.poison(format!(
-                    "no data from peer {} for {:.1}s (stalled or dead)",
-                    inc.from,
-                    link.io_timeout().as_secs_f64()
-                ));
-                return Err(link.poison_error());
+                return Err(link.stall(inc.from));
             }
         }
     }
