@@ -145,9 +145,7 @@ async def cluster_with_slow_peer(pccl_cluster, emu: LinkEmulator, **peer_kw):
     stall that link mid-reduce: the (small) model's reduce must take the ring, not the
     master (which reduces tensors of up to 64 KiB itself by default)."""
     cluster = await pccl_cluster(2, comm_kwargs={"via_master_max_bytes": 0})
-    slow = cluster.new_comm(p2p_advertise_address=emu.address)
-    emu.target = lambda: f"127.0.0.1:{slow.p2p_port}"
-    await cluster.admit([slow])
+    await cluster.admit_behind(emu)
     peers = [Peer(c, i, **peer_kw) for i, c in enumerate(cluster.comms)]
     return cluster, peers
 

@@ -18,14 +18,6 @@ from pccl.testing.data import deterministic_tensor, digest
 MiB = 1 << 20
 
 
-async def admit_behind_emulator(cluster: Cluster, emu: LinkEmulator, **kwargs) -> pccl.Communicator:
-    """A new in-process peer whose incoming ring link passes through ``emu``."""
-    comm = cluster.new_comm(p2p_advertise_address=emu.address, **kwargs)
-    emu.target = lambda: f"127.0.0.1:{comm.p2p_port}"
-    await cluster.admit([comm])
-    return comm
-
-
 @pytest.mark.parametrize("out_of_place", [False, True], ids=["in_place", "out_of_place"])
 @pytest.mark.parametrize("fault", ["blackhole", "reset"])
 async def test_stalled_or_reset_link_fails_everyone_in_bounded_time(fault, out_of_place) -> None:
@@ -34,7 +26,7 @@ async def test_stalled_or_reset_link_fails_everyone_in_bounded_time(fault, out_o
     nothing."""
     async with LinkEmulator(bandwidth=20e6, chunk_size=256 * 1024) as emu:
         async with Cluster(2, comm_kwargs={"peer_timeout": 1.0}) as cluster:
-            slow = await admit_behind_emulator(cluster, emu, peer_timeout=1.0)
+            slow = await cluster.admit_behind(emu, peer_timeout=1.0)
             comms = cluster.comms
             xs = [deterministic_tensor("float32", 4 * MiB, seed=i) for i in range(3)]
             before = [x.copy() for x in xs]
@@ -70,7 +62,7 @@ async def test_stalled_or_reset_link_fails_everyone_in_bounded_time(fault, out_o
 async def test_cancel_mid_ring_aborts_every_peer_and_loses_nothing() -> None:
     async with LinkEmulator(bandwidth=10e6, chunk_size=256 * 1024) as emu:
         async with Cluster(1) as cluster:
-            await admit_behind_emulator(cluster, emu)
+            await cluster.admit_behind(emu)
             a, b = cluster.comms
             xa = deterministic_tensor("float32", 2 * MiB, seed=1)
             xb = deterministic_tensor("float32", 2 * MiB, seed=2)

@@ -23,13 +23,6 @@ MESH = {"mesh_max_bytes": 64 * MiB}  # the master sends everything up to 64 MiB 
 NO_VIA = {"via_master_max_bytes": 0}
 
 
-async def admit_behind(cluster: Cluster, emu: LinkEmulator, **kwargs) -> pccl.Communicator:
-    comm = cluster.new_comm(p2p_advertise_address=emu.address, **kwargs)
-    emu.target = lambda: f"127.0.0.1:{comm.p2p_port}"
-    await cluster.admit([comm])
-    return comm
-
-
 @pytest.mark.parametrize("world", [6, 7, 8])
 async def test_mesh_is_exact_and_alike_beyond_a_power_of_two(world) -> None:
     cases = [("float32", pccl.ReduceOp.SUM, 1001), ("float64", pccl.ReduceOp.AVG, 33),
@@ -133,7 +126,7 @@ async def test_a_stalled_or_reset_mesh_link_fails_everyone_in_bounded_time(fault
     async with LinkEmulator(bandwidth=5e6, chunk_size=64 * 1024) as emu:
         async with Cluster(2, master_kwargs=MESH,
                            comm_kwargs={**NO_VIA, "peer_timeout": 1.0}) as cluster:
-            await admit_behind(cluster, emu, peer_timeout=1.0, **NO_VIA)
+            await cluster.admit_behind(emu, peer_timeout=1.0, **NO_VIA)
             comms = cluster.comms
             xs = [deterministic_tensor("float32", MiB, seed=i) for i in range(3)]
             before = [x.copy() for x in xs]
@@ -161,7 +154,7 @@ async def test_a_stalled_or_reset_mesh_link_fails_everyone_in_bounded_time(fault
 async def test_cancel_mid_mesh_aborts_every_peer_and_loses_nothing() -> None:
     async with LinkEmulator(bandwidth=5e6, chunk_size=64 * 1024) as emu:
         async with Cluster(1, master_kwargs=MESH, comm_kwargs=NO_VIA) as cluster:
-            await admit_behind(cluster, emu, **NO_VIA)
+            await cluster.admit_behind(emu, **NO_VIA)
             a, b = cluster.comms
             xa = deterministic_tensor("float32", MiB, seed=1)
             xb = deterministic_tensor("float32", MiB, seed=2)

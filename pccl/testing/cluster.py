@@ -88,6 +88,20 @@ class Cluster:
             raise
         return self
 
+    def new_comm_behind(self, emu: Any, group: int = 0, **kwargs: Any) -> Communicator:
+        """A fresh communicator whose incoming p2p links cross ``emu`` (a
+        :class:`pccl.testing.LinkEmulator`): others dial the emulator, which forwards to
+        the communicator's listener."""
+        comm = self.new_comm(group, p2p_advertise_address=emu.address, **kwargs)
+        emu.target = lambda: f"127.0.0.1:{comm.p2p_port}"
+        return comm
+
+    async def admit_behind(self, emu: Any, **kwargs: Any) -> Communicator:
+        """:meth:`new_comm_behind`, admitted by every accepted peer's vote."""
+        comm = self.new_comm_behind(emu, **kwargs)
+        await self.admit([comm])
+        return comm
+
     async def admit(self, comms: Sequence[Communicator]) -> None:
         """Connects new communicators while every accepted one votes them in."""
         live = [c for c in self.comms if c.state.name == "ACCEPTED"]
@@ -106,8 +120,7 @@ class Cluster:
         await self.master.wait_for(lambda s: len(s.pending()) == 1, timeout=60)
         await a.update_topology()
         await victim.wait_accepted()
-        b = self.new_comm(p2p_advertise_address=emu.address)
-        emu.target = lambda: f"127.0.0.1:{b.p2p_port}"
+        b = self.new_comm_behind(emu)
         join = asyncio.create_task(b.connect())
         await self.master.wait_for(lambda s: len(s.pending()) == 1, timeout=60)
         await asyncio.gather(a.update_topology(), victim.call("update_topology"))
