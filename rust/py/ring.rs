@@ -67,7 +67,10 @@ impl PyP2PNode {
         mesh_max_bytes: usize,
     ) -> PyResult<Bound<'py, PyAny>> {
         let node = self.node.clone();
-        let ring_ids = ring;
+        let mesh = ring.map(|ring| MeshConfig {
+            ring,
+            max_bytes: mesh_max_bytes,
+        });
         let ring = self.ring.clone();
         let cfg = LinkConfig {
             pool_timeout: seconds("pool_timeout", pool_timeout)?,
@@ -76,10 +79,6 @@ impl PyP2PNode {
         };
         // A ring of one has no neighbours.
         let neighbours = (next_id >= 0 && prev_id >= 0).then_some((next_id as u64, prev_id as u64));
-        let mesh = ring_ids.map(|ring| MeshConfig {
-            ring,
-            max_bytes: mesh_max_bytes,
-        });
         future_into_py(py, async move {
             let installed = ring
                 .install_with_mesh(&node, epoch, neighbours, mesh, cfg)
