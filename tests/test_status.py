@@ -185,10 +185,14 @@ async def test_status_port_in_use_fails_start_with_the_port_named() -> None:
 
 
 async def test_peer_metrics_count_links_collectives_and_retries() -> None:
-    async with Cluster(2, comm_kwargs={"metrics_listen": "127.0.0.1:0"}) as cluster, \
+    # The link counters are the ring's: the mesh is off, so that 128 KiB (above the
+    # master's 64 KiB) takes the ring whatever the cost model would pick.
+    async with Cluster(2, comm_kwargs={"metrics_listen": "127.0.0.1:0"},
+                       master_kwargs={"mesh_max_bytes": 0}) as cluster, \
             aiohttp.ClientSession() as http:
         a = [np.ones(1 << 15, dtype=np.float32) for _ in range(2)]  # 128 KiB: the ring
         infos = await asyncio.gather(*(c.all_reduce(t) for c, t in zip(cluster.comms, a)))
+        assert {i.algorithm for i in infos} == {"ring"}
         me, other = cluster.comms
         code, text = await get(http, f"http://{me._metrics_server.address}/metrics")  # type: ignore[union-attr]
         assert code == 200
