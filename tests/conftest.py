@@ -13,6 +13,11 @@ import pytest_asyncio
 # pccl's fixtures (pccl_master, pccl_cluster, ...): the plugin is opt-in, as for any user.
 pytest_plugins = ["pccl.testing.plugin"]
 
+# Every Python process a test starts (peers, masters, orchestrators) prints the stacks of
+# all its threads to stderr if it dies of SIGSEGV, SIGBUS, SIGFPE, SIGILL or SIGABRT: a
+# crash in a peer's log then says where, instead of only "exited with -11".
+os.environ.setdefault("PYTHONFAULTHANDLER", "1")
+
 
 def _sockets() -> set[str]:
     out = set()
