@@ -2,11 +2,18 @@
 //! with each cipher and provider. One stream, one direction, `--mib` MiB (default 1024)
 //! written in 1 MiB `write_all`s, read in 1 MiB reads.
 //!
-//! Usage: `cargo run --release --bin secure_bench -- [--mib N]`
+//! With `--streams K`: K streams at once, clear and with the default suite (what pccl's
+//! ring links use), each carrying `--mib` MiB; the aggregate rate divided by K is the
+//! bound on a K-peer ring's busbw on this host, clear or encrypted (every byte a ring
+//! peer sends is sealed by it and opened by its neighbour on the same cores).
+//!
+//! Usage: `cargo run --release --bin secure_bench -- [--mib N] [--streams K] [--rounds R]`
 //!
 //! Rates are MB/s (10^6 bytes per second) of payload, handshake excluded.
 
-use _core::net::secure::{psk_from_secret, secure_split_with, Cipher, Joined, Provider, Suite};
+use _core::net::secure::{
+    psk_from_secret, secure_split_with, Cipher, Joined, Provider, Suite, SUITE,
+};
 use std::time::{Duration, Instant};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
@@ -53,14 +60,105 @@ async fn tcp_pair() -> (TcpStream, TcpStream) {
     (a, b)
 }
 
+/// A secure stream pair over loopback with `suite`: the dialer's write half and the
+/// acceptor's read half (the other halves are returned too, to keep the sockets whole).
+async fn secure_pair(
+    suite: Suite,
+) -> (
+    impl AsyncWrite + Unpin + Send + 'static,
+    impl AsyncRead + Unpin + Send + 'static,
+    impl Send,
+) {
+    let psk = psk_from_secret(b"bench");
+    let (a, b) = tcp_pair().await;
+    let ((ar, aw), (br, bw)) = (a.into_split(), b.into_split());
+    let timeout = Duration::from_secs(10);
+    let (d, acc) = tokio::join!(
+        secure_split_with(
+            Joined {
+                read: ar,
+                write: aw
+            },
+            true,
+            Some(&psk),
+            b"bench",
+            timeout,
+            suite
+        ),
+        secure_split_with(
+            Joined {
+                read: br,
+                write: bw
+            },
+            false,
+            Some(&psk),
+            b"bench",
+            timeout,
+            suite
+        ),
+    );
+    let ((dr, dw), (ar, aw)) = (d.unwrap(), acc.unwrap());
+    (dw, ar, (dr, aw))
+}
+
+/// `k` streams pumping `bytes` each at once; the wall time of the slowest.
+async fn pump_many<W, R>(pairs: Vec<(W, R)>, bytes: usize) -> Duration
+where
+    W: AsyncWrite + Unpin + Send + 'static,
+    R: AsyncRead + Unpin + Send + 'static,
+{
+    let t = Instant::now();
+    let tasks: Vec<_> = pairs
+        .into_iter()
+        .map(|(w, r)| tokio::spawn(pump(w, r, bytes)))
+        .collect();
+    for task in tasks {
+        task.await.unwrap();
+    }
+    t.elapsed()
+}
+
+/// The `--streams K` mode: K clear, then K encrypted streams at once, `rounds` times;
+/// one JSON line per round and transport.
+async fn many_streams(k: usize, bytes: usize, rounds: usize) {
+    for round in 0..rounds {
+        let mut clear = Vec::new();
+        for _ in 0..k {
+            clear.push(tcp_pair().await);
+        }
+        let t_clear = pump_many(clear, bytes).await;
+        let mut secure = Vec::new();
+        let mut keep = Vec::new();
+        for _ in 0..k {
+            let (w, r, rest) = secure_pair(SUITE).await;
+            secure.push((w, r));
+            keep.push(rest);
+        }
+        let t_secure = pump_many(secure, bytes).await;
+        for (name, t) in [("clear", t_clear), ("encrypted", t_secure)] {
+            let agg = (k * bytes) as f64 / t.as_secs_f64() / 1e9;
+            println!(
+                "{{\"transport\": \"{name}\", \"streams\": {k}, \"round\": {round}, \
+                 \"bytes_per_stream\": {bytes}, \"aggregate_GBps\": {agg:.4}, \
+                 \"busbw_bound_GBps\": {:.4}}}",
+                agg / k as f64
+            );
+        }
+    }
+}
+
 fn main() {
     let mut mib = 1024usize;
+    let mut streams = 0usize;
+    let mut rounds = 3usize;
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
         match (flag.as_str(), it.next().and_then(|v| v.parse().ok())) {
             ("--mib", Some(v)) => mib = v,
+            ("--streams", Some(v)) if v > 0 => streams = v,
+            ("--rounds", Some(v)) if v > 0 => rounds = v,
             _ => {
-                eprintln!("usage: secure_bench [--mib N]");
+                eprintln!("usage: secure_bench [--mib N] [--streams K] [--rounds R]");
                 std::process::exit(2);
             }
         }
@@ -71,6 +169,10 @@ fn main() {
         .enable_all()
         .build()
         .unwrap();
+    if streams > 0 {
+        rt.block_on(many_streams(streams, bytes, rounds));
+        return;
+    }
     rt.block_on(async {
         let report = |name: &str, t: Duration| {
             println!(
@@ -81,41 +183,12 @@ fn main() {
         };
         let (a, b) = tcp_pair().await;
         report("clear TcpStream", pump(a, b, bytes).await);
-        let psk = psk_from_secret(b"bench");
         for cipher in [Cipher::AesGcm, Cipher::ChaChaPoly] {
             for provider in [Provider::Ring, Provider::RustCrypto] {
-                let suite = Suite { cipher, provider };
-                let (a, b) = tcp_pair().await;
-                let ((ar, aw), (br, bw)) = (a.into_split(), b.into_split());
-                let timeout = Duration::from_secs(10);
-                let (d, acc) = tokio::join!(
-                    secure_split_with(
-                        Joined {
-                            read: ar,
-                            write: aw
-                        },
-                        true,
-                        Some(&psk),
-                        b"bench",
-                        timeout,
-                        suite
-                    ),
-                    secure_split_with(
-                        Joined {
-                            read: br,
-                            write: bw
-                        },
-                        false,
-                        Some(&psk),
-                        b"bench",
-                        timeout,
-                        suite
-                    ),
-                );
-                let ((_dr, dw), (ar, _aw)) = (d.unwrap(), acc.unwrap());
+                let (w, r, _rest) = secure_pair(Suite { cipher, provider }).await;
                 report(
                     &format!("secure {cipher:?}/{provider:?}"),
-                    pump(dw, ar, bytes).await,
+                    pump(w, r, bytes).await,
                 );
             }
         }
