@@ -251,6 +251,47 @@ class PeerRecord:
     punch_addrs: tuple[str, ...] = ()
 
 
+class _Roster:
+    """Who is registered and who accepted (per group), in registration order: a
+    snapshot of ``MasterState.peers``, taken when first asked after a change."""
+
+    def __init__(self, peers: dict[int, PeerRecord]) -> None:
+        self.accepted: list[int] = []
+        self.pending: list[int] = []
+        self.groups: dict[int, list[int]] = {}
+        for p, r in peers.items():
+            if r.status is PeerStatus.ACCEPTED:
+                self.accepted.append(p)
+                self.groups.setdefault(r.peer_group, []).append(p)
+            elif r.status is PeerStatus.REGISTERED:
+                self.pending.append(p)
+        self._sets: dict[int, frozenset[int]] = {}
+        self._rings: dict[int, tuple[list[int], int, bool]] = {}
+
+    def __eq__(self, other: object) -> bool:  # a snapshot equals one of the same peers
+        return isinstance(other, _Roster) and (self.accepted, self.pending, self.groups) \
+            == (other.accepted, other.pending, other.groups)
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def group_set(self, group: int) -> frozenset[int]:
+        got = self._sets.get(group)
+        if got is None:
+            got = self._sets[group] = frozenset(self.groups.get(group, ()))
+        return got
+
+    def is_ring_of(self, group: int, ring: list[int]) -> bool:
+        """Whether ``ring`` holds exactly the group's accepted members (remembered for
+        this ring object while it keeps its length)."""
+        seen = self._rings.get(group)
+        if seen is not None and seen[0] is ring and seen[1] == len(ring):
+            return seen[2]
+        same = len(ring) == len(self.groups.get(group, ())) and \
+            sorted(ring) == sorted(self.groups.get(group, ()))
+        self._rings[group] = (ring, len(ring), same)
+        return same
+
+
 @dataclasses.dataclass
 class Round:
     """One attempt at establishing the rings of every peer group."""
@@ -428,6 +469,10 @@ class MasterState:
         # (group, tag) -> (ring epoch, successful collectives of the tag on that ring):
         # what the op id of an early start derives from (see m.early_op_id).
         self.early_counts: dict[tuple[int, int], tuple[int, int]] = {}
+        # Who is registered and accepted, per group, derived from ``peers`` and cached
+        # until a peer registers, is accepted or leaves (``_roster_changed``): the
+        # per-message paths ask these on every collective, at thousands of peers.
+        self._roster: _Roster | None = None
         # How collectives ran: early starts that stood (one master round trip), early
         # starts voided (run again), reduced here (tiny ones: one round trip, no ring).
         self.collective_paths = {"early": 0, "voided": 0, "via_master": 0}
@@ -441,11 +486,19 @@ class MasterState:
 
     # --- queries (used by the server and by tests) --------------------------------
 
+    def _roster_now(self) -> _Roster:
+        if self._roster is None:
+            self._roster = _Roster(self.peers)
+        return self._roster
+
+    def _roster_changed(self) -> None:
+        self._roster = None
+
     def accepted(self) -> list[int]:
-        return [p for p, r in self.peers.items() if r.status is PeerStatus.ACCEPTED]
+        return list(self._roster_now().accepted)
 
     def pending(self) -> list[int]:
-        return [p for p, r in self.peers.items() if r.status is PeerStatus.REGISTERED]
+        return list(self._roster_now().pending)
 
     @property
     def ring_epoch(self) -> int:
@@ -453,11 +506,7 @@ class MasterState:
         return max(self.ring_epochs.values(), default=0)
 
     def group_sizes(self) -> dict[int, int]:
-        sizes: dict[int, int] = {}
-        for r in self.peers.values():
-            if r.status is PeerStatus.ACCEPTED:
-                sizes[r.peer_group] = sizes.get(r.peer_group, 0) + 1
-        return sizes
+        return {g: len(ms) for g, ms in self._roster_now().groups.items()}
 
     def take_notes(self) -> list[Note]:
         """The notes made since the last call, oldest first."""
@@ -528,6 +577,7 @@ class MasterState:
                                             reachable=ev.reachable,
                                             allow_relay=ev.allow_relay,
                                             punch_addrs=ev.punch_addrs)
+        self._roster_changed()
         self.recovery_awaiting.discard(ev.peer_id)
         res = ev.resume
         if res is not None:
@@ -616,7 +666,7 @@ class MasterState:
     def _on_pending_query(self, peer: int, rec: PeerRecord, msg: m.PendingQuery,
                           out: list[Command]) -> None:
         if not msg.collective or rec.status is not PeerStatus.ACCEPTED:
-            n = len(self.pending())
+            n = len(self._roster_now().pending)
             out.append(Send(peer, m.PendingAnswer(req=msg.req, pending=n > 0, count=n)))
             return
         if peer in self.pending_votes:
@@ -657,9 +707,10 @@ class MasterState:
                 missing = set(self._members(group)) - set(inits)
                 if missing and missing <= joiners:
                     busy |= set(inits)
-        if not set(self.accepted()) <= busy:
+        roster = self._roster_now()
+        if len(busy) < len(roster.accepted) or not all(p in busy for p in roster.accepted):
             return
-        n = len(self.pending())
+        n = len(roster.pending)
         pending = n > 0 or bool(self.votes)
         voters, self.pending_votes = self.pending_votes, {}
         self.fresh -= set(voters)
@@ -767,6 +818,7 @@ class MasterState:
                 tell: bool = False) -> PeerRecord:
         """Drops ``peer`` everywhere except the round/vote bookkeeping of the caller."""
         rec = self.peers.pop(peer)
+        self._roster_changed()
         out.append(Disconnect(peer, reason, tell))
         self._note("dropped", f"peer {peer} ({rec.status.name.lower()}, group "
                    f"{rec.peer_group}) dropped: {reason}", (peer,), rec.peer_group)
@@ -1073,6 +1125,7 @@ class MasterState:
         joined = [p for p in rnd.members if self.peers[p].status is PeerStatus.REGISTERED]
         for p in rnd.members:
             self.peers[p].status = PeerStatus.ACCEPTED
+        self._roster_changed()
         if joined:
             self._note("admitted", f"admitted peer{'s' if len(joined) > 1 else ''} "
                        + ", ".join(f"{p} (group {self.peers[p].peer_group})" for p in joined),
@@ -1121,11 +1174,14 @@ class MasterState:
         sizes = self.group_sizes()
         total = sum(sizes.values())
         largest = max(sizes.values(), default=0)
+        rings: dict[int, list[int]] = {}
         for p in targets:
             group = self.peers[p].peer_group
+            if group not in rings:
+                rings[group] = [q for q in self.rings.get(group, []) if q in self.peers]
             out.append(Send(p, m.WorldInfo(
                 epoch=self.epoch,
-                ring=[q for q in self.rings.get(group, []) if q in self.peers],
+                ring=list(rings[group]),
                 global_world_size=total,
                 peer_group_world_size=sizes.get(group, 0),
                 num_peer_groups=len(sizes),
@@ -1135,8 +1191,22 @@ class MasterState:
     # --- collectives ------------------------------------------------------------------
 
     def _members(self, group: int) -> list[int]:
-        return [p for p, r in self.peers.items()
-                if r.status is PeerStatus.ACCEPTED and r.peer_group == group]
+        return list(self._roster_now().groups.get(group, ()))
+
+    def _member_set(self, group: int) -> frozenset[int]:
+        return self._roster_now().group_set(group)
+
+    def _all_joined(self, group: int, calls: Collection[int]) -> bool:
+        """Whether every accepted member of ``group`` is among ``calls`` (O(1) while
+        some are missing: the count is compared first)."""
+        members = self._member_set(group)
+        return len(calls) >= len(members) and all(p in calls for p in members)
+
+    def _group_in_vote(self, group: int) -> bool:
+        """Whether a member of ``group`` is in update_topology() or optimize_topology()."""
+        return any(r.peer_group == group and r.status is PeerStatus.ACCEPTED
+                   for votes in (self.votes, self.opt_votes) for p in votes
+                   if (r := self.peers.get(p)) is not None)
 
     def _on_collective_init(self, peer: int, msg: m.CollectiveInit, out: list[Command]) -> None:
         rec = self.peers[peer]
@@ -1165,7 +1235,7 @@ class MasterState:
         self.fresh.discard(peer)
         if msg.early_op >= 0:
             self._on_early_start(peer, col, msg, out)
-        if any(p in self.votes or p in self.opt_votes for p in self._members(rec.peer_group)):
+        if self._group_in_vote(rec.peer_group):
             self._fail_unperformed(col, ErrorKind.CollectiveAbortedError, (
                 "other peers of the group are in update_topology(); call update_topology() "
                 "and retry"), out)
@@ -1226,9 +1296,9 @@ class MasterState:
         self._mark_broken(col.group)
 
     def _maybe_perform(self, col: Collective, out: list[Command]) -> None:
-        members = self._members(col.group)
-        if not set(members) <= set(col.inits):
+        if not self._all_joined(col.group, col.inits):
             return
+        members = self._members(col.group)
         rnd = self.round
         if self._ring_broken(col.group) or (rnd is not None and rnd.repair
                                             and col.group in rnd.groups):
@@ -1312,7 +1382,7 @@ class MasterState:
     def _ring_broken(self, group: int) -> bool:
         """Whether collectives in ``group`` cannot succeed before update_topology()."""
         ring = self.rings.get(group, [])
-        return group in self.broken_groups or sorted(ring) != sorted(self._members(group))
+        return group in self.broken_groups or not self._roster_now().is_ring_of(group, ring)
 
     def _fail_unperformed(self, col: Collective, kind: ErrorKind, why: str, out: list[Command],
                           skip: int | None = None) -> None:
@@ -1441,7 +1511,7 @@ class MasterState:
             return
         sync.inits[peer] = msg
         self.fresh.discard(peer)
-        if any(p in self.votes or p in self.opt_votes for p in self._members(rec.peer_group)):
+        if self._group_in_vote(rec.peer_group):
             self._fail_sync(sync, ErrorKind.CollectiveAbortedError, (
                 "other peers of the group are in update_topology(); call update_topology() "
                 "and retry"), out)
@@ -1461,9 +1531,9 @@ class MasterState:
                 out.append(Send(p, m.SyncOutcome(ok=False, kind=kind, message=why, revision=0)))
 
     def _maybe_plan_sync(self, sync: Sync, out: list[Command]) -> None:
-        members = self._members(sync.group)
-        if not set(members) <= set(sync.inits):
+        if not self._all_joined(sync.group, sync.inits):
             return
+        members = self._members(sync.group)
         self._disarm(sync.deadline)
         inits = {p: sync.inits[p] for p in members}
         excluded: dict[int, tuple[ErrorKind, str]] = {}
@@ -1690,10 +1760,7 @@ class MasterState:
     probe_seconds = 0.25
 
     def _groups(self) -> dict[int, list[int]]:
-        groups: dict[int, list[int]] = {}
-        for p in self.accepted():
-            groups.setdefault(self.peers[p].peer_group, []).append(p)
-        return groups
+        return {g: list(ms) for g, ms in self._roster_now().groups.items()}
 
     def _on_probe_report(self, peer: int, msg: m.ProbeReport, out: list[Command]) -> None:
         if peer not in self.opt_probers or len(msg.target_ids) != len(msg.rates):
