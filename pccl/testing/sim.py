@@ -218,13 +218,14 @@ class SimPeer:
         elif isinstance(c, ps.Establish):
             nxt = c.msg.next_id
             failed = (nxt,) if nxt >= 0 and not sim.reachable(nxt) else ()
-            sim.later(sim.delay(), self.feed, ps.PoolsEstablished(c.msg.epoch, c.generation,
-                                                                  failed))
+            sim.later(sim.delay("establish", self.id, nxt), self.feed,
+                      ps.PoolsEstablished(c.msg.epoch, c.generation, failed))
         elif isinstance(c, ps.InstallRing):
             sim.links_replaced(self, c.epoch)
             bad = [p for p in (c.next_id, c.prev_id) if p >= 0 and not sim.reachable(p)]
             err = f"peer {bad[0]} is gone" if bad else ""
-            sim.later(sim.delay(), self.feed, ps.RingInstalled(c.epoch, c.generation, err))
+            sim.later(sim.delay("install", self.id), self.feed,
+                      ps.RingInstalled(c.epoch, c.generation, err))
         elif isinstance(c, ps.RunRing):
             sim.ring_start(self, c.tag, c.perform)
         elif isinstance(c, ps.AbortRing):
@@ -232,13 +233,13 @@ class SimPeer:
         elif isinstance(c, ps.ArmRing):
             pass  # simulated ring ops never stall
         elif isinstance(c, ps.Probe):
-            sim.later(sim.delay(), self.feed, ps.Probed(
+            sim.later(sim.delay("probe", self.id), self.feed, ps.Probed(
                 tuple(c.msg.target_ids), tuple(1e9 for _ in c.msg.target_ids), c.generation))
         elif isinstance(c, ps.OpenRelay):
             pass  # every simulated peer is reachable: nothing is relayed
         elif isinstance(c, ps.Rejoin):
             self.rejoin_deadline = sim.now + sim.reconnect_timeout
-            sim.later(sim.delay(), sim.rejoin, self)
+            sim.later(sim.delay("rejoin", self.id), sim.rejoin, self)
         elif isinstance(c, ps.Log):
             sim.trace(f"peer {self.id} log: {c.message}")
 
@@ -499,8 +500,12 @@ class Sim:
         self._seq += 1
         heapq.heappush(self._queue, (self.now + dt, self._seq, fn, args))
 
-    def delay(self) -> float:
-        """A network delay: mostly short, sometimes long (a heavy tail)."""
+    def delay(self, kind: str = "", pid: int = -1, other: int = -1,
+              op: RingOp | None = None) -> float:
+        """A network delay: mostly short, sometimes long (a heavy tail). What it is
+        for (``kind``: "up" and "down" for messages to and from the master, "ring" for
+        a ring op's duration, "establish", "fetch", ...) and between whom (``pid``,
+        ``other``) is ignored here; :mod:`pccl.sim` models them."""
         r = self.rng.random()
         return self.rng.uniform(0.0005, 0.02) if r < 0.9 else self.rng.uniform(0.05, 1.5)
 
@@ -616,7 +621,7 @@ class Sim:
                 self._ring_fail(op, f"peer {pid} withdrew: {msg.message}")
         if not peer.link_up:
             return  # written into a connection that is already broken: lost
-        t = max(self.now + self.delay(), self._fifo[(pid, "up")])
+        t = max(self.now + self.delay("up", pid), self._fifo[(pid, "up")])
         self._fifo[(pid, "up")] = t
         self.later(t - self.now, self._deliver_up, pid, self.master_gen, peer.conn, msg)
 
@@ -632,7 +637,7 @@ class Sim:
         if isinstance(msg, m.CollectivePerform):
             self.rings.setdefault((self.master_gen, msg.op_id),
                                   RingOp(msg.op_id, msg.world, set())).members.add(pid)
-        t = max(self.now + self.delay(), self._fifo[(pid, "down")])
+        t = max(self.now + self.delay("down", pid), self._fifo[(pid, "down")])
         self._fifo[(pid, "down")] = t
         self.later(t - self.now, self._deliver_down, pid, self.master_gen, peer.conn, msg,
                    instance)
@@ -661,10 +666,10 @@ class Sim:
             elif isinstance(c, ms.Disconnect):
                 peer = self.peers.get(c.peer_id)
                 if peer is not None:
-                    self.later(self.delay(), self._disconnect, peer, self.master_gen,
-                               peer.conn, c.reason)
+                    self.later(self.delay("down", c.peer_id), self._disconnect, peer,
+                               self.master_gen, peer.conn, c.reason)
             elif isinstance(c, ms.Solve):
-                self.later(self.delay(), self._master_timer, self.master_gen,
+                self.later(self.delay("solve"), self._master_timer, self.master_gen,
                            ms.Solved(c.round_id, c.group, list(c.members)))
             elif isinstance(c, ms.ArmDeadline):
                 self.later(c.seconds, self._deadline, self.master_gen, c.deadline_id)
@@ -752,7 +757,7 @@ class Sim:
         value, rop = self.contribution[(peer.id, tag)]
         op.op = rop
         if op.failed or op.finished:
-            self.later(self.delay(), peer.feed, ps.RingDone(
+            self.later(self.delay("ring_refused", peer.id), peer.feed, ps.RingDone(
                 tag, False, ErrorKind.PeerConnectionError, op.failed or "ring over"))
             return
         op.started[peer.id] = value
@@ -764,7 +769,7 @@ class Sim:
             op.finished = True
             for pid in sorted(op.started):
                 q = self.peers[pid]
-                self.later(self.delay(), q.feed, ps.RingDone(tag, True))
+                self.later(self.delay("ring", pid, op=op), q.feed, ps.RingDone(tag, True))
 
     def links_replaced(self, peer: SimPeer, epoch: int) -> None:
         """A peer takes over the links of a new ring epoch: its older links close, and
@@ -834,7 +839,7 @@ class Sim:
                 ok, why = False, f"no holder of {key!r} answered"
         self.plans[peer.id] = fetched
         ev = ps.Fetched(True) if ok else ps.Fetched(False, ErrorKind.PeerConnectionError, why)
-        self.later(self.delay(), peer.feed, ev)
+        self.later(self.delay("fetch", peer.id), peer.feed, ev)
 
     def committed_value(self, peer: SimPeer) -> int:
         value = self.plans.pop(peer.id, {}).get("w", peer.state)
