@@ -9,6 +9,9 @@ One run measures, in this order:
 1. loopback: k plain TCP streams at once (k sender and k receiver processes) for each k
    in --peers. A k-peer ring on one host moves its data over k such streams, so the
    aggregate rate divided by k bounds the busbw any ring all-reduce can reach here.
+   With --secure-bound, also k clear and k encrypted streams of pccl's own transport at
+   once (``secure_bench --streams k``, built with cargo): the encrypted aggregate / k
+   bounds an encrypted ring's busbw (every byte is sealed and opened on these cores).
 2. pccl: k peers, each in its own spawned process (the master in another), float32 SUM
    all-reduce of every --sizes-mib size, pool size --pool.
 3. gloo: torch.distributed with the gloo backend, same k, sizes and timing.
@@ -123,6 +126,26 @@ def _tcp_sender(idx: int, port: int, nbytes: int, rounds: int, barrier: Any, q: 
     except BaseException:
         report_failure(q, f"tcp sender {idx}", barrier)
         sys.exit(1)
+
+
+def bench_secure_loopback(k: int, mib: int, rounds: int) -> dict[str, Any]:
+    """k clear and k encrypted streams of pccl's transport at once (Rust, one process
+    of 2 tokio threads): ``secure_bench --streams k``."""
+    import json
+    import subprocess
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cmd = ["cargo", "run", "--quiet", "--release", "--locked", "--bin", "secure_bench", "--",
+           "--streams", str(k), "--mib", str(mib), "--rounds", str(rounds)]
+    res = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=1800,
+                         check=True)
+    rows = [json.loads(line) for line in res.stdout.splitlines() if line.startswith("{")]
+    out: dict[str, Any] = {"streams": k, "bytes_per_stream": mib * MIB, "command": " ".join(cmd)}
+    for transport in ("clear", "encrypted"):
+        aggs = [r["aggregate_GBps"] for r in rows if r["transport"] == transport]
+        out[transport] = {"aggregate_GBps": aggs, "busbw_bound_GBps_median": median(aggs) / k,
+                          "busbw_bound_GBps_best": max(aggs) / k}
+    return out
 
 
 def bench_loopback(k: int, nbytes: int, rounds: int) -> dict[str, Any]:
@@ -536,6 +559,17 @@ def print_tables(out: dict[str, Any]) -> None:
                   f"{r['aggregate_GBps_median']:>19.2f} {r['aggregate_GBps_best']:>6.2f} "
                   f"{r['busbw_bound_GBps_median']:>17.2f} {r['busbw_bound_GBps_best']:>6.2f}")
 
+    sec = {r["streams"]: r for r in out.get("secure_loopback", [])}
+    if sec:
+        print("\n== pccl's transport, k streams at once (secure_bench --streams k) ==")
+        print(f"{'k':>3} {'clear bound/k med':>18} {'best':>6} {'encrypted bound/k med':>22} "
+              f"{'best':>6}")
+        for k, r in sorted(sec.items()):
+            c, e = r["clear"], r["encrypted"]
+            print(f"{k:>3} {c['busbw_bound_GBps_median']:>18.2f} "
+                  f"{c['busbw_bound_GBps_best']:>6.2f} "
+                  f"{e['busbw_bound_GBps_median']:>22.2f} {e['busbw_bound_GBps_best']:>6.2f}")
+
     if pccl or gloo:
         print("\n== busbw GB/s, float32 SUM (median / best of the timed iterations; "
               "%bound against the best loopback bound/k) ==")
@@ -556,8 +590,12 @@ def print_tables(out: dict[str, Any]) -> None:
         p, g = pccl.get((k, n)), gloo.get((k, n))
         ratio = p["busbw_GBps_median"] / g["busbw_GBps_median"] if p and g else None
         ran = "/".join(p["algorithm"]) if p and "algorithm" in p else ""
+        enc = ""
+        if p and k in sec and not out["config"].get("insecure"):
+            eb = sec[k]["encrypted"]["busbw_bound_GBps_best"]
+            enc = f" {100 * p['busbw_GBps_median'] / eb:.0f}% of encrypted bound/k"
         print(f"{k:>3} {fmt_size(n):>9} {_fmt(bound):>8} | {cols(p, bound)} | "
-              f"{cols(g, bound)} | {_fmt(ratio):>9} {ran}")
+              f"{cols(g, bound)} | {_fmt(ratio):>9} {ran}{enc}")
     emu = out.get("emulator")
     if emu and emu["runs"]:
         print(f"\n== pccl through the link emulator: 2 peers, {fmt_size(emu['size_bytes'])}, "
@@ -592,6 +630,9 @@ def main() -> None:
     ap.add_argument("--tcp-rounds", type=int, default=3, help="loopback repetitions")
     ap.add_argument("--out", default="bench/results/allreduce.json")
     ap.add_argument("--skip-loopback", action="store_true")
+    ap.add_argument("--secure-bound", action="store_true",
+                    help="also measure k streams of pccl's transport, clear and encrypted "
+                         "(cargo builds secure_bench)")
     ap.add_argument("--skip-pccl", action="store_true")
     ap.add_argument("--out-of-place", action="store_true",
                     help="also run pccl out of place (all_reduce(x, out=y)), side by side")
@@ -622,8 +663,9 @@ def main() -> None:
         "machine": machine_info(),
         "config": {**vars(args), "sizes_bytes": sizes, "emu_size_bytes": emu_size,
                    "master_heartbeat_timeout_s": 30.0, "gloo_torch_num_threads": 1,
+                   "insecure": _insecure(),
                    "units": "GB/s = 1e9 B/s, MB/s = 1e6 B/s, MiB = 2**20 B"},
-        "loopback": [], "pccl": [], "pccl_out_of_place": [], "gloo": [],
+        "loopback": [], "secure_loopback": [], "pccl": [], "pccl_out_of_place": [], "gloo": [],
         "emulator": {"peers": 2, "size_bytes": emu_size, "latency_s": args.emu_latency_ms / 1e3,
                      "bandwidth_Bps": args.emu_bandwidth,
                      "chunk_size": args.emu_chunk_kib * 1024, "runs": []},
@@ -640,6 +682,14 @@ def main() -> None:
                 out["loopback"].append(r)
                 print(f"loopback k={k}: {r['aggregate_GBps_median']:.2f} GB/s aggregate, "
                       f"{r['busbw_bound_GBps_median']:.2f} GB/s per stream", flush=True)
+    if args.secure_bound:
+        for k in args.peers:
+            with phase(out["errors"], f"secure loopback k={k}"):
+                r = bench_secure_loopback(k, args.tcp_mib, args.tcp_rounds)
+                out["secure_loopback"].append(r)
+                print(f"pccl transport k={k}: bound/k "
+                      f"{r['clear']['busbw_bound_GBps_median']:.2f} GB/s clear, "
+                      f"{r['encrypted']['busbw_bound_GBps_median']:.2f} encrypted", flush=True)
     if not args.skip_pccl:
         for k in args.peers:
             with phase(out["errors"], f"pccl k={k}"):
