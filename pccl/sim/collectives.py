@@ -21,8 +21,9 @@ against the all-reduce times measured with emulated 5 ms links (bench/latency.py
   ``S / m``, whose cross-region edges use different hosts; every host's up- and
   downlink is shared by the ``m`` rings, the per-flow TCP limit is not (each ring has
   its own streams).
-* **via master**: every peer sends ``S`` to the master and gets the result back: two
-  one-way trips to the farthest peer plus ``k S`` through the master's link each way.
+* **via master**: every peer sends ``S`` up its own link to the master and gets the
+  result back down it: the slowest peer's trip each way plus ``k S`` through the
+  master's link each way.
 """
 
 from __future__ import annotations
@@ -133,8 +134,10 @@ def striped_seconds(net: NetworkModel, order: Sequence[int], nbytes: float,
 def via_master_seconds(net: NetworkModel, order: Sequence[int], nbytes: float) -> float:
     a = np.asarray(order)
     k = len(a)
-    far = float(net.master_latency(a).max())
-    return 2 * far + 2 * k * nbytes / MASTER_BANDWIDTH
+    lat = net.master_latency(a)
+    up = float((lat + nbytes / net.up[a]).max())
+    down = float((lat + nbytes / net.down[a]).max())
+    return up + down + 2 * k * nbytes / MASTER_BANDWIDTH
 
 
 def all_algorithms(net: NetworkModel, order: Sequence[int], nbytes: float,

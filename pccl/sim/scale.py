@@ -37,17 +37,27 @@ from pccl import algorithms
 from pccl.master import state as ms
 from pccl.peer import state as ps
 from pccl.protocol import codec
+from pccl.protocol import messages as m
 from pccl.sim import collectives
 from pccl.sim.network import NetworkModel
 from pccl.testing import sim as base
 
+#: pccl's defaults: all-reduces up to this size go to the master with their tensor
+#: (``Communicator(via_master_max_bytes=)``) unless the group's tensors would pass
+#: ``VIA_MASTER_MAX_TOTAL`` there.
+VIA_MASTER_MAX_BYTES = 64 << 10
+
 
 class TimedMaster:
-    """A :class:`MasterState` whose ``handle()`` is timed, message codec included."""
+    """A :class:`MasterState` whose ``handle()`` is timed, message codec included.
+    ``tensor_bytes`` is what each collective's tensor would weigh (the simulated ones
+    carry 8 bytes): tensors reduced by the master cost its link that much each way."""
 
-    def __init__(self, state: ms.MasterState) -> None:
+    def __init__(self, state: ms.MasterState, tensor_bytes: int) -> None:
         self.state = state
+        self.tensor_bytes = tensor_bytes
         self.last_cpu = 0.0
+        self.last_wire = 0.0
         self.cpu = 0.0
         self.events = 0
         self.by_kind: collections.Counter[str] = collections.Counter()
@@ -63,10 +73,17 @@ class TimedMaster:
         if wire is not None:
             codec.decode(wire)
         out = self.state.handle(ev)
+        link_s = 0.0
+        if isinstance(ev, ms.Received) and isinstance(ev.msg, m.CollectiveInit) \
+                and ev.msg.data:
+            link_s += self.tensor_bytes / collectives.MASTER_BANDWIDTH
         for c in out:
             if isinstance(c, ms.Send):
                 self.bytes_out += len(codec.encode(c.msg))
+                if isinstance(c.msg, m.CollectiveOutcome) and c.msg.data:
+                    link_s += self.tensor_bytes / collectives.MASTER_BANDWIDTH
         dt = time.perf_counter() - t0
+        self.last_wire = link_s
         kind = type(ev.msg).__name__ if isinstance(ev, ms.Received) else type(ev).__name__
         self.last_cpu = dt
         self.cpu += dt
@@ -91,6 +108,9 @@ class ScalePeer(base.SimPeer):
         call = self.call
         if call is not None and self.alive:
             sim.record_call(call, sim.now - self.call_at, error)
+            if isinstance(call, tuple):
+                sim.record_collective((len(call), self.revision), self.call_at,
+                                      None if error is not None else sim.now)
         elif not self.admitted and self.started and error is None:
             self.admitted = True
             sim.admissions.append(sim.now - self.spawned_at)
@@ -99,10 +119,21 @@ class ScalePeer(base.SimPeer):
             self.call_at = sim.now
 
     def finish(self, error: BaseException | None) -> None:
+        """The first program to end ends the run (the others are within a step of it;
+        letting every peer leave would measure k repair rounds at the end)."""
         sim = self.sim
         assert isinstance(sim, ScaleSim)
         sim.last_finish = max(sim.last_finish, sim.now)
-        super().finish(error)
+        self.finished, self.error = True, error
+        if error is None:
+            sim.stopped = True
+
+    def start(self, call: Any) -> None:
+        if isinstance(call, tuple):
+            sim = self.sim
+            assert isinstance(sim, ScaleSim)
+            self.via_master = sim.goes_via_master(len(self.machine.ring))
+        super().start(call)
 
 
 @dataclasses.dataclass
@@ -123,23 +154,36 @@ class ScaleSim(base.Sim):
                  reduce_bytes: int = 4 << 20, sync_bytes: int = 64 << 20,
                  founders_within: float = 5.0, heartbeat_timeout: float = 10.0,
                  stall_s: float = 30.0, via_master_rate: float = 0.0,
+                 loopback_bandwidth: float | None = None, algorithm: str = "auto",
+                 measure_cpu: bool = True, duration: float | None = None,
                  max_events: int = 50_000_000) -> None:
+        if duration is not None:
+            steps = 1 << 40  # the run ends at ``duration`` (virtual seconds)
         super().__init__(seed, peers=0, joiners=0, steps=steps, kills=0, drops=0, breaks=0,
                          cancel_rate=0.0, early_rate=1.0, via_master_rate=via_master_rate,
                          max_events=max_events)
-        self.master = TimedMaster(ms.MasterState(repair_rings=True,  # type: ignore[assignment]
-                                                 token_key=bytes(32)))
+        self.master = TimedMaster(ms.MasterState(  # type: ignore[assignment]
+            repair_rings=True, token_key=bytes(32)), reduce_bytes)
         self.timed: TimedMaster = self.master  # type: ignore[assignment]
-        self.net = net or NetworkModel()
+        self.net = net if net is not None else NetworkModel()
         self.nrng = np.random.default_rng(seed)
-        self.churn = churn or Churn()
+        self.churn = churn if churn is not None else Churn()
         self.reduce_bytes = reduce_bytes
+        # The master's measured CPU enters virtual time (it queues events); without it
+        # a seed replays exactly (the CPU is still measured and reported).
+        self.measure_cpu = measure_cpu
+        # "auto": pccl's defaults pick (via the master, else the cost model: mesh or
+        # ring); "ring", "mesh": that one (and via the master at via_master_rate).
+        self.algorithm = algorithm
+        self._extra_up = 0.0
+        self._extra_down = 0.0
         self.sync_bytes = sync_bytes
         self.heartbeat_timeout = heartbeat_timeout
         self.stall_s = stall_s
         self.master_free = 0.0
+        self._inbox: collections.deque[tuple[float, ms.Event]] = collections.deque()
+        self._master_scheduled = False
         self.last_finish = 0.0
-        self._send_offset = 0.0
         self._op_seconds: dict[int, float] = {}
         self.admissions: list[float] = []
         self.calls: dict[str, list[float]] = collections.defaultdict(list)
@@ -147,7 +191,15 @@ class ScaleSim(base.Sim):
         self.hangs = self.leaves = 0
         self.queue_wait: list[float] = []
         self.algorithm_used: collections.Counter[str] = collections.Counter()
+        # (call, step) -> the latest call of any member, the ends of the successful ones
+        self._collective_calls: dict[tuple[int, int], list[float]] = {}
+        self._collective_ends: dict[tuple[int, int], list[float]] = \
+            collections.defaultdict(list)
         self.net.sample(peers, self.nrng)
+        if duration is not None:
+            self.later(duration, self._end)
+        if loopback_bandwidth is not None:  # every link this fast (calibration runs)
+            self.net.up[:] = self.net.down[:] = loopback_bandwidth
         for _ in range(peers):
             self.later(float(self.nrng.random()) * founders_within, self.spawn, False)
         c = self.churn
@@ -159,6 +211,10 @@ class ScaleSim(base.Sim):
                 if t >= c.stop:
                     break
                 self.later(t, fn)
+
+    def _end(self) -> None:
+        self.stopped = True
+        self.last_finish = self.now
 
     # --- peers ---
 
@@ -185,7 +241,8 @@ class ScaleSim(base.Sim):
         if victim is None:
             return
         self.leaves += 1
-        victim.finish(None)
+        victim.finished = True  # its program stops and the peer leaves gracefully
+        self.leave(victim)
 
     def hang_one(self) -> None:
         """SIGSTOP: nothing in or out from now on; the neighbours' stall timers and the
@@ -206,23 +263,62 @@ class ScaleSim(base.Sim):
 
     # --- the master: one process ---
 
+    def goes_via_master(self, world: int) -> bool:
+        if self.algorithm != "auto":
+            return self.rng.random() < self.via_master_rate
+        return self.reduce_bytes <= VIA_MASTER_MAX_BYTES \
+            and world * self.reduce_bytes <= ms.VIA_MASTER_MAX_TOTAL
+
     def master_event(self, ev: ms.Event) -> None:
-        if self.now < self.master_free:
-            self.later(self.master_free - self.now, self.master_event, ev)
-            return
+        """An event reaches the master: handled now if it is idle, else queued behind
+        the others (one process, first come first served)."""
+        self._inbox.append((self.now, ev))
+        if not self._master_scheduled:
+            self._master_scheduled = True
+            self.later(max(0.0, self.master_free - self.now), self._master_next)
+
+    def _master_next(self) -> None:
+        arrived, ev = self._inbox.popleft()
+        self.queue_wait.append(self.now - arrived)
         super().master_event(ev)
-        self.master_free = self.now + self.timed.last_cpu
-        self._send_offset = 0.0
+        self.master_free = self.now + self._master_cpu() + self.timed.last_wire
+        if self._inbox:
+            self.later(self.master_free - self.now, self._master_next)
+        else:
+            self._master_scheduled = False
+
+    def _master_cpu(self) -> float:
+        return self.timed.last_cpu if self.measure_cpu else 0.0
+
+    def to_master(self, pid: int, msg: m.Message) -> None:
+        if isinstance(msg, m.CollectiveInit) and msg.data:
+            # The tensor goes up the peer's own link first.
+            self._extra_up = self.reduce_bytes / float(self.net.up[self.slot(pid)])
+        try:
+            super().to_master(pid, msg)
+        finally:
+            self._extra_up = 0.0
+
+    def to_peer(self, pid: int, msg: m.Message, instance: int = 0) -> None:
+        if isinstance(msg, m.CollectiveOutcome) and msg.data and pid in self.peers:
+            self._extra_down = self.reduce_bytes / float(self.net.down[self.slot(pid)])
+        try:
+            super().to_peer(pid, msg, instance)
+        finally:
+            self._extra_down = 0.0
 
     # --- the network ---
 
     def delay(self, kind: str = "", pid: int = -1, other: int = -1,
               op: base.RingOp | None = None) -> float:
         net = self.net
-        if kind in ("up", "rejoin"):
+        if kind == "up":
+            return self._extra_up + float(net.master_latency(self.slot(pid)))
+        if kind == "rejoin":
             return float(net.master_latency(self.slot(pid)))
         if kind == "down":
-            return self.timed.last_cpu + float(net.master_latency(self.slot(pid)))
+            return self._master_cpu() + self._extra_down + \
+                float(net.master_latency(self.slot(pid)))
         if kind == "establish":
             if other < 0:
                 return 1e-3
@@ -248,7 +344,8 @@ class ScaleSim(base.Sim):
             one_way = float(np.median(self.net.latency(np.asarray(order),
                                                        np.roll(order, -1))))
             limit = algorithms.mesh_max_bytes(k, one_way)
-            if self.reduce_bytes <= limit:
+            if self.algorithm == "mesh" or (self.algorithm == "auto"
+                                            and self.reduce_bytes <= limit):
                 got = collectives.mesh_seconds(self.net, order, self.reduce_bytes)
                 self.algorithm_used["mesh"] += 1
             else:
@@ -269,15 +366,32 @@ class ScaleSim(base.Sim):
     # --- figures ---
 
     def record_call(self, call: Any, seconds: float, error: BaseException | None) -> None:
-        kind = ("reduce" if isinstance(call, tuple) else type(call).__name__.lower())
+        kind = (f"reduce{len(call)}" if isinstance(call, tuple)
+                else type(call).__name__.lower())
         if error is not None:
             self.failed_calls[kind] += 1
         else:
             self.calls[kind].append(seconds)
 
+    def record_collective(self, key: tuple[int, int], called: float,
+                          ended: float | None) -> None:
+        self._collective_calls.setdefault(key, []).append(called)
+        if ended is not None:
+            self._collective_ends[key].append(ended)
+
+    def collective_latency(self) -> dict[str, list[float]]:
+        """Per call shape ("reduce1", "reduce2"): from the last member's call to each
+        member's result, as a benchmark that starts every peer at once measures it."""
+        out: dict[str, list[float]] = collections.defaultdict(list)
+        for key, ends in self._collective_ends.items():
+            last = max(self._collective_calls[key])
+            out[f"reduce{key[0]}"] += [e - last for e in ends if e >= last]
+        return out
+
     def figures(self, wall: float) -> dict[str, Any]:
         t = self.timed
-        lost = self.failed_calls["reduce"] + self.failed_calls["sync"]
+        lost = sum(v for k, v in self.failed_calls.items() if k.startswith("reduce")) \
+            + self.failed_calls["sync"]
 
         def dist(xs: list[float]) -> dict[str, float]:
             if not xs:
@@ -300,8 +414,11 @@ class ScaleSim(base.Sim):
                                       for k, v in sorted(t.cpu_by_kind.items(),
                                                          key=lambda kv: -kv[1])},
             "master_events_by_kind": dict(t.by_kind.most_common()),
+            "master_queue_wait": dist(self.queue_wait),
             "admission": dist(self.admissions),
             "calls": {k: dist(v) for k, v in sorted(self.calls.items())},
+            "collective_from_last_call": {k: dist(v) for k, v in
+                                          sorted(self.collective_latency().items())},
             "failed_calls": dict(self.failed_calls),
             "steps_done": self.steps_done,
             "step_attempts_lost": lost,
