@@ -53,6 +53,9 @@ log = logging.getLogger("pccl.programs")
 
 IDIOMS = ("stress", "cross-step", "ddp")
 APIS = ("blocking", "asyncio")
+# Worlds the checks accept (gradients are integers of at most 8: sums stay exact in
+# float32 far beyond this).
+MAX_WORLD = 4096
 REDUCE_ELEMENTS = 16384  # PCCL's stress programs reduce 128 x 128 floats per tag
 
 
@@ -117,8 +120,11 @@ class Program:
             got = self.grads[t]
             q = got / g
             w = worlds[t] if worlds is not None else int(round(float(q[0])))
-            if not (1 <= w <= 64 and np.array_equal(got, g * np.float32(w))):
-                _emit(ev="violation", what=f"reduce tag {t}: result is not {w} x gradient")
+            if not (1 <= w <= MAX_WORLD and np.array_equal(got, g * np.float32(w))):
+                ratios = np.unique(np.round(q, 3))
+                _emit(ev="violation", what=f"reduce tag {t}: result is not {w} x gradient "
+                      f"(result / gradient: {ratios[:5].tolist()}"
+                      f"{'...' if len(ratios) > 5 else ''})")
 
     def synced(self, revision: int) -> None:
         if revision < self.synced_revision:
