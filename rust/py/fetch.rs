@@ -121,7 +121,7 @@ impl FetchOp {
                     "the shared-state fetch failed unexpectedly: {e}"
                 ))
             })?;
-            Python::attach(|py| {
+            crate::py::attach_from_runtime(|py| {
                 let out: Vec<Py<PyAny>> = results
                     .into_iter()
                     .map(|r| match r {

@@ -12,7 +12,9 @@
 //!   Python logging level changes, so levels set at run time apply at once.
 //! * `close_log_bridge()` (an `atexit` hook of `pccl/_logging.py`) stops forwarding
 //!   before the interpreter finalizes: a tokio thread that took the GIL then would be
-//!   ended by CPython mid-Rust and abort the process (see `pccl/_shutdown.py`).
+//!   ended by CPython mid-Rust and abort the process (see `pccl/_shutdown.py`). A
+//!   thread that checked the flag just before it closed still only attaches when
+//!   Python says it can (`Python::try_attach`).
 //!
 //! Records are formatted on the calling thread; only enabled ones take the GIL. Log
 //! events, not per-byte progress: nothing on a hot path logs, and no record is logged
@@ -42,7 +44,11 @@ impl Log for Bridge {
 
     fn log(&self, record: &Record) {
         if OPEN.load(Ordering::Acquire) {
-            self.0.log(record)
+            // pyo3-log attaches to Python itself; attaching here first, only while the
+            // interpreter is neither finalizing nor gone, makes its attach a nested one
+            // (a record logged by a tokio thread during interpreter exit is dropped
+            // instead of crashing the process).
+            let _ = Python::try_attach(|_py| self.0.log(record));
         }
     }
 

@@ -157,7 +157,7 @@ impl PyP2PNode {
                     break r?;
                 }
             };
-            Ok(Python::attach(|py| PyBytes::new(py, &digests).unbind()))
+            crate::py::attach_from_runtime(|py| Ok(PyBytes::new(py, &digests).unbind()))
         })
     }
 
@@ -224,7 +224,7 @@ impl PyP2PNode {
                     break results;
                 }
             };
-            Python::attach(|py| {
+            crate::py::attach_from_runtime(|py| {
                 let out: Vec<Py<PyAny>> = results
                     .into_iter()
                     .map(|r| match r {
