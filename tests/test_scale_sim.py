@@ -134,3 +134,27 @@ def test_without_measured_cpu_the_same_seed_replays_the_same_run() -> None:
         return rep.events, sim.now, sim.steps_done, sim.kills
 
     assert once() == once()
+
+
+def test_the_command_line_writes_every_section(tmp_path) -> None:
+    """``python -m pccl.sim`` end to end at toy sizes: every section lands in the JSON,
+    the calibration rows come from the measured bench results in the repository."""
+    import json
+
+    from pccl.sim.__main__ import main
+
+    out = tmp_path / "scale.json"
+    rc = main(["--peers", "24", "--minutes", "0.5", "--algorithm-peers", "8", "40",
+               "--solver-peers", "8", "--solver-budget", "0.05", "--out", str(out)])
+    assert rc == 0
+    fig = json.loads(out.read_text())
+    assert [r["peers"] for r in fig["runs"]] == [24] and fig["runs"][0]["violations"] == []
+    assert fig["runs"][0]["steps_done"] > 0
+    assert {(r["peers"], r["size"]) for r in fig["algorithms"]} == {
+        (k, s) for k in (8, 40) for s in ("4 KiB", "1 MiB", "64 MiB")}
+    assert fig["solver"][0]["peers"] == 8 and fig["solver"][0]["solver_s"] > 0
+    cal = fig["calibration"]
+    assert [r["peers"] for r in cal["data_plane"]] == [4, 8, 16, 32]
+    for r in cal["end_to_end"]:
+        # The simulated via-master all-reduce is one master round trip, as measured.
+        assert 0.05 < r["model_s"]["via_master"] < 0.08
