@@ -251,6 +251,12 @@ class PeerRecord:
     punch_addrs: tuple[str, ...] = ()
 
 
+def _covers(calls: Collection[int], members: Collection[int]) -> bool:
+    """Whether every one of ``members`` is among ``calls``: O(1) while some are missing
+    (the counts are compared first), which is the common case on every message."""
+    return len(calls) >= len(members) and all(p in calls for p in members)
+
+
 class _Roster:
     """Who is registered and who accepted (per group), in registration order: a
     snapshot of ``MasterState.peers``, taken when first asked after a change."""
@@ -708,7 +714,7 @@ class MasterState:
                 if missing and missing <= joiners:
                     busy |= set(inits)
         roster = self._roster_now()
-        if len(busy) < len(roster.accepted) or not all(p in busy for p in roster.accepted):
+        if not _covers(busy, roster.accepted):
             return
         n = len(roster.pending)
         pending = n > 0 or bool(self.votes)
@@ -862,13 +868,14 @@ class MasterState:
             self._start_round(self.pending(), out)
 
     def _maybe_finish_vote(self, out: list[Command]) -> None:
-        accepted = self.accepted()
-        if not accepted:
+        roster = self._roster_now()
+        if not roster.accepted:
             self.votes.clear()
             self.phase = Phase.IDLE
             return
-        if not set(accepted) <= self.votes:
+        if not _covers(self.votes, roster.accepted):
             return
+        accepted = list(roster.accepted)
         self._disarm(self.vote_deadline)
         pending = self.pending()
         if not pending and not self.rings_stale:
@@ -1197,10 +1204,8 @@ class MasterState:
         return self._roster_now().group_set(group)
 
     def _all_joined(self, group: int, calls: Collection[int]) -> bool:
-        """Whether every accepted member of ``group`` is among ``calls`` (O(1) while
-        some are missing: the count is compared first)."""
-        members = self._member_set(group)
-        return len(calls) >= len(members) and all(p in calls for p in members)
+        """Whether every accepted member of ``group`` is among ``calls``."""
+        return _covers(calls, self._member_set(group))
 
     def _group_in_vote(self, group: int) -> bool:
         """Whether a member of ``group`` is in update_topology() or optimize_topology()."""
@@ -1732,7 +1737,7 @@ class MasterState:
             self.opt_deadline = self._arm(("optimize",), msg.timeout, out)
         self.opt_votes.add(peer)
         self._call_off_waiting_ops(peer, rec.peer_group, "optimize_topology()", out)
-        if not set(self.accepted()) <= self.opt_votes:
+        if not _covers(self.opt_votes, self._roster_now().accepted):
             self._maybe_answer_pending(out)
             return
         self._disarm(self.opt_deadline)
