@@ -28,7 +28,7 @@ against the all-reduce times measured with emulated 5 ms links (bench/latency.py
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -38,17 +38,15 @@ from pccl.sim.network import NetworkModel
 #: The master's link (bytes/s each way): a datacentre host.
 MASTER_BANDWIDTH = 1.25e9
 
-Bandwidth = Callable[[np.ndarray, np.ndarray], np.ndarray]
-
 
 def ring_seconds(net: NetworkModel, order: Sequence[int], nbytes: float,
-                 bandwidth: Bandwidth | None = None) -> float:
+                 share: int = 1) -> float:
     k = len(order)
     if k < 2:
         return 0.0
     a = np.asarray(order)
     b = np.roll(a, -1)
-    bw = (bandwidth or net.bandwidth)(a, b)
+    bw = net.bandwidth(a, b, share)
     lat = net.latency(a, b) + algorithms.HOP_OVERHEAD_S
     hops = 2 * (k - 1)
     return float(hops * lat.mean() + hops / k * nbytes / bw.min())
@@ -114,20 +112,13 @@ def striped_seconds(net: NetworkModel, order: Sequence[int], nbytes: float,
     ``r`` x (size / rings) so that its cross-region hops use other hosts."""
     groups = by_region(net, order)
     m = max(1, rings)
-
-    def shared(i: np.ndarray, j: np.ndarray) -> np.ndarray:
-        rtt = 2 * net.latency(i, j)
-        flow = 1.22 * 1448 / (np.maximum(rtt, 1e-4) * np.sqrt(net.loss))
-        return np.asarray(np.minimum(np.minimum(net.up[i], net.down[j]) / m,
-                                     net.streams * flow))
-
     worst = 0.0
     for r in range(m):
         ring = []
         for g in groups:
             shift = (r * len(g)) // m
             ring.extend(g[shift:] + g[:shift])
-        worst = max(worst, ring_seconds(net, ring, nbytes / m, bandwidth=shared))
+        worst = max(worst, ring_seconds(net, ring, nbytes / m, share=m))
     return worst
 
 

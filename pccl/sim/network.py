@@ -131,11 +131,14 @@ class NetworkModel:
         m = self._index[self.master_region]
         return np.asarray(self.backbone[self.region[i], m] + self.home[i])
 
-    def bandwidth(self, i: int | np.ndarray, j: int | np.ndarray) -> np.ndarray:
-        """Rate (bytes/s) of the directed link ``i -> j`` with the pool's streams."""
+    def bandwidth(self, i: int | np.ndarray, j: int | np.ndarray,
+                  share: int = 1) -> np.ndarray:
+        """Rate (bytes/s) of the directed link ``i -> j`` with the pool's streams, when
+        ``share`` such links (each with streams of its own) use the same hosts at once:
+        the access links are split between them, the per-flow TCP limit is not."""
         rtt = 2 * self.latency(i, j)
         flow = 1.22 * MSS / (np.maximum(rtt, 1e-4) * math.sqrt(self.loss))
-        return np.asarray(np.minimum(np.minimum(self.up[i], self.down[j]),
+        return np.asarray(np.minimum(np.minimum(self.up[i], self.down[j]) / share,
                                      self.streams * flow))
 
     def matrix(self, peers: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
