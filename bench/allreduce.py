@@ -33,8 +33,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import os
 import socket
+import subprocess
 import sys
 import time
 from typing import Any
@@ -131,9 +133,6 @@ def _tcp_sender(idx: int, port: int, nbytes: int, rounds: int, barrier: Any, q: 
 def bench_secure_loopback(k: int, mib: int, rounds: int) -> dict[str, Any]:
     """k clear and k encrypted streams of pccl's transport at once (Rust, one process
     of 2 tokio threads): ``secure_bench --streams k``."""
-    import json
-    import subprocess
-
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     cmd = ["cargo", "run", "--quiet", "--release", "--locked", "--bin", "secure_bench", "--",
            "--streams", str(k), "--mib", str(mib), "--rounds", str(rounds)]

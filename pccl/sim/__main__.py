@@ -31,8 +31,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from pccl import topology
 from pccl.sim import collectives
 from pccl.sim.network import NetworkModel
@@ -68,8 +66,7 @@ def section_runs(args: argparse.Namespace) -> list[dict[str, Any]]:
 def section_algorithms(args: argparse.Namespace) -> list[dict[str, Any]]:
     rows = []
     for n in args.algorithm_peers:
-        net = NetworkModel()
-        net.sample(n, np.random.default_rng(args.seed))
+        net = NetworkModel.sampled(n, args.seed)
         order = list(range(n))
         for label, size in SIZES.items():
             t = collectives.all_algorithms(net, order, size)
@@ -84,8 +81,7 @@ def section_algorithms(args: argparse.Namespace) -> list[dict[str, Any]]:
 def section_solver(args: argparse.Namespace) -> list[dict[str, Any]]:
     rows = []
     for n in args.solver_peers:
-        net = NetworkModel()
-        net.sample(n, np.random.default_rng(args.seed))
+        net = NetworkModel.sampled(n, args.seed)
         order = list(range(n))
         _, bw = net.matrix(order)
         t0 = time.perf_counter()
@@ -124,8 +120,8 @@ def section_calibration(args: argparse.Namespace) -> dict[str, Any]:
     out: dict[str, Any] = {"data_plane": [], "end_to_end": []}
     for row in _measured("latency_mesh_k.json"):
         k = row["peers"]
-        net = NetworkModel(flat_ms=row["link_one_way_ms"], flat_master_ms=0.0)
-        net.sample(k, np.random.default_rng(args.seed))
+        net = NetworkModel.sampled(k, args.seed, flat_ms=row["link_one_way_ms"],
+                                   flat_master_ms=0.0)
         net.up[:] = net.down[:] = 1e9  # loopback, far above what 4 KiB needs
         order = list(range(k))
         model = {"ring": collectives.ring_seconds(net, order, row["bytes"]),

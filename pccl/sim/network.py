@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -94,6 +95,13 @@ class NetworkModel:
         self.down = np.zeros(0)
 
     # --- peers ---
+
+    @classmethod
+    def sampled(cls, n: int, seed: int, **kw: Any) -> NetworkModel:
+        """A model (fields ``kw``) with ``n`` peers drawn with ``seed``."""
+        net = cls(**kw)
+        net.sample(n, np.random.default_rng(seed))
+        return net
 
     def sample(self, n: int, rng: np.random.Generator) -> None:
         """Draws ``n`` more peers (slots ``len(self) .. len(self) + n - 1``)."""

@@ -28,12 +28,14 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import inspect
 import time
 from typing import Any
 
 import numpy as np
 
 from pccl import algorithms
+from pccl.communicator import Communicator
 from pccl.master import state as ms
 from pccl.peer import state as ps
 from pccl.protocol import codec
@@ -42,10 +44,11 @@ from pccl.sim import collectives
 from pccl.sim.network import NetworkModel
 from pccl.testing import sim as base
 
-#: pccl's defaults: all-reduces up to this size go to the master with their tensor
-#: (``Communicator(via_master_max_bytes=)``) unless the group's tensors would pass
-#: ``VIA_MASTER_MAX_TOTAL`` there.
-VIA_MASTER_MAX_BYTES = 64 << 10
+#: pccl's default: all-reduces up to this size go to the master with their tensor
+#: (``Communicator(via_master_max_bytes=)``, read from its signature) unless the group's
+#: tensors would pass ``VIA_MASTER_MAX_TOTAL`` there.
+VIA_MASTER_MAX_BYTES: int = inspect.signature(Communicator).parameters[
+    "via_master_max_bytes"].default
 
 
 class TimedMaster:
