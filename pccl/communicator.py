@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from types import TracebackType
 from typing import Any
 
@@ -32,9 +32,9 @@ from pccl.peer.options import (
     ReduceInfo,
     check_deadline,
     check_int,
-    check_master_address,
     check_quantization,
     check_seconds,
+    master_addresses,
 )
 from pccl.peer.state import Status as PeerState
 from pccl.protocol import MAX_FRAME
@@ -106,7 +106,7 @@ class Communicator(Driver):
 
     def __init__(
         self,
-        master: str = f"127.0.0.1:{DEFAULT_PORT}",
+        master: str | Sequence[str] = f"127.0.0.1:{DEFAULT_PORT}",
         peer_group: int = 0,
         p2p_connection_pool_size: int = 4,
         secret: bytes | str | None = None,
@@ -136,7 +136,7 @@ class Communicator(Driver):
         check_int(early_start_max_bytes, "early_start_max_bytes", 0, 1 << 40)
         # (The tensor travels in one control-plane frame: at most 1 MiB of it.)
         check_int(via_master_max_bytes, "via_master_max_bytes", 0, 1 << 20)
-        check_master_address(master)
+        masters = master_addresses(master)
         self.collective_timeout = check_deadline(collective_timeout, "collective_timeout")
         for name, value in (("timeout", timeout), ("p2p_timeout", p2p_timeout),
                             ("peer_timeout", peer_timeout)):
@@ -146,6 +146,10 @@ class Communicator(Driver):
             if not isinstance(flag, bool):
                 raise _core.InvalidArgumentError(f"{name} must be a bool, got {flag!r}")
         self.master = master
+        # Where this peer registers, in order of preference (several: it fails over).
+        self.masters = masters
+        self._master_addr = masters[0]  # the one in use (or tried last)
+        self._elsewhere: str | None = None  # the last one to send this peer elsewhere
         self.peer_group = peer_group
         self.p2p_connection_pool_size = p2p_connection_pool_size
         self.secret = secret.encode() if isinstance(secret, str) else secret

@@ -92,7 +92,8 @@ LOCAL_RANK_VARIABLES: tuple[tuple[str, str], ...] = (
 # parameter needs a line: tests/test_config.py fails on one that has none.
 _HELP: dict[str, str] = {
     # Communicator
-    "master": "`host:port` of the master",
+    "master": "`host:port` of the master; several, comma-separated: the peer fails over "
+              "between them in that order",
     "peer_group": "the peer group this peer reduces and syncs with",
     "p2p_connection_pool_size": "parallel TCP streams per ring neighbour",
     "p2p_listen_host": "address the p2p listener binds (none: every interface)",
@@ -126,6 +127,8 @@ _HELP: dict[str, str] = {
     "repair_rings": "rebuild a ring that lost a peer without waiting for update_topology()",
     "dial_back_timeout": "seconds for the reachability check of each peer's p2p address",
     "max_relayed_streams": "ring-link streams relayed at once (0: no relay)",
+    "quorum": "a new ring needs a majority of the group's previous ring (split-brain "
+              "protection; none: on once a peer names several masters)",
     "mesh_max_bytes": "all-reduces up to this size run on the mesh (recursive doubling) "
                       "instead of the ring (-1: chosen from k and the measured links; 0: "
                       "never)",
@@ -336,6 +339,8 @@ def _parser(cls: type, param: str, hint: Any) -> tuple[Callable[[str, Env], tupl
         return _peer_group, "an integer, or `local_rank`"
     if param == "p2p_listen_port":
         return _port, "a port, or `BASE+local_rank` (e.g. `29600+local_rank`)"
+    if param == "master":
+        return _str, "text: `host:port`, or several separated by commas"
     args = set(typing.get_args(hint)) or {hint}
     optional = type(None) in args
     args.discard(type(None))

@@ -58,6 +58,7 @@ MASTER_VARIABLES = {
     "dial_back_timeout": "PCCL_DIAL_BACK_TIMEOUT",
     "max_relayed_streams": "PCCL_MAX_RELAYED_STREAMS",
     "mesh_max_bytes": "PCCL_MESH_MAX_BYTES",
+    "quorum": "PCCL_QUORUM",
     "status_listen": "PCCL_STATUS_LISTEN",
     "status_token": "PCCL_STATUS_TOKEN",
 }

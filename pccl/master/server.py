@@ -97,6 +97,7 @@ class MasterNode:
         dial_back_timeout: float = 2.0,
         max_relayed_streams: int = 256,
         mesh_max_bytes: int = -1,
+        quorum: bool | None = None,
         status_listen: str | None = None,
         status_token: str | None = None,
     ) -> None:
@@ -151,6 +152,11 @@ class MasterNode:
             raise InvalidArgumentError(
                 f"MasterNode(mesh_max_bytes=...) must be an integer >= -1 (-1: chosen by the "
                 f"cost model, 0: no mesh), got {mesh_max_bytes!r}")
+        # Split-brain protection (several masters): a new ring needs a strict majority of
+        # the group's previous one. None: on once a peer says it has several masters.
+        if quorum is not None and not isinstance(quorum, bool):
+            raise InvalidArgumentError(
+                f"MasterNode(quorum=...) must be True, False or None, got {quorum!r}")
         # The read-only status page, /api/status and /metrics (pccl/master/status.py): off
         # (None) unless given "host:port"; a non-loopback host needs status_token.
         if status_listen is not None:
@@ -168,7 +174,7 @@ class MasterNode:
         self.state = st.MasterState(max_establish_attempts=max_establish_attempts,
                                     repair_rings=repair_rings,
                                     relay=max_relayed_streams > 0,
-                                    mesh_max_bytes=mesh_max_bytes)
+                                    mesh_max_bytes=mesh_max_bytes, quorum=quorum)
         self._deadlines: dict[int, asyncio.TimerHandle] = {}
         self._server: asyncio.Server | None = None
         self._conns: dict[int, FramedConnection] = {}
@@ -373,7 +379,8 @@ class MasterNode:
             async with asyncio.timeout(self.handshake_timeout):
                 await conn.accept(self.secret, allow_clear=self.insecure, first=first)
                 await conn.send(m.Challenge(version=PROTOCOL_VERSION, nonce=nonce,
-                                            auth=self.secret is not None))
+                                            auth=self.secret is not None,
+                                            groups=self.state.held_groups()))
                 hello = await conn.recv()
         except AuthenticationError as e:
             log.warning("connection from %s refused: %s", remote, e)
@@ -412,7 +419,11 @@ class MasterNode:
         resume: st.Resume | None = None
         if 0 < hello.resume_peer_id < 1 << 48:
             resume = st.Resume(hello.resume_epoch, hello.resume_revision,
-                               tuple(hello.resume_peers[:4096]))
+                               tuple(hello.resume_peers[:4096]), hello.resume_peer_id,
+                               min(max(hello.resume_base_epoch, 0), 1 << 48),
+                               tuple(hello.resume_base_peers[:4096]),
+                               tuple((e, tuple(r[:4096])) for e, r in zip(
+                                   hello.resume_more_epochs[:64], hello.resume_more_peers[:64])))
             # Keep the old id when it is free: ring order and tie-breaks follow ids.
             if hello.resume_peer_id not in self._conns and \
                     hello.resume_peer_id not in self.state.peers:
@@ -439,7 +450,8 @@ class MasterNode:
                             for port in hello.p2p_punch_ports[:16] if 0 < port < 65536)
         self._feed(st.PeerRegistered(peer_id, hello.peer_group, p2p_addr, resume,
                                      reachable=reachable, allow_relay=hello.allow_relay,
-                                     punch_addrs=punch_addrs))
+                                     punch_addrs=punch_addrs,
+                                     masters=max(1, min(hello.masters, 64))))
         return peer_id
 
     async def _doctor(self, conn: FramedConnection, hello: m.DoctorHello, nonce: bytes,
@@ -649,7 +661,8 @@ class MasterNode:
                     log.debug("peer %d disconnected: %s", cmd.peer_id, cmd.reason)
                     if cmd.tell:
                         conn.send_nowait(m.Reject(kind=ErrorKind.PeerConnectionError,
-                                                  message=cmd.reason))
+                                                  message=cmd.reason,
+                                                  elsewhere=cmd.elsewhere))
                     # close() flushes what is queued (e.g. a final error) before closing.
                     conn.writer.close()
         # Operations that ended took their deadlines with them: drop those timers.

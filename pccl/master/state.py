@@ -64,6 +64,14 @@ class Resume:
     epoch: int
     revision: int  # -1: it never synced shared state
     peers: tuple[int, ...]
+    peer_id: int = 0  # the id it had there (ids in ``peers`` are of that master)
+    # The newest ring it knows was installed there (its own, or the one the ring in
+    # ``peers`` was counted against): Hello.resume_base_*.
+    base_epoch: int = 0
+    base: tuple[int, ...] = ()
+    # Later rings that may have been installed there without it hearing so (its newest
+    # proposal and the rings that one was counted against): (epoch, members).
+    more: tuple[tuple[int, tuple[int, ...]], ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,6 +90,9 @@ class PeerRegistered:
     # Where its hole-punched links come from ("host:port" as seen here), the one of a
     # link of epoch e at [e % len].
     punch_addrs: tuple[str, ...] = ()
+    # How many masters the peer fails over between; above 1, split brain is possible and
+    # the master counts quorums (see MasterState.quorum).
+    masters: int = 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -169,6 +180,8 @@ class Disconnect:
     peer_id: int
     reason: str
     tell: bool = False
+    # Tell it to try its other masters first (no quorum here): Reject.elsewhere.
+    elsewhere: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -213,6 +226,8 @@ TIMELINE_NOTES = frozenset({
     "repair",            # the master rebuilt rings on its own: value = epoch
     "round_failed",      # a round gave up (value = epoch) or retries without the dropped
     "resume",            # a peer came back after a master restart; value = its epoch
+    "no_quorum",         # a round lacked a majority of a group's previous ring; value =
+                         # that ring's epoch; peers: the peers sent to their other masters
     "optimized",         # optimize_topology() chose new ring orders (value = its round)
     "optimize_failed",
     "collective_failed",  # value = op id (-1: never ran); text: why
@@ -240,6 +255,18 @@ class Note:
 MAX_DEADLINE = 7 * 24 * 3600.0
 
 
+@dataclasses.dataclass(frozen=True)
+class Claim:
+    """What a peer back from another master knows of its group's rings there: the
+    newest ring proposed to it, and the newest ring it knows was installed."""
+
+    epoch: int
+    ring: frozenset[int]
+    base_epoch: int
+    base: frozenset[int]
+    more: tuple[tuple[int, frozenset[int]], ...] = ()
+
+
 @dataclasses.dataclass
 class PeerRecord:
     peer_id: int
@@ -249,6 +276,11 @@ class PeerRecord:
     reachable: bool = True
     allow_relay: bool = True
     punch_addrs: tuple[str, ...] = ()
+    # A peer back from another master (or a restarted one) until it is accepted: the
+    # newest ring it saw proposed, (epoch, members), and its id in that ring. See
+    # MasterState._quorum_filter.
+    claim: Claim | None = None
+    was: int = 0
 
 
 def _covers(calls: Collection[int], members: Collection[int]) -> bool:
@@ -394,8 +426,25 @@ class MasterState:
 
     def __init__(self, *, max_establish_attempts: int = 3, repair_rings: bool = True,
                  token_key: bytes | None = None, relay: bool = True,
-                 mesh_max_bytes: int = -1) -> None:
+                 mesh_max_bytes: int = -1, quorum: bool | None = None,
+                 standby: bool = False) -> None:
         self.max_establish_attempts = max_establish_attempts
+        # Split-brain protection for runs with several masters: a round may install a
+        # group's new ring only if it holds a strict majority of the newest ring known
+        # for that group (this master's, or one a peer back from another master saw).
+        # None: on once any peer says it fails over between several masters.
+        self.quorum = quorum
+        self.failover_seen = False
+        # A standby never starts a group: it only takes one over from peers that come
+        # from another master (with their rings), so that a peer that reaches only the
+        # standby cannot start a second run of its group there. Implies quorums.
+        self.standby = standby
+        # Per group: (epoch, members) of the last ring installed here, less the peers
+        # that left it gracefully since (they never vote elsewhere): what a quorum counts.
+        self.lineage: dict[int, tuple[int, frozenset[int]]] = {}
+        # Per group, the installed ring the round being started is counted against
+        # (EstablishP2P.base_*), set by _quorum_filter.
+        self.round_bases: dict[int, list[tuple[int, list[int]]]] = {}
         # All-reduces up to this size run on the mesh: -1 chosen per group by the cost
         # model (pccl.algorithms), 0 no mesh (no mesh links are made either).
         self.mesh_max_bytes = mesh_max_bytes
@@ -579,13 +628,21 @@ class MasterState:
     def _on_registered(self, ev: PeerRegistered, out: list[Command]) -> None:
         if ev.peer_id in self.peers:
             raise ValueError(f"peer id {ev.peer_id} registered twice")
+        res = ev.resume
         self.peers[ev.peer_id] = PeerRecord(ev.peer_id, ev.peer_group, ev.p2p_addr,
                                             reachable=ev.reachable,
                                             allow_relay=ev.allow_relay,
-                                            punch_addrs=ev.punch_addrs)
+                                            punch_addrs=ev.punch_addrs,
+                                            claim=Claim(res.epoch, frozenset(res.peers),
+                                                        res.base_epoch, frozenset(res.base),
+                                                        tuple((e, frozenset(r))
+                                                              for e, r in res.more))
+                                            if res is not None else None,
+                                            was=(res.peer_id or ev.peer_id)
+                                            if res is not None else 0)
         self._roster_changed()
+        self.failover_seen |= ev.masters > 1
         self.recovery_awaiting.discard(ev.peer_id)
-        res = ev.resume
         if res is not None:
             # Epochs must keep increasing across the restart: peers still hold links
             # keyed by their old epochs.
@@ -597,7 +654,8 @@ class MasterState:
             if res.revision >= 0:
                 self.last_revision[ev.peer_id] = res.revision
             if self.phase is Phase.IDLE and not self.accepted():
-                missing = set(res.peers) - set(self.peers)
+                missing = set(res.peers).union(res.base, *(r for _, r in res.more)) \
+                    - set(self.peers)
                 if missing:
                     if not self.recovery_awaiting:
                         self.recovery_id += 1
@@ -659,6 +717,10 @@ class MasterState:
         elif isinstance(msg, m.PendingQuery):
             self._on_pending_query(peer, rec, msg, out)
         elif isinstance(msg, m.Leave):
+            # It will not vote for this ring anywhere else: quorums no longer count it.
+            lin = self.lineage.get(rec.peer_group)
+            if lin is not None and peer in lin[1]:
+                self.lineage[rec.peer_group] = (lin[0], lin[1] - {peer})
             self._remove(peer, out, reason="left gracefully")
         elif isinstance(msg, m.Pong):
             pass  # liveness is the server's business
@@ -821,11 +883,11 @@ class MasterState:
         self._start_round(members, out, repair=True)
 
     def _forget(self, peer: int, reason: str, out: list[Command], *,
-                tell: bool = False) -> PeerRecord:
+                tell: bool = False, elsewhere: bool = False) -> PeerRecord:
         """Drops ``peer`` everywhere except the round/vote bookkeeping of the caller."""
         rec = self.peers.pop(peer)
         self._roster_changed()
-        out.append(Disconnect(peer, reason, tell))
+        out.append(Disconnect(peer, reason, tell, elsewhere))
         self._note("dropped", f"peer {peer} ({rec.status.name.lower()}, group "
                    f"{rec.peer_group}) dropped: {reason}", (peer,), rec.peer_group)
         self.punch_failed = {pair for pair in self.punch_failed if peer not in pair}
@@ -893,8 +955,117 @@ class MasterState:
         self.attempts = 0
         self._start_round(accepted + pending, out)
 
+    @property
+    def quorum_on(self) -> bool:
+        """Whether rounds need a quorum of each group's previous ring (see __init__)."""
+        if self.standby:
+            return True
+        return self.quorum if self.quorum is not None else self.failover_seen
+
+    def held_groups(self) -> list[int]:
+        """The groups this master holds: accepted peers, or peers back from another
+        master that it is gathering (what a challenge tells a peer with several
+        masters, which registers where its group is held)."""
+        roster = self._roster_now()
+        held = set(roster.groups)
+        held.update(self.peers[p].peer_group for p in roster.pending
+                    if self.peers[p].claim is not None)
+        return sorted(held)
+
+    def _quorum_filter(self, members: list[int], out: list[Command]) -> list[int]:
+        """The members a round may go on with when quorums count, and per group the
+        installed ring the round is counted against (sent to the members as the base of
+        the proposal, which they report to any master they go to next).
+
+        Per group, the members must hold a strict majority of (a) the newest ring known
+        to have been installed: this master's last, or one a member brings back from
+        another master (the base it reports), and (b) every ring proposed after that
+        one that a member saw: each may have been installed without the member hearing
+        of it. If they do not, the group cannot move on here safely (a master elsewhere
+        may hold that majority): when this master's own ring is what lacks a majority,
+        the group's members go to their other masters; else the members that brought
+        the newer rings go (they join again once this master's epochs have passed
+        theirs, which registering them has ensured), and the rest are counted again.
+        A standby starts no group: a group with no installed ring known (here or brought
+        by a member) is sent away.
+
+        tests/test_failover.py checks on a model of two masters and peers moving between
+        them at random that installed rings form one chain, each holding a majority of
+        the one before."""
+        keep: list[int] = []
+        self.round_bases = {}
+        by_group: dict[int, list[int]] = {}
+        for p in members:
+            by_group.setdefault(self.peers[p].peer_group, []).append(p)
+        for g, ms in by_group.items():
+            while ms:
+                own = self.lineage.get(g)
+                claimants = [p for p in ms if self.peers[p].claim is not None]
+                # Rings to count, each with whether its ids are this master's.
+                base: tuple[int, frozenset[int], bool] | None = (
+                    (own[0], own[1], True) if own is not None else None)
+                for p in claimants:
+                    c = self.peers[p].claim
+                    assert c is not None
+                    if c.base and (base is None or c.base_epoch > base[0]):
+                        base = (c.base_epoch, c.base, False)
+                if self.standby and base is None:
+                    # (Peers that saw only a first ring proposed know of nothing
+                    # installed: the master that proposed it may have started over.)
+                    self._send_away(g, ms, "this master is a standby and knows of no "
+                                    f"ring of peer group {g}: it only takes a group over "
+                                    "from the peers of a lost master", out)
+                    ms = []
+                    break
+                rings = [base] if base is not None else []
+                floor = base[0] if base is not None else -1
+                for p in claimants:
+                    c = self.peers[p].claim
+                    assert c is not None
+                    for epoch, ring in ((c.epoch, c.ring), *c.more):
+                        if ring and epoch > floor and (epoch, ring, False) not in rings:
+                            rings.append((epoch, ring, False))
+                # This master's ring counts by the ids here (not those of peers back from
+                # elsewhere: theirs are another master's); the others by the ids the
+                # claimants had where those rings were proposed.
+                ids_here = {p for p in ms if self.peers[p].claim is None}
+                ids_there = {self.peers[p].was for p in claimants}
+                short = None
+                for epoch, ring, here in rings:
+                    present = len(ring & (ids_here if here else ids_there))
+                    if 2 * present <= len(ring):
+                        short = (epoch, ring, here, present)
+                        break
+                if short is None:
+                    self.round_bases[g] = [(e, sorted(r)) for e, r, _ in rings]
+                    break
+                epoch, ring, here, present = short
+                own_epoch = own[0] if own is not None else -1
+                newer = [p for p in claimants if max(
+                    self.peers[p].claim.epoch, self.peers[p].claim.base_epoch)  # type: ignore[union-attr]
+                    > own_epoch]
+                away = list(ms) if here or not newer else newer
+                self._send_away(g, away, (
+                    f"no quorum here for peer group {g}: {present} of the {len(ring)} peers "
+                    f"of its ring of epoch {epoch} ({sorted(ring)})"), out, epoch)
+                ms = [p for p in ms if p not in away]
+            keep.extend(ms)
+        return sorted(keep)
+
+    def _send_away(self, group: int, peers: list[int], why: str, out: list[Command],
+                   epoch: int = 0) -> None:
+        """Drops ``peers`` telling them to try their other masters first."""
+        self._note("no_quorum", f"{why}; sending {sorted(peers)} to their other masters",
+                   sorted(peers), group, epoch)
+        for p in peers:
+            self._forget(p, why, out, tell=True, elsewhere=True)
+
     def _start_round(self, members: list[int], out: list[Command], *,
                      repair: bool = False) -> None:
+        if self.quorum_on:
+            members = self._quorum_filter(members, out)
+        else:
+            self.round_bases = {g: [(e, sorted(r))] for g, (e, r) in self.lineage.items()}
         if not members:
             self.round = None
             self.phase = Phase.IDLE
@@ -946,6 +1117,8 @@ class MasterState:
                     mesh_in_addrs=[self.peers[q].p2p_addr for q in partners],
                     mesh_in_routes=[r for r, _ in in_routes],
                     mesh_in_tokens=[t for _, t in in_routes],
+                    quorum_epochs=[e for e, _ in self.round_bases.get(group, [])],
+                    quorum_rings=[list(r) for _, r in self.round_bases.get(group, [])],
                 )))
 
     def _mesh_routes(self, ring: list[int]) -> dict[tuple[int, int], tuple[str, bytes]] | None:
@@ -1112,6 +1285,7 @@ class MasterState:
                 if g in rings:
                     self.rings[g] = rings[g]
                     self.ring_epochs[g] = rnd.epoch
+                    self.lineage[g] = (rnd.epoch, frozenset(rings[g]))
                     self.mesh_limits[g] = self._mesh_limit(g, rings[g], rnd)
                 else:
                     self.rings.pop(g, None)
@@ -1132,6 +1306,7 @@ class MasterState:
         joined = [p for p in rnd.members if self.peers[p].status is PeerStatus.REGISTERED]
         for p in rnd.members:
             self.peers[p].status = PeerStatus.ACCEPTED
+            self.peers[p].claim = None  # part of this master's lineage from now on
         self._roster_changed()
         if joined:
             self._note("admitted", f"admitted peer{'s' if len(joined) > 1 else ''} "
@@ -1141,6 +1316,8 @@ class MasterState:
         self.fresh |= set(rnd.members)
         self.rings = self._rings_of(rnd.members)
         self.ring_epochs = dict.fromkeys(self.rings, rnd.epoch)
+        for g, ring in self.rings.items():
+            self.lineage[g] = (rnd.epoch, frozenset(ring))
         self.mesh_limits = {g: self._mesh_limit(g, ring, rnd) for g, ring in self.rings.items()}
         self.rings_stale = False
         self.broken_groups.clear()

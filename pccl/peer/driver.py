@@ -47,7 +47,9 @@ class Driver:
     """The machinery behind :class:`pccl.communicator.Communicator` (which sets these
     attributes up in its constructor)."""
 
-    master: str
+    masters: tuple[str, ...]
+    _master_addr: str
+    _elsewhere: str | None
     peer_group: int
     p2p_connection_pool_size: int
     secret: bytes | None
@@ -86,71 +88,143 @@ class Driver:
         """The id the master gave this peer (None before the handshake)."""
         return self._m.peer_id
 
+    def _where(self) -> str:
+        return (f"the master at {self.masters[0]}" if len(self.masters) == 1 else
+                f"any of the masters {', '.join(self.masters)}")
+
+    async def _reach(self, addr: str, timeout: float) -> tuple[FramedConnection, m.Challenge]:
+        """A connection to the master at ``addr``, up to its challenge."""
+        host, port = split_host_port(addr)
+        conn: FramedConnection | None = None
+        try:
+            async with asyncio.timeout(timeout):
+                reader, writer = await asyncio.open_connection(host, port)
+                conn = FramedConnection(reader, writer, max_frame=self.max_frame)
+                await conn.dial(self.secret, insecure=self.insecure)
+                challenge = await conn.recv()
+        except TimeoutError:
+            if conn is not None:
+                conn.abort()
+            raise MasterConnectionError(
+                f"the master at {addr} did not answer within {timeout:.3g}s") from None
+        except OSError as e:
+            raise MasterConnectionError(f"could not connect to the master at {addr} ({e})"
+                                        ) from None
+        except ConnectionClosed as e:
+            assert conn is not None
+            conn.abort()
+            raise MasterConnectionError(f"the master at {addr} closed the connection during "
+                                        f"the handshake ({e})") from None
+        except Exception:
+            if conn is not None:
+                await conn.close()  # (a FIN, not a reset: the other side may not be pccl)
+            raise
+        except BaseException:
+            if conn is not None:
+                conn.abort()
+            raise
+        if not isinstance(challenge, m.Challenge):
+            await conn.close()
+            raise ProtocolError(f"expected a challenge, the master sent {challenge.TYPE}")
+        if challenge.version != PROTOCOL_VERSION:
+            await conn.close()
+            raise ProtocolError(f"master speaks protocol {challenge.version}, "
+                                f"this peer {PROTOCOL_VERSION}")
+        if challenge.auth and self.secret is None:
+            await conn.close()
+            raise AuthenticationError("the master requires a shared secret; "
+                                      "pass secret= to the Communicator")
+        return conn, challenge
+
+    async def _dial_master(self, timeout: float) -> tuple[FramedConnection, m.Challenge]:
+        """A connection (up to its challenge) to the master to register with: the only
+        one, or of several the first that holds this peer's group (its challenge says),
+        else the first that answers. A master that just sent this peer elsewhere (no
+        quorum there) comes last. Raises :class:`MasterConnectionError` when none
+        answers."""
+        if len(self.masters) == 1:
+            self._master_addr = self.masters[0]
+            return await self._reach(self._master_addr, timeout)
+        order = sorted(self.masters, key=lambda a: a == self._elsewhere)  # stable
+        errors: list[str] = []
+        answered: list[str] = []
+        for addr in order:
+            try:
+                conn, challenge = await self._reach(addr, timeout)
+            except MasterConnectionError as e:
+                errors.append(str(e))
+                continue
+            if self.peer_group in challenge.groups:
+                self._master_addr = addr
+                return conn, challenge
+            conn.abort()  # nobody's group is there: only if no master holds it
+            answered.append(addr)
+        if not answered:
+            raise MasterConnectionError("; ".join(errors))
+        self._master_addr = answered[0]
+        log.info("no master holds peer group %d; registering with %s", self.peer_group,
+                 answered[0])
+        return await self._reach(answered[0], timeout)
+
     async def _open(self, n_attempts: int) -> None:
-        host, port = split_host_port(self.master)
         delay = 0.05
         last: BaseException | None = None
         for attempt in range(n_attempts):
             try:
-                async with asyncio.timeout(self.timeout):
-                    reader, writer = await asyncio.open_connection(host, port)
+                conn, challenge = await self._dial_master(self.timeout)
                 break
-            except (OSError, TimeoutError) as e:
+            except MasterConnectionError as e:
                 last = e
                 log.debug("connect attempt %d/%d to %s failed: %s", attempt + 1, n_attempts,
-                          self.master, e)
+                          self._where(), e)
                 if attempt + 1 < n_attempts:
                     await asyncio.sleep(delay)  # back-off between attempts, not a sync point
                     delay = min(delay * 2, 2.0)
         else:
             raise MasterConnectionError(
-                f"could not reach the master at {self.master} after {n_attempts} attempts "
+                f"could not reach {self._where()} after {n_attempts} attempts "
                 f"({last}); is it running and is the address right?")
-        conn = FramedConnection(reader, writer, max_frame=self.max_frame)
         self._conn = conn
-        local_host = writer.get_extra_info("sockname")[0]
+        local_host = conn.writer.get_extra_info("sockname")[0]
         self._node = await _core.P2PNode.bind(
             0, self.p2p_listen_host or local_host, self.p2p_listen_port, self.secret,
             handshake_timeout=self.p2p_timeout, connect_timeout=self.p2p_timeout,
             insecure=self.insecure)
-        await self._handshake(conn)
+        await self._handshake(conn, challenge)
 
-    async def _handshake(self, conn: FramedConnection) -> None:
+    async def _handshake(self, conn: FramedConnection, challenge: m.Challenge) -> None:
         assert self._node is not None
         nonce = _secrets.token_bytes(16)
         try:
             async with asyncio.timeout(self.timeout):
-                await conn.dial(self.secret, insecure=self.insecure)
-                challenge = await conn.recv()
-                if not isinstance(challenge, m.Challenge):
-                    raise ProtocolError(f"expected a challenge, the master sent {challenge.TYPE}")
-                if challenge.version != PROTOCOL_VERSION:
-                    raise ProtocolError(f"master speaks protocol {challenge.version}, "
-                                        f"this peer {PROTOCOL_VERSION}")
-                if challenge.auth and self.secret is None:
-                    raise AuthenticationError("the master requires a shared secret; "
-                                              "pass secret= to the Communicator")
                 mac = peer_mac(self.secret, challenge.nonce, nonce) if self.secret else b""
                 adv_host, adv_port = self.p2p_advertise_host or "", int(self._node.port)
                 if self.p2p_advertise_address:
                     adv_host, adv_port = split_host_port(self.p2p_advertise_address)
                 resume_id, resume_epoch, resume_revision, resume_peers = self._m.resume()
+                (base_epoch, base_peers), more = (self._m.resume_base() if resume_id
+                                                  else ((0, []), []))
                 await conn.send(m.Hello(
                     version=PROTOCOL_VERSION, peer_group=self.peer_group,
                     p2p_port=adv_port, p2p_host=adv_host, nonce=nonce, mac=mac,
                     resume_peer_id=resume_id, resume_epoch=resume_epoch,
                     resume_revision=resume_revision, resume_peers=resume_peers,
                     allow_relay=self.allow_relay,
-                    p2p_punch_ports=[int(p) for p in self._node.punch_ports]))
+                    p2p_punch_ports=[int(p) for p in self._node.punch_ports],
+                    masters=len(self.masters), resume_base_epoch=base_epoch,
+                    resume_base_peers=base_peers, resume_more_epochs=[e for e, _ in more],
+                    resume_more_peers=[r for _, r in more]))
                 reply = await conn.recv()
         except TimeoutError:
             raise MasterConnectionError(
-                f"the master at {self.master} did not complete the handshake in "
+                f"the master at {self._master_addr} did not complete the handshake in "
                 f"{self.timeout}s") from None
         except ConnectionClosed as e:
             raise MasterConnectionError(f"the master closed the connection during the "
                                         f"handshake ({e})") from None
         if isinstance(reply, m.Reject):
+            if reply.elsewhere:
+                self._elsewhere = self._master_addr
             raise ErrorKind.parse(reply.kind, ErrorKind.MasterConnectionError).error(
                 reply.message)
         if not isinstance(reply, m.Welcome):
@@ -254,6 +328,8 @@ class Driver:
     def _dispatch(self, msg: m.Message) -> None:
         """One message from the master into the machine (tests hold some back here:
         :class:`pccl.testing.HeldMessage`)."""
+        if isinstance(msg, m.Reject) and msg.elsewhere:
+            self._elsewhere = self._master_addr  # no quorum there: try the others first
         self._feed(ps.FromMaster(msg))
 
     async def _rejoin(self) -> None:
@@ -261,7 +337,6 @@ class Driver:
         dropped this peer) until admitted or ``reconnect_timeout`` runs out."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.reconnect_timeout
-        host, port = split_host_port(self.master)
         old, self._conn = self._conn, None
         if old is not None:
             old.abort()
@@ -273,10 +348,9 @@ class Driver:
             conn: FramedConnection | None = None
             try:
                 async with asyncio.timeout(min(self.timeout, deadline - loop.time())):
-                    reader, writer = await asyncio.open_connection(host, port)
-                    conn = FramedConnection(reader, writer, max_frame=self.max_frame)
+                    conn, challenge = await self._dial_master(self.timeout)
                     self._conn = conn
-                    await self._handshake(conn)
+                    await self._handshake(conn, challenge)
                 async with asyncio.timeout(max(deadline - loop.time(), 0.0)):
                     await self._waiters[ps.ACCEPT]
             except (AuthenticationError, ProtocolError) as e:
@@ -293,10 +367,11 @@ class Driver:
                 if conn is not None:
                     await self._drop_conn(conn)
                 raise
+            self._elsewhere = None
             return  # accepted: the machine answered the calls waiting for this
         if self._conn is not None:
             await self._drop_conn(self._conn)
-        why = (f"could not register with the master at {self.master} again within "
+        why = (f"could not register with {self._where()} again within "
                f"{self.reconnect_timeout}s ({last})")
         log.error("peer %s: %s", self.peer_id, why)
         self._feed(ps.RejoinFailed(why))
@@ -356,11 +431,11 @@ class Driver:
 
         async def outbound(to: int, to_addr: str, route: str, token: bytes, size: int,
                            mesh: bool) -> None:
-            addr = self.master if route == "relay" else to_addr
+            addr = self._master_addr if route == "relay" else to_addr
             started = time.perf_counter()
             try:
                 await node.connect_pool(addr, to, msg.epoch, size, route=route,
-                                        token=token or None, relay=self.master, mesh=mesh)
+                                        token=token or None, relay=self._master_addr, mesh=mesh)
             except PCCLError as e:
                 log.warning("peer %s: p2p %s pool to peer %d (%s %s) failed: %s",
                             self.peer_id, "mesh" if mesh else "ring", to, route, to_addr, e)
@@ -373,9 +448,9 @@ class Driver:
                           mesh: bool) -> None:
             if route == "direct":
                 return  # the sender dials us
-            addr = self.master if route == "relay" else frm_addr
+            addr = self._master_addr if route == "relay" else frm_addr
             try:
-                await node.open_inbound(route, addr, token, relay=self.master)
+                await node.open_inbound(route, addr, token, relay=self._master_addr)
             except PCCLError as e:
                 # The sender's side reports the link (as for direct links); a mesh link
                 # is reported by both (either side failing turns the mesh off).
@@ -420,7 +495,7 @@ class Driver:
         """Serves one relayed transfer stream (a fetcher that cannot dial this peer)."""
         assert self._node is not None
         try:
-            await self._node.open_inbound("relay", self.master, c.token, stream=c.stream)
+            await self._node.open_inbound("relay", self._master_addr, c.token, stream=c.stream)
         except PCCLError as e:
             log.warning("peer %s: serving shared state through the relay failed: %s",
                         self.peer_id, e)
@@ -734,7 +809,7 @@ class Driver:
                     prefault = loop.create_task(asyncio.to_thread(
                         prefault_all, [by_key[k].data for k in plan.fetch_keys]))
                 fetcher = Fetcher(node, self.peer_id, self.p2p_connection_pool_size,
-                                  self.peer_timeout, self.master)
+                                  self.peer_timeout, self._master_addr)
                 report = SyncReporter(lambda: self._node, self.peer_id, progress,
                                       progress_interval, served_before, fetcher, fetched,
                                       [by_key[k].nbytes for k in plan.fetch_keys])

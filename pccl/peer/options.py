@@ -81,6 +81,30 @@ def check_master_address(master: str) -> None:
             f"{DEFAULT_PORT}')")
 
 
+MAX_MASTERS = 16
+
+
+def master_addresses(master: object) -> tuple[str, ...]:
+    """The master addresses a peer fails over between, in the order it tries them:
+    ``master`` is one "host:port", several separated by commas (as ``PCCL_MASTER``
+    carries them), or a list or tuple of them."""
+    if isinstance(master, str):
+        parts = [a.strip() for a in master.split(",")] if "," in master else [master]
+    elif isinstance(master, (list, tuple)):
+        parts = list(master)
+    else:
+        raise _core.InvalidArgumentError(
+            f"master must be a 'host:port' string or a list of them, not {master!r}")
+    if not parts or len(parts) > MAX_MASTERS:
+        raise _core.InvalidArgumentError(
+            f"master names {len(parts)} addresses; give 1 to {MAX_MASTERS}")
+    for a in parts:
+        check_master_address(a)
+    if len(set(parts)) != len(parts):
+        raise _core.InvalidArgumentError(f"master names an address twice: {master!r}")
+    return tuple(parts)
+
+
 _MAX_SECONDS = 7 * 24 * 3600.0  # a week: longer is a mistake (and past the master's cap)
 
 

@@ -401,6 +401,13 @@ class PeerMachine:
         self.epoch = 0  # newest ring epoch the master told this peer of
         self.ring_epoch = -1  # epoch of the ring links installed here
         self.ring: list[int] = []
+        # The newest ring a master proposed to this peer (establish_p2p), recorded before
+        # the peer answers: what it reports when registering again, so that a master
+        # taking over counts its quorum against every ring that may have been installed.
+        self.proposed: m.EstablishP2P | None = None
+        # The newest ring this peer knows was installed (epoch, members): a proposal of
+        # which the master's topology_updated came.
+        self.installed: tuple[int, list[int]] = (0, [])
         self.world: m.WorldInfo | None = None
         self.last_revision = -1  # of the last successful sync
         self.reconnects = 0
@@ -451,9 +458,25 @@ class PeerMachine:
         """What to tell a master when registering again: (peer id, epoch, revision,
         ring); zeros when this is the first registration."""
         if self.status is Status.RECONNECTING and self.peer_id is not None:
-            return (self.peer_id, max(self.ring_epoch, self.epoch, 0), self.last_revision,
-                    list(self.ring))
+            epoch, ring = max(self.ring_epoch, self.epoch, 0), list(self.ring)
+            if self.proposed is not None and self.proposed.epoch > epoch:
+                epoch, ring = self.proposed.epoch, list(self.proposed.ring)
+            return (self.peer_id, epoch, self.last_revision, ring)
         return (0, 0, -1, [])
+
+    def resume_base(self) -> tuple[tuple[int, list[int]], list[tuple[int, list[int]]]]:
+        """With :meth:`resume`: the newest ring this peer knows was installed, and the
+        later rings that may have been ((epoch, members) each): what a master taking
+        the group over counts its quorum against."""
+        base = self.installed
+        p = self.proposed
+        if p is None:
+            return base, []
+        counted = list(zip(p.quorum_epochs, p.quorum_rings))
+        if counted and counted[0][0] > base[0]:
+            base = (counted[0][0], list(counted[0][1]))
+        more = [(e, list(r)) for e, r in [*counted[1:], (p.epoch, p.ring)] if e > base[0]]
+        return base, more
 
     # --- the one entry point -----------------------------------------------------------
 
@@ -588,6 +611,8 @@ class PeerMachine:
             self._send(m.Pong(seq=msg.seq, tx_bytes=tx, rx_bytes=rx, sync_rx_bytes=sync_rx,
                               sync_rx_total=sync_total), out)
         elif isinstance(msg, m.EstablishP2P):
+            if self.proposed is None or msg.epoch > self.proposed.epoch:
+                self.proposed = msg
             out.append(Establish(msg, self.generation))
         elif isinstance(msg, m.WorldInfo):
             self.world = msg
@@ -686,6 +711,9 @@ class PeerMachine:
                        f"unexpected message {msg.TYPE!r} from the master", True, out)
 
     def _on_topology_updated(self, msg: m.TopologyUpdated, out: list[Command]) -> None:
+        p = self.proposed
+        if p is not None and p.epoch == msg.epoch and msg.epoch > self.installed[0]:
+            self.installed = (p.epoch, list(p.ring))
         if self.world is not None:
             self.ring = list(self.world.ring)
         if msg.epoch != self.ring_epoch and self.peer_id in self.ring:

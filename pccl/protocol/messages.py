@@ -14,7 +14,7 @@ from typing import ClassVar
 from pccl.errors import ErrorKind
 
 #: Bumped on every incompatible change; checked in the handshake.
-PROTOCOL_VERSION = 8
+PROTOCOL_VERSION = 9
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -44,6 +44,10 @@ class Challenge(Message):
     version: int
     nonce: bytes
     auth: bool
+    # The peer groups this master holds now: accepted peers, or peers back from another
+    # master that it is gathering into a group. A peer configured with several masters
+    # registers with the first one that holds its group (protocol 9).
+    groups: list[int] = dataclasses.field(default_factory=list)
 
 
 @message
@@ -71,6 +75,15 @@ class Hello(Message):
     # The ports this peer's hole-punched ring links are sent from: a link of epoch e
     # from ``p2p_punch_ports[e % len]`` (empty: none).
     p2p_punch_ports: list[int] = dataclasses.field(default_factory=list)
+    # How many master addresses this peer fails over between (protocol 9). Above 1 the
+    # master requires a quorum of the previous ring for every new ring (split brain).
+    masters: int = 1
+    # The newest ring it knows was installed, and the later rings that may have been
+    # (its newest proposal among them), as parallel lists.
+    resume_base_epoch: int = 0
+    resume_base_peers: list[int] = dataclasses.field(default_factory=list)
+    resume_more_epochs: list[int] = dataclasses.field(default_factory=list)
+    resume_more_peers: list[list[int]] = dataclasses.field(default_factory=list)
 
 
 @message
@@ -133,6 +146,9 @@ class Reject(Message):
     TYPE: ClassVar[str] = "reject"
     kind: ErrorKind
     message: str
+    # This master cannot take the peer's group on (no quorum of its previous ring
+    # here): a peer with several masters tries the others first (protocol 9).
+    elsewhere: bool = False
 
 
 # --- liveness -----------------------------------------------------------------------
@@ -208,6 +224,12 @@ class EstablishP2P(Message):
     mesh_in_addrs: list[str] = dataclasses.field(default_factory=list)
     mesh_in_routes: list[str] = dataclasses.field(default_factory=list)
     mesh_in_tokens: list[bytes] = dataclasses.field(default_factory=list)
+    # The rings this ring's quorum was counted against (protocol 9, parallel lists):
+    # first the newest known installed, then later ones that may have been. A peer
+    # reports them when it registers with another master (Hello.resume_base_*,
+    # resume_more_*), see docs/semantics.md.
+    quorum_epochs: list[int] = dataclasses.field(default_factory=list)
+    quorum_rings: list[list[int]] = dataclasses.field(default_factory=list)
 
 
 @message
