@@ -40,7 +40,7 @@ _LOG_LEVELS = ["DEBUG", "INFO", "WARNING", "ERROR"]
 _PLAIN_FLAGS = ("listen", "heartbeat_interval", "heartbeat_timeout", "handshake_timeout",
                 "establish_timeout", "max_establish_attempts", "recovery_grace",
                 "repair_rings", "dial_back_timeout", "max_relayed_streams", "insecure",
-                "mesh_max_bytes")
+                "mesh_max_bytes", "quorum", "standby")
 
 
 def _add_master_args(p: argparse.ArgumentParser) -> None:
@@ -90,6 +90,13 @@ def _add_master_args(p: argparse.ArgumentParser) -> None:
                    help=f"all-reduces up to N bytes run on the mesh (recursive doubling, "
                         f"log2(k) hops) instead of the ring (-1: chosen from k and the "
                         f"measured links; 0: never; {d('mesh_max_bytes')})")
+    p.add_argument("--standby", action=argparse.BooleanOptionalAction, default=s,
+                   help=f"a standby master starts no group: it takes one over from the "
+                        f"peers of a lost master (peers list it after the active one in "
+                        f"their master=a,b,...; {d('standby', 'off')})")
+    p.add_argument("--quorum", action=argparse.BooleanOptionalAction, default=s,
+                   help=f"a new ring needs a majority of the group's previous ring "
+                        f"(split-brain protection; {d('quorum', 'on once a peer names several masters')})")
     p.add_argument("--insecure", action=argparse.BooleanOptionalAction, default=s,
                    help=f"also accept peers whose control connection is in clear text "
                         f"(Communicator(insecure=True)); encrypted ones are accepted either "

@@ -127,6 +127,7 @@ _HELP: dict[str, str] = {
     "repair_rings": "rebuild a ring that lost a peer without waiting for update_topology()",
     "dial_back_timeout": "seconds for the reachability check of each peer's p2p address",
     "max_relayed_streams": "ring-link streams relayed at once (0: no relay)",
+    "standby": "start no group: only take one over from the peers of a lost master",
     "quorum": "a new ring needs a majority of the group's previous ring (split-brain "
               "protection; none: on once a peer names several masters)",
     "mesh_max_bytes": "all-reduces up to this size run on the mesh (recursive doubling) "

@@ -59,6 +59,7 @@ MASTER_VARIABLES = {
     "max_relayed_streams": "PCCL_MAX_RELAYED_STREAMS",
     "mesh_max_bytes": "PCCL_MESH_MAX_BYTES",
     "quorum": "PCCL_QUORUM",
+    "standby": "PCCL_STANDBY",
     "status_listen": "PCCL_STATUS_LISTEN",
     "status_token": "PCCL_STATUS_TOKEN",
 }

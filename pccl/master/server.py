@@ -98,6 +98,7 @@ class MasterNode:
         max_relayed_streams: int = 256,
         mesh_max_bytes: int = -1,
         quorum: bool | None = None,
+        standby: bool = False,
         status_listen: str | None = None,
         status_token: str | None = None,
     ) -> None:
@@ -157,6 +158,11 @@ class MasterNode:
         if quorum is not None and not isinstance(quorum, bool):
             raise InvalidArgumentError(
                 f"MasterNode(quorum=...) must be True, False or None, got {quorum!r}")
+        if not isinstance(standby, bool):
+            raise InvalidArgumentError(f"MasterNode(standby=...) must be a bool, got {standby!r}")
+        if standby and quorum is False:
+            raise InvalidArgumentError("MasterNode(standby=True) counts quorums: it cannot "
+                                       "have quorum=False")
         # The read-only status page, /api/status and /metrics (pccl/master/status.py): off
         # (None) unless given "host:port"; a non-loopback host needs status_token.
         if status_listen is not None:
@@ -174,7 +180,8 @@ class MasterNode:
         self.state = st.MasterState(max_establish_attempts=max_establish_attempts,
                                     repair_rings=repair_rings,
                                     relay=max_relayed_streams > 0,
-                                    mesh_max_bytes=mesh_max_bytes, quorum=quorum)
+                                    mesh_max_bytes=mesh_max_bytes, quorum=quorum,
+                                    standby=standby)
         self._deadlines: dict[int, asyncio.TimerHandle] = {}
         self._server: asyncio.Server | None = None
         self._conns: dict[int, FramedConnection] = {}
