@@ -1037,7 +1037,9 @@ class MasterState:
                         short = (epoch, ring, here, present)
                         break
                 if short is None:
-                    self.round_bases[g] = [(e, sorted(r)) for e, r, _ in rings]
+                    # First the installed ring counted ((0, []) if none), then the rest.
+                    self.round_bases[g] = ([] if base is not None else [(0, [])]) + [
+                        (e, sorted(r)) for e, r, _ in rings]
                     break
                 epoch, ring, here, present = short
                 own_epoch = own[0] if own is not None else -1
