@@ -96,7 +96,8 @@ def _add_master_args(p: argparse.ArgumentParser) -> None:
                         f"their master=a,b,...; {d('standby', 'off')})")
     p.add_argument("--quorum", action=argparse.BooleanOptionalAction, default=s,
                    help=f"a new ring needs a majority of the group's previous ring "
-                        f"(split-brain protection; {d('quorum', 'on once a peer names several masters')})")
+                        f"(split-brain protection; "
+                        f"{d('quorum', 'on once a peer names several masters')})")
     p.add_argument("--insecure", action=argparse.BooleanOptionalAction, default=s,
                    help=f"also accept peers whose control connection is in clear text "
                         f"(Communicator(insecure=True)); encrypted ones are accepted either "

@@ -25,6 +25,7 @@ from pccl.master.state import (
     RoundTimeout,
     Send,
 )
+from pccl.peer.state import known_rings
 from pccl.protocol import messages as m
 
 
@@ -250,14 +251,11 @@ class TwoMasters:
         peer.at, peer.gen = mi, peer.gen + 1
         res = None
         prop = peer.proposed
-        if prop is not None:  # what pccl.peer.state.PeerMachine.resume_base() reports
-            base = peer.installed
-            counted = list(zip(prop.quorum_epochs, prop.quorum_rings))
-            if counted and counted[0][0] > base[0]:
-                base = (counted[0][0], tuple(counted[0][1]))
-            more = tuple((e, tuple(r)) for e, r in [*counted[1:], (prop.epoch, prop.ring)]
-                         if e > base[0])
-            res = Resume(prop.epoch, -1, tuple(prop.ring), p, base[0], base[1], more)
+        if prop is not None:  # what a real peer reports (PeerMachine.resume_base)
+            (base_epoch, base), more = known_rings(
+                (peer.installed[0], list(peer.installed[1])), prop)
+            res = Resume(prop.epoch, -1, tuple(prop.ring), p, base_epoch, tuple(base),
+                         tuple((e, tuple(r)) for e, r in more))
         self.feed(mi, PeerRegistered(p, 0, addr(p), res, masters=2))
 
     def lose(self, p: int) -> None:
@@ -357,3 +355,42 @@ def test_without_quorums_the_same_model_forks() -> None:
         except AssertionError:
             return
     pytest.fail("no schedule forked the group without quorums")
+
+
+# --- the peer's side ------------------------------------------------------------------
+
+
+def test_master_lists() -> None:
+    from pccl import InvalidArgumentError
+    from pccl.peer.options import master_addresses
+
+    assert master_addresses("10.0.0.1:48148") == ("10.0.0.1:48148",)
+    assert master_addresses("a:1, b:2") == ("a:1", "b:2")  # as PCCL_MASTER carries them
+    assert master_addresses(["a:1", "[::1]:2"]) == ("a:1", "[::1]:2")
+    for bad, why in (("a:1,a:1", "twice"), ("a:1,b", "no valid port"), ([], "give 1 to"),
+                     ([f"h:{p}" for p in range(1, 18)], "give 1 to"), (5, "string or")):
+        with pytest.raises(InvalidArgumentError, match=why):
+            master_addresses(bad)
+    import pccl
+    comm = pccl.Communicator(master="a:1,b:2")
+    assert comm.masters == ("a:1", "b:2") and comm.master == "a:1,b:2"
+
+
+def test_a_peer_reports_the_rings_that_may_have_been_installed() -> None:
+    from pccl.peer import state as ps
+
+    mach = ps.PeerMachine()
+    mach.handle(ps.Welcomed(4))
+    proposal = m.EstablishP2P(epoch=9, ring=[2, 4, 6], next_id=6, next_addr="x:1",
+                              quorum_epochs=[7, 8], quorum_rings=[[2, 4, 5], [2, 4, 5, 6]])
+    mach.handle(ps.FromMaster(proposal))
+    # Counted against ring 7 (installed) and 8 (maybe): 8 and the proposal may be.
+    assert mach.resume_base() == ((7, [2, 4, 5]), [(8, [2, 4, 5, 6]), (9, [2, 4, 6])])
+    mach.handle(ps.FromMaster(m.WorldInfo(epoch=9, ring=[2, 4, 6], global_world_size=3,
+                                          peer_group_world_size=3, num_peer_groups=1,
+                                          largest_peer_group_world_size=3)))
+    mach.handle(ps.FromMaster(m.TopologyUpdated(epoch=9)))
+    assert mach.resume_base() == ((9, [2, 4, 6]), [])  # heard it was installed
+    # An older proposal (a late message) changes nothing.
+    mach.handle(ps.FromMaster(m.EstablishP2P(epoch=8, ring=[1], next_id=-1, next_addr="")))
+    assert mach.resume_base() == ((9, [2, 4, 6]), [])

@@ -157,7 +157,7 @@ class Driver:
             if self.peer_group in challenge.groups:
                 self._master_addr = addr
                 return conn, challenge
-            conn.abort()  # nobody's group is there: only if no master holds it
+            await conn.close()  # nobody's group is there: only if no master holds it
             answered.append(addr)
         if not answered:
             raise MasterConnectionError("; ".join(errors))

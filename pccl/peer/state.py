@@ -391,6 +391,23 @@ class Sync:
 _CANCELLED = "cancelled by the caller"
 
 
+def known_rings(installed: tuple[int, list[int]], proposed: m.EstablishP2P | None
+                ) -> tuple[tuple[int, list[int]], list[tuple[int, list[int]]]]:
+    """What a peer reports to a master it registers with after losing its own: the newest
+    ring it knows was installed (``installed``, or the first ring its newest proposal was
+    counted against if newer) and the later rings that may have been installed without
+    it hearing so (the others that proposal was counted against, and the proposal)."""
+    base = installed
+    if proposed is None:
+        return base, []
+    counted = list(zip(proposed.quorum_epochs, proposed.quorum_rings))
+    if counted and counted[0][0] > base[0]:
+        base = (counted[0][0], list(counted[0][1]))
+    more = [(e, list(r)) for e, r in [*counted[1:], (proposed.epoch, proposed.ring)]
+            if e > base[0]]
+    return base, more
+
+
 class PeerMachine:
     """One peer's protocol state (see the module docstring)."""
 
@@ -468,15 +485,7 @@ class PeerMachine:
         """With :meth:`resume`: the newest ring this peer knows was installed, and the
         later rings that may have been ((epoch, members) each): what a master taking
         the group over counts its quorum against."""
-        base = self.installed
-        p = self.proposed
-        if p is None:
-            return base, []
-        counted = list(zip(p.quorum_epochs, p.quorum_rings))
-        if counted and counted[0][0] > base[0]:
-            base = (counted[0][0], list(counted[0][1]))
-        more = [(e, list(r)) for e, r in [*counted[1:], (p.epoch, p.ring)] if e > base[0]]
-        return base, more
+        return known_rings(self.installed, self.proposed)
 
     # --- the one entry point -----------------------------------------------------------
 
