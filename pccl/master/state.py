@@ -1067,7 +1067,7 @@ class MasterState:
         if self.quorum_on:
             members = self._quorum_filter(members, out)
         else:
-            self.round_bases = {g: [(e, sorted(r))] for g, (e, r) in self.lineage.items()}
+            self.round_bases = {}  # (peers learn installed rings from topology_updated)
         if not members:
             self.round = None
             self.phase = Phase.IDLE
