@@ -96,12 +96,14 @@ def report(st: MasterState, pid: int, epoch: int, failed: Sequence[int] = ()) ->
 
 
 def establish(epoch: int, ring: list[int]) -> list[Command]:
-    """The EstablishP2P commands for one group's ring, in ring order."""
+    """The EstablishP2P commands for one group's ring, in ring order (a single master
+    sends no members: peers take the ring from world; tests/test_failover.py has the
+    quorum rounds, which do)."""
     out: list[Command] = []
     for i, p in enumerate(ring):
         nxt = ring[(i + 1) % len(ring)] if len(ring) > 1 else -1
         prv = ring[(i - 1) % len(ring)] if len(ring) > 1 else -1
-        out.append(Send(p, m.EstablishP2P(epoch=epoch, ring=list(ring), next_id=nxt,
+        out.append(Send(p, m.EstablishP2P(epoch=epoch, ring=[], next_id=nxt,
                                           next_addr=addr(nxt) if nxt >= 0 else "",
                                           prev_id=prv,
                                           prev_addr=addr(prv) if prv >= 0 else "")))
@@ -185,7 +187,7 @@ def performed3(tag: int = 0, repair_rings: bool = True) -> MasterState:
 def test_first_peer_is_admitted_alone_without_a_vote() -> None:
     st = MasterState(mesh_max_bytes=0)
     assert join(st, 1) == establish(1, [1])
-    assert establish(1, [1]) == [Send(1, m.EstablishP2P(epoch=1, ring=[1], next_id=-1,
+    assert establish(1, [1]) == [Send(1, m.EstablishP2P(epoch=1, ring=[], next_id=-1,
                                                          next_addr=""))]
     assert st.phase is Phase.ESTABLISH_P2P
     assert st.round is not None and st.round.members == [1] and st.round.epoch == 1
@@ -1259,7 +1261,7 @@ class MasterPopulation(RuleBasedStateMachine):
             assert msg.epoch >= self.high_establish
             self.high_establish = msg.epoch
             ring = [p for p in rnd.members if st.peers[p].peer_group == peer.group]
-            assert msg.ring == ring and ring == sorted(ring)
+            assert msg.ring == [] and ring == sorted(ring)
             i = ring.index(peer.pid)
             nxt = ring[(i + 1) % len(ring)] if len(ring) > 1 else -1
             assert msg.next_id == nxt
@@ -1539,6 +1541,9 @@ class MasterPopulation(RuleBasedStateMachine):
             if not st.round.repair:
                 assert set(st.accepted()) <= set(st.round.members)
             assert st.round.reported <= set(st.round.members)
+            assert st.round.member_set == set(st.round.members)
+        for sync in st.syncs.values():
+            assert sync.participant_set == set(sync.participants)
 
     @invariant()
     def settled_rings_hold_every_accepted_peer(self) -> None:
@@ -1562,6 +1567,7 @@ class MasterPopulation(RuleBasedStateMachine):
         for (g, tag), col in st.collectives.items():
             assert (col.group, col.tag) == (g, tag)
             members = {p for p in st.accepted() if st.peers[p].peer_group == g}
+            assert col.participant_set == set(col.participants)  # the cached set
             if col.op_id < 0:
                 assert col.inits and set(col.inits) <= members and not col.participants
             else:

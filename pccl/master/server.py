@@ -38,6 +38,7 @@ from pccl.protocol.auth import (
     peer_mac,
     split_host_port,
 )
+from pccl.protocol.codec import FrameCache
 from pccl.protocol.transport import ConnectionClosed, FramedConnection
 
 if TYPE_CHECKING:
@@ -641,12 +642,13 @@ class MasterNode:
         notes = self.state.take_notes()
         if notes:
             self.monitor.notes(notes)
+        frames = FrameCache()  # (a round's world goes to every member: encoded once)
         for cmd in commands:
             if isinstance(cmd, st.Send):
                 conn = self._conns.get(cmd.peer_id)
                 if conn is None:
                     continue
-                conn.send_nowait(cmd.msg)
+                conn.send_nowait(cmd.msg, frames.frame(cmd.msg))
                 if isinstance(cmd.msg, m.EstablishP2P) and cmd.msg.route != "direct":
                     log.info("round %d: the ring link from peer %d to peer %d is %s",
                              cmd.msg.epoch, cmd.peer_id, cmd.msg.next_id, _PATHS.get(

@@ -351,6 +351,10 @@ class Round:
     mesh_ok: set[int] = dataclasses.field(default_factory=set)
     # Per group: how long the members' pool dials took (the latency measurement).
     dials: dict[int, list[float]] = dataclasses.field(default_factory=dict)
+    member_set: frozenset[int] = dataclasses.field(init=False)  # for membership tests
+
+    def __post_init__(self) -> None:
+        self.member_set = frozenset(self.members)
 
 
 @dataclasses.dataclass
@@ -362,6 +366,7 @@ class Collective:
     inits: dict[int, m.CollectiveInit] = dataclasses.field(default_factory=dict)
     op_id: int = -1  # assigned when every member agreed and the ring runs
     participants: list[int] = dataclasses.field(default_factory=list)
+    participant_set: frozenset[int] = frozenset()  # the same, for membership tests
     reported: set[int] = dataclasses.field(default_factory=set)
     error: tuple[ErrorKind, str] | None = None  # (error class name, message)
     deadline: int = 0  # id of the deadline on the wait for every member's init
@@ -416,6 +421,7 @@ class Sync:
     planned: bool = False
     revision: int = 0
     participants: list[int] = dataclasses.field(default_factory=list)
+    participant_set: frozenset[int] = frozenset()  # the same, for membership tests
     reported: set[int] = dataclasses.field(default_factory=set)
     error: tuple[ErrorKind, str] | None = None
     deadline: int = 0  # id of the deadline on the wait for every member's init
@@ -690,7 +696,7 @@ class MasterState:
                 self._maybe_answer_pending(out)
         elif isinstance(msg, m.P2PReport):
             rnd = self.round
-            if rnd is not None and msg.epoch == rnd.epoch and peer in rnd.members:
+            if rnd is not None and msg.epoch == rnd.epoch and peer in rnd.member_set:
                 rnd.reported.add(peer)
                 group = self.peers[peer].peer_group
                 rnd.dials.setdefault(group, []).extend(
@@ -698,7 +704,7 @@ class MasterState:
                 if msg.mesh_failed:
                     rnd.mesh_ok.discard(group)
                 rnd.unreachable.update(rnd.blame.get((peer, p), p) for p in msg.failed
-                                       if p in rnd.members)
+                                       if p in rnd.member_set)
                 self._maybe_finish_round(out)
         elif isinstance(msg, m.CollectiveInit):
             self._on_collective_init(peer, msg, out)
@@ -909,7 +915,7 @@ class MasterState:
             self._fail_optimize(f"peer {peer} was lost during optimize_topology(); the "
                                 "previous rings stay (call update_topology())", out)
         rnd = self.round
-        if rnd is not None and peer in rnd.members:
+        if rnd is not None and peer in rnd.member_set:
             # The ring that was being built contains a dead peer: build it again.
             remaining = [p for p in rnd.members if p != peer]
             self._start_round(remaining, out, repair=rnd.repair)
@@ -1106,7 +1112,9 @@ class MasterState:
                 in_routes = [mesh[(q, p)] for q in partners] if mesh is not None else []
                 out.append(Send(p, m.EstablishP2P(
                     epoch=self.epoch,
-                    ring=list(ring),
+                    # Peers take their ring from ``world``; a proposal's members matter
+                    # only to quorums (several masters): k ids to each of k peers.
+                    ring=list(ring) if self.quorum_on else [],
                     next_id=nxt,
                     next_addr=self.peers[nxt].p2p_addr if nxt >= 0 else "",
                     route=route, token=token, prev_id=prv,
@@ -1234,7 +1242,7 @@ class MasterState:
     def _maybe_finish_round(self, out: list[Command]) -> None:
         rnd = self.round
         assert rnd is not None
-        if not set(rnd.members) <= rnd.reported:
+        if not _covers(rnd.reported, rnd.member_set):
             return
         if rnd.unreachable:
             self.attempts += 1
@@ -1360,19 +1368,22 @@ class MasterState:
         sizes = self.group_sizes()
         total = sum(sizes.values())
         largest = max(sizes.values(), default=0)
-        rings: dict[int, list[int]] = {}
+        # One message per group, the same object for each of its members: the server
+        # encodes it once (codec.FrameCache). Messages are not modified once made.
+        worlds: dict[int, m.WorldInfo] = {}
         for p in targets:
             group = self.peers[p].peer_group
-            if group not in rings:
-                rings[group] = [q for q in self.rings.get(group, []) if q in self.peers]
-            out.append(Send(p, m.WorldInfo(
-                epoch=self.epoch,
-                ring=list(rings[group]),
-                global_world_size=total,
-                peer_group_world_size=sizes.get(group, 0),
-                num_peer_groups=len(sizes),
-                largest_peer_group_world_size=largest,
-            )))
+            world = worlds.get(group)
+            if world is None:
+                world = worlds[group] = m.WorldInfo(
+                    epoch=self.epoch,
+                    ring=[q for q in self.rings.get(group, []) if q in self.peers],
+                    global_world_size=total,
+                    peer_group_world_size=sizes.get(group, 0),
+                    num_peer_groups=len(sizes),
+                    largest_peer_group_world_size=largest,
+                )
+            out.append(Send(p, world))
 
     # --- collectives ------------------------------------------------------------------
 
@@ -1516,6 +1527,7 @@ class MasterState:
             col.op_id = self.next_op_id
             self.next_op_id += 1
         col.participants = list(ring)
+        col.participant_set = frozenset(ring)
         self._note("collective_started", "", ring, col.group, col.op_id,
                    first.count * _ELEMENT_BYTES.get(first.dtype, 0))
         for rank, p in enumerate(ring):
@@ -1602,10 +1614,10 @@ class MasterState:
                                    f"peer {peer} withdrew from collective tag {msg.tag}", out,
                                    skip=None if col.inits[peer].data else peer)
             return
-        if col is not None and msg.op_id < 0 and peer in col.participants:
+        if col is not None and msg.op_id < 0 and peer in col.participant_set:
             # It gave up while our perform was on its way: it will not run the ring.
             msg = dataclasses.replace(msg, op_id=col.op_id, ok=False)
-        if col is None or col.op_id != msg.op_id or peer not in col.participants:
+        if col is None or col.op_id != msg.op_id or peer not in col.participant_set:
             return  # stale: the collective already ended
         col.reported.add(peer)
         if not msg.ok:
@@ -1623,7 +1635,7 @@ class MasterState:
                 out.append(Send(p, m.CollectiveAbort(tag=col.tag, op_id=col.op_id, message=why)))
 
     def _maybe_finish_collective(self, col: Collective, out: list[Command]) -> None:
-        if not set(col.participants) <= col.reported:
+        if not _covers(col.reported, col.participant_set):
             return
         del self.collectives[(col.group, col.tag)]
         kind, why = col.error or (ErrorKind.NONE, "")
@@ -1662,8 +1674,9 @@ class MasterState:
                 if not col.inits:
                     del self.collectives[(col.group, col.tag)]
                     self._disarm(col.deadline)
-            elif peer in col.participants:
+            elif peer in col.participant_set:
                 col.participants.remove(peer)
+                col.participant_set = col.participant_set - {peer}
                 col.reported.discard(peer)
                 self._collective_failed(col, ErrorKind.PeerConnectionError,
                                         f"peer {peer} was lost during the collective", out)
@@ -1799,6 +1812,7 @@ class MasterState:
         sync.planned = True
         sync.revision = revision
         sync.participants = participants
+        sync.participant_set = frozenset(participants)
         self._note("sync_planned", f"shared-state sync of group {sync.group} to revision "
                    f"{revision}: {len(participants)} peers", participants, sync.group, revision)
         stale = set(participants)
@@ -1841,7 +1855,7 @@ class MasterState:
 
     def _on_sync_done(self, peer: int, msg: m.SyncDone, out: list[Command]) -> None:
         sync = self.syncs.get(self.peers[peer].peer_group)
-        if sync is None or not sync.planned or peer not in sync.participants:
+        if sync is None or not sync.planned or peer not in sync.participant_set:
             return
         sync.reported.add(peer)
         if not msg.ok and sync.error is None:
@@ -1853,14 +1867,14 @@ class MasterState:
         sync at once (not after the others report) also sends the withdrawing peer the
         one outcome it waits for; a sync already decided has its outcome on the way."""
         sync = self.syncs.get(self.peers[peer].peer_group)
-        if sync is None or peer not in (sync.participants if sync.planned else sync.inits):
+        if sync is None or peer not in (sync.participant_set if sync.planned else sync.inits):
             return
         self._fail_sync(sync, ErrorKind.CollectiveAbortedError, (
             f"peer {peer} cancelled its sync_shared_state(); nothing was committed, retry"),
             out)
 
     def _maybe_finish_sync(self, sync: Sync, out: list[Command]) -> None:
-        if not set(sync.participants) <= sync.reported:
+        if not _covers(sync.reported, sync.participant_set):
             return
         del self.syncs[sync.group]
         kind, why = sync.error or (ErrorKind.NONE, "")
@@ -1889,11 +1903,12 @@ class MasterState:
                 self._disarm(sync.deadline)
             else:
                 self._maybe_plan_sync(sync, out)
-        elif peer in sync.participants:
+        elif peer in sync.participant_set:
             # The plan stands: a fetcher whose source it was moves on to the next holder
             # of the same content (or reports the failure), and the others commit only
             # if every remaining participant succeeds.
             sync.participants.remove(peer)
+            sync.participant_set = sync.participant_set - {peer}
             sync.reported.discard(peer)
             self._maybe_finish_sync(sync, out)
 

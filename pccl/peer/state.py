@@ -477,7 +477,8 @@ class PeerMachine:
         if self.status is Status.RECONNECTING and self.peer_id is not None:
             epoch, ring = max(self.ring_epoch, self.epoch, 0), list(self.ring)
             if self.proposed is not None and self.proposed.epoch > epoch:
-                epoch, ring = self.proposed.epoch, list(self.proposed.ring)
+                # (A single master sends proposals without their members: the last ring.)
+                epoch, ring = self.proposed.epoch, list(self.proposed.ring or self.ring)
             return (self.peer_id, epoch, self.last_revision, ring)
         return (0, 0, -1, [])
 

@@ -67,6 +67,21 @@ def frame(msg: Message) -> bytes:
     return _LEN.pack(len(body)) + body
 
 
+class FrameCache:
+    """Frames of one batch of outgoing messages: a message object sent to many peers
+    (the master's ``world`` goes to every member of a group, the same object each time)
+    is encoded once. Keep one per batch: it holds the messages it encoded."""
+
+    def __init__(self) -> None:
+        self._frames: dict[int, tuple[Message, bytes]] = {}
+
+    def frame(self, msg: Message) -> bytes:
+        hit = self._frames.get(id(msg))
+        if hit is None:
+            hit = self._frames[id(msg)] = (msg, frame(msg))
+        return hit[1]
+
+
 def decode(data: bytes) -> Message:
     """Decodes and validates one frame body; anything unexpected is ``ProtocolError``."""
     try:

@@ -169,11 +169,12 @@ class FramedConnection:
             raise ConnectionClosed(str(e)) from None
         return decode(body)
 
-    def send_nowait(self, msg: Message) -> None:
-        """Queues ``msg`` on the transport (no flow control: control messages are small)."""
+    def send_nowait(self, msg: Message, framed: bytes | None = None) -> None:
+        """Queues ``msg`` on the transport (no flow control: control messages are small).
+        ``framed``: its frame, when the caller has it already (:class:`FrameCache`)."""
         if self.writer.is_closing():
             return
-        data = frame(msg)
+        data = frame(msg) if framed is None else framed
         if self.session is not None:
             data = self.session.seal(data)
         self.writer.write(data)

@@ -80,9 +80,10 @@ class TimedMaster:
         if isinstance(ev, ms.Received) and isinstance(ev.msg, m.CollectiveInit) \
                 and ev.msg.data:
             link_s += self.tensor_bytes / collectives.MASTER_BANDWIDTH
+        frames = codec.FrameCache()  # as the server does
         for c in out:
             if isinstance(c, ms.Send):
-                self.bytes_out += len(codec.encode(c.msg))
+                self.bytes_out += len(frames.frame(c.msg))
                 if isinstance(c.msg, m.CollectiveOutcome) and c.msg.data:
                     link_s += self.tensor_bytes / collectives.MASTER_BANDWIDTH
         dt = time.perf_counter() - t0
