@@ -83,7 +83,10 @@ class TimedMaster:
         frames = codec.FrameCache()  # as the server does
         for c in out:
             if isinstance(c, ms.Send):
-                self.bytes_out += len(frames.frame(c.msg))
+                # Every message crosses the master's link (a round's world: k of them).
+                nbytes = len(frames.frame(c.msg))
+                self.bytes_out += nbytes
+                link_s += nbytes / collectives.MASTER_BANDWIDTH
                 if isinstance(c.msg, m.CollectiveOutcome) and c.msg.data:
                     link_s += self.tensor_bytes / collectives.MASTER_BANDWIDTH
         dt = time.perf_counter() - t0

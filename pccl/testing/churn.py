@@ -412,8 +412,11 @@ class Orchestrator:
         self.rng = random.Random(args.seed)
         self.sz = Sizes(args.params, args.moment, args.quant)
         self.replay = Replay(self.sz)
-        self.port = free_port()
-        self.master: asyncio.subprocess.Process | None = None
+        # --failover: two masters, the second a standby; a master "restart" SIGKILLs the
+        # active one and starts it again as a standby, so the group fails over each time.
+        self.ports = [free_port()] + ([free_port()] if args.failover else [])
+        self.masters: list[asyncio.subprocess.Process | None] = [None] * len(self.ports)
+        self.active = 0
         self.peers: dict[str, Peer] = {}
         self.n_spawned = 0
         self.figures: Counter[str] = Counter()
@@ -435,19 +438,26 @@ class Orchestrator:
 
     # -- processes --
 
-    async def start_master(self) -> None:
+    @property
+    def master_addresses(self) -> str:
+        return ",".join(f"127.0.0.1:{port}" for port in self.ports)
+
+    async def start_master(self, index: int = 0, standby: bool = False) -> None:
         log_path = self.run_dir / f"master-{self.figures['master_starts']}.log"
         self.figures["master_starts"] += 1
         with open(log_path, "wb") as out:  # noqa: ASYNC230 - a local log file
-            self.master = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "pccl", "master", "--listen", f"127.0.0.1:{self.port}",
+            self.masters[index] = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "pccl", "master", "--listen",
+                f"127.0.0.1:{self.ports[index]}",
                 "--heartbeat-interval", "0.5", "--heartbeat-timeout", "4", "--status", "off",
+                *(["--standby"] if standby else []),
                 stdout=out, stderr=asyncio.subprocess.STDOUT)
 
     async def kill_master(self) -> None:
-        assert self.master is not None
-        self.master.kill()
-        await self.master.wait()
+        proc = self.masters[self.active]
+        assert proc is not None
+        proc.kill()
+        await proc.wait()
         self.figures["master_kills"] += 1
 
     async def spawn(self, joiner: bool) -> Peer:
@@ -463,7 +473,7 @@ class Orchestrator:
         with open(stderr_path, "wb") as err:  # noqa: ASYNC230 - a local log file
             proc = await asyncio.create_subprocess_exec(
                 sys.executable, "-m", "pccl.testing.churn", "--worker",
-                "--master", f"127.0.0.1:{self.port}", "--p2p-port", str(p2p_port),
+                "--master", self.master_addresses, "--p2p-port", str(p2p_port),
                 "--advertise", link.address, "--params", str(a.params),
                 "--moment", str(a.moment), "--quant", str(a.quant),
                 "--peer-timeout", str(a.peer_timeout),
@@ -619,7 +629,11 @@ class Orchestrator:
             await self.kill_master()
             log.info("SIGKILL master")
             await asyncio.sleep(self.rng.uniform(0.2, 2.0))  # the master stays down a while
-            await self.start_master()
+            # Alone it comes back as the master; with --failover as a standby, while the
+            # group goes on with the other one.
+            await self.start_master(self.active, standby=self.args.failover)
+            if self.args.failover:
+                self.active = 1 - self.active
 
     def _may_kill(self) -> bool:
         live = self.live()
@@ -663,6 +677,8 @@ class Orchestrator:
         a = self.args
         started = time.monotonic()
         await self.start_master()
+        if a.failover:
+            await self.start_master(1, standby=True)
         try:
             for _ in range(a.peers):
                 await self.spawn(joiner=False)
@@ -717,8 +733,9 @@ class Orchestrator:
         for t in list(self._tasks):
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        if self.master is not None:
-            await stop_process(self.master)
+        for proc in self.masters:
+            if proc is not None:
+                await stop_process(proc)
 
     def _figures(self, elapsed: float) -> dict[str, Any]:
         f = self.figures
@@ -818,6 +835,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--min-peers", type=int, default=3)
     p.add_argument("--max-peers", type=int, default=None)
     p.add_argument("--no-master-kills", dest="master_kills", action="store_false")
+    p.add_argument("--failover", action="store_true",
+                   help="two masters, the second a standby: each master kill fails the group "
+                        "over to the other, which the killed one then backs up")
     p.add_argument("--hang-timeout", type=float, default=120.0,
                    help="a live peer whose step attempt does not end within this fails "
                         "the run (must exceed --reconnect-timeout)")
