@@ -21,6 +21,7 @@ from pccl import _core, recovery
 from pccl.enums import Attribute, QuantizationAlgorithm, ReduceOp, SharedStateSyncStrategy
 from pccl.errors import (
     InvalidUsageError,
+    MasterConnectionError,
 )
 from pccl.peer import state as ps
 from pccl.peer.driver import Driver
@@ -258,8 +259,26 @@ class Communicator(Driver):
 
                 self._metrics_server = MetricsServer(self.metrics.registry, self.metrics_listen)
                 await self._metrics_server.start()
-            await self._open(n_attempts)
-            await self._waiters[ps.ACCEPT]
+            delay = 0.05
+            for attempt in range(n_attempts):
+                self._elsewhere = None
+                await self._open(n_attempts)
+                try:
+                    await self._waiters[ps.ACCEPT]
+                    break
+                except MasterConnectionError:
+                    # A master that cannot take this peer's group on (a standby before the
+                    # run has a group, or no quorum there) sends it to the others: try
+                    # again, that one last, with back-off, up to n_attempts times.
+                    if self._elsewhere is None or len(self.masters) == 1 or \
+                            attempt + 1 == n_attempts:
+                        raise
+                    avoid = self._elsewhere
+                    assert self._conn is not None
+                    await self._drop_conn(self._conn)
+                    self._elsewhere = avoid
+                    await asyncio.sleep(delay)  # back-off, not a synchronisation
+                    delay = min(delay * 2, 2.0)
         except BaseException:
             await self.close()
             raise

@@ -39,9 +39,9 @@ def test_bfloat16_rounding_is_exact_for_small_integers() -> None:
 @pytest.mark.parametrize("failover", [False, True], ids=["one-master", "failover"])
 async def test_bounded_churn_soak(tmp_path, failover: bool) -> None:
     """With ``failover``: two masters, the second a standby; each master kill moves the
-    group to the other (master kills every 5 s at most instead of 20)."""
+    group to the other (a master kill every 12 s at least)."""
     out = tmp_path / "churn.json"
-    extra = ["--failover", "--master-spacing", "5"] if failover else []
+    extra = ["--failover", "--master-kill-every", "12"] if failover else []
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "pccl.testing.churn", "--peers", "4", "--seconds", "45",
         "--seed", "7", "--chaos-interval", "1.5", "--params", "262144", *extra,
@@ -65,4 +65,4 @@ async def test_bounded_churn_soak(tmp_path, failover: bool) -> None:
     assert fig["steps"] >= 10 and fig["peer_steps"] > fig["steps"]
     assert fig["kills"] + fig["graceful_leaves"] >= 3 and fig["joins"] >= 2
     if failover:
-        assert fig["master_kills"] >= 1  # (the seeded run here had 1-2 failovers)
+        assert fig["master_kills"] >= 2

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import sys
 
 import numpy as np
@@ -143,3 +144,54 @@ async def test_a_partitioned_minority_stops_and_the_majority_goes_on() -> None:
             await link.stop()
         await standby.stop()
         await active.stop()
+
+
+async def test_a_new_run_starts_on_the_master_that_is_not_a_standby() -> None:
+    """Before any group exists, peers listing the standby first still start the run on
+    the other master (challenges say which is a standby), and later peers find it."""
+    standby = pccl.MasterNode("127.0.0.1:0", standby=True, **FAST)
+    primary = pccl.MasterNode("127.0.0.1:0", **FAST)
+    await standby.start()
+    await primary.start()
+    comms = [pccl.Communicator([standby.address, primary.address],
+                               p2p_listen_host="127.0.0.1") for _ in range(2)]
+    try:
+        await comms[0].connect()
+        joining = asyncio.create_task(comms[1].connect())
+        await primary.wait_for(lambda s: len(s.pending()) == 1, timeout=30)
+        await comms[0].update_topology()
+        await joining
+        assert sorted(primary.state.accepted()) == sorted(c.peer_id for c in comms)
+        assert standby.state.peers == {} and standby.state.held_groups() == []
+        x = [np.full(8, i + 1, dtype=np.float32) for i in range(2)]
+        await asyncio.gather(*(c.all_reduce(a) for c, a in zip(comms, x)))
+        assert all(np.array_equal(a, np.full(8, 3, dtype=np.float32)) for a in x)
+    finally:
+        await asyncio.gather(*(c.close() for c in comms))
+        await primary.stop()
+        await standby.stop()
+
+
+async def test_a_peer_the_standby_sends_away_tries_again_until_the_run_starts(caplog) -> None:
+    """The first peer comes up before the master that starts the run: the standby
+    sends it away, and connect() tries again (back-off, n_attempts) until it can."""
+    caplog.set_level(logging.INFO, logger="pccl.master.status")
+    port = free_port()
+    standby = pccl.MasterNode("127.0.0.1:0", standby=True, **FAST)
+    await standby.start()
+    comm = pccl.Communicator([f"127.0.0.1:{port}", standby.address],
+                             p2p_listen_host="127.0.0.1")
+    primary = pccl.MasterNode(f"127.0.0.1:{port}", **FAST)
+    try:
+        connecting = asyncio.create_task(comm.connect(n_attempts=20))
+        async with asyncio.timeout(30):
+            while "a standby" not in caplog.text:  # noqa: ASYNC110 - bounded poll of a log
+                await asyncio.sleep(0.01)
+        await primary.start()
+        await asyncio.wait_for(connecting, 60)
+        assert primary.state.accepted() == [comm.peer_id]
+        assert standby.state.peers == {}
+    finally:
+        await comm.close()
+        await primary.stop()
+        await standby.stop()

@@ -388,7 +388,8 @@ class MasterNode:
                 await conn.accept(self.secret, allow_clear=self.insecure, first=first)
                 await conn.send(m.Challenge(version=PROTOCOL_VERSION, nonce=nonce,
                                             auth=self.secret is not None,
-                                            groups=self.state.held_groups()))
+                                            groups=self.state.held_groups(),
+                                            standby=self.state.standby))
                 hello = await conn.recv()
         except AuthenticationError as e:
             log.warning("connection from %s refused: %s", remote, e)

@@ -139,15 +139,15 @@ class Driver:
     async def _dial_master(self, timeout: float) -> tuple[FramedConnection, m.Challenge]:
         """A connection (up to its challenge) to the master to register with: the only
         one, or of several the first that holds this peer's group (its challenge says),
-        else the first that answers. A master that just sent this peer elsewhere (no
-        quorum there) comes last. Raises :class:`MasterConnectionError` when none
-        answers."""
+        else the first that answers and is not a standby (else the first that answers).
+        A master that just sent this peer elsewhere (no quorum there) comes last either
+        way. Raises :class:`MasterConnectionError` when none answers."""
         if len(self.masters) == 1:
             self._master_addr = self.masters[0]
             return await self._reach(self._master_addr, timeout)
         order = sorted(self.masters, key=lambda a: a == self._elsewhere)  # stable
         errors: list[str] = []
-        answered: list[str] = []
+        answered: list[tuple[bool, str]] = []  # (standby, address)
         for addr in order:
             try:
                 conn, challenge = await self._reach(addr, timeout)
@@ -158,13 +158,14 @@ class Driver:
                 self._master_addr = addr
                 return conn, challenge
             await conn.close()  # nobody's group is there: only if no master holds it
-            answered.append(addr)
+            answered.append((challenge.standby, addr))
         if not answered:
             raise MasterConnectionError("; ".join(errors))
-        self._master_addr = answered[0]
+        # Not the one that just sent this peer away, then not a standby (min: stable).
+        self._master_addr = min(answered, key=lambda a: (a[1] == self._elsewhere, a[0]))[1]
         log.info("no master holds peer group %d; registering with %s", self.peer_group,
-                 answered[0])
-        return await self._reach(answered[0], timeout)
+                 self._master_addr)
+        return await self._reach(self._master_addr, timeout)
 
     async def _open(self, n_attempts: int) -> None:
         delay = 0.05
@@ -185,11 +186,12 @@ class Driver:
                 f"could not reach {self._where()} after {n_attempts} attempts "
                 f"({last}); is it running and is the address right?")
         self._conn = conn
-        local_host = conn.writer.get_extra_info("sockname")[0]
-        self._node = await _core.P2PNode.bind(
-            0, self.p2p_listen_host or local_host, self.p2p_listen_port, self.secret,
-            handshake_timeout=self.p2p_timeout, connect_timeout=self.p2p_timeout,
-            insecure=self.insecure)
+        if self._node is None:  # (a peer sent to another master keeps its listener)
+            local_host = conn.writer.get_extra_info("sockname")[0]
+            self._node = await _core.P2PNode.bind(
+                0, self.p2p_listen_host or local_host, self.p2p_listen_port, self.secret,
+                handshake_timeout=self.p2p_timeout, connect_timeout=self.p2p_timeout,
+                insecure=self.insecure)
         await self._handshake(conn, challenge)
 
     async def _handshake(self, conn: FramedConnection, challenge: m.Challenge) -> None:

@@ -48,6 +48,9 @@ class Challenge(Message):
     # master that it is gathering into a group. A peer configured with several masters
     # registers with the first one that holds its group (protocol 9).
     groups: list[int] = dataclasses.field(default_factory=list)
+    # A standby starts no group: a peer whose group no master holds registers with the
+    # first master that is not one.
+    standby: bool = False
 
 
 @message

@@ -594,6 +594,9 @@ class Orchestrator:
         if a.master_kills and time.monotonic() - self.last_master_kill > a.master_spacing:
             weights["master"] = 0.6
         what = self.rng.choices(list(weights), weights=list(weights.values()))[0]
+        if a.master_kills and a.master_kill_every and \
+                time.monotonic() - self.last_master_kill > a.master_kill_every:
+            what = "master"  # on a schedule, not at random (a bounded run must have some)
         if what == "kill_sync":
             self.kill_in_sync = True  # the next peer to enter a sync is killed
             if len(live) < a.max_peers:
@@ -835,6 +838,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--min-peers", type=int, default=3)
     p.add_argument("--max-peers", type=int, default=None)
     p.add_argument("--no-master-kills", dest="master_kills", action="store_false")
+    p.add_argument("--master-kill-every", type=float, default=0.0, metavar="S",
+                   help="kill the master whenever S seconds passed since the last kill "
+                        "(0: only at random, spaced by --master-spacing)")
     p.add_argument("--failover", action="store_true",
                    help="two masters, the second a standby: each master kill fails the group "
                         "over to the other, which the killed one then backs up")
