@@ -103,6 +103,12 @@ class Communicator(Driver):
     synced revision and ring), so a restarted master re-forms the group from the peers.
     Calls made meanwhile wait for that (``all_reduce_async``, which cannot wait, raises
     :class:`MasterConnectionError`); once the time is up, every call raises it.
+
+    ``master`` may name several masters (a list, or one string with commas), e.g. an
+    active one and a ``pccl-master --standby``: the peer registers with the one that
+    holds its group and fails over to another by itself; quorums of the previous ring
+    keep two masters from both running the group (docs/semantics.md, "Several
+    masters").
     """
 
     def __init__(
