@@ -267,7 +267,6 @@ class Communicator(Driver):
                 await self._metrics_server.start()
             delay = 0.05
             for attempt in range(n_attempts):
-                self._elsewhere = None
                 await self._open(n_attempts)
                 try:
                     await self._waiters[ps.ACCEPT]
@@ -275,16 +274,16 @@ class Communicator(Driver):
                 except MasterConnectionError:
                     # A master that cannot take this peer's group on (a standby before the
                     # run has a group, or no quorum there) sends it to the others: try
-                    # again, that one last, with back-off, up to n_attempts times.
-                    if self._elsewhere is None or len(self.masters) == 1 or \
-                            attempt + 1 == n_attempts:
+                    # again, that one last (``_elsewhere``), with back-off, up to
+                    # n_attempts times.
+                    if self._elsewhere != self._master_addr or len(self.masters) == 1 \
+                            or attempt + 1 == n_attempts:
                         raise
-                    avoid = self._elsewhere
                     assert self._conn is not None
                     await self._drop_conn(self._conn)
-                    self._elsewhere = avoid
                     await asyncio.sleep(delay)  # back-off, not a synchronisation
                     delay = min(delay * 2, 2.0)
+            self._elsewhere = None
         except BaseException:
             await self.close()
             raise

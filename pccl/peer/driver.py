@@ -225,8 +225,6 @@ class Driver:
             raise MasterConnectionError(f"the master closed the connection during the "
                                         f"handshake ({e})") from None
         if isinstance(reply, m.Reject):
-            if reply.elsewhere:
-                self._elsewhere = self._master_addr
             raise ErrorKind.parse(reply.kind, ErrorKind.MasterConnectionError).error(
                 reply.message)
         if not isinstance(reply, m.Welcome):
