@@ -448,9 +448,6 @@ class MasterState:
         # Per group: (epoch, members) of the last ring installed here, less the peers
         # that left it gracefully since (they never vote elsewhere): what a quorum counts.
         self.lineage: dict[int, tuple[int, frozenset[int]]] = {}
-        # Per group, the installed ring the round being started is counted against
-        # (EstablishP2P.base_*), set by _quorum_filter.
-        self.round_bases: dict[int, list[tuple[int, list[int]]]] = {}
         # All-reduces up to this size run on the mesh: -1 chosen per group by the cost
         # model (pccl.algorithms), 0 no mesh (no mesh links are made either).
         self.mesh_max_bytes = mesh_max_bytes
@@ -978,10 +975,12 @@ class MasterState:
                     if self.peers[p].claim is not None)
         return sorted(held)
 
-    def _quorum_filter(self, members: list[int], out: list[Command]) -> list[int]:
+    def _quorum_filter(self, members: list[int], out: list[Command]
+                       ) -> tuple[list[int], dict[int, list[tuple[int, list[int]]]]]:
         """The members a round may go on with when quorums count, and per group the
-        installed ring the round is counted against (sent to the members as the base of
-        the proposal, which they report to any master they go to next).
+        rings the round is counted against, (epoch, members) with the installed one
+        first (``(0, [])`` if none is known): sent to the members with the proposal
+        (EstablishP2P.quorum_*), which they report to any master they go to next.
 
         Per group, the members must hold a strict majority of (a) the newest ring known
         to have been installed: this master's last, or one a member brings back from
@@ -999,20 +998,18 @@ class MasterState:
         them at random that installed rings form one chain, each holding a majority of
         the one before."""
         keep: list[int] = []
-        self.round_bases = {}
+        counted: dict[int, list[tuple[int, list[int]]]] = {}
         by_group: dict[int, list[int]] = {}
         for p in members:
             by_group.setdefault(self.peers[p].peer_group, []).append(p)
         for g, ms in by_group.items():
             while ms:
                 own = self.lineage.get(g)
-                claimants = [p for p in ms if self.peers[p].claim is not None]
+                claims = {p: c for p in ms if (c := self.peers[p].claim) is not None}
                 # Rings to count, each with whether its ids are this master's.
                 base: tuple[int, frozenset[int], bool] | None = (
                     (own[0], own[1], True) if own is not None else None)
-                for p in claimants:
-                    c = self.peers[p].claim
-                    assert c is not None
+                for c in claims.values():
                     if c.base and (base is None or c.base_epoch > base[0]):
                         base = (c.base_epoch, c.base, False)
                 if self.standby and base is None:
@@ -1025,17 +1022,15 @@ class MasterState:
                     break
                 rings = [base] if base is not None else []
                 floor = base[0] if base is not None else -1
-                for p in claimants:
-                    c = self.peers[p].claim
-                    assert c is not None
+                for c in claims.values():
                     for epoch, ring in ((c.epoch, c.ring), *c.more):
                         if ring and epoch > floor and (epoch, ring, False) not in rings:
                             rings.append((epoch, ring, False))
                 # This master's ring counts by the ids here (not those of peers back from
                 # elsewhere: theirs are another master's); the others by the ids the
                 # claimants had where those rings were proposed.
-                ids_here = {p for p in ms if self.peers[p].claim is None}
-                ids_there = {self.peers[p].was for p in claimants}
+                ids_here = {p for p in ms if p not in claims}
+                ids_there = {self.peers[p].was for p in claims}
                 short = None
                 for epoch, ring, here in rings:
                     present = len(ring & (ids_here if here else ids_there))
@@ -1043,22 +1038,19 @@ class MasterState:
                         short = (epoch, ring, here, present)
                         break
                 if short is None:
-                    # First the installed ring counted ((0, []) if none), then the rest.
-                    self.round_bases[g] = ([] if base is not None else [(0, [])]) + [
+                    counted[g] = ([] if base is not None else [(0, [])]) + [
                         (e, sorted(r)) for e, r, _ in rings]
                     break
                 epoch, ring, here, present = short
                 own_epoch = own[0] if own is not None else -1
-                newer = [p for p in claimants if max(
-                    self.peers[p].claim.epoch, self.peers[p].claim.base_epoch)  # type: ignore[union-attr]
-                    > own_epoch]
+                newer = [p for p, c in claims.items() if max(c.epoch, c.base_epoch) > own_epoch]
                 away = list(ms) if here or not newer else newer
                 self._send_away(g, away, (
                     f"no quorum here for peer group {g}: {present} of the {len(ring)} peers "
                     f"of its ring of epoch {epoch} ({sorted(ring)})"), out, epoch)
                 ms = [p for p in ms if p not in away]
             keep.extend(ms)
-        return sorted(keep)
+        return sorted(keep), counted
 
     def _send_away(self, group: int, peers: list[int], why: str, out: list[Command],
                    epoch: int = 0) -> None:
@@ -1070,10 +1062,10 @@ class MasterState:
 
     def _start_round(self, members: list[int], out: list[Command], *,
                      repair: bool = False) -> None:
+        # (Without quorums peers learn installed rings from topology_updated alone.)
+        counted: dict[int, list[tuple[int, list[int]]]] = {}
         if self.quorum_on:
-            members = self._quorum_filter(members, out)
-        else:
-            self.round_bases = {}  # (peers learn installed rings from topology_updated)
+            members, counted = self._quorum_filter(members, out)
         if not members:
             self.round = None
             self.phase = Phase.IDLE
@@ -1127,8 +1119,8 @@ class MasterState:
                     mesh_in_addrs=[self.peers[q].p2p_addr for q in partners],
                     mesh_in_routes=[r for r, _ in in_routes],
                     mesh_in_tokens=[t for _, t in in_routes],
-                    quorum_epochs=[e for e, _ in self.round_bases.get(group, [])],
-                    quorum_rings=[list(r) for _, r in self.round_bases.get(group, [])],
+                    quorum_epochs=[e for e, _ in counted.get(group, [])],
+                    quorum_rings=[list(r) for _, r in counted.get(group, [])],
                 )))
 
     def _mesh_routes(self, ring: list[int]) -> dict[tuple[int, int], tuple[str, bytes]] | None:
