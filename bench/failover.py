@@ -25,15 +25,13 @@ import numpy as np
 
 import pccl
 from pccl.testing import free_port
+from pccl.testing.processes import master_process
 
 HEARTBEAT = ("--heartbeat-interval", "0.5", "--heartbeat-timeout", "3")
 
 
 async def start_master(port: int, standby: bool) -> asyncio.subprocess.Process:
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "pccl", "master", "--listen", f"127.0.0.1:{port}",
-        "--status", "off", *HEARTBEAT, *(["--standby"] if standby else []),
-        stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL)
+    proc = await master_process(port, *HEARTBEAT, *(["--standby"] if standby else []))
     for _ in range(200):  # bounded: until it listens
         try:
             _, w = await asyncio.open_connection("127.0.0.1", port)

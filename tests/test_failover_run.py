@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import sys
 
 import numpy as np
 import pytest
@@ -17,16 +16,14 @@ import pccl
 from pccl.communicator import PeerState
 from pccl.testing import free_port
 from pccl.testing.link_emulator import LinkEmulator
+from pccl.testing.processes import master_process
 
 FAST = {"heartbeat_interval": 0.2, "heartbeat_timeout": 2.0, "recovery_grace": 2.0}
 
 
 async def _master_process(port: int, *extra: str) -> asyncio.subprocess.Process:
-    return await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "pccl", "master", "--listen", f"127.0.0.1:{port}",
-        "--status", "off", "--heartbeat-interval", "0.2", "--heartbeat-timeout", "2",
-        "--recovery-grace", "2", *extra,
-        stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL)
+    return await master_process(port, "--heartbeat-interval", "0.2", "--heartbeat-timeout",
+                                "2", "--recovery-grace", "2", *extra)
 
 
 async def _retry(p, cmd: str, **kwargs):

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import sys
 
 import numpy as np
 import pytest
@@ -15,6 +14,7 @@ from pccl import _core
 from pccl.communicator import PeerState
 from pccl.testing import Cluster, free_port
 from pccl.testing.data import deterministic_tensor
+from pccl.testing.processes import master_process
 
 S = pccl.SharedStateSyncStrategy
 FAST_MASTER = {"heartbeat_interval": 0.2, "heartbeat_timeout": 2.0, "recovery_grace": 5.0}
@@ -159,13 +159,6 @@ async def test_close_while_reconnecting_is_clean(pccl_cluster) -> None:
         await waiting
 
 
-async def _master_process(port: int) -> asyncio.subprocess.Process:
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "pccl", "master", "--listen", f"127.0.0.1:{port}",
-        "--status", "off", stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL)
-    return proc
-
-
 async def _admit_one(accepted: list, newcomer) -> None:
     """Votes ``newcomer`` (a peer process) in with every accepted peer process."""
     async with asyncio.timeout(60):
@@ -181,7 +174,7 @@ async def test_sigkilled_master_process_is_replaced(pccl_peer_process) -> None:
     """A real master process SIGKILLed and started again; the peers are processes."""
     port = free_port()
     address = f"127.0.0.1:{port}"
-    masters = [await _master_process(port)]
+    masters = [await master_process(port)]
     try:
         peers = [await pccl_peer_process(address)]
         await peers[0].wait_accepted()
@@ -195,7 +188,7 @@ async def test_sigkilled_master_process_is_replaced(pccl_peer_process) -> None:
         assert len({r["digest"] for r in res}) == 1
         masters[0].kill()
         await masters[0].wait()
-        masters.append(await _master_process(port))
+        masters.append(await master_process(port))
         # A call waits for the new master, then the reduce runs on all three; one that
         # went out before the peer noticed the loss fails with MasterConnectionError and
         # is retried, as documented.

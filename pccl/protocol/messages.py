@@ -229,9 +229,8 @@ class EstablishP2P(Message):
     mesh_in_tokens: list[bytes] = dataclasses.field(default_factory=list)
     # The rings this ring's quorum was counted against (protocol 9, parallel lists):
     # first the newest known installed (epoch 0 and [] if none), then later ones that
-    # may have been. A peer
-    # reports them when it registers with another master (Hello.resume_base_*,
-    # resume_more_*), see docs/semantics.md.
+    # may have been. A peer reports them when it registers with another master
+    # (Hello.resume_base_*, resume_more_*), see docs/semantics.md.
     quorum_epochs: list[int] = dataclasses.field(default_factory=list)
     quorum_rings: list[list[int]] = dataclasses.field(default_factory=list)
 

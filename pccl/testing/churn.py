@@ -55,7 +55,7 @@ from typing import Any
 
 import numpy as np
 
-from pccl.testing.processes import free_port, stop_process
+from pccl.testing.processes import free_port, master_process, stop_process
 
 log = logging.getLogger("pccl.churn")
 
@@ -446,12 +446,9 @@ class Orchestrator:
         log_path = self.run_dir / f"master-{self.figures['master_starts']}.log"
         self.figures["master_starts"] += 1
         with open(log_path, "wb") as out:  # noqa: ASYNC230 - a local log file
-            self.masters[index] = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "pccl", "master", "--listen",
-                f"127.0.0.1:{self.ports[index]}",
-                "--heartbeat-interval", "0.5", "--heartbeat-timeout", "4", "--status", "off",
-                *(["--standby"] if standby else []),
-                stdout=out, stderr=asyncio.subprocess.STDOUT)
+            self.masters[index] = await master_process(
+                self.ports[index], "--heartbeat-interval", "0.5", "--heartbeat-timeout", "4",
+                *(["--standby"] if standby else []), log=out)
 
     async def kill_master(self) -> None:
         proc = self.masters[self.active]

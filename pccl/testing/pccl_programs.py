@@ -47,7 +47,7 @@ from typing import Any
 
 import numpy as np
 
-from pccl.testing.processes import free_port
+from pccl.testing.processes import free_port, master_process
 
 log = logging.getLogger("pccl.programs")
 
@@ -460,10 +460,8 @@ class Orchestrator:
 
     async def start_master(self) -> None:
         with open(self.run_dir / "master.log", "wb") as out:  # noqa: ASYNC230 - local log
-            self.master = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "pccl", "master", "--listen", f"127.0.0.1:{self.port}",
-                "--heartbeat-interval", "0.5", "--heartbeat-timeout", "4", "--status", "off",
-                stdout=out, stderr=asyncio.subprocess.STDOUT)
+            self.master = await master_process(
+                self.port, "--heartbeat-interval", "0.5", "--heartbeat-timeout", "4", log=out)
 
     async def spawn(self) -> None:
         a = self.args

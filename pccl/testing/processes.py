@@ -48,6 +48,18 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+async def master_process(port: int, *flags: str, log: Any = None
+                         ) -> asyncio.subprocess.Process:
+    """``pccl-master`` listening on 127.0.0.1:``port`` in a child process, without a
+    status page, with ``flags`` (e.g. ``"--standby"``); its output goes to ``log`` (an
+    open file) or nowhere."""
+    out = asyncio.subprocess.DEVNULL if log is None else log
+    return await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "pccl", "master", "--listen", f"127.0.0.1:{port}",
+        "--status", "off", *flags, stdout=out,
+        stderr=asyncio.subprocess.DEVNULL if log is None else asyncio.subprocess.STDOUT)
+
+
 async def stop_process(proc: asyncio.subprocess.Process, timeout: float = 10.0) -> None:
     """SIGTERM (a graceful stop), SIGKILL if it is still running after ``timeout``
     seconds; returns once the process is reaped."""
