@@ -21,6 +21,22 @@ time summed over the links, a proxy for the latency-like part of each step and f
 much slack the ring has when the bottleneck link degrades: among equally paced rings it
 prefers the one whose other links are fast as well, and because ``1/bw`` is largest for
 slow links, it steers away from rings that have *several* links close to the bottleneck.
+
+Latency
+-------
+Every solver also takes an optional ``latency`` matrix (one-way seconds, ``latency[i][j]``
+from peer ``i`` to peer ``j``; ``NaN`` or negative = unknown, counted as 0). The second
+key then becomes the sum over the ring's edges of ``1/bw + latency / LATENCY_PIECE_BYTES``:
+the time a :data:`LATENCY_PIECE_BYTES` piece takes to go once round the ring, latency
+included, per byte. Between rings of the same bottleneck the bulk of the bytes moves at
+the same pace, and what still differs is how long a piece takes round the ring, which
+the edges' latencies dominate wherever pieces cross oceans or links are fast: this is
+what sorts peers by region. Where the peers sit in a few
+regions with far larger latencies between them than inside them (continents), the best
+ring visits each region once, crossing between regions as few times as there are
+regions, and since the mesh all-reduce ranks peers by their ring position, its first
+recursive-doubling steps then stay inside a region too. Without latencies (or with all
+of them equal) the solvers behave exactly as before.
 A ring that uses an unusable edge has bottleneck ``0`` and sum ``inf``: every such ring
 ties, so when no ring of positive bandwidth exists any permutation is a valid answer
 (the solvers still prefer rings with fewer unusable edges).
@@ -45,7 +61,10 @@ Algorithms
     peers, no ring can have a bottleneck above ``t``. The matching is a set of disjoint
     cycles; merging them two at a time by swapping successors, always with the fastest
     available swap (Karp's patching, bottleneck version), usually gives a ring at or
-    near that bound. Greedy-edge and widest-next-neighbour rings are also tried.
+    near that bound. Greedy-edge and widest-next-neighbour rings are also tried, and
+    with latencies first of all a nearest-next ring (each peer's cheapest unvisited
+    successor among the links as fast as the bound), which gathers each region in one
+    run: at hundreds of peers local search alone does not get there within its budget.
   - Local search: asymmetric 2-opt (reverse a segment and re-score it with the
     *directed* weight of every reversed edge, in both orientations of the result) and
     Or-opt (move a run of 1-3 peers elsewhere, forwards or reversed), best improvement
@@ -99,6 +118,7 @@ log = logging.getLogger(__name__)
 
 __all__ = [
     "HEURISTIC_GUARANTEED_FACTOR",
+    "LATENCY_PIECE_BYTES",
     "MAX_EXACT_PEERS",
     "RingImprover",
     "better",
@@ -117,6 +137,13 @@ MAX_EXACT_PEERS = 20
 #: instance; 0.86 at worst with 10 rounds). See the module docstring.
 HEURISTIC_GUARANTEED_FACTOR = 0.8
 
+#: The piece size that weighs a link's latency against its bandwidth in the second key:
+#: an edge costs ``1/bw + latency / LATENCY_PIECE_BYTES`` (seconds per byte), so the sum
+#: over a ring, times this, is the time one piece of this size takes to go once round the
+#: ring, latencies included (the ring's pipeline fill). It is the ring's default piece
+#: (``Communicator(piece_bytes=)``): 1 ms of latency weighs as much as a 1 GB/s link.
+LATENCY_PIECE_BYTES = 1 << 20
+
 # Relative margin a new total cost must undercut the current one by to count as an
 # improvement; the vectorised move scores are computed by adding and subtracting sums,
 # so without a margin floating-point noise could look like progress and loop forever.
@@ -126,8 +153,11 @@ _REL_EPS = 1e-12
 # --- objective ------------------------------------------------------------------------
 
 
-def ring_cost(ring: Sequence[int], bw: np.ndarray) -> tuple[float, float]:
-    """Score ``ring`` as ``(bottleneck bandwidth, sum of 1/bw over its edges)``.
+def ring_cost(ring: Sequence[int], bw: np.ndarray,
+              latency: np.ndarray | Sequence[Sequence[float]] | None = None
+              ) -> tuple[float, float]:
+    """Score ``ring`` as ``(bottleneck bandwidth, sum of 1/bw over its edges)``, the sum
+    with each edge's ``latency / LATENCY_PIECE_BYTES`` added when latencies are given.
 
     The ring is closed (the last peer sends to the first). A ring of one peer has no
     edges: ``(inf, 0.0)``. An edge with ``bw <= 0`` or ``NaN`` is unusable and makes the
@@ -141,14 +171,18 @@ def ring_cost(ring: Sequence[int], bw: np.ndarray) -> tuple[float, float]:
     w = np.asarray(bw, dtype=np.float64)
     if len(ring) <= 1:
         return (math.inf, 0.0)
+    lat = _latency(latency, len(w))
     bottleneck = math.inf
     inverse: list[float] = []
     for k, u in enumerate(ring):
-        b = float(w[u, ring[(k + 1) % len(ring)]])
+        v = ring[(k + 1) % len(ring)]
+        b = float(w[u, v])
         if not b > 0:  # also catches NaN
             return (0.0, math.inf)
         bottleneck = min(bottleneck, b)
         inverse.append(1.0 / b)
+        if lat is not None:
+            inverse.append(float(lat[u, v]) / LATENCY_PIECE_BYTES)
     return (bottleneck, math.fsum(inverse))
 
 
@@ -177,8 +211,27 @@ def _weights(bw: np.ndarray | Sequence[Sequence[float]]) -> np.ndarray:
     return w
 
 
-def _costs(w: np.ndarray) -> np.ndarray:
-    """Per-edge cost ``1/w`` for usable edges (``0`` for ``+inf``). Unusable edges cost a
+def _latency(latency: np.ndarray | Sequence[Sequence[float]] | None, n: int
+             ) -> np.ndarray | None:
+    """A float64 copy of the one-way latency matrix (seconds) with unknown entries
+    (``NaN``, negative, infinite) and the diagonal set to 0; None when not given."""
+    if latency is None:
+        return None
+    lat = np.array(latency, dtype=np.float64, copy=True)
+    if n == 0 and lat.size == 0:
+        return np.zeros((0, 0))
+    if lat.shape != (n, n):
+        raise ValueError(f"latency matrix must have the bandwidth matrix's shape ({n}, {n}), "
+                         f"got {lat.shape}")
+    with np.errstate(invalid="ignore"):
+        lat[~((lat >= 0) & np.isfinite(lat))] = 0.0
+    np.fill_diagonal(lat, 0.0)
+    return lat
+
+
+def _costs(w: np.ndarray, lat: np.ndarray | None = None) -> np.ndarray:
+    """Per-edge cost ``1/w`` for usable edges (``0`` for ``+inf``), plus
+    ``lat / LATENCY_PIECE_BYTES`` with latencies. Unusable edges cost a
     penalty larger than any ring of usable edges can add up to, so that the searches,
     which need a finite and graded cost, prefer rings with fewer unusable edges. Public
     scores still report such rings as ``(0, inf)``; the penalty only refines ties among
@@ -188,6 +241,8 @@ def _costs(w: np.ndarray) -> np.ndarray:
     usable = w > 0
     with np.errstate(over="ignore", divide="ignore"):
         np.divide(1.0, w, out=c, where=usable)
+    if lat is not None:
+        c[usable] += lat[usable] / LATENCY_PIECE_BYTES
     # Keep every sum finite even for absurdly small bandwidths: an infinite cost would
     # turn the incremental move scores into inf - inf = NaN.
     np.minimum(c, 1e250, out=c)
@@ -298,8 +353,10 @@ def _held_karp(cost: np.ndarray, sub: _Subsets, deadline: float) -> list[int] | 
     return [0] + path[::-1]
 
 
-def solve_exact(bw: np.ndarray, time_budget: float | None = None) -> list[int] | None:
-    """Optimal ring (bottleneck first, then sum of 1/bw), listed from peer 0.
+def solve_exact(bw: np.ndarray, time_budget: float | None = None,
+                latency: np.ndarray | None = None) -> list[int] | None:
+    """Optimal ring (bottleneck first, then sum of 1/bw, with each edge's latency added
+    when ``latency`` is given: see the module docs), listed from peer 0.
 
     Returns None if ``time_budget`` seconds pass first. Raises ``ValueError`` above
     ``MAX_EXACT_PEERS`` peers. When no ring of positive bandwidth exists, returns a ring
@@ -311,6 +368,7 @@ def solve_exact(bw: np.ndarray, time_budget: float | None = None) -> list[int] |
     """
     w = _weights(bw)
     n = len(w)
+    lat = _latency(latency, n)
     if n > MAX_EXACT_PEERS:
         raise ValueError(f"solve_exact() handles at most {MAX_EXACT_PEERS} peers, got {n}")
     if n <= 2:
@@ -334,7 +392,7 @@ def solve_exact(bw: np.ndarray, time_budget: float | None = None) -> list[int] |
         else:
             hi = mid - 1
 
-    cost = _costs(w)
+    cost = _costs(w, lat)
     if lo >= 0:
         threshold = float(values[lo])
         cost = np.where(w >= threshold, cost, np.inf)
@@ -363,9 +421,9 @@ class _LocalSearch:
     for small ``n`` the per-call overhead is what limits how many restarts fit the budget.
     """
 
-    def __init__(self, w: np.ndarray) -> None:
+    def __init__(self, w: np.ndarray, lat: np.ndarray | None = None) -> None:
         self.w = w
-        self.c = _costs(w)
+        self.c = _costs(w, lat)
         n = self.n = len(w)
         self.wf, self.cf = w.ravel(), self.c.ravel()
         pos = np.arange(n)
@@ -633,6 +691,23 @@ class _LocalSearch:
             free[nxt] = False
         return np.array(tour)
 
+    def cheapest_next(self, start: int, floor: float) -> np.ndarray:
+        """From ``start``, always go to the unvisited peer with the cheapest edge (with
+        latencies: the nearest) among those at least ``floor`` fast, if any. Local
+        search rarely gathers scattered regions into runs by itself at hundreds of
+        peers; this ring starts with them gathered."""
+        n = self.n
+        free = np.ones(n, dtype=bool)
+        free[start] = False
+        tour = [start]
+        for _ in range(n - 1):
+            fast = free & (self.w[tour[-1]] >= floor)
+            row = np.where(fast if fast.any() else free, self.c[tour[-1]], np.inf)
+            nxt = int(np.argmin(row))
+            tour.append(nxt)
+            free[nxt] = False
+        return np.array(tour)
+
     def kick(self, t: np.ndarray, rng: np.random.Generator) -> np.ndarray:
         """Double bridge: swap two middle stretches of the tour. It keeps the direction
         of every stretch (cheap on a directed graph) and is not undone by one 2-opt or
@@ -771,8 +846,10 @@ class _Heuristic:
     to a ring whose bottleneck is decided by a few patch edges only.
     """
 
-    def __init__(self, w: np.ndarray, rng: np.random.Generator, deadline: float) -> None:
-        self.search = _LocalSearch(w)
+    def __init__(self, w: np.ndarray, rng: np.random.Generator, deadline: float,
+                 lat: np.ndarray | None = None) -> None:
+        self.search = _LocalSearch(w, lat)
+        self.latencies = lat is not None and bool(lat.any())
         self.rng = rng
         self.rounds = 0
         self.cover_every, self.cover_misses = 2, 0
@@ -809,6 +886,8 @@ class _Heuristic:
         """Deterministic starting rings, the most promising first."""
         s = self.search
         starts = []
+        if self.latencies:  # regions gathered in runs: far from the others' descents
+            starts.append(s.cheapest_next(0, self.bound_value))
         if self.match is not None:
             starts.append(s.patch(np.array(self.match)))
         starts += [s.greedy_edge(), s.widest_next(0)]
@@ -863,7 +942,8 @@ class _Heuristic:
 
 
 def solve_heuristic(bw: np.ndarray, rng: np.random.Generator | None = None,
-                    time_budget: float = 0.5, *, max_rounds: int | None = None) -> list[int]:
+                    time_budget: float = 0.5, *, max_rounds: int | None = None,
+                    latency: np.ndarray | None = None) -> list[int]:
     """A good ring, listed from peer 0, found within about ``time_budget`` seconds.
 
     Starts from a patched bottleneck assignment and two greedy rings, descends from
@@ -887,7 +967,7 @@ def solve_heuristic(bw: np.ndarray, rng: np.random.Generator | None = None,
     # Something locally optimal must come out even with a tiny budget: the bound, the
     # first construction and its descent get at least this long.
     first_deadline = max(deadline, start + 0.05)
-    h = _Heuristic(w, _default_rng(rng), first_deadline)
+    h = _Heuristic(w, _default_rng(rng), first_deadline, _latency(latency, n))
     for k, t in enumerate(h.constructions()):
         if k > 0 and time.perf_counter() > deadline:
             break
@@ -901,10 +981,12 @@ def solve_heuristic(bw: np.ndarray, rng: np.random.Generator | None = None,
 
 
 def solve(bw: np.ndarray, *, exact_up_to: int = 12, time_budget: float = 1.0,
-          rng: np.random.Generator | None = None) -> list[int]:
+          rng: np.random.Generator | None = None,
+          latency: np.ndarray | None = None) -> list[int]:
     """The ring to use: exact for up to ``exact_up_to`` peers, heuristic beyond (and when
     the exact solver runs out of ``time_budget``). Always a permutation of
-    ``range(n)`` that starts at 0.
+    ``range(n)`` that starts at 0. ``latency``: one-way seconds per ordered pair, the
+    second key's tie-break between rings of the same bottleneck (module docs).
 
     >>> solve(np.array([[0, 1, 5], [5, 0, 1], [1, 5, 0]], dtype=float))
     [0, 2, 1]
@@ -917,13 +999,13 @@ def solve(bw: np.ndarray, *, exact_up_to: int = 12, time_budget: float = 1.0,
         return list(range(n))
     start = time.perf_counter()
     if n <= min(exact_up_to, MAX_EXACT_PEERS):
-        ring = solve_exact(w, time_budget=time_budget)
+        ring = solve_exact(w, time_budget=time_budget, latency=latency)
         if ring is not None:
             return ring
         log.warning("exact ring solver ran out of its %.3fs budget for %d peers; "
                     "using the heuristic", time_budget, n)
     left = max(0.0, time_budget - (time.perf_counter() - start))
-    return solve_heuristic(w, rng=rng, time_budget=left)
+    return solve_heuristic(w, rng=rng, time_budget=left, latency=latency)
 
 
 class RingImprover:
@@ -949,12 +1031,14 @@ class RingImprover:
     """
 
     def __init__(self, bw: np.ndarray, ring: list[int],
-                 rng: np.random.Generator | None = None) -> None:
+                 rng: np.random.Generator | None = None,
+                 latency: np.ndarray | None = None) -> None:
         w = _weights(bw)
         if sorted(int(x) for x in ring) != list(range(len(w))):
             raise ValueError("ring must be a permutation of range(len(bw))")
         self._ring = [int(x) for x in ring]
         self._w = w
+        self._lat = _latency(latency, len(w))
         self._rng = _default_rng(rng)
         # Built on the first step, so that constructing an improver costs nothing.
         self._h: _Heuristic | None = None
@@ -972,7 +1056,7 @@ class RingImprover:
             return False
         deadline = time.perf_counter() + budget
         if self._h is None:
-            h = self._h = _Heuristic(self._w, self._rng, deadline)
+            h = self._h = _Heuristic(self._w, self._rng, deadline, self._lat)
             given = np.array(self._ring, dtype=np.int64)
             h.offer(given, h.search.score(given))
             before = h.best_key

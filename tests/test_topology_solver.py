@@ -409,3 +409,110 @@ def test_ring_improver_edge_cases() -> None:
     imp = RingImprover(np.ones((5, 5)), [3, 1, 0, 2, 4])
     assert imp.ring == [0, 2, 4, 3, 1]  # listed from peer 0, same cycle
     assert imp.step(0.01) is False       # every ring is equally good
+
+
+# --- latencies (regions) ----------------------------------------------------------------
+
+# One-way backbone latency between three regions (seconds): two continents 40 ms apart,
+# a third 75-90 ms away, 10 ms inside a region (the shape of the pccl.sim model).
+REGION_LATENCY = np.array([[0.010, 0.040, 0.075],
+                           [0.040, 0.010, 0.090],
+                           [0.075, 0.090, 0.010]])
+
+
+def regional(n: int, seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Peers scattered over three regions: (region of each peer, bandwidth, latency).
+    Bandwidth is set by each peer's log-normal uplink (median 400 MB/s), whatever the
+    region: the slowest uplink is every ring's bottleneck, so only the second key tells
+    rings apart, and a 1 MiB piece's transfer time (a few ms) weighs less there than the
+    ocean crossings. Latency is the regions' backbone plus up to 5 ms of each pair's."""
+    rng = np.random.default_rng(seed)
+    region = rng.permutation(np.arange(n) % 3)  # every region populated, in no order
+    up = rng.lognormal(math.log(400e6), 1.0, n)
+    bw = np.minimum(up[:, None], 1.5 * up[None, :])
+    lat = REGION_LATENCY[region][:, region] + rng.uniform(0, 0.005, (n, n))
+    return region, bw, lat
+
+
+def crossings(ring: list[int], region: np.ndarray) -> int:
+    return sum(int(region[a] != region[ring[(k + 1) % len(ring)]]) for k, a in enumerate(ring))
+
+
+def ring_latency(ring: list[int], lat: np.ndarray) -> float:
+    return float(sum(lat[a, ring[(k + 1) % len(ring)]] for k, a in enumerate(ring)))
+
+
+@pytest.mark.parametrize("n", [6, 11, 40, 150])
+def test_latencies_gather_each_region_in_one_run(n: int) -> None:
+    region, bw, lat = regional(n, seed=n)
+    blind = solve(bw, time_budget=0.3)
+    if n <= 12:
+        ring = solve(bw, latency=lat)
+    else:  # a fixed number of rounds: the same answer on a fast or a slow machine
+        ring = solve_heuristic(bw, time_budget=60.0, max_rounds=3, latency=lat)
+    assert_ring(ring, n)
+    # Each region is one run of the ring: it crosses between regions three times ...
+    assert crossings(ring, region) == 3, (ring, region.tolist())
+    assert crossings(blind, region) > 3
+    # ... at no cost in bandwidth: the bottleneck is the bandwidth-only optimum's.
+    assert ring_cost(ring, bw)[0] == ring_cost(blind, bw)[0]
+    assert ring_latency(ring, lat) < ring_latency(blind, lat)
+
+
+def test_exact_with_latencies_equals_brute_force() -> None:
+    rng = np.random.default_rng(7)
+    for n in (4, 6, 8):
+        for _ in range(5):
+            bw = rng.integers(1, 3, (n, n)).astype(float)  # ties: latency decides often
+            lat = rng.uniform(0, 0.1, (n, n))
+            ring = solve_exact(bw, latency=lat)
+            assert ring is not None
+            rest = itertools.permutations(range(1, n))
+            want = max((ring_cost([0, *r], bw, lat) for r in rest),
+                       key=lambda s: (s[0], -s[1]))
+            assert same_score(ring_cost(ring, bw, lat), want), (ring, want)
+
+
+def test_bandwidth_comes_before_latency() -> None:
+    # The nearest ring 0-1-2-3 has one slow link; the only ring without it crosses the
+    # far pairs. The bottleneck decides: latency only breaks ties.
+    bw = np.full((4, 4), 1e9)
+    bw[3, 0] = 1e6
+    lat = np.full((4, 4), 0.1)
+    for a, b in [(0, 1), (1, 2), (2, 3), (3, 0)]:
+        lat[a, b] = 0.001
+    ring = solve(bw, latency=lat)
+    assert ring_cost(ring, bw)[0] == 1e9
+    assert ring != [0, 1, 2, 3]
+
+
+def test_latencies_that_say_nothing_change_nothing() -> None:
+    rng = np.random.default_rng(3)
+    for n in (5, 8, 10):
+        bw = random_bw(n, rng, "loguniform")
+        same = np.full((n, n), 0.02)
+        assert solve_exact(bw, latency=same) == solve_exact(bw)
+        assert solve(bw, latency=np.zeros((n, n))) == solve(bw)
+    bw = random_bw(30, rng, "loguniform")
+    assert solve_heuristic(bw, max_rounds=5, time_budget=60.0, latency=np.zeros((30, 30))) \
+        == solve_heuristic(bw, max_rounds=5, time_budget=60.0)
+
+
+def test_latency_matrix_checks() -> None:
+    bw = np.ones((3, 3))
+    with pytest.raises(ValueError, match="latency matrix"):
+        solve(bw, latency=np.zeros((2, 2)))
+    # Unknown latencies (NaN, negative, inf) count as 0, like the diagonal.
+    lat = np.array([[5.0, np.nan, -1.0], [np.inf, 0, 0.5], [0, 0, 0]])
+    assert ring_cost([0, 1, 2], bw, lat) == (1.0, 3.0 + 0.5 / topology.LATENCY_PIECE_BYTES)
+    assert ring_cost([0, 1, 2], bw) == (1.0, 3.0)
+
+
+def test_ring_improver_takes_latencies() -> None:
+    region, bw, lat = regional(60, seed=5)
+    start = list(range(60))
+    improver = RingImprover(bw, start, latency=lat)
+    for _ in range(3):
+        improver.step(0.2)
+    assert crossings(improver.ring, region) < crossings(start, region)
+    assert ring_latency(improver.ring, lat) < ring_latency(start, lat)
