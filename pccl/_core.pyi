@@ -247,7 +247,7 @@ class P2PNode:
         streams: int = 1,
         max_bytes: int = 256 << 20,
         io_timeout: float = 10.0,
-    ) -> Future[float]: ...
+    ) -> Future[tuple[float, float]]: ...
 
 @final
 class ByteCounter:

@@ -24,12 +24,20 @@ a bw at k = 2), and never passes :data:`MESH_CAP_BYTES`.
 The master computes ``S*`` once per group and ring epoch (:func:`mesh_max_bytes`), from
 the latencies measured while the peers opened that epoch's links, and sends the one
 number to every member: every peer then picks the same algorithm for the same tensor.
+
+Where ``optimize_topology()`` measured the latency of each pair (its probes time their
+dials), the hops are not all alike: peers in several regions have short hops inside a
+region and long ones between them. The model then takes the latency part of each
+algorithm from the pairs it uses (:func:`ring_path_latency`, :func:`mesh_path_latency`)
+instead of ``hops x a``: the ring's ``2 (k - 1) / k`` times the sum over its edges, the
+mesh's slowest pair of each of its steps. Ranks are ring positions on both, so a ring
+that visits each region once also keeps the mesh's first steps inside a region.
 """
 
 from __future__ import annotations
 
 import statistics
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from pccl import _core
 
@@ -70,6 +78,41 @@ def mesh_partners(rank: int, world: int) -> list[int]:
     return [int(r) for r in _core.mesh_partners(rank, world)]
 
 
+def mesh_steps(world: int) -> list[list[tuple[int, int]]]:
+    """The mesh's hops in order, each the directed ``(sender, receiver)`` rank pairs that
+    move pieces in it (the schedule of ``rust/ring/mesh.rs``): the extras' step in, the
+    recursive-doubling exchanges, the extras' step out."""
+    if world < 2:
+        return []
+    p = 1 << (world.bit_length() - 1)
+    extras = list(range(p, world))
+    steps = [[(r, r - p) for r in extras]] if extras else []
+    j = 1
+    while j < p:
+        steps.append([(r, r ^ j) for r in range(p)])
+        j <<= 1
+    if extras:
+        steps.append([(r - p, r) for r in extras])
+    return steps
+
+
+def ring_path_latency(world: int, latency: Callable[[int, int], float]) -> float:
+    """Latency part of a ring all-reduce whose hop from rank ``i`` to ``i + 1`` takes
+    ``latency(i, i + 1)`` seconds: its ``2 (k - 1)`` steps go round the ring about
+    twice, ``2 (k - 1) / k`` times the sum over the edges (``2 (k - 1) a`` when every
+    hop takes ``a``)."""
+    if world < 2:
+        return 0.0
+    total = sum(latency(i, (i + 1) % world) for i in range(world))
+    return 2 * (world - 1) / world * total
+
+
+def mesh_path_latency(world: int, latency: Callable[[int, int], float]) -> float:
+    """Latency part of a mesh all-reduce (:func:`mesh_steps`): each step waits for its
+    slowest pair (``R a`` when every hop takes ``a``)."""
+    return sum(max(latency(a, b) for a, b in step) for step in mesh_steps(world))
+
+
 def one_way_latency(dial_seconds: Sequence[float]) -> float:
     """One-way link latency (s) estimated from the durations of pool dials: the median
     dial over twice :data:`DIAL_ROUND_TRIPS`; 0 when nothing was measured."""
@@ -94,14 +137,20 @@ def mesh_seconds(world: int, nbytes: int, one_way: float, bandwidth: float) -> f
 
 
 def mesh_max_bytes(world: int, one_way: float, bandwidth: float = DEFAULT_BANDWIDTH,
-                   cap: int = MESH_CAP_BYTES) -> int:
+                   cap: int = MESH_CAP_BYTES, *,
+                   latency: Callable[[int, int], float] | None = None) -> int:
     """The largest all-reduce (bytes) for which the mesh is modelled faster than the
-    ring, at most ``cap``; 0 for a group of one."""
+    ring, at most ``cap``; 0 for a group of one. ``latency(i, j)``: the one-way latency
+    from ring rank ``i`` to ``j`` where pairs differ (else every hop is ``one_way``)."""
     if world < 2:
         return 0
     hops_ring, hops_mesh = 2 * (world - 1), mesh_rounds(world)
     per_byte = (hops_mesh * MESH_BYTE_COST - hops_ring / world) / bandwidth
-    saved = (hops_ring - hops_mesh) * (one_way + HOP_OVERHEAD_S)
+    if latency is None:
+        saved = (hops_ring - hops_mesh) * (one_way + HOP_OVERHEAD_S)
+    else:
+        saved = (ring_path_latency(world, latency) - mesh_path_latency(world, latency)
+                 + (hops_ring - hops_mesh) * HOP_OVERHEAD_S)
     if saved <= 0:
         return 0
     if per_byte <= 0:

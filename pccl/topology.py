@@ -35,8 +35,14 @@ what sorts peers by region. Where the peers sit in a few
 regions with far larger latencies between them than inside them (continents), the best
 ring visits each region once, crossing between regions as few times as there are
 regions, and since the mesh all-reduce ranks peers by their ring position, its first
-recursive-doubling steps then stay inside a region too. Without latencies (or with all
-of them equal) the solvers behave exactly as before.
+recursive-doubling steps then stay inside a region too.
+
+Measured bandwidths are noisy, so two rings rarely tie exactly on the first key, and a
+tie-break alone would hardly ever get to look at latencies. With latencies the solvers
+therefore cap every bandwidth at the best possible bottleneck (an upper bound: see the
+heuristic's bound below) divided by ``1 + BANDWIDTH_TOLERANCE``: rings within that
+tolerance of the fastest tie on the first key, and latency decides between them. Without
+latencies (or with all of them zero) the solvers behave exactly as before.
 A ring that uses an unusable edge has bottleneck ``0`` and sum ``inf``: every such ring
 ties, so when no ring of positive bandwidth exists any permutation is a valid answer
 (the solvers still prefer rings with fewer unusable edges).
@@ -118,6 +124,7 @@ log = logging.getLogger(__name__)
 
 __all__ = [
     "HEURISTIC_GUARANTEED_FACTOR",
+    "BANDWIDTH_TOLERANCE",
     "LATENCY_PIECE_BYTES",
     "MAX_EXACT_PEERS",
     "RingImprover",
@@ -143,6 +150,10 @@ HEURISTIC_GUARANTEED_FACTOR = 0.8
 #: ring, latencies included (the ring's pipeline fill). It is the ring's default piece
 #: (``Communicator(piece_bytes=)``): 1 ms of latency weighs as much as a 1 GB/s link.
 LATENCY_PIECE_BYTES = 1 << 20
+
+#: With latencies, bottlenecks within this fraction of the best possible one count as
+#: equal (the probes' noise is of this order), so that latency can choose between them.
+BANDWIDTH_TOLERANCE = 0.1
 
 # Relative margin a new total cost must undercut the current one by to count as an
 # improvement; the vectorised move scores are computed by adding and subtracting sums,
@@ -227,6 +238,21 @@ def _latency(latency: np.ndarray | Sequence[Sequence[float]] | None, n: int
         lat[~((lat >= 0) & np.isfinite(lat))] = 0.0
     np.fill_diagonal(lat, 0.0)
     return lat
+
+
+def _tolerant(w: np.ndarray, lat: np.ndarray | None, deadline: float) -> np.ndarray:
+    """``w`` capped at the best possible bottleneck over ``1 + BANDWIDTH_TOLERANCE`` when
+    latencies say something (module docs, Latency), else ``w`` itself."""
+    if lat is None or not lat.any() or len(w) < 3:
+        return w
+    values = np.unique(w[w > 0])
+    if not len(values):
+        return w
+    bound, _ = _ring_bound(w, np.argsort(-w, axis=1, kind="stable"), values, deadline)
+    if bound < 0:
+        return w
+    capped: np.ndarray = np.minimum(w, float(values[bound]) / (1.0 + BANDWIDTH_TOLERANCE))
+    return capped
 
 
 def _costs(w: np.ndarray, lat: np.ndarray | None = None) -> np.ndarray:
@@ -374,6 +400,7 @@ def solve_exact(bw: np.ndarray, time_budget: float | None = None,
     if n <= 2:
         return list(range(n))
     deadline = math.inf if time_budget is None else time.perf_counter() + time_budget
+    w = _tolerant(w, lat, deadline)
     sub = _Subsets(n - 1)
 
     # Every peer needs an outgoing and an incoming edge of at least the bottleneck, which
@@ -967,7 +994,8 @@ def solve_heuristic(bw: np.ndarray, rng: np.random.Generator | None = None,
     # Something locally optimal must come out even with a tiny budget: the bound, the
     # first construction and its descent get at least this long.
     first_deadline = max(deadline, start + 0.05)
-    h = _Heuristic(w, _default_rng(rng), first_deadline, _latency(latency, n))
+    lat = _latency(latency, n)
+    h = _Heuristic(_tolerant(w, lat, first_deadline), _default_rng(rng), first_deadline, lat)
     for k, t in enumerate(h.constructions()):
         if k > 0 and time.perf_counter() > deadline:
             break
@@ -1037,8 +1065,8 @@ class RingImprover:
         if sorted(int(x) for x in ring) != list(range(len(w))):
             raise ValueError("ring must be a permutation of range(len(bw))")
         self._ring = [int(x) for x in ring]
-        self._w = w
         self._lat = _latency(latency, len(w))
+        self._w = _tolerant(w, self._lat, math.inf)
         self._rng = _default_rng(rng)
         # Built on the first step, so that constructing an improver costs nothing.
         self._h: _Heuristic | None = None

@@ -121,6 +121,46 @@ def test_the_cost_model_prefers_the_mesh_for_small_tensors_and_large_k() -> None
         0.012 / (2 * algorithms.DIAL_ROUND_TRIPS))
 
 
+def test_the_mesh_schedule_in_python_is_the_rust_one() -> None:
+    for k in range(1, 41):
+        steps = algorithms.mesh_steps(k)
+        assert len(steps) == algorithms.mesh_rounds(k)
+        for r in range(k):
+            talks = {b for step in steps for a, b in step if a == r}
+            talks |= {a for step in steps for a, b in step if b == r}
+            assert talks == set(algorithms.mesh_partners(r, k)), (k, r)
+        # Every step: each rank sends at most once and receives at most once.
+        for step in steps:
+            assert len({a for a, _ in step}) == len(step) == len({b for _, b in step})
+
+
+def test_per_pair_latencies_in_the_cost_model() -> None:
+    """Equal pairs give the hops x latency model; regions make the ring dearer when its
+    ranks scatter them and the mesh's late steps the only slow ones when they don't."""
+    for k in (2, 3, 5, 8, 13):
+        same = algorithms.mesh_max_bytes(k, 0.004, 1e8, cap=1 << 40)
+        per_pair = algorithms.mesh_max_bytes(k, 0.0, 1e8, cap=1 << 40,
+                                             latency=lambda i, j: 0.004)
+        assert abs(per_pair - same) <= 1, k
+        assert algorithms.ring_path_latency(k, lambda i, j: 0.004) == pytest.approx(
+            2 * (k - 1) * 0.004)
+        assert algorithms.mesh_path_latency(k, lambda i, j: 0.004) == pytest.approx(
+            algorithms.mesh_rounds(k) * 0.004)
+
+    def regions(of):  # 40 ms between regions, 1 ms inside
+        return lambda i, j: 0.001 if of(i) == of(j) else 0.040
+
+    k = 16
+    sorted_ranks, scattered = regions(lambda r: r // 8), regions(lambda r: r % 2)
+    # A ring in region order crosses twice; scattered, at every hop.
+    assert algorithms.ring_path_latency(k, sorted_ranks) == pytest.approx(
+        2 * 15 / 16 * (14 * 0.001 + 2 * 0.040))
+    assert algorithms.ring_path_latency(k, scattered) == pytest.approx(2 * 15 * 0.040)
+    # The mesh's first three steps stay inside a region of 8 contiguous ranks.
+    assert algorithms.mesh_path_latency(k, sorted_ranks) == pytest.approx(3 * 0.001 + 0.040)
+    assert algorithms.mesh_path_latency(k, scattered) == pytest.approx(0.040 + 3 * 0.001)
+
+
 @pytest.mark.parametrize("fault", ["blackhole", "reset"])
 async def test_a_stalled_or_reset_mesh_link_fails_everyone_in_bounded_time(fault) -> None:
     async with LinkEmulator(bandwidth=5e6, chunk_size=64 * 1024) as emu:

@@ -4,6 +4,7 @@ avoids the slow links, reduces still work; a peer lost during it fails it cleanl
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -17,8 +18,12 @@ pytest.importorskip("pccl.topology")
 FAST, SLOW = 80e6, 4e6
 
 
-async def shaped_cluster(stack, n: int, slow: set[tuple[int, int]]):
-    """n peers; the link from join-index i to j is SLOW if (i, j) in ``slow``."""
+async def shaped_cluster(stack, n: int, slow: set[tuple[int, int]], *, fast: float = FAST,
+                         latency: Callable[[int, int], float] | None = None,
+                         chunk_size: int = 256 * 1024):
+    """n peers; the link from join-index i to j is SLOW if (i, j) in ``slow``, else
+    ``fast``; ``latency(i, j)``: its one-way latency (both directions of a connection
+    that i dials to j), when given."""
     cluster = await stack.enter_async_context(
         Cluster(0, pool_size=2, master_kwargs={"insecure": True}))
     comms = []
@@ -31,9 +36,16 @@ async def shaped_cluster(stack, n: int, slow: set[tuple[int, int]]):
             sender = p2p_dialer_id(first)
             if sender is None:
                 return None
-            return SLOW if (sender - 1, holder[0].peer_id - 1) in slow else FAST
+            return SLOW if (sender - 1, holder[0].peer_id - 1) in slow else fast
+
+        def delay(first: bytes, holder=holder) -> float | None:
+            sender = p2p_dialer_id(first)
+            if sender is None or latency is None:
+                return None
+            return latency(sender - 1, holder[0].peer_id - 1)
         emu = await stack.enter_async_context(
-            LinkEmulator(classify=classify, chunk_size=256 * 1024))
+            LinkEmulator(classify=classify, chunk_size=chunk_size,
+                         classify_latency=delay if latency is not None else None))
         # Clear-text streams: the classifier reads the dialer's id from its hello, which
         # the default encrypted transport hides.
         comm = cluster.new_comm(p2p_advertise_address=emu.address, insecure=True)
@@ -72,6 +84,39 @@ async def test_optimized_ring_avoids_the_slow_links() -> None:
         # A second optimization reuses fresh measurements: no probes, same ring.
         await asyncio.gather(*(c.optimize_topology() for c in comms))
         assert comms[0].ring == ring
+
+
+async def test_optimized_ring_visits_each_region_once() -> None:
+    """Peers in two regions, 15 ms apart one way, every link capped alike: the probes'
+    dials measure each pair's latency, and the ring crosses between the regions twice
+    (join order crosses at every hop)."""
+    from contextlib import AsyncExitStack
+
+    n, far = 6, 0.015
+
+    def region(i: int) -> int:
+        return i % 2
+
+    async with AsyncExitStack() as stack:
+        cluster, comms = await shaped_cluster(
+            stack, n, set(), fast=8e6, chunk_size=64 * 1024,
+            latency=lambda i, j: far if region(i) != region(j) else 0.0)
+        ids = [c.peer_id for c in comms]
+        of = {p: region(k) for k, p in enumerate(ids)}
+        assert all(of[a] != of[b] for a, b in edges(comms[0].ring))
+        await asyncio.gather(*(c.optimize_topology() for c in comms))
+        ring = comms[0].ring
+        assert all(c.ring == ring for c in comms)
+        state = cluster.master.state
+        # Every pair was measured, and every pair across is slower than any inside.
+        inside = [v for (a, b), (v, _) in state.latency.items() if of[a] == of[b]]
+        across = [v for (a, b), (v, _) in state.latency.items() if of[a] != of[b]]
+        assert len(inside) + len(across) == n * (n - 1)
+        assert min(across) > max(inside), (sorted(inside), sorted(across))
+        assert sum(of[a] != of[b] for a, b in edges(ring)) == 2, (ring, of)
+        xs = [np.full(1001, i + 1, np.float32) for i in range(n)]
+        await asyncio.gather(*(c.all_reduce(x) for c, x in zip(comms, xs)))
+        assert all((x == n * (n + 1) // 2).all() for x in xs)
 
 
 async def test_peer_lost_during_optimization_fails_it_everywhere() -> None:
@@ -169,3 +214,45 @@ def test_the_solver_is_told_the_path_types_of_peers_behind_nat() -> None:
     ring = [solve.members[k] for k in topology.solve_exact(np.array(bw))]
     pairs = {(ring[k], ring[(k + 1) % 4]) for k in range(4)}
     assert (3, 4) not in pairs and (4, 3) not in pairs, ring
+
+
+def test_the_solver_is_told_the_latencies_the_probes_dials_measured() -> None:
+    """Each probe reports its quickest dial per target; the master keeps one-way
+    latencies per pair and hands the solver the matrix, a pair no probe reaches (into a
+    peer behind NAT) at the group's median. Reports without dials give no matrix."""
+    from pccl import algorithms
+    from pccl.master import state as st
+    from pccl.protocol import messages as m
+
+    def optimize(dials: bool) -> st.Solve:
+        s = st.MasterState(mesh_max_bytes=0, token_key=bytes(32))
+        for p in (1, 2, 3, 4):
+            s.handle(st.PeerRegistered(p, 0, f"h:{p}", reachable=p != 4))
+        s.handle(st.Received(1, m.P2PReport(epoch=1, failed=[])))
+        s.handle(st.Received(1, m.UpdateTopology()))
+        for p in (1, 2, 3, 4):
+            s.handle(st.Received(p, m.P2PReport(epoch=2, failed=[])))
+        out = []
+        for p in (1, 2, 3, 4):
+            out += s.handle(st.Received(p, m.OptimizeTopology()))
+        probes = {c.peer_id: c.msg.target_ids for c in out
+                  if isinstance(c, st.Send) and isinstance(c.msg, m.ProbeRequest)}
+        assert probes == {1: [2, 3], 2: [1, 3], 3: [1, 2], 4: [1, 2, 3]}
+        for p, targets in probes.items():
+            out = s.handle(st.Received(p, m.ProbeReport(
+                target_ids=targets, rates=[100e6] * len(targets),
+                dial_seconds=[0.007 * (p + t) for t in targets] if dials else [])))
+        return next(c for c in out if isinstance(c, st.Solve))
+
+    assert optimize(dials=False).latency is None
+    solve = optimize(dials=True)
+    assert solve.latency is not None
+    idx = {p: k for k, p in enumerate(solve.members)}
+    lat = solve.latency
+    for a in (1, 2, 3, 4):
+        for b in (1, 2, 3):
+            if a != b:
+                assert lat[idx[a]][idx[b]] == algorithms.one_way_latency([0.007 * (a + b)])
+    measured = sorted(lat[i][j] for i in range(4) for j in range(4)
+                      if i != j and solve.members[j] != 4)
+    assert [lat[idx[a]][idx[4]] for a in (1, 2, 3)] == [measured[len(measured) // 2]] * 3

@@ -733,8 +733,10 @@ class MasterNode:
         from pccl.topology import RingImprover, solve
 
         bw = np.array(cmd.bw, dtype=np.float64)
+        lat = None if cmd.latency is None else np.array(cmd.latency, dtype=np.float64)
         rng = np.random.default_rng(cmd.round_id)
-        order = await asyncio.to_thread(solve, bw, time_budget=self.solver_budget, rng=rng)
+        order = await asyncio.to_thread(solve, bw, time_budget=self.solver_budget, rng=rng,
+                                        latency=lat)
         ring = [cmd.members[i] for i in order]
         log.info("optimized ring of group %d: %s", cmd.group, ring)
         self._feed(st.Solved(cmd.round_id, cmd.group, ring))
@@ -742,7 +744,7 @@ class MasterNode:
             return  # solved exactly: nothing left to improve
         # Keep improving in the background for a bounded time; a better ring is
         # adopted at the next update_topology().
-        improver = RingImprover(bw, list(order), rng=rng)
+        improver = RingImprover(bw, list(order), rng=rng, latency=lat)
         for _ in range(self.improve_steps):
             if self.state.opt_round != cmd.round_id:
                 return  # a newer optimization superseded this one

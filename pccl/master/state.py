@@ -32,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import hashlib
+import math
 import os
 from collections import Counter, deque
 from collections.abc import Collection
@@ -194,6 +195,9 @@ class Solve:
     group: int
     members: list[int]
     bw: list[list[float]]
+    # One-way seconds per ordered pair, as bw (NaN: unknown), from the probes' dials;
+    # None when nothing was measured. The solver's tie-break (pccl.topology, Latency).
+    latency: list[list[float]] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -515,6 +519,9 @@ class MasterState:
         # round they were measured in, the preferred ring order per group, and the
         # state of the round in progress.
         self.bandwidth: dict[tuple[int, int], tuple[float, int]] = {}
+        # One-way latency (seconds) per ordered pair, from the probes' dials, with the
+        # round it was measured in (as bandwidth).
+        self.latency: dict[tuple[int, int], tuple[float, int]] = {}
         self.ring_order: dict[int, list[int]] = {}
         self.opt_round = 0
         self.opt_votes: set[int] = set()
@@ -1167,7 +1174,17 @@ class MasterState:
         bandwidth = rates[len(rates) // 2] if rates else algorithms.DEFAULT_BANDWIDTH
         one_way = algorithms.one_way_latency(rnd.dials.get(group, []))
         self.mesh_inputs[group] = (one_way, bandwidth)
-        return algorithms.mesh_max_bytes(len(ring), one_way, bandwidth)
+        # Pairs the probes measured have their own latency (regions); the others are
+        # taken at this round's dials. Only when the probes measured pairs of the group.
+        pairs = self.latency
+
+        def measured(i: int, j: int) -> float:
+            return pairs.get((ring[i], ring[j]), (one_way, 0))[0]
+
+        per_pair = bool(pairs) and any((ring[i], ring[(i + 1) % len(ring)]) in pairs
+                                       for i in range(len(ring)))
+        return algorithms.mesh_max_bytes(len(ring), one_way, bandwidth,
+                                         latency=measured if per_pair else None)
 
     def _token(self, label: str) -> bytes:
         """A route token: unguessable without the master's key, the same for the same
@@ -1957,9 +1974,13 @@ class MasterState:
         if peer not in self.opt_probers or len(msg.target_ids) != len(msg.rates):
             return
         self.opt_probers.discard(peer)
+        dials = msg.dial_seconds if len(msg.dial_seconds) == len(msg.target_ids) else []
         for t, rate in zip(msg.target_ids, msg.rates):
             if t in self.peers:
                 self.bandwidth[(peer, t)] = (max(float(rate), 0.0), self.opt_round)
+        for t, dial in zip(msg.target_ids, dials):
+            if t in self.peers and math.isfinite(dial) and dial >= 0:
+                self.latency[(peer, t)] = (algorithms.one_way_latency([dial]), self.opt_round)
         if not self.opt_probers:
             self._solve_all(out)
 
@@ -1989,9 +2010,21 @@ class MasterState:
             typical = measured[len(measured) // 2] if measured else 1.0
             bw = [[0.0 if i == j else self._edge_bandwidth(i, j, typical)
                    for j in members] for i in members]
-            out.append(Solve(self.opt_round, g, list(members), bw))
+            out.append(Solve(self.opt_round, g, list(members), bw, self._latencies(members)))
         if not groups:
             self._finish_optimize(out)
+
+    def _latencies(self, members: list[int]) -> list[list[float]] | None:
+        """The solver's latency matrix over ``members``: measured pairs as measured, a
+        pair no probe could measure (into a peer behind NAT) at the group's median, as
+        its bandwidth is; None when no pair of the group was measured."""
+        known = sorted(v for (a, b), (v, _) in self.latency.items()
+                       if a in members and b in members and a != b)
+        if not known:
+            return None
+        typical = known[len(known) // 2]
+        return [[0.0 if i == j else self.latency.get((i, j), (typical, 0))[0]
+                 for j in members] for i in members]
 
     def _on_solved(self, ev: Solved, out: list[Command]) -> None:
         if ev.round_id != self.opt_round or ev.group not in self.opt_solving:

@@ -502,17 +502,19 @@ class Driver:
 
     async def _probe(self, c: ps.Probe) -> None:
         assert self._node is not None
-        rates = []
+        rates, dials = [], []
         for target, addr in zip(c.msg.target_ids, c.msg.target_addrs):
             try:
-                rate = await self._node.probe(addr, target, seconds=c.msg.seconds,
-                                              streams=self.p2p_connection_pool_size,
-                                              io_timeout=self.peer_timeout)
+                rate, dial = await self._node.probe(addr, target, seconds=c.msg.seconds,
+                                                    streams=self.p2p_connection_pool_size,
+                                                    io_timeout=self.peer_timeout)
             except PCCLError as e:
                 log.warning("peer %s: probe to peer %d failed: %s", self.peer_id, target, e)
-                rate = 0.0
+                rate, dial = 0.0, -1.0
             rates.append(float(rate))
-        self._feed(ps.Probed(tuple(c.msg.target_ids), tuple(rates), c.generation))
+            dials.append(float(dial))
+        self._feed(ps.Probed(tuple(c.msg.target_ids), tuple(rates), c.generation,
+                             tuple(dials)))
 
     def _wire_timeout(self, timeout: Any) -> float:
         """The deadline a collective call sends the master (0.0: none)."""

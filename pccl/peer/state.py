@@ -168,11 +168,13 @@ class PoolsEstablished:
 
 @dataclasses.dataclass(frozen=True)
 class Probed:
-    """A :class:`Probe` finished: measured rates (bytes/s) per target, 0 on failure."""
+    """A :class:`Probe` finished: measured rates (bytes/s) per target, 0 on failure, and
+    each target's quickest dial (seconds, -1 on failure)."""
 
     target_ids: tuple[int, ...]
     rates: tuple[float, ...]
     generation: int
+    dial_seconds: tuple[float, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -522,7 +524,8 @@ class PeerMachine:
         elif isinstance(ev, Probed):
             if ev.generation == self.generation and self.connected:
                 out.append(Send(m.ProbeReport(target_ids=list(ev.target_ids),
-                                              rates=list(ev.rates))))
+                                              rates=list(ev.rates),
+                                              dial_seconds=list(ev.dial_seconds))))
         elif isinstance(ev, StartTopology):
             self._start_topology(ev, out)
         elif isinstance(ev, EndTopology):

@@ -14,7 +14,7 @@ from typing import ClassVar
 from pccl.errors import ErrorKind
 
 #: Bumped on every incompatible change; checked in the handshake.
-PROTOCOL_VERSION = 9
+PROTOCOL_VERSION = 10
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -531,11 +531,13 @@ class ProbeRequest(Message):
 @message
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ProbeReport(Message):
-    """P->M: bytes/s to each target (0 = could not measure)."""
+    """P->M: bytes/s to each target (0 = could not measure), and how long the quickest
+    of the probe's dials to it took (seconds; -1 = not measured): a pair's latency."""
 
     TYPE: ClassVar[str] = "probe_report"
     target_ids: list[int]
     rates: list[float]
+    dial_seconds: list[float] = dataclasses.field(default_factory=list)
 
 
 @message

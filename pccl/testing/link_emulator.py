@@ -273,7 +273,8 @@ class _Direction:
         self.src.set_reading(want)
 
     def _schedule(self, now: float, extra: float = 0.0) -> float:
-        at = now + extra + self.emu.latency
+        latency = self.conn.latency_override
+        at = now + extra + (self.emu.latency if latency is None else latency)
         # A latency decrease must not let later bytes overtake earlier ones.
         at = max(at, self.last_at)
         self.last_at = at
@@ -297,11 +298,17 @@ class _Direction:
             # The first bytes may arrive in several reads (a length prefix written on
             # its own, say): keep asking until the classifier decides or 64 bytes came.
             self.head += bytes(data[:64 - len(self.head)])
-            if emu.classify is None:
+            if emu.classify is None and emu.classify_latency is None:
                 self.classified = True
             else:
-                self.rate_override = emu.classify(self.head)
-                self.classified = self.rate_override is not None or len(self.head) >= 64
+                if emu.classify is not None:
+                    self.rate_override = emu.classify(self.head)
+                if emu.classify_latency is not None:
+                    self.conn.latency_override = emu.classify_latency(self.head)
+                self.classified = (len(self.head) >= 64 or (
+                    (emu.classify is None or self.rate_override is not None)
+                    and (emu.classify_latency is None
+                         or self.conn.latency_override is not None)))
         busy = 0.0
         rate = self.rate()
         if rate is not None:
@@ -452,6 +459,9 @@ class _Connection:
         self.down: _Direction | None = None  # server -> client
         self.closing = False
         self.finished = False
+        # From ``LinkEmulator.classify_latency``: this connection's one-way latency, both
+        # directions, once its first bytes told who dialled (None: the emulator's).
+        self.latency_override: float | None = None
         self.done: asyncio.Future[None] = emu._loop.create_future()
         self.pumps: list[asyncio.Task[None]] = []
         client.conn = self
@@ -589,6 +599,12 @@ class LinkEmulator:
             None. Once reached the source is not read, so throughput <= window / latency,
             like a window-limited TCP flow on a long fat pipe.
         chunk_size: largest single read; use ~256 KiB for throughput benchmarks.
+        classify: given a connection's first client bytes (up to 64), the bandwidth cap
+            of its client->server direction, or None to wait for more bytes; with
+            ``p2p_dialer_id`` that shapes each dialling peer differently.
+        classify_latency: the same for the connection's one-way latency in both
+            directions (bytes read before it decides pay the emulator's ``latency``):
+            per-pair latency, peers in regions.
         record: keep every byte that crosses the link, per connection and direction
             (``recorded()``); for tests only (memory grows with the traffic).
         tamper: a man in the middle that may change, inject, replay or drop bytes (see
@@ -612,6 +628,7 @@ class LinkEmulator:
         window: int | None = None,
         chunk_size: int = 64 * 1024,
         classify: Callable[[bytes], float | None] | None = None,
+        classify_latency: Callable[[bytes], float | None] | None = None,
         record: bool = False,
         tamper: Callable[[int, str, int, bytes], bytes] | None = None,
     ) -> None:
@@ -622,6 +639,10 @@ class LinkEmulator:
         # client->server direction (None: the emulator-wide ``bandwidth``). With
         # ``p2p_dialer_id`` this shapes each sending peer differently.
         self.classify = classify
+        # The same for the connection's one-way latency, both directions, from the bytes
+        # read once it decides (None: the emulator-wide ``latency``): per-pair latency,
+        # e.g. peers in regions.
+        self.classify_latency = classify_latency
         # A man in the middle: called with (connection id, "client->server" or
         # "server->client", offset in that direction, bytes read) for every read, it
         # returns what to forward instead (changed, longer, shorter, or b"" to drop).

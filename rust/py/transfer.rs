@@ -35,7 +35,9 @@ impl ByteCounter {
 impl PyP2PNode {
     /// Measures the bandwidth to peer `peer_id` at `addr` with `streams` parallel
     /// streams (like the ring's pool) for `seconds` (at most `max_bytes` per stream).
-    /// Resolves to bytes/s summed over the streams.
+    /// Resolves to `(bytes/s summed over the streams, seconds of the quickest stream's
+    /// dial)`: a dial is a TCP connect, the transport handshake and the p2p hello, a few
+    /// round trips, so the second number measures the pair's latency.
     #[pyo3(signature = (addr, peer_id, seconds=0.25, streams=1, max_bytes=256 << 20, io_timeout=10.0))]
     #[allow(clippy::too_many_arguments)]
     fn probe<'py>(
@@ -58,6 +60,7 @@ impl PyP2PNode {
             let probes = (0..streams).map(|i| {
                 let node = node.clone();
                 async move {
+                    let started = std::time::Instant::now();
                     let s = node
                         .dial_purpose(
                             sock,
@@ -67,16 +70,20 @@ impl PyP2PNode {
                             crate::net::handshake::Purpose::Probe,
                         )
                         .await?;
-                    transfer::run_probe(s, duration, max_bytes, timeout).await
+                    let dial = started.elapsed().as_secs_f64();
+                    let rate = transfer::run_probe(s, duration, max_bytes, timeout).await?;
+                    Ok::<_, crate::error::CoreError>((rate, dial))
                 }
             });
-            let rates = tokio::select! {
+            let measured = tokio::select! {
                 r = futures::future::try_join_all(probes) => r?,
                 _ = node.cancel_token().cancelled() => {
                     return Err(crate::error::CoreError::Aborted("the p2p node is closing".into()).into())
                 }
             };
-            Ok(rates.iter().sum::<f64>())
+            let rate = measured.iter().map(|(r, _)| r).sum::<f64>();
+            let dial = measured.iter().map(|(_, d)| *d).fold(f64::INFINITY, f64::min);
+            Ok((rate, dial))
         })
     }
 
