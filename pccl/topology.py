@@ -111,7 +111,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 try:
     import numpy as np
@@ -645,12 +645,14 @@ class _LocalSearch:
 
     # -- constructions and kicks --
 
-    def patch(self, succ: np.ndarray) -> np.ndarray:
+    def patch(self, succ: np.ndarray, deadline: float = math.inf) -> np.ndarray:
         """Merge the cycles of the permutation ``succ`` (peer ``u`` sends to
         ``succ[u]``) into one ring, two at a time, by swapping successors: ``a -> succ(b)``
         and ``b -> succ(a)`` join the cycles of ``a`` and ``b``. Each time the swap whose
         slower new edge is fastest wins (ties: the lower added cost). This is Karp's
-        patching, with the bottleneck as the criterion."""
+        patching, with the bottleneck as the criterion. Each merge scans all pairs;
+        past ``deadline`` the cycles left are joined in any order (local search mends
+        that)."""
         w, c, n = self.w, self.c, self.n
         succ = succ.copy()
         label = np.full(n, -1)
@@ -662,6 +664,11 @@ class _LocalSearch:
                 v = succ[v]
             cycles += label[start] == cycles
         while cycles > 1:
+            if time.perf_counter() >= deadline:
+                heads = np.unique(label, return_index=True)[1]
+                for a, b in zip(heads[:-1], heads[1:]):
+                    succ[a], succ[b] = succ[b], succ[a]
+                break
             # new[a, b] = slowest of the swap's new edges a -> succ(b), b -> succ(a).
             to_succ = w[:, succ]
             new = np.minimum(to_succ, to_succ.T)
@@ -909,16 +916,24 @@ class _Heuristic:
         t, key, _ = self.search.descend(t, self.search.score(t), deadline)
         return self.offer(t, key)
 
-    def constructions(self) -> list[np.ndarray]:
-        """Deterministic starting rings, the most promising first."""
+    def constructions(self, deadline: float, first_deadline: float | None = None
+                      ) -> Iterator[np.ndarray]:
+        """Deterministic starting rings, the most promising first, each built when
+        asked for: the first always (by ``first_deadline``, default ``deadline``), the
+        others only before ``deadline`` (patching takes seconds at a thousand peers)."""
         s = self.search
-        starts = []
+        starts: list[Callable[[], np.ndarray]] = []
         if self.latencies:  # regions gathered in runs: far from the others' descents
-            starts.append(s.cheapest_next(0, self.bound_value))
+            starts.append(lambda: s.cheapest_next(0, self.bound_value))
         if self.match is not None:
-            starts.append(s.patch(np.array(self.match)))
-        starts += [s.greedy_edge(), s.widest_next(0)]
-        return starts
+            match = np.array(self.match)
+            until = deadline if starts or first_deadline is None else first_deadline
+            starts.append(lambda: s.patch(match, until))
+        starts += [s.greedy_edge, lambda: s.widest_next(0)]
+        for k, build in enumerate(starts):
+            if k > 0 and time.perf_counter() >= deadline:
+                return
+            yield build()
 
     def random_cover(self) -> np.ndarray:
         """Patch a random perfect matching of the edges ``>= t``, with ``t`` between the
@@ -996,9 +1011,7 @@ def solve_heuristic(bw: np.ndarray, rng: np.random.Generator | None = None,
     first_deadline = max(deadline, start + 0.05)
     lat = _latency(latency, n)
     h = _Heuristic(_tolerant(w, lat, first_deadline), _default_rng(rng), first_deadline, lat)
-    for k, t in enumerate(h.constructions()):
-        if k > 0 and time.perf_counter() > deadline:
-            break
+    for k, t in enumerate(h.constructions(deadline, first_deadline)):
         h.descend_and_offer(t, first_deadline if k == 0 else deadline)
     while time.perf_counter() < deadline and (max_rounds is None or h.rounds < max_rounds):
         h.round(deadline)
@@ -1091,10 +1104,9 @@ class RingImprover:
             # The given ring first, then the constructions: a caller that passes a poor
             # ring gets the quick wins at once.
             h.descend_and_offer(given, deadline)
-            for t in h.constructions():
-                if time.perf_counter() >= deadline:
-                    break
-                h.descend_and_offer(t, deadline)
+            if time.perf_counter() < deadline:
+                for t in h.constructions(deadline):
+                    h.descend_and_offer(t, deadline)
         else:
             h = self._h
             before = h.best_key
