@@ -2,9 +2,15 @@
 matrix, in one run; the best ring by brute force for reference.
 
     python bench/topology.py --peers 6 --mib 16 --seed 1
+    python bench/topology.py --peers 8 --regions 2 --region-ms 15 --min-mbps 40 \
+        --max-mbps 40 --mib 4 --small-kib 64
 
 Every peer's incoming links pass through a LinkEmulator that caps each connection by
 its sending peer (per-pair matrix, log-uniform between --min-mbps and --max-mbps).
+With --regions R, peer i sits in region i % R (join order crosses between regions at
+every hop) and a connection between regions pays --region-ms of one-way latency each
+way; --small-kib also times a small all-reduce (the mesh or the ring, as the master's
+cost model picks; never through the master).
 """
 
 from __future__ import annotations
@@ -30,16 +36,19 @@ async def time_reduce(comms, n: int, iters: int) -> float:
         t0 = time.perf_counter()
         await asyncio.gather(*(c.all_reduce(x, tag=it) for c, x in zip(comms, xs)))
         times.append(time.perf_counter() - t0)
+        assert all((x == len(comms)).all() for x in xs)
     return sorted(times)[len(times) // 2]
 
 
-async def run(peers: int, mib: int, seed: int, lo: float, hi: float, iters: int) -> dict:
+async def run(peers: int, mib: int, seed: int, lo: float, hi: float, iters: int,
+              regions: int = 1, region_ms: float = 0.0, small_kib: int = 0) -> dict:
     rng = np.random.default_rng(seed)
     bw = np.exp(rng.uniform(np.log(lo), np.log(hi), size=(peers, peers)))
     np.fill_diagonal(bw, 0)
     async with AsyncExitStack() as stack:
         cluster = await stack.enter_async_context(
-            Cluster(0, pool_size=2, master_kwargs={"heartbeat_timeout": 60.0}))
+            Cluster(0, pool_size=2, master_kwargs={"heartbeat_timeout": 60.0,
+                                                    "insecure": True}))
         comms = []
         for _ in range(peers):
             # Peer ids are handed out 1, 2, ... by the fresh master: matrix index = id - 1.
@@ -51,9 +60,20 @@ async def run(peers: int, mib: int, seed: int, lo: float, hi: float, iters: int)
                 if sender is None:
                     return None
                 return float(bw[sender - 1, holder[0].peer_id - 1])
+
+            def delay(first: bytes, holder=holder) -> float | None:
+                sender = p2p_dialer_id(first)
+                if sender is None:
+                    return None
+                far = (sender - 1) % regions != (holder[0].peer_id - 1) % regions
+                return region_ms / 1e3 if far else 0.0
             emu = await stack.enter_async_context(
-                LinkEmulator(classify=classify, chunk_size=256 * 1024))
-            comm = cluster.new_comm(p2p_advertise_address=emu.address, peer_timeout=120.0)
+                LinkEmulator(classify=classify, chunk_size=256 * 1024,
+                             classify_latency=delay if regions > 1 else None))
+            # Clear text: the emulator tells senders apart by the id in their p2p hello,
+            # which the default encrypted transport hides.
+            comm = cluster.new_comm(p2p_advertise_address=emu.address, peer_timeout=120.0,
+                                    via_master_max_bytes=0, insecure=True)
             holder.append(comm)
             emu.target = (lambda c: lambda: f"127.0.0.1:{c.p2p_port}")(comm)
             comms.append(comm)
@@ -62,12 +82,22 @@ async def run(peers: int, mib: int, seed: int, lo: float, hi: float, iters: int)
         index = {c.peer_id: c.peer_id - 1 for c in comms}
         n = mib * (1 << 20) // 4
         join_ring = list(range(peers))
+        small = small_kib * 1024 // 4
         t_join = await time_reduce(comms, n, iters)
+        t_join_small = await time_reduce(comms, small, iters) if small else None
         t0 = time.perf_counter()
         await asyncio.gather(*(c.optimize_topology() for c in comms))
         t_opt_call = time.perf_counter() - t0
         opt_ring = [index[p] for p in comms[0].ring]
         t_opt = await time_reduce(comms, n, iters)
+        t_opt_small = await time_reduce(comms, small, iters) if small else None
+        state = cluster.master.state
+        measured_ms = {f"{index[a]}->{index[b]}": round(v * 1e3, 3)
+                       for (a, b), (v, _) in sorted(state.latency.items())}
+        mesh_limit = state.mesh_limits.get(0)
+
+    def crossings(ring: list[int]) -> int:
+        return sum(ring[k] % regions != ring[k - 1] % regions for k in range(len(ring)))
     best = max((list((0, *p)) for p in itertools.permutations(range(1, peers))),
                key=lambda r: (ring_cost(r, bw)[0], -ring_cost(r, bw)[1]))
     return {
@@ -78,6 +108,12 @@ async def run(peers: int, mib: int, seed: int, lo: float, hi: float, iters: int)
         "join_reduce_s": t_join, "optimized_reduce_s": t_opt, "speedup": t_join / t_opt,
         "optimize_topology_call_s": t_opt_call,
         "optimized_vs_best_bottleneck": ring_cost(best, bw)[0] / ring_cost(opt_ring, bw)[0],
+        "regions": regions, "region_ms": region_ms,
+        "join_region_crossings": crossings(join_ring),
+        "optimized_region_crossings": crossings(opt_ring),
+        "small_kib": small_kib, "join_small_reduce_s": t_join_small,
+        "optimized_small_reduce_s": t_opt_small, "mesh_limit_after": mesh_limit,
+        "measured_one_way_ms": measured_ms,
     }
 
 
@@ -89,9 +125,19 @@ def main() -> None:
     ap.add_argument("--min-mbps", type=float, default=5.0)
     ap.add_argument("--max-mbps", type=float, default=100.0)
     ap.add_argument("--iters", type=int, default=3)
+    ap.add_argument("--regions", type=int, default=1)
+    ap.add_argument("--region-ms", type=float, default=0.0,
+                    help="one-way latency between regions, each way")
+    ap.add_argument("--small-kib", type=int, default=0)
+    ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    print(json.dumps(asyncio.run(run(args.peers, args.mib, args.seed, args.min_mbps * 1e6,
-                                     args.max_mbps * 1e6, args.iters)), indent=1))
+    res = asyncio.run(run(args.peers, args.mib, args.seed, args.min_mbps * 1e6,
+                          args.max_mbps * 1e6, args.iters, args.regions, args.region_ms,
+                          args.small_kib))
+    print(json.dumps(res, indent=1))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(res, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -36,6 +36,7 @@ that visits each region once also keeps the mesh's first steps inside a region.
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections.abc import Callable, Sequence
 
@@ -111,6 +112,27 @@ def mesh_path_latency(world: int, latency: Callable[[int, int], float]) -> float
     """Latency part of a mesh all-reduce (:func:`mesh_steps`): each step waits for its
     slowest pair (``R a`` when every hop takes ``a``)."""
     return sum(max(latency(a, b) for a, b in step) for step in mesh_steps(world))
+
+
+def mesh_rotation(world: int, latency: Callable[[int, int], float],
+                  candidates: Sequence[int] | None = None) -> int:
+    """Where the mesh's ranks should start on a ring of ``world`` peers: the offset
+    ``s`` (rank ``r`` = ring position ``(s + r) % world``) whose mesh has the least
+    latency (:func:`mesh_path_latency`), among ``candidates`` (default: every offset);
+    the first such offset on ties. ``latency(i, j)`` is between ring positions. The
+    ring itself is the same cycle whatever the offset; the mesh is not: recursive
+    doubling pairs ranks ``r ^ 2^j``, so a region of 4 ring neighbours starting at
+    rank 2 meets the others at two of its steps, and at one starting at rank 0."""
+    def shifted(s: int) -> Callable[[int, int], float]:
+        return lambda i, j: latency((s + i) % world, (s + j) % world)
+
+    offsets = range(world) if candidates is None else candidates
+    best, best_cost = 0, math.inf
+    for s in offsets:
+        cost = mesh_path_latency(world, shifted(s))
+        if cost < best_cost - 1e-12:
+            best, best_cost = s, cost
+    return best
 
 
 def one_way_latency(dial_seconds: Sequence[float]) -> float:

@@ -357,8 +357,10 @@ class Communicator(Driver):
 
     async def optimize_topology(self, *, timeout: Any = DEFAULT_TIMEOUT) -> None:
         """Collective over all accepted peers: measure the bandwidth between peers of
-        each group (over as many parallel streams as the ring uses), solve for the ring
-        with the best bottleneck link, and rebuild the rings in that order.
+        each group (over as many parallel streams as the ring uses) and their latency
+        (the probes' dials), solve for the ring with the best bottleneck link (within
+        10%, the one with the least latency round it: peers in regions are visited
+        region by region), and rebuild the rings in that order.
 
         A peer lost meanwhile fails the call on everyone with
         :class:`TopologyOptimizationFailedError`; the previous rings stay. ``timeout`` as

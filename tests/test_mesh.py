@@ -161,6 +161,25 @@ def test_per_pair_latencies_in_the_cost_model() -> None:
     assert algorithms.mesh_path_latency(k, scattered) == pytest.approx(0.040 + 3 * 0.001)
 
 
+def test_the_mesh_starts_at_a_region_edge() -> None:
+    # A ring of 8 whose regions are positions 2..5 and 6..1: starting the ranks at
+    # position 2 (or 6) keeps two of the mesh's three steps inside the regions.
+    def region(pos: int) -> int:
+        return int(2 <= pos % 8 <= 5)
+
+    def lat(i: int, j: int) -> float:
+        return 0.001 if region(i) == region(j) else 0.040
+
+    assert algorithms.mesh_path_latency(8, lat) == pytest.approx(0.001 + 2 * 0.040)
+    s = algorithms.mesh_rotation(8, lat)
+    assert s in (2, 6)
+    assert algorithms.mesh_path_latency(
+        8, lambda i, j: lat((s + i) % 8, (s + j) % 8)) == pytest.approx(2 * 0.001 + 0.040)
+    # Only the candidates are tried; ties keep the first.
+    assert algorithms.mesh_rotation(8, lat, [0, 1]) == 0
+    assert algorithms.mesh_rotation(8, lambda i, j: 0.01) == 0
+
+
 @pytest.mark.parametrize("fault", ["blackhole", "reset"])
 async def test_a_stalled_or_reset_mesh_link_fails_everyone_in_bounded_time(fault) -> None:
     async with LinkEmulator(bandwidth=5e6, chunk_size=64 * 1024) as emu:

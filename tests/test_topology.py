@@ -114,6 +114,13 @@ async def test_optimized_ring_visits_each_region_once() -> None:
         assert len(inside) + len(across) == n * (n - 1)
         assert min(across) > max(inside), (sorted(inside), sorted(across))
         assert sum(of[a] != of[b] for a, b in edges(ring)) == 2, (ring, of)
+        # The ring starts where the mesh's ranks meet the least measured latency.
+        from pccl import algorithms
+
+        def mesh_latency(s: int) -> float:
+            return algorithms.mesh_path_latency(n, lambda i, j: state.latency[
+                (ring[(s + i) % n], ring[(s + j) % n])][0])
+        assert mesh_latency(0) == min(mesh_latency(s) for s in range(n))
         xs = [np.full(1001, i + 1, np.float32) for i in range(n)]
         await asyncio.gather(*(c.all_reduce(x) for c, x in zip(comms, xs)))
         assert all((x == n * (n + 1) // 2).all() for x in xs)

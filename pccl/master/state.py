@@ -601,7 +601,7 @@ class MasterState:
         elif isinstance(event, BetterRing):
             members = set(self._groups().get(event.group, []))
             if event.round_id == self.opt_round and set(event.ring) == members:
-                self.ring_order[event.group] = list(event.ring)
+                self.ring_order[event.group] = self._rotated_for_the_mesh(list(event.ring))
                 self.rings_stale = True  # the next update_topology() rebuilds in it
         elif isinstance(event, Relayed):
             pair = self.relay_tokens.get(event.token)
@@ -2014,6 +2014,36 @@ class MasterState:
         if not groups:
             self._finish_optimize(out)
 
+    #: How many ring positions :meth:`_rotated_for_the_mesh` tries as rank 0, and the
+    #: largest ring it rotates (each try costs k log k latency lookups).
+    mesh_rotation_tries = 8
+    mesh_rotation_max_peers = 4096
+
+    def _rotated_for_the_mesh(self, ring: list[int]) -> list[int]:
+        """The same ring, started where the mesh's ranks meet the least latency
+        (pccl.algorithms.mesh_rotation): with regions, at a region's edge, so that its
+        first steps stay inside regions. Tried: position 0 and the positions after the
+        ring's longest hops. Unchanged without measured latencies or without a mesh."""
+        k = len(ring)
+        if k < 3 or k > self.mesh_rotation_max_peers or self.mesh_max_bytes == 0 \
+                or not self.latency:
+            return ring
+        pairs = self.latency
+        hops = [pairs.get((ring[i - 1], ring[i]), (math.nan, 0))[0] for i in range(k)]
+        known = sorted(h for h in hops if not math.isnan(h))
+        if not known:
+            return ring
+        typical = known[len(known) // 2]
+
+        def latency(i: int, j: int) -> float:
+            return pairs.get((ring[i], ring[j]), (typical, 0))[0]
+
+        longest = sorted(range(k), key=lambda i: (-(typical if math.isnan(hops[i])
+                                                    else hops[i]), i))
+        tries = [0] + [i for i in longest[:self.mesh_rotation_tries - 1] if i != 0]
+        s = algorithms.mesh_rotation(k, latency, tries)
+        return ring[s:] + ring[:s]
+
     def _latencies(self, members: list[int]) -> list[list[float]] | None:
         """The solver's latency matrix over ``members``: measured pairs as measured, a
         pair no probe could measure (into a peer behind NAT) at the group's median, as
@@ -2031,7 +2061,7 @@ class MasterState:
             return
         self.opt_solving.discard(ev.group)
         if sorted(ev.ring) == sorted(p for p in ev.ring if p in self.peers):
-            self.ring_order[ev.group] = list(ev.ring)
+            self.ring_order[ev.group] = self._rotated_for_the_mesh(list(ev.ring))
         if not self.opt_solving:
             self._finish_optimize(out)
 
