@@ -2014,9 +2014,8 @@ class MasterState:
         if not groups:
             self._finish_optimize(out)
 
-    #: How many ring positions :meth:`_rotated_for_the_mesh` tries as rank 0, and the
-    #: largest ring it rotates (each try costs k log k latency lookups).
-    mesh_rotation_tries = 8
+    #: The largest ring :meth:`_rotated_for_the_mesh` rotates (it tries 8 starts, each
+    #: k log k latency lookups).
     mesh_rotation_max_peers = 4096
 
     def _rotated_for_the_mesh(self, ring: list[int]) -> list[int]:
@@ -2029,8 +2028,8 @@ class MasterState:
                 or not self.latency:
             return ring
         pairs = self.latency
-        hops = [pairs.get((ring[i - 1], ring[i]), (math.nan, 0))[0] for i in range(k)]
-        known = sorted(h for h in hops if not math.isnan(h))
+        known = sorted(pairs[(ring[i - 1], ring[i])][0] for i in range(k)
+                       if (ring[i - 1], ring[i]) in pairs)
         if not known:
             return ring
         typical = known[len(known) // 2]
@@ -2038,10 +2037,7 @@ class MasterState:
         def latency(i: int, j: int) -> float:
             return pairs.get((ring[i], ring[j]), (typical, 0))[0]
 
-        longest = sorted(range(k), key=lambda i: (-(typical if math.isnan(hops[i])
-                                                    else hops[i]), i))
-        tries = [0] + [i for i in longest[:self.mesh_rotation_tries - 1] if i != 0]
-        s = algorithms.mesh_rotation(k, latency, tries)
+        s = algorithms.mesh_start(k, latency)
         return ring[s:] + ring[:s]
 
     def _latencies(self, members: list[int]) -> list[list[float]] | None:
