@@ -41,8 +41,10 @@ Measured bandwidths are noisy, so two rings rarely tie exactly on the first key,
 tie-break alone would hardly ever get to look at latencies. With latencies the solvers
 therefore cap every bandwidth at the best possible bottleneck (an upper bound: see the
 heuristic's bound below) divided by ``1 + BANDWIDTH_TOLERANCE``: rings within that
-tolerance of the fastest tie on the first key, and latency decides between them. Without
-latencies (or with all of them zero) the solvers behave exactly as before.
+tolerance of the fastest tie on the first key, and latency decides between them. They
+do so only where latencies differ by :data:`LATENCY_SPREAD_S` (1 ms) or more: in one
+datacentre the bottleneck stays exact. Without latencies (or with all of them zero)
+the solvers behave exactly as before.
 A ring that uses an unusable edge has bottleneck ``0`` and sum ``inf``: every such ring
 ties, so when no ring of positive bandwidth exists any permutation is a valid answer
 (the solvers still prefer rings with fewer unusable edges).
@@ -126,6 +128,7 @@ __all__ = [
     "HEURISTIC_GUARANTEED_FACTOR",
     "BANDWIDTH_TOLERANCE",
     "LATENCY_PIECE_BYTES",
+    "LATENCY_SPREAD_S",
     "MAX_EXACT_PEERS",
     "RingImprover",
     "better",
@@ -154,6 +157,11 @@ LATENCY_PIECE_BYTES = 1 << 20
 #: With latencies, bottlenecks within this fraction of the best possible one count as
 #: equal (the probes' noise is of this order), so that latency can choose between them.
 BANDWIDTH_TOLERANCE = 0.1
+
+#: ... but only where latencies differ by at least this much (seconds, between the
+#: smallest and the largest measured): inside one datacentre or LAN there is no latency
+#: worth trading bandwidth for, and the bottleneck stays exact.
+LATENCY_SPREAD_S = 1e-3
 
 # Relative margin a new total cost must undercut the current one by to count as an
 # improvement; the vectorised move scores are computed by adding and subtracting sums,
@@ -242,8 +250,12 @@ def _latency(latency: np.ndarray | Sequence[Sequence[float]] | None, n: int
 
 def _tolerant(w: np.ndarray, lat: np.ndarray | None, deadline: float) -> np.ndarray:
     """``w`` capped at the best possible bottleneck over ``1 + BANDWIDTH_TOLERANCE`` when
-    latencies say something (module docs, Latency), else ``w`` itself."""
-    if lat is None or not lat.any() or len(w) < 3:
+    latencies differ by :data:`LATENCY_SPREAD_S` or more (module docs, Latency), else
+    ``w`` itself."""
+    if lat is None or len(w) < 3:
+        return w
+    off = lat[~np.eye(len(w), dtype=bool)]
+    if float(off.max() - off.min()) < LATENCY_SPREAD_S:
         return w
     values = np.unique(w[w > 0])
     if not len(values):

@@ -515,6 +515,9 @@ def test_bottlenecks_within_the_tolerance_let_latency_choose() -> None:
     assert crossings(ring, region) == 2
     best = ring_cost(solve(bw), bw)[0]
     assert ring_cost(ring, bw)[0] >= best / (1 + topology.BANDWIDTH_TOLERANCE)
+    # Latencies of one datacentre (all within 1 ms of each other) trade no bandwidth.
+    lan = np.where(region[:, None] == region[None, :], 0.0001, 0.0009)
+    assert ring_cost(solve(bw, latency=lan), bw)[0] == best
     # Noise beyond the tolerance is a real difference: bandwidth decides again.
     bw[(bw != 84e6)] *= 0.5
     assert crossings(solve(bw, latency=lat), region) == 6
