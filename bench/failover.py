@@ -8,7 +8,15 @@ is SIGKILLed, and the clock runs until (a) the standby has accepted every peer a
 has completed with the exact sum. The dead master is then started again as a standby
 at the end of the list, so the next trial fails over the other way.
 
+With ``--vanish`` the active master's host vanishes instead: the peers reach each
+master through a LinkEmulator, and the trial blackholes the active one's (no reset,
+new connections hang), so the peers learn of the loss only from the master's silence
+(its heartbeat timeout, 3 s here) and their scan of the masters meets one that never
+answers (``Communicator(timeout=10)``).
+
     python bench/failover.py --peers 3 8 --trials 5 --out bench/results/failover.json
+    python bench/failover.py --peers 3 8 --trials 3 --vanish \
+        --out bench/results/failover_vanish.json
 """
 
 from __future__ import annotations
@@ -25,6 +33,7 @@ import numpy as np
 
 import pccl
 from pccl.testing import free_port
+from pccl.testing.link_emulator import LinkEmulator
 from pccl.testing.processes import master_process
 
 HEARTBEAT = ("--heartbeat-interval", "0.5", "--heartbeat-timeout", "3")
@@ -54,12 +63,16 @@ async def reduce_exact(comm: pccl.Communicator, k: int, tag: int) -> None:
     raise RuntimeError("no reduce over the whole group")
 
 
-async def trial_set(k: int, trials: int) -> list[dict[str, float]]:
+async def trial_set(k: int, trials: int, vanish: bool) -> list[dict[str, float]]:
     ports = [free_port(), free_port()]
     procs = {ports[0]: await start_master(ports[0], False),
              ports[1]: await start_master(ports[1], True)}
-    order = [f"127.0.0.1:{p}" for p in ports]
-    comms = [pccl.Communicator(order, p2p_listen_host="127.0.0.1", reconnect_timeout=60)
+    links = {p: LinkEmulator(f"127.0.0.1:{p}") for p in ports} if vanish else {}
+    for link in links.values():
+        await link.start()
+    order = [links[p].address if vanish else f"127.0.0.1:{p}" for p in ports]
+    comms = [pccl.Communicator(order, p2p_listen_host="127.0.0.1", reconnect_timeout=60,
+                               timeout=10.0)
              for _ in range(k)]
     out = []
     try:
@@ -77,18 +90,29 @@ async def trial_set(k: int, trials: int) -> list[dict[str, float]]:
             await asyncio.gather(*(reduce_exact(c, k, 1) for c in comms))
             before = [c.reconnects for c in comms]
             t0 = time.perf_counter()
-            procs[active].kill()
-            await procs[active].wait()
+            if vanish:
+                links[active].blackhole()
+            else:
+                procs[active].kill()
+                await procs[active].wait()
             await asyncio.gather(*(reduce_exact(c, k, 2) for c in comms))
             t_reduce = time.perf_counter() - t0
             assert all(c.reconnects == b + 1 for c, b in zip(comms, before))
-            out.append({"k": k, "trial": t, "first_reduce_s": t_reduce})
+            out.append({"k": k, "trial": t, "first_reduce_s": t_reduce, "vanish": vanish})
             print(json.dumps(out[-1]), flush=True)
+            if vanish:  # the host comes back with a fresh master behind the same link
+                procs[active].kill()
+                await procs[active].wait()
+                links[active].blackhole(False)
+                await links[active].reset_all()
             # The dead one comes back as a standby; the other is now the active one.
             procs[active] = await start_master(active, True)
             active = ports[1] if active == ports[0] else ports[0]
     finally:
         await asyncio.gather(*(c.close() for c in comms))
+        for link in links.values():
+            link.blackhole(False)
+            await link.stop()
         for proc in procs.values():
             if proc.returncode is None:
                 proc.kill()
@@ -100,14 +124,17 @@ async def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--peers", type=int, nargs="+", default=[3, 8])
     ap.add_argument("--trials", type=int, default=5)
+    ap.add_argument("--vanish", action="store_true",
+                    help="blackhole the active master's link instead of SIGKILLing it")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     rows = []
     for k in args.peers:
-        rows += await trial_set(k, args.trials)
+        rows += await trial_set(k, args.trials, args.vanish)
     summary = {str(k): statistics.median(r["first_reduce_s"] for r in rows if r["k"] == k)
                for k in args.peers}
-    print("median seconds from SIGKILL to the next exact all-reduce:", summary)
+    print("median seconds from", "the blackhole" if args.vanish else "SIGKILL",
+          "to the next exact all-reduce:", summary)
     if args.out:
         args.out.write_text(json.dumps({"command": " ".join(sys.argv), "rows": rows,
                                         "median_first_reduce_s": summary}, indent=1) + "\n")

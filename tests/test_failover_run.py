@@ -143,6 +143,56 @@ async def test_a_partitioned_minority_stops_and_the_majority_goes_on() -> None:
         await active.stop()
 
 
+async def test_a_vanished_master_host_costs_its_silence_not_the_connect_timeout() -> None:
+    """The active master's host vanishes (every link to it silently stalls: no reset,
+    new connections hang). The peers notice its silence after its heartbeat timeout
+    and ask both masters at once; the standby answers, and after a short grace (not the
+    60 s connect timeout the peers were given) they re-form the group there. The bound
+    below is a hang guard that the old one-after-the-other scan could not meet: it
+    waited the whole timeout for the dead master first."""
+    active = pccl.MasterNode("127.0.0.1:0", **FAST)
+    standby = pccl.MasterNode("127.0.0.1:0", standby=True, **FAST)
+    await active.start()
+    await standby.start()
+    link = LinkEmulator(active.address)
+    comms: list[pccl.Communicator] = []
+    try:
+        await link.start()
+        comms = [pccl.Communicator([link.address, standby.address],
+                                   p2p_listen_host="127.0.0.1", timeout=60.0,
+                                   reconnect_timeout=120.0) for _ in range(3)]
+        await comms[0].connect()
+        for c in comms[1:]:
+            joining = asyncio.create_task(c.connect())
+            await active.wait_for(lambda s: len(s.pending()) == 1, timeout=30)
+            await asyncio.gather(*(x.update_topology() for x in comms if x.state
+                                   is PeerState.ACCEPTED))
+            await joining
+        ids = sorted(c.peer_id for c in comms)
+        link.blackhole()
+
+        async def step(c: pccl.Communicator, x: np.ndarray) -> None:
+            for _ in range(20):  # bounded: each failure is a typed error, retried
+                try:
+                    await c.all_reduce(x, tag=7)
+                    return
+                except (pccl.MasterConnectionError, pccl.PeerConnectionError):
+                    continue
+            raise AssertionError("the step never went through")
+
+        xs = [np.full(100, i + 1, dtype=np.float32) for i in range(3)]
+        await asyncio.wait_for(asyncio.gather(*(step(c, x) for c, x in zip(comms, xs))), 40)
+        assert all(np.array_equal(x, np.full(100, 6, dtype=np.float32)) for x in xs)
+        assert sorted(standby.state.accepted()) == ids
+        assert sorted(c.peer_id for c in comms) == ids  # same ids on the standby
+    finally:
+        await asyncio.gather(*(c.close() for c in comms))
+        link.blackhole(False)
+        await link.stop()
+        await standby.stop()
+        await active.stop()
+
+
 async def test_a_new_run_starts_on_the_master_that_is_not_a_standby() -> None:
     """Before any group exists, peers listing the standby first still start the run on
     the other master (challenges say which is a standby), and later peers find it."""

@@ -141,31 +141,80 @@ class Driver:
         one, or of several the first that holds this peer's group (its challenge says),
         else the first that answers and is not a standby (else the first that answers).
         A master that just sent this peer elsewhere (no quorum there) comes last either
-        way. Raises :class:`MasterConnectionError` when none answers."""
+        way. Raises :class:`MasterConnectionError` when none answers.
+
+        Several masters are asked at once. A master that holds the group (and did not
+        just send this peer away) is taken as soon as it answers; otherwise the scan
+        waits for the others at most :meth:`_scan_grace` after the first answer, so a
+        master whose host vanished (no reset: its dial would hang until ``timeout``)
+        delays a failover by that grace, not by ``timeout``."""
         if len(self.masters) == 1:
             self._master_addr = self.masters[0]
             return await self._reach(self._master_addr, timeout)
         order = sorted(self.masters, key=lambda a: a == self._elsewhere)  # stable
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        tasks = {asyncio.create_task(self._reach(a, timeout), name=f"pccl-reach-{a}"): a
+                 for a in order}
+        answers: dict[str, tuple[FramedConnection, m.Challenge]] = {}
         errors: list[str] = []
-        answered: list[tuple[bool, str]] = []  # (standby, address)
-        for addr in order:
-            try:
-                conn, challenge = await self._reach(addr, timeout)
-            except MasterConnectionError as e:
-                errors.append(str(e))
-                continue
-            if self.peer_group in challenge.groups:
-                self._master_addr = addr
-                return conn, challenge
-            await conn.close()  # nobody's group is there: only if no master holds it
-            answered.append((challenge.standby, addr))
-        if not answered:
-            raise MasterConnectionError("; ".join(errors))
-        # Not the one that just sent this peer away, then not a standby (min: stable).
-        self._master_addr = min(answered, key=lambda a: (a[1] == self._elsewhere, a[0]))[1]
-        log.info("no master holds peer group %d; registering with %s", self.peer_group,
-                 self._master_addr)
+        chosen: str | None = None
+        until: float | None = None
+        try:
+            pending = set(tasks)
+            while pending and chosen is None:
+                wait = None if until is None else max(0.0, until - loop.time())
+                done, pending = await asyncio.wait(pending, timeout=wait,
+                                                   return_when=asyncio.FIRST_COMPLETED)
+                if not done:
+                    break  # the grace after the first answer is over
+                for t in sorted(done, key=lambda t: order.index(tasks[t])):
+                    addr = tasks[t]
+                    try:
+                        answers[addr] = t.result()
+                    except MasterConnectionError as e:
+                        errors.append(str(e))
+                        continue
+                    if self.peer_group in answers[addr][1].groups \
+                            and addr != self._elsewhere:
+                        chosen = addr
+                        break
+                    if until is None:
+                        until = loop.time() + self._scan_grace(loop.time() - started,
+                                                               timeout)
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            for addr, (conn, _) in answers.items():
+                if addr != chosen:
+                    await conn.close()  # (a FIN: a master logs it and moves on)
+        if chosen is not None:
+            self._master_addr = chosen
+            return answers[chosen]
+        if not answers:
+            raise MasterConnectionError("; ".join(errors) or
+                                        f"none of {', '.join(order)} answered")
+        # The one that just sent this peer away only if it alone holds the group, else
+        # not a standby (min: stable in the list's order). Dialled again: the first
+        # connection may have waited past the master's handshake timeout.
+        answered = [(self.peer_group not in answers[a][1].groups, a == self._elsewhere,
+                     answers[a][1].standby, order.index(a), a) for a in answers]
+        holder = [x for x in answered if not x[0]]
+        self._master_addr = (holder[0] if holder else min(answered,
+                                                          key=lambda x: x[1:4]))[4]
+        if not holder:
+            log.info("no master holds peer group %d; registering with %s", self.peer_group,
+                     self._master_addr)
         return await self._reach(self._master_addr, timeout)
+
+    @staticmethod
+    def _scan_grace(first_answer: float, timeout: float) -> float:
+        """How long a scan of several masters waits for the others once one answered
+        without holding this peer's group: three times that answer's time, at least
+        1 s, at most ``timeout``. A live master answers about as fast as the first one
+        did; a vanished one never does."""
+        return min(timeout, max(1.0, 3.0 * first_answer))
 
     async def _open(self, n_attempts: int) -> None:
         delay = 0.05
