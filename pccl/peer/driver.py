@@ -145,9 +145,11 @@ class Driver:
 
         Several masters are asked at once. A master that holds the group (and did not
         just send this peer away) is taken as soon as it answers; otherwise the scan
-        waits for the others at most :meth:`_scan_grace` after the first answer, so a
-        master whose host vanished (no reset: its dial would hang until ``timeout``)
-        delays a failover by that grace, not by ``timeout``."""
+        waits for the others at most :meth:`_scan_grace` after the first answer (and
+        never past half of ``timeout``), so a master whose host vanished (no reset: its
+        dial would hang until ``timeout``) delays a failover by that grace, not by
+        ``timeout``. (Asked one after the other, a vanished first master used up a
+        rejoin attempt's whole ``timeout``, and the peers never reached the standby.)"""
         if len(self.masters) == 1:
             self._master_addr = self.masters[0]
             return await self._reach(self._master_addr, timeout)
@@ -179,9 +181,10 @@ class Driver:
                             and addr != self._elsewhere:
                         chosen = addr
                         break
-                    if until is None:
-                        until = loop.time() + self._scan_grace(loop.time() - started,
-                                                               timeout)
+                    if until is None:  # (half the timeout at most: a second dial follows)
+                        until = min(loop.time() + self._scan_grace(loop.time() - started,
+                                                                   timeout),
+                                    started + timeout / 2)
         finally:
             for t in tasks:
                 t.cancel()
