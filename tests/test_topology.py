@@ -263,3 +263,38 @@ def test_the_solver_is_told_the_latencies_the_probes_dials_measured() -> None:
     measured = sorted(lat[i][j] for i in range(4) for j in range(4)
                       if i != j and solve.members[j] != 4)
     assert [lat[idx[a]][idx[4]] for a in (1, 2, 3)] == [measured[len(measured) // 2]] * 3
+
+
+def test_measurements_of_departed_peers_are_forgotten_at_the_next_optimization() -> None:
+    from pccl.master import state as st
+    from pccl.protocol import messages as m
+
+    s = st.MasterState(mesh_max_bytes=0, token_key=bytes(32))
+    for p in (1, 2, 3, 4):
+        s.handle(st.PeerRegistered(p, 0, f"h:{p}"))
+    s.handle(st.Received(1, m.P2PReport(epoch=1, failed=[])))
+    s.handle(st.Received(1, m.UpdateTopology()))
+    for p in (1, 2, 3, 4):
+        s.handle(st.Received(p, m.P2PReport(epoch=2, failed=[])))
+
+    def optimize(peers: tuple[int, ...]) -> None:
+        out = []
+        for p in peers:
+            out += s.handle(st.Received(p, m.OptimizeTopology()))
+        for c in out:
+            if isinstance(c, st.Send) and isinstance(c.msg, m.ProbeRequest):
+                s.handle(st.Received(c.peer_id, m.ProbeReport(
+                    target_ids=c.msg.target_ids, rates=[1e8] * len(c.msg.target_ids),
+                    dial_seconds=[0.01] * len(c.msg.target_ids))))
+
+    optimize((1, 2, 3, 4))
+    assert len(s.bandwidth) == len(s.latency) == 12
+    s.handle(st.Received(4, m.Leave()))
+    if s.round is not None:  # the repair round without peer 4
+        for p in (1, 2, 3):
+            s.handle(st.Received(p, m.P2PReport(epoch=s.round.epoch, failed=[])))
+    assert 4 not in s.peers and s.round is None
+    assert (4, 1) in s.bandwidth and (1, 4) in s.latency  # kept until the next one
+    optimize((1, 2, 3))
+    assert all(4 not in pair for pair in [*s.bandwidth, *s.latency])
+    assert len(s.bandwidth) == len(s.latency) == 6

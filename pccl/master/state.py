@@ -1945,6 +1945,12 @@ class MasterState:
             return
         self._disarm(self.opt_deadline)
         self.opt_round += 1
+        # Forget the pairs of peers that are gone (ids are never reused): in a long run
+        # with churn they would pile up, k per departed peer.
+        self.bandwidth = {pair: v for pair, v in self.bandwidth.items()
+                          if pair[0] in self.peers and pair[1] in self.peers}
+        self.latency = {pair: v for pair, v in self.latency.items()
+                        if pair[0] in self.peers and pair[1] in self.peers}
         # Measure every ordered pair inside a group that is unknown or too old.
         plan: dict[int, list[int]] = {}
         for members in self._groups().values():
