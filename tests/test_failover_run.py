@@ -83,6 +83,30 @@ async def test_sigkilled_master_fails_over_to_the_standby(pccl_peer_process) -> 
             await proc.wait()
 
 
+async def _admit_one_by_one(master: pccl.MasterNode, comms: list[pccl.Communicator]) -> None:
+    """The first peer starts the run on ``master``; each next one is admitted by an
+    update_topology() of those already in."""
+    await comms[0].connect()
+    for c in comms[1:]:
+        joining = asyncio.create_task(c.connect())
+        await master.wait_for(lambda s: len(s.pending()) == 1, timeout=30)
+        await asyncio.gather(*(x.update_topology() for x in comms if x.state
+                               is PeerState.ACCEPTED))
+        await joining
+
+
+async def _step(c: pccl.Communicator, x: np.ndarray, tag: int) -> None:
+    """One all-reduce across a failover: a call that meets the loss fails with a typed
+    error and is run again (bounded)."""
+    for _ in range(20):
+        try:
+            await c.all_reduce(x, tag=tag)
+            return
+        except (pccl.MasterConnectionError, pccl.PeerConnectionError):
+            continue
+    raise AssertionError("the step never went through")
+
+
 async def test_a_partitioned_minority_stops_and_the_majority_goes_on() -> None:
     """Five peers reach the active master each through its own link; the links of
     three are cut (their connections reset, new ones refused). Those three re-form the
@@ -102,13 +126,7 @@ async def test_a_partitioned_minority_stops_and_the_majority_goes_on() -> None:
             comms.append(pccl.Communicator([link.address, standby.address],
                                            p2p_listen_host="127.0.0.1", timeout=5.0,
                                            reconnect_timeout=60.0))
-        await comms[0].connect()
-        for c in comms[1:]:
-            joining = asyncio.create_task(c.connect())
-            await active.wait_for(lambda s: len(s.pending()) == 1, timeout=30)
-            await asyncio.gather(*(x.update_topology() for x in comms if x.state
-                                   is PeerState.ACCEPTED))
-            await joining
+        await _admit_one_by_one(active, comms)
         xs = [np.full(1000, i + 1, dtype=np.float32) for i in range(5)]
         await asyncio.gather(*(c.all_reduce(x, tag=1) for c, x in zip(comms, xs)))
         assert all(np.array_equal(x, np.full(1000, 15, dtype=np.float32)) for x in xs)
@@ -118,17 +136,9 @@ async def test_a_partitioned_minority_stops_and_the_majority_goes_on() -> None:
             link.refuse_new()
             await link.reset_all()
 
-        async def step(c: pccl.Communicator, x: np.ndarray, tag: int) -> None:
-            for _ in range(20):  # bounded: each failure is a typed error, retried
-                try:
-                    await c.all_reduce(x, tag=tag)
-                    return
-                except (pccl.MasterConnectionError, pccl.PeerConnectionError):
-                    continue
-            raise AssertionError("the step never went through")
-
         ys = [np.full(1000, i + 1, dtype=np.float32) for i in range(5)]
-        await asyncio.wait_for(asyncio.gather(*(step(c, y, 2) for c, y in zip(comms, ys))), 120)
+        await asyncio.wait_for(asyncio.gather(*(_step(c, y, 2) for c, y in zip(comms, ys))),
+                               120)
         assert all(np.array_equal(y, np.full(1000, 15, dtype=np.float32)) for y in ys)
         # Everyone ended up on the standby; the active master ran nothing after the cut.
         assert sorted(standby.state.accepted()) == sorted(c.peer_id for c in comms)
@@ -161,27 +171,13 @@ async def test_a_vanished_master_host_costs_its_silence_not_the_connect_timeout(
         comms = [pccl.Communicator([link.address, standby.address],
                                    p2p_listen_host="127.0.0.1", timeout=60.0,
                                    reconnect_timeout=120.0) for _ in range(3)]
-        await comms[0].connect()
-        for c in comms[1:]:
-            joining = asyncio.create_task(c.connect())
-            await active.wait_for(lambda s: len(s.pending()) == 1, timeout=30)
-            await asyncio.gather(*(x.update_topology() for x in comms if x.state
-                                   is PeerState.ACCEPTED))
-            await joining
+        await _admit_one_by_one(active, comms)
         ids = sorted(c.peer_id for c in comms)
         link.blackhole()
 
-        async def step(c: pccl.Communicator, x: np.ndarray) -> None:
-            for _ in range(20):  # bounded: each failure is a typed error, retried
-                try:
-                    await c.all_reduce(x, tag=7)
-                    return
-                except (pccl.MasterConnectionError, pccl.PeerConnectionError):
-                    continue
-            raise AssertionError("the step never went through")
-
         xs = [np.full(100, i + 1, dtype=np.float32) for i in range(3)]
-        await asyncio.wait_for(asyncio.gather(*(step(c, x) for c, x in zip(comms, xs))), 40)
+        await asyncio.wait_for(asyncio.gather(*(_step(c, x, 7) for c, x in zip(comms, xs))),
+                               40)
         assert all(np.array_equal(x, np.full(100, 6, dtype=np.float32)) for x in xs)
         assert sorted(standby.state.accepted()) == ids
         assert sorted(c.peer_id for c in comms) == ids  # same ids on the standby
