@@ -82,7 +82,10 @@ impl PyP2PNode {
                 }
             };
             let rate = measured.iter().map(|(r, _)| r).sum::<f64>();
-            let dial = measured.iter().map(|(_, d)| *d).fold(f64::INFINITY, f64::min);
+            let dial = measured
+                .iter()
+                .map(|(_, d)| *d)
+                .fold(f64::INFINITY, f64::min);
             Ok((rate, dial))
         })
     }
