@@ -126,6 +126,27 @@ def test_a_small_run_with_churn_keeps_every_invariant() -> None:
     assert set(fig["calls"]) >= {"reduce1", "reduce2", "sync"}
 
 
+def test_peer_groups_run_their_own_collectives_and_syncs_under_churn() -> None:
+    """Four groups of about 10: every group steps on its own (its collectives' worlds
+    are its members, its syncs agree inside it), and every invariant holds, the parity
+    of each group's syncs included."""
+    sim = ScaleSim(40, seed=7, duration=60.0, measure_cpu=False, group_size=10,
+                   churn=Churn(kills=0.2, hangs=0.05, leaves=0.1, joins=0.3, start=5.0,
+                               stop=50.0),
+                   reduce_bytes=64 << 10, sync_bytes=1 << 20)
+    rep = sim.run()
+    assert rep.violations == []
+    master = sim.master.state
+    groups = {master.peers[p].peer_group for p in master.accepted()}
+    assert groups == {0, 1, 2, 3}
+    # Each group has its own ring, of about 10.
+    assert sim.steps_done >= 40
+    assert set(master.rings) == groups and all(5 <= len(r) <= 16 for r in master.rings.values())
+    # Syncs committed per group: every instance's committers are of one group.
+    assert sim.by_sync and all(len({sim.group_of(p) for p in states}) == 1
+                               for states in sim.by_sync.values())
+
+
 def test_without_measured_cpu_the_same_seed_replays_the_same_run() -> None:
     def once() -> tuple[int, float, int, int]:
         sim = ScaleSim(25, seed=11, steps=2, measure_cpu=False,

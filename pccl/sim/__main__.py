@@ -51,7 +51,8 @@ def section_runs(args: argparse.Namespace) -> list[dict[str, Any]]:
                       start=10.0, stop=args.minutes * 60 - 10.0)
         fig = run(n, seed=args.seed, duration=args.minutes * 60, churn=churn,
                   reduce_bytes=int(args.reduce_mib * (1 << 20)),
-                  sync_bytes=int(args.sync_mib * (1 << 20)))
+                  sync_bytes=int(args.sync_mib * (1 << 20)), group_size=args.group_size)
+        fig["group_size"] = args.group_size
         rows.append(fig)
         c = fig["calls"]
         print(f"run {n:>6} peers: {fig['events']:>9} events in {fig['wall_s']:6.1f} s wall, "
@@ -180,6 +181,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="bytes of each simulated all-reduce's tensor (MiB)")
     ap.add_argument("--sync-mib", type=float, default=16.0,
                     help="shared state a joiner fetches (MiB)")
+    ap.add_argument("--group-size", type=int, default=None,
+                    help="peers per peer group in the whole runs (default: one group); "
+                         "collectives and syncs run per group, update_topology() spans all")
     ap.add_argument("--churn-kills", type=float, default=6.0, help="per minute")
     ap.add_argument("--churn-hangs", type=float, default=1.0, help="per minute")
     ap.add_argument("--churn-leaves", type=float, default=3.0, help="per minute")

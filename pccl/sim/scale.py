@@ -116,7 +116,8 @@ class ScalePeer(base.SimPeer):
         if call is not None and self.alive:
             sim.record_call(call, sim.now - self.call_at, error)
             if isinstance(call, tuple):
-                sim.record_collective((len(call), self.revision), self.call_at,
+                sim.record_collective((sim.group_of(self.id), len(call), self.revision),
+                                      self.call_at,
                                       None if error is not None else sim.now)
         elif not self.admitted and self.started and error is None:
             self.admitted = True
@@ -163,12 +164,15 @@ class ScaleSim(base.Sim):
                  stall_s: float = 30.0, via_master_rate: float = 0.0,
                  loopback_bandwidth: float | None = None, algorithm: str = "auto",
                  measure_cpu: bool = True, duration: float | None = None,
-                 max_events: int = 50_000_000) -> None:
+                 max_events: int = 50_000_000, group_size: int | None = None) -> None:
         if duration is not None:
             steps = 1 << 40  # the run ends at ``duration`` (virtual seconds)
         super().__init__(seed, peers=0, joiners=0, steps=steps, kills=0, drops=0, breaks=0,
                          cancel_rate=0.0, early_rate=1.0, via_master_rate=via_master_rate,
                          max_events=max_events)
+        # Peer groups of about ``group_size`` (None: everyone in one): peer i in group
+        # i mod n, joiners too, so the groups stay about as large as each other.
+        self.groups = max(1, -(-peers // group_size)) if group_size else 1
         self.master = TimedMaster(ms.MasterState(  # type: ignore[assignment]
             repair_rings=True, token_key=bytes(32)), reduce_bytes)
         self.timed: TimedMaster = self.master  # type: ignore[assignment]
@@ -199,8 +203,8 @@ class ScaleSim(base.Sim):
         self.queue_wait: list[float] = []
         self.algorithm_used: collections.Counter[str] = collections.Counter()
         # (call, step) -> the latest call of any member, the ends of the successful ones
-        self._collective_calls: dict[tuple[int, int], list[float]] = {}
-        self._collective_ends: dict[tuple[int, int], list[float]] = \
+        self._collective_calls: dict[tuple[int, int, int], list[float]] = {}
+        self._collective_ends: dict[tuple[int, int, int], list[float]] = \
             collections.defaultdict(list)
         self.net.sample(peers, self.nrng)
         if duration is not None:
@@ -235,7 +239,10 @@ class ScaleSim(base.Sim):
         if joiner:
             self.joins += 1
         peer.feed(ps.Welcomed(pid))
-        self.master_event(ms.PeerRegistered(pid, 0, f"sim:{pid}"))
+        self.master_event(ms.PeerRegistered(pid, self.group_of(pid), f"sim:{pid}"))
+
+    def group_of(self, pid: int) -> int:
+        return (pid - 1) % self.groups
 
     def slot(self, pid: int) -> int:
         return pid - 1
@@ -380,7 +387,7 @@ class ScaleSim(base.Sim):
         else:
             self.calls[kind].append(seconds)
 
-    def record_collective(self, key: tuple[int, int], called: float,
+    def record_collective(self, key: tuple[int, int, int], called: float,
                           ended: float | None) -> None:
         self._collective_calls.setdefault(key, []).append(called)
         if ended is not None:
@@ -392,7 +399,7 @@ class ScaleSim(base.Sim):
         out: dict[str, list[float]] = collections.defaultdict(list)
         for key, ends in self._collective_ends.items():
             last = max(self._collective_calls[key])
-            out[f"reduce{key[0]}"] += [e - last for e in ends if e >= last]
+            out[f"reduce{key[1]}"] += [e - last for e in ends if e >= last]
         return out
 
     def figures(self, wall: float) -> dict[str, Any]:

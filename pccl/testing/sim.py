@@ -551,7 +551,11 @@ class Sim:
             self.joins += 1
         self.trace(f"peer {pid} registers ({'joiner' if joiner else 'founder'})")
         peer.feed(ps.Welcomed(pid))
-        self.master_event(ms.PeerRegistered(pid, 0, f"sim:{pid}"))
+        self.master_event(ms.PeerRegistered(pid, self.group_of(pid), f"sim:{pid}"))
+
+    def group_of(self, pid: int) -> int:
+        """The peer group peer ``pid`` registers in (one group here)."""
+        return 0
 
     def reachable(self, pid: int) -> bool:
         p = self.peers.get(pid)
@@ -658,14 +662,18 @@ class Sim:
         self.trace(f"master <- {ev}")
         commands = self.master.handle(ev)
         # The master commits a sync by sending every participant its ok outcome at once:
-        # those outcomes are one sync instance, whose committers must end equal.
-        if any(isinstance(c, ms.Send) and isinstance(c.msg, m.SyncOutcome) and c.msg.ok
-               for c in commands):
-            self._sync_instances += 1
+        # those outcomes are one sync instance per group, whose committers must end equal.
+        instance: dict[int, int] = {}
+        for c in commands:
+            if isinstance(c, ms.Send) and isinstance(c.msg, m.SyncOutcome) and c.msg.ok \
+                    and self.group_of(c.peer_id) not in instance:
+                self._sync_instances += 1
+                instance[self.group_of(c.peer_id)] = self._sync_instances
         for c in commands:
             if isinstance(c, ms.Send):
                 ok_sync = isinstance(c.msg, m.SyncOutcome) and c.msg.ok
-                self.to_peer(c.peer_id, c.msg, self._sync_instances if ok_sync else 0)
+                self.to_peer(c.peer_id, c.msg,
+                             instance[self.group_of(c.peer_id)] if ok_sync else 0)
             elif isinstance(c, ms.Disconnect):
                 peer = self.peers.get(c.peer_id)
                 if peer is not None:
@@ -731,7 +739,7 @@ class Sim:
                    f"{revision}, ring {ring})")
         peer.feed(ps.Welcomed(peer.id))
         self.master_event(ms.PeerRegistered(
-            peer.id, 0, f"sim:{peer.id}",
+            peer.id, self.group_of(peer.id), f"sim:{peer.id}",
             ms.Resume(epoch, revision, tuple(ring)) if resume_id else None))
 
     def attempt_failed(self, peer: SimPeer) -> None:
