@@ -12,6 +12,7 @@ import pytest
 
 import pccl
 import pccl.blocking
+from pccl.testing import free_port
 
 
 async def test_a_peer_dialing_a_web_server_is_told_it_is_not_pccl() -> None:
@@ -27,6 +28,34 @@ async def test_a_peer_dialing_a_web_server_is_told_it_is_not_pccl() -> None:
         comm = pccl.Communicator(f"127.0.0.1:{port}", p2p_listen_host="127.0.0.1")
         with pytest.raises(pccl.ProtocolError, match=r"not speaking pccl \(it sent 'HTTP'"):
             await comm.connect(n_attempts=1)
+    finally:
+        server.close()
+        await server.wait_closed()
+
+
+async def test_a_web_server_in_the_master_list_is_skipped_while_a_master_answers() -> None:
+    """Several master addresses: one that is not pccl is passed over when another one
+    answers; when none does, its typed error (naming it) is what connect() raises."""
+    async def http(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\n\r\n")
+        await writer.drain()
+        await reader.read()
+        writer.close()
+
+    server = await asyncio.start_server(http, "127.0.0.1", 0)
+    web = f"127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    try:
+        async with pccl.MasterNode("127.0.0.1:0") as master:
+            comm = pccl.Communicator([web, master.address], p2p_listen_host="127.0.0.1")
+            try:
+                await comm.connect(n_attempts=1)
+                assert master.state.accepted() == [comm.peer_id]
+            finally:
+                await comm.close()
+        closed = f"127.0.0.1:{free_port()}"
+        lone = pccl.Communicator([web, closed], p2p_listen_host="127.0.0.1")
+        with pytest.raises(pccl.ProtocolError, match=rf"the master at {web}: .*not speaking pccl"):
+            await lone.connect(n_attempts=1)
     finally:
         server.close()
         await server.wait_closed()

@@ -160,6 +160,9 @@ class Driver:
                  for a in order}
         answers: dict[str, tuple[FramedConnection, m.Challenge]] = {}
         errors: list[str] = []
+        # A master that is not pccl, speaks another protocol version or wants another
+        # secret is skipped while another one answers; if none does, its typed error.
+        refused: list[PCCLError] = []
         chosen: str | None = None
         until: float | None = None
         try:
@@ -176,6 +179,9 @@ class Driver:
                         answers[addr] = t.result()
                     except MasterConnectionError as e:
                         errors.append(str(e))
+                        continue
+                    except (ProtocolError, AuthenticationError) as e:
+                        refused.append(type(e)(f"the master at {addr}: {e}"))
                         continue
                     if self.peer_group in answers[addr][1].groups \
                             and addr != self._elsewhere:
@@ -196,6 +202,8 @@ class Driver:
             self._master_addr = chosen
             return answers[chosen]
         if not answers:
+            if refused:
+                raise refused[0]
             raise MasterConnectionError("; ".join(errors) or
                                         f"none of {', '.join(order)} answered")
         # The one that just sent this peer away only if it alone holds the group, else
