@@ -192,6 +192,11 @@ def _insecure() -> bool:
     return os.environ.get("PCCL_BENCH_INSECURE") == "1"
 
 
+def _piece_bytes() -> int:
+    """The ring's piece size: ``PCCL_BENCH_PIECE_BYTES``, else pccl's default."""
+    return int(os.environ.get("PCCL_BENCH_PIECE_BYTES", str(1 << 20)))
+
+
 def _mesh_max_bytes() -> int:
     """The master's mesh limit: ``PCCL_BENCH_MESH_MAX_BYTES`` (0: every collective on
     the ring), else pccl's default (-1: the cost model chooses)."""
@@ -239,7 +244,7 @@ async def _pccl_peer(rank: int, k: int, master: str, pool: int, advertise: str |
 
     comm = pccl.Communicator(master=master, p2p_connection_pool_size=pool,
                              p2p_advertise_address=advertise, peer_timeout=30.0,
-                             timeout=30.0, insecure=_insecure())
+                             timeout=30.0, insecure=_insecure(), piece_bytes=_piece_bytes())
 
     def sync(timeout: float) -> Any:
         # In a thread, so the event loop keeps answering the master while we wait.
