@@ -2011,8 +2011,9 @@ class MasterState:
         groups = {g: ms for g, ms in self._groups().items() if len(ms) >= 3}
         self.opt_solving = set(groups)
         for g, members in sorted(groups.items()):
+            inside = set(members)  # (a list's `in` made this k^3)
             measured = sorted(r for (a, b), (r, _) in self.bandwidth.items()
-                              if a in members and b in members and r > 0)
+                              if a in inside and b in inside and r > 0)
             typical = measured[len(measured) // 2] if measured else 1.0
             bw = [[0.0 if i == j else self._edge_bandwidth(i, j, typical)
                    for j in members] for i in members]
@@ -2050,8 +2051,9 @@ class MasterState:
         """The solver's latency matrix over ``members``: measured pairs as measured, a
         pair no probe could measure (into a peer behind NAT) at the group's median, as
         its bandwidth is; None when no pair of the group was measured."""
+        inside = set(members)
         known = sorted(v for (a, b), (v, _) in self.latency.items()
-                       if a in members and b in members and a != b)
+                       if a in inside and b in inside and a != b)
         if not known:
             return None
         typical = known[len(known) // 2]
