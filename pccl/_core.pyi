@@ -9,6 +9,7 @@ __all__ = [
     "__version__",
     "reset_log_cache",
     "close_log_bridge",
+    "leave_python",
     "PCCLError",
     "InvalidArgumentError",
     "InvalidUsageError",
@@ -328,3 +329,7 @@ def reset_log_cache() -> None:
 
 def close_log_bridge() -> None:
     """Stops forwarding Rust log records to Python for good (interpreter exit)."""
+
+def leave_python() -> None:
+    """Interpreter exit: pccl operations still running never resolve their asyncio
+    futures, and the runtime's threads stop entering Python (irreversible)."""

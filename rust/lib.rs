@@ -23,6 +23,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     // First, so that everything after it may log.
     py::logging::register(m)?;
+    py::register(m)?;
     py::errors::register(m)?;
     py::hash::register(m)?;
     py::transfer::register(m)?;

@@ -4,6 +4,7 @@
 //! `star_all_reduce` computes the ring's result in one process (`crate::ring::star`).
 
 use crate::error::CoreError;
+use crate::py::future_into_py;
 use crate::py::node::{seconds, PyP2PNode};
 use crate::ring::allreduce;
 use crate::ring::assembly::{
@@ -13,7 +14,6 @@ use crate::ring::ReduceSpec;
 use pyo3::buffer::PyBuffer;
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
-use pyo3_async_runtimes::tokio::future_into_py;
 
 /// Raw view of a contiguous byte buffer exported by a Python object.
 pub(crate) struct RawBuffer {

@@ -3,11 +3,11 @@
 use crate::error::CoreError;
 use crate::net::fetch::TransferStream;
 use crate::net::transfer::{self, Served};
+use crate::py::future_into_py;
 use crate::py::node::{resolve, seconds as checked_seconds, PyP2PNode};
 use crate::py::ring::{raw_buffer, KeepAlive};
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
-use pyo3_async_runtimes::tokio::future_into_py;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
