@@ -188,8 +188,7 @@ class Driver:
                         chosen = addr
                         break
                     if until is None:  # (half the timeout at most: a second dial follows)
-                        until = min(loop.time() + self._scan_grace(loop.time() - started,
-                                                                   timeout),
+                        until = min(loop.time() + self._scan_grace(loop.time() - started),
                                     started + timeout / 2)
         finally:
             for t in tasks:
@@ -206,26 +205,27 @@ class Driver:
                 raise refused[0]
             raise MasterConnectionError("; ".join(errors) or
                                         f"none of {', '.join(order)} answered")
-        # The one that just sent this peer away only if it alone holds the group, else
-        # not a standby (min: stable in the list's order). Dialled again: the first
-        # connection may have waited past the master's handshake timeout.
-        answered = [(self.peer_group not in answers[a][1].groups, a == self._elsewhere,
-                     answers[a][1].standby, order.index(a), a) for a in answers]
-        holder = [x for x in answered if not x[0]]
-        self._master_addr = (holder[0] if holder else min(answered,
-                                                          key=lambda x: x[1:4]))[4]
-        if not holder:
+        # A holder of the group here is the one that just sent this peer away (another
+        # was taken at once). Else not that one, then not a standby, in the list's order.
+        # Dialled again: the first connection may have waited past the master's
+        # handshake timeout.
+        holders = [a for a in order if a in answers and self.peer_group in answers[a][1].groups]
+        if holders:
+            self._master_addr = holders[0]
+        else:
+            self._master_addr = min(answers, key=lambda a: (
+                a == self._elsewhere, answers[a][1].standby, order.index(a)))
             log.info("no master holds peer group %d; registering with %s", self.peer_group,
                      self._master_addr)
         return await self._reach(self._master_addr, timeout)
 
     @staticmethod
-    def _scan_grace(first_answer: float, timeout: float) -> float:
+    def _scan_grace(first_answer: float) -> float:
         """How long a scan of several masters waits for the others once one answered
         without holding this peer's group: three times that answer's time, at least
-        1 s, at most ``timeout``. A live master answers about as fast as the first one
-        did; a vanished one never does."""
-        return min(timeout, max(1.0, 3.0 * first_answer))
+        1 s (the scan bounds it by half its timeout). A live master answers about as
+        fast as the first one did; a vanished one never does."""
+        return max(1.0, 3.0 * first_answer)
 
     async def _open(self, n_attempts: int) -> None:
         delay = 0.05
