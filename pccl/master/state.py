@@ -35,7 +35,7 @@ import hashlib
 import math
 import os
 from collections import Counter, deque
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 
 from pccl import _core, algorithms
 from pccl.enums import DTYPES, DataType, QuantizationAlgorithm, ReduceOp
@@ -1176,15 +1176,10 @@ class MasterState:
         self.mesh_inputs[group] = (one_way, bandwidth)
         # Pairs the probes measured have their own latency (regions); the others are
         # taken at this round's dials. Only when the probes measured pairs of the group.
-        pairs = self.latency
-
-        def measured(i: int, j: int) -> float:
-            return pairs.get((ring[i], ring[j]), (one_way, 0))[0]
-
-        per_pair = bool(pairs) and any((ring[i], ring[(i + 1) % len(ring)]) in pairs
-                                       for i in range(len(ring)))
-        return algorithms.mesh_max_bytes(len(ring), one_way, bandwidth,
-                                         latency=measured if per_pair else None)
+        per_pair = any((ring[i - 1], ring[i]) in self.latency for i in range(len(ring)))
+        return algorithms.mesh_max_bytes(
+            len(ring), one_way, bandwidth,
+            latency=self._ring_latency(ring, one_way) if per_pair else None)
 
     def _token(self, label: str) -> bytes:
         """A route token: unguessable without the master's key, the same for the same
@@ -2034,18 +2029,18 @@ class MasterState:
         if k < 3 or k > self.mesh_rotation_max_peers or self.mesh_max_bytes == 0 \
                 or not self.latency:
             return ring
-        pairs = self.latency
-        known = sorted(pairs[(ring[i - 1], ring[i])][0] for i in range(k)
-                       if (ring[i - 1], ring[i]) in pairs)
+        known = sorted(self.latency[(ring[i - 1], ring[i])][0] for i in range(k)
+                       if (ring[i - 1], ring[i]) in self.latency)
         if not known:
             return ring
-        typical = known[len(known) // 2]
-
-        def latency(i: int, j: int) -> float:
-            return pairs.get((ring[i], ring[j]), (typical, 0))[0]
-
-        s = algorithms.mesh_start(k, latency)
+        s = algorithms.mesh_start(k, self._ring_latency(ring, known[len(known) // 2]))
         return ring[s:] + ring[:s]
+
+    def _ring_latency(self, ring: list[int], fallback: float) -> Callable[[int, int], float]:
+        """One-way latency from ring position ``i`` to ``j``, as the probes measured the
+        pair, else ``fallback`` (pccl.algorithms' ``latency`` arguments)."""
+        pairs = self.latency
+        return lambda i, j: pairs.get((ring[i], ring[j]), (fallback, 0))[0]
 
     def _latencies(self, members: list[int]) -> list[list[float]] | None:
         """The solver's latency matrix over ``members``: measured pairs as measured, a
