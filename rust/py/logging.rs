@@ -13,8 +13,8 @@
 //! * `close_log_bridge()` (an `atexit` hook of `pccl/_logging.py`) stops forwarding
 //!   before the interpreter finalizes: a tokio thread that took the GIL then would be
 //!   ended by CPython mid-Rust and abort the process (see `pccl/_shutdown.py`). A
-//!   thread that checked the flag just before it closed still only attaches when
-//!   Python says it can (`Python::try_attach`).
+//!   thread that checked the flag just before it closed still only attaches through
+//!   `crate::py::with_python`, which the exit hook closes for good.
 //!
 //! Records are formatted on the calling thread; only enabled ones take the GIL. Log
 //! events, not per-byte progress: nothing on a hot path logs, and no record is logged
@@ -48,7 +48,7 @@ impl Log for Bridge {
             // interpreter is neither finalizing nor gone, makes its attach a nested one
             // (a record logged by a tokio thread during interpreter exit is dropped
             // instead of crashing the process).
-            let _ = Python::try_attach(|_py| self.0.log(record));
+            let _ = crate::py::with_python(|_py| self.0.log(record));
         }
     }
 

@@ -9,26 +9,48 @@ pub mod ring;
 pub mod secure;
 pub mod transfer;
 
+use futures::FutureExt;
 use pyo3::prelude::*;
+use pyo3::sync::PyOnceLock;
+use pyo3::IntoPyObjectExt;
 use std::future::Future;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::LazyLock;
+use std::sync::{LazyLock, RwLock, TryLockError};
+use std::time::{Duration, Instant};
 use tokio_util::sync::CancellationToken;
 
 /// Set at interpreter exit (`leave_python`, from an `atexit` hook): from then on the
 /// runtime's threads start no new hand-off into Python.
 static EXITING: AtomicBool = AtomicBool::new(false);
 static EXIT: LazyLock<CancellationToken> = LazyLock::new(CancellationToken::new);
+/// Held (shared) by every runtime thread while it is attached to Python; the exit hook
+/// takes it exclusively, so that once it returns no runtime thread is in Python, and
+/// none enters again (`EXITING` is set before).
+static GATE: RwLock<()> = RwLock::new(());
+/// How long the exit hook waits for runtime threads to leave Python.
+const EXIT_WAIT: Duration = Duration::from_secs(2);
 
 /// Interpreter exit: awaited pccl operations that have not finished yet never resolve
 /// their asyncio futures, and runtime threads stop attaching to Python, so none of them
 /// enters an interpreter that is finalizing (CPython would end the thread mid-Rust, an
-/// abort, or it would touch freed interpreter state, a crash). Called by `pccl._shutdown`
-/// from an `atexit` hook; irreversible.
+/// abort, or it would touch freed interpreter state, a crash). Returns once no runtime
+/// thread is attached (or after [`EXIT_WAIT`]). Called by `pccl._shutdown` from an
+/// `atexit` hook; irreversible.
 #[pyfunction]
-fn leave_python() {
+fn leave_python(py: Python<'_>) {
     EXITING.store(true, Ordering::SeqCst);
     EXIT.cancel();
+    // With the GIL released: a thread holding the gate may be waiting for it.
+    py.detach(|| {
+        let deadline = Instant::now() + EXIT_WAIT;
+        loop {
+            match GATE.try_write() {
+                Ok(_) | Err(TryLockError::Poisoned(_)) => return,
+                Err(TryLockError::WouldBlock) if Instant::now() >= deadline => return,
+                Err(TryLockError::WouldBlock) => std::thread::sleep(Duration::from_millis(1)),
+            }
+        }
+    });
 }
 
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
@@ -36,41 +58,132 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     Ok(())
 }
 
-/// `pyo3_async_runtimes::tokio::future_into_py`, except that after `leave_python` the
-/// Rust future's result is never handed to Python: the future stays pending instead
-/// (the process is exiting; nobody awaits it any more).
-pub(crate) fn future_into_py<F, T>(py: Python<'_>, fut: F) -> PyResult<Bound<'_, PyAny>>
-where
-    F: Future<Output = PyResult<T>> + Send + 'static,
-    T: for<'py> IntoPyObject<'py> + Send + 'static,
-{
-    pyo3_async_runtimes::tokio::future_into_py(py, async move {
-        let out = tokio::select! {
-            r = fut => r,
-            _ = EXIT.cancelled() => std::future::pending::<PyResult<T>>().await,
-        };
-        if EXITING.load(Ordering::SeqCst) {
-            return std::future::pending::<PyResult<T>>().await;
-        }
-        out
-    })
+/// Runs `f` attached to Python from a thread Python did not start (a runtime thread),
+/// unless the interpreter is exiting, finalizing or gone: attaching then would have
+/// CPython end the thread mid-Rust (an abort) or touch freed interpreter state (a
+/// crash). `None` when it did not run. Every such attach goes through here.
+pub(crate) fn with_python<R>(f: impl for<'py> FnOnce(Python<'py>) -> R) -> Option<R> {
+    let _open = GATE.read().unwrap_or_else(|e| e.into_inner());
+    if EXITING.load(Ordering::SeqCst) {
+        return None;
+    }
+    Python::try_attach(f)
 }
 
-/// Runs `f` attached to Python from a runtime (tokio) thread, unless the interpreter is
-/// exiting, finalizing or gone: attaching then would have CPython end the thread mid-Rust
-/// (an abort) or touch freed interpreter state (a crash). The caller gets an error
-/// instead, which nobody is left to read.
+/// Runs `f` attached to Python from a runtime thread (see [`with_python`]); when it
+/// cannot, the caller gets an error instead, which nobody is left to read.
 pub(crate) fn attach_from_runtime<R>(
     f: impl for<'py> FnOnce(pyo3::Python<'py>) -> pyo3::PyResult<R>,
 ) -> pyo3::PyResult<R> {
-    let attached = match EXITING.load(Ordering::SeqCst) {
-        true => None,
-        false => pyo3::Python::try_attach(f),
-    };
-    attached.unwrap_or_else(|| {
+    with_python(f).unwrap_or_else(|| {
         Err(
             crate::error::CoreError::InvalidUsage("the Python interpreter is shutting down".into())
                 .into(),
         )
     })
+}
+
+static GET_RUNNING_LOOP: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
+
+/// Done callback of a bridged asyncio future: its cancellation cancels the Rust future.
+#[pyclass(frozen)]
+struct CancelOnDone(CancellationToken);
+
+#[pymethods]
+impl CancelOnDone {
+    fn __call__(&self, fut: &Bound<'_, PyAny>) -> PyResult<()> {
+        if fut
+            .call_method0(pyo3::intern!(fut.py(), "cancelled"))?
+            .is_truthy()?
+        {
+            self.0.cancel();
+        }
+        Ok(())
+    }
+}
+
+/// Scheduled on the event loop by a runtime thread: settles a bridged asyncio future
+/// with the Rust future's outcome, unless it is settled (cancelled) already.
+#[pyclass(frozen)]
+struct Settle;
+
+#[pymethods]
+impl Settle {
+    fn __call__(&self, fut: &Bound<'_, PyAny>, ok: bool, value: &Bound<'_, PyAny>) -> PyResult<()> {
+        let py = fut.py();
+        if fut.call_method0(pyo3::intern!(py, "done"))?.is_truthy()? {
+            return Ok(());
+        }
+        let how = match ok {
+            true => pyo3::intern!(py, "set_result"),
+            false => pyo3::intern!(py, "set_exception"),
+        };
+        fut.call_method1(how, (value,))?;
+        Ok(())
+    }
+}
+
+/// An asyncio future (of the running event loop) for a Rust future run on the runtime.
+///
+/// Cancelling the asyncio future drops the Rust future. The outcome is handed over with
+/// `loop.call_soon_threadsafe` from a blocking-pool thread (attaching may wait for the
+/// GIL), through [`with_python`]: after `leave_python` it is never handed over, and the
+/// asyncio future stays pending (the process is exiting; nobody awaits it any more). A
+/// Rust panic settles it with a `RuntimeError`. Our own bridge rather than
+/// pyo3-async-runtimes' `future_into_py`, whose hand-off (and whose path for a
+/// cancelled future) attaches to Python without such a gate.
+pub(crate) fn future_into_py<F, T>(py: Python<'_>, fut: F) -> PyResult<Bound<'_, PyAny>>
+where
+    F: Future<Output = PyResult<T>> + Send + 'static,
+    T: for<'py> IntoPyObject<'py> + Send + 'static,
+{
+    let get_loop = GET_RUNNING_LOOP.get_or_try_init(py, || {
+        Ok::<_, PyErr>(py.import("asyncio")?.getattr("get_running_loop")?.unbind())
+    })?;
+    let event_loop = get_loop.bind(py).call0()?;
+    let py_fut = event_loop.call_method0(pyo3::intern!(py, "create_future"))?;
+    let cancel = CancellationToken::new();
+    py_fut.call_method1(
+        pyo3::intern!(py, "add_done_callback"),
+        (CancelOnDone(cancel.clone()),),
+    )?;
+    let (loop_ref, fut_ref) = (event_loop.unbind(), py_fut.clone().unbind());
+    pyo3_async_runtimes::tokio::get_runtime().spawn(async move {
+        let outcome = tokio::select! {
+            r = std::panic::AssertUnwindSafe(fut).catch_unwind() => r,
+            _ = cancel.cancelled() => return,
+            _ = EXIT.cancelled() => return,
+        };
+        // Not on a worker thread: attaching may wait for the GIL.
+        let _ = tokio::task::spawn_blocking(move || {
+            with_python(|py| {
+                let result = match outcome {
+                    Ok(r) => r.and_then(|v| v.into_py_any(py)),
+                    Err(panic) => Err(pyo3::exceptions::PyRuntimeError::new_err(format!(
+                        "pccl's Rust core panicked: {}",
+                        panic_message(&*panic)
+                    ))),
+                };
+                let (ok, value) = match result {
+                    Ok(v) => (true, v),
+                    Err(e) => (false, e.into_value(py).into_any()),
+                };
+                // Fails only if the loop is closed: nobody is left to await it.
+                let _ = loop_ref.bind(py).call_method1(
+                    pyo3::intern!(py, "call_soon_threadsafe"),
+                    (Settle, fut_ref.bind(py), ok, value),
+                );
+            });
+        })
+        .await;
+    });
+    Ok(py_fut)
+}
+
+fn panic_message(panic: &(dyn std::any::Any + Send)) -> &str {
+    match (panic.downcast_ref::<&str>(), panic.downcast_ref::<String>()) {
+        (Some(s), _) => s,
+        (_, Some(s)) => s,
+        _ => "(no message)",
+    }
 }
