@@ -23,11 +23,13 @@
 //! [`OpMemory::rollback`]. No copy into the caller's tensor after the outcome.
 //!
 //! Ops that write the caller's memory receive and reduce in one pass: their
-//! reduce-scatter pieces (and, in place, the first all-gather step's) arrive in blocks
-//! of about [`crate::ring::links::STREAM_BLOCK`] bytes (`Landing::land_part`), and each
-//! block is folded in while it is still in cache: out of place `out = partial op input`; in
-//! place `backup = tensor`, then `tensor = partial op backup`. Nothing is written to
-//! memory only to be read back at once. Ops on scratch memory land whole pieces.
+//! reduce-scatter pieces arrive in blocks of about [`crate::ring::links::STREAM_BLOCK`]
+//! bytes (`Landing::land_part`), and each block is folded in while it is still in cache:
+//! out of place `out = partial op input`; in place `backup = tensor`, then
+//! `tensor = partial op backup`. Nothing is written to memory only to be read back at
+//! once. Every all-gather piece lands straight where it belongs; in place, the first
+//! all-gather step brings back our own chunk (final), whose original bytes the sender
+//! saved as it sent them at step 0. Ops on scratch memory land whole pieces.
 
 use crate::error::{CoreError, CoreResult};
 use crate::quant::{self, QuantAlgorithm, WireType};
@@ -564,8 +566,10 @@ struct Shared {
     failure: Mutex<Option<CoreError>>,
     /// progress[p] = steps whose piece p has landed and been reduced.
     progress: Vec<AtomicU32>,
-    /// In place: bytes of piece p's current streamed step already folded into the
-    /// tensor (their originals saved), until it has landed; see `written_ranges`.
+    /// In place: bytes of piece p's current step already written into the tensor
+    /// (their originals saved), until it has landed: the blocks folded in so far of a
+    /// streamed reduce-scatter piece, or the whole range of a first all-gather piece
+    /// being received; see `written_ranges`.
     applied: Vec<AtomicUsize>,
     /// claimed[p] = steps whose piece p some lane has started to receive: each piece is
     /// handed to one lane only, even if the previous peer announces it on several.
@@ -611,9 +615,7 @@ impl Shared {
     /// range not saved yet). Scratch-memory ops land every piece directly.
     fn streamed(&self, step: usize) -> bool {
         let last_rs = self.plan.world - 2;
-        self.spec.quant.is_none()
-            && self.mem.writes_caller_memory()
-            && (step <= last_rs || (self.mem.is_in_place() && step == last_rs + 1))
+        self.spec.quant.is_none() && self.mem.writes_caller_memory() && step <= last_rs
     }
 
     /// Bytes a piece of `raw` payload bytes takes on the wire.
@@ -698,7 +700,15 @@ impl Landing for Shared {
         }
         let dst = match self.staging(step, p, expected) {
             Some(slot) => slot,
-            None => self.mem.scratch_mut(range),
+            None => {
+                if self.mem.is_in_place() && step == plan.world - 1 {
+                    // The first all-gather step lands our own chunk, final, straight
+                    // over the tensor's original bytes, which the sender saved when
+                    // it sent them at step 0: written from now on (`written_ranges`).
+                    self.applied[p].store(range.len(), Ordering::Release);
+                }
+                self.mem.scratch_mut(range)
+            }
         };
         Ok(Dest::Direct(dst.as_mut_ptr(), dst.len()))
     }
@@ -721,14 +731,10 @@ impl Landing for Shared {
         let (dtype, op) = (self.spec.dtype, self.spec.op);
         if self.mem.is_in_place() {
             // Ours moves to the backup first; the tensor then gets what arrived, reduced
-            // with ours after it in reduce-scatter, as is in the first all-gather step.
+            // with ours after it.
             self.mem.save(sub.clone());
             let out = self.mem.scratch_mut(sub.clone());
-            if step <= plan.world - 2 {
-                reduce::reduce(dtype, op, out, data, self.mem.backup_mut(sub))?;
-            } else {
-                out.copy_from_slice(data);
-            }
+            reduce::reduce(dtype, op, out, data, self.mem.backup_mut(sub))?;
             self.applied[p].store(offset + data.len(), Ordering::Release);
         } else {
             // What the previous peer accumulated, then ours after it, into the output.
@@ -880,7 +886,7 @@ impl Shared {
                     ranges.push(r);
                 }
             }
-            // A streamed piece cut off mid-way: the blocks it folded in so far.
+            // A piece cut off mid-way: what `applied` says it may have written.
             let applied = self.applied[p].load(Ordering::Acquire);
             if applied > 0 && done < plan.world {
                 let r = plan.piece(plan.recv_chunk(done), p);
@@ -994,6 +1000,14 @@ impl Receiver {
     #[cfg(test)]
     pub(crate) fn claim(&self, step: u32, piece: u32, len: u32, digest: u32) -> CoreResult<Dest> {
         self.0.landing(step, piece, len, digest)
+    }
+
+    /// In place: what the sender does as it sends piece `piece` of our own chunk at
+    /// step 0 (saves its original bytes).
+    #[cfg(test)]
+    pub(crate) fn sent_own(&self, piece: usize) {
+        let plan = &self.0.plan;
+        self.0.mem.save(plan.piece(plan.send_chunk(0), piece));
     }
 
     /// Hands a block of a streamed piece to the op (as a reader does).
@@ -1122,6 +1136,13 @@ async fn send_lane(
                 }
             }
             let range = plan.piece(chunk, p);
+            if step == 0 && sh.mem.is_in_place() && sh.spec.quant.is_none() {
+                // Our own chunk, sent as it is, comes back final at the first all-gather
+                // step and lands straight over it: its original bytes are saved now,
+                // while the send is about to read them anyway. (Before the send: that
+                // piece cannot come back before it left.)
+                sh.mem.save(range.clone());
+            }
             let raw = if step == 0 {
                 sh.mem.input(range.clone())
             } else {

@@ -1404,7 +1404,16 @@ fn a_failed_in_place_op_puts_back_pieces_cut_off_mid_way() {
     land(0, 0, 4); // reduce-scatter, piece 0: whole ...
     rx.landed(0, 0).unwrap();
     land(0, 1, 2); // ... piece 1: cut off after two blocks
-    land(1, 0, 1); // first all-gather step, piece 0: cut off after one block
+                   // First all-gather step, piece 0: our own chunk comes back final and lands straight
+                   // over the original, which the sender saved as it sent it; cut off after one block.
+    rx.sent_own(0);
+    let n = rx.wire_len(1, 0);
+    let Dest::Direct(ptr, len) = rx.claim(1, 0, n as u32, rx.digest()).unwrap() else {
+        panic!("the first all-gather step lands directly");
+    };
+    assert_eq!(len, piece_bytes);
+    // SAFETY: the op handed this range to us alone (as to a reader).
+    unsafe { std::ptr::copy_nonoverlapping(incoming.as_ptr(), ptr, STREAM_BLOCK) };
     assert!(tensor.bytes() != original);
     rx.fail();
     assert!(tensor.bytes() == original, "the tensor was not put back");
