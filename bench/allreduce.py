@@ -83,8 +83,19 @@ def expected_sum(k: int) -> float:
 # =====================================================================================
 
 
+def _stream_buffer(nbytes: int, cold: bool) -> memoryview:
+    """What a loopback stream sends from / receives into: one ``TCP_CHUNK`` reused (stays
+    in cache), or, ``cold``, a buffer of the whole ``nbytes`` walked through, as an
+    all-reduce walks through a tensor (touched once here, so page faults stay out of
+    the timing)."""
+    buf = bytearray(nbytes if cold else TCP_CHUNK)
+    if cold:
+        buf[::4096] = b"\1" * len(range(0, nbytes, 4096))
+    return memoryview(buf)
+
+
 def _tcp_receiver(idx: int, nbytes: int, rounds: int, port_q: Any, q: Any,
-                  timeout: float) -> None:
+                  timeout: float, cold: bool = False) -> None:
     try:
         with socket.create_server(("127.0.0.1", 0)) as srv:
             srv.settimeout(timeout)
@@ -92,11 +103,12 @@ def _tcp_receiver(idx: int, nbytes: int, rounds: int, port_q: Any, q: Any,
             conn, _ = srv.accept()
         with conn:
             conn.settimeout(timeout)
-            view = memoryview(bytearray(TCP_CHUNK))
+            view = _stream_buffer(nbytes, cold)
             for _ in range(rounds):
                 left = nbytes
                 while left:
-                    n = conn.recv_into(view[:min(left, TCP_CHUNK)])
+                    at = nbytes - left if cold else 0
+                    n = conn.recv_into(view[at:at + min(left, TCP_CHUNK)])
                     if n == 0:
                         raise ConnectionError("sender closed early")
                     left -= n
@@ -107,11 +119,11 @@ def _tcp_receiver(idx: int, nbytes: int, rounds: int, port_q: Any, q: Any,
 
 
 def _tcp_sender(idx: int, port: int, nbytes: int, rounds: int, barrier: Any, q: Any,
-                timeout: float) -> None:
+                timeout: float, cold: bool = False) -> None:
     try:
         with socket.create_connection(("127.0.0.1", port), timeout=timeout) as s:
             s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            payload = memoryview(bytearray(TCP_CHUNK))
+            payload = _stream_buffer(nbytes, cold)
             spans = []
             for _ in range(rounds):
                 barrier.wait(timeout)
@@ -119,7 +131,8 @@ def _tcp_sender(idx: int, port: int, nbytes: int, rounds: int, barrier: Any, q: 
                 left = nbytes
                 while left:
                     n = min(left, TCP_CHUNK)
-                    s.sendall(payload[:n])
+                    at = nbytes - left if cold else 0
+                    s.sendall(payload[at:at + n])
                     left -= n
                 if s.recv(1) != b"!":
                     raise ConnectionError("receiver did not confirm")
@@ -147,17 +160,18 @@ def bench_secure_loopback(k: int, mib: int, rounds: int) -> dict[str, Any]:
     return out
 
 
-def bench_loopback(k: int, nbytes: int, rounds: int) -> dict[str, Any]:
+def bench_loopback(k: int, nbytes: int, rounds: int, cold: bool = False) -> dict[str, Any]:
     timeout = op_timeout(nbytes * k, 50 * MB)
     port_q, q = CTX.Queue(), CTX.Queue()
     barrier = CTX.Barrier(k)
     with Children() as kids:
         for i in range(k):
-            kids.start(_tcp_receiver, (i, nbytes, rounds, port_q, q, timeout), f"tcp-recv-{i}")
+            kids.start(_tcp_receiver, (i, nbytes, rounds, port_q, q, timeout, cold),
+                       f"tcp-recv-{i}")
         ports = {m["idx"]: m["port"]
                  for m in collect(port_q, kids, k, SETUP_TIMEOUT, "loopback listeners")}
         for i in range(k):
-            kids.start(_tcp_sender, (i, ports[i], nbytes, rounds, barrier, q, timeout),
+            kids.start(_tcp_sender, (i, ports[i], nbytes, rounds, barrier, q, timeout, cold),
                        f"tcp-send-{i}")
         msgs = collect(q, kids, k, SETUP_TIMEOUT + rounds * timeout, "loopback streams")
     per_round = []
@@ -173,6 +187,7 @@ def bench_loopback(k: int, nbytes: int, rounds: int) -> dict[str, Any]:
     return {
         "streams": k,
         "bytes_per_stream": nbytes,
+        "cold": cold,
         "rounds": per_round,
         "aggregate_GBps_median": median(aggs),
         "aggregate_GBps_best": max(aggs),
@@ -632,6 +647,10 @@ def main() -> None:
     ap.add_argument("--tcp-mib", type=int, default=512,
                     help="MiB per stream in the loopback measurement (default 512)")
     ap.add_argument("--tcp-rounds", type=int, default=3, help="loopback repetitions")
+    ap.add_argument("--tcp-cold", action="store_true",
+                    help="loopback streams send from and receive into buffers of --tcp-mib "
+                         "walked through (memory, as an all-reduce's tensors) instead of "
+                         f"one {TCP_CHUNK // MIB} MiB buffer reused (cache)")
     ap.add_argument("--out", default="bench/results/allreduce.json")
     ap.add_argument("--skip-loopback", action="store_true")
     ap.add_argument("--secure-bound", action="store_true",
@@ -682,7 +701,7 @@ def main() -> None:
     if not args.skip_loopback:
         for k in args.peers:
             with phase(out["errors"], f"loopback k={k}"):
-                r = bench_loopback(k, args.tcp_mib * MIB, args.tcp_rounds)
+                r = bench_loopback(k, args.tcp_mib * MIB, args.tcp_rounds, args.tcp_cold)
                 out["loopback"].append(r)
                 print(f"loopback k={k}: {r['aggregate_GBps_median']:.2f} GB/s aggregate, "
                       f"{r['busbw_bound_GBps_median']:.2f} GB/s per stream", flush=True)
