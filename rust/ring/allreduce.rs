@@ -611,8 +611,8 @@ impl Shared {
 
     /// Whether the pieces of `step` arrive in parts through `land_part`: unquantized
     /// reduce-scatter steps of ops that write the caller's memory (received and reduced
-    /// in one pass), and, in place, the first all-gather step (the last to write a
-    /// range not saved yet). Scratch-memory ops land every piece directly.
+    /// in one pass). All-gather pieces, and every piece of scratch-memory ops, land
+    /// directly.
     fn streamed(&self, step: usize) -> bool {
         let last_rs = self.plan.world - 2;
         self.spec.quant.is_none() && self.mem.writes_caller_memory() && step <= last_rs
