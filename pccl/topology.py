@@ -252,19 +252,27 @@ def _tolerant(w: np.ndarray, lat: np.ndarray | None, deadline: float) -> np.ndar
     """``w`` capped at the best possible bottleneck over ``1 + BANDWIDTH_TOLERANCE`` when
     latencies differ by :data:`LATENCY_SPREAD_S` or more (module docs, Latency), else
     ``w`` itself."""
+    return _tolerant_with_match(w, lat, deadline)[0]
+
+
+def _tolerant_with_match(w: np.ndarray, lat: np.ndarray | None, deadline: float
+                         ) -> tuple[np.ndarray, list[int] | None]:
+    """:func:`_tolerant`, and when it capped ``w``, a matching that reaches the capped
+    matrix's bottleneck bound, which is the cap, its largest value: the matching found
+    for the cap's threshold uses edges at or above it only. (``None``: not capped.)"""
     if lat is None or len(w) < 3:
-        return w
+        return w, None
     off = lat[~np.eye(len(w), dtype=bool)]
     if float(off.max() - off.min()) < LATENCY_SPREAD_S:
-        return w
+        return w, None
     values = np.unique(w[w > 0])
     if not len(values):
-        return w
-    bound, _ = _ring_bound(w, np.argsort(-w, axis=1, kind="stable"), values, deadline)
+        return w, None
+    bound, match = _ring_bound(w, np.argsort(-w, axis=1, kind="stable"), values, deadline)
     if bound < 0:
-        return w
+        return w, None
     capped: np.ndarray = np.minimum(w, float(values[bound]) / (1.0 + BANDWIDTH_TOLERANCE))
-    return capped
+    return capped, match
 
 
 def _costs(w: np.ndarray, lat: np.ndarray | None = None) -> np.ndarray:
@@ -893,7 +901,9 @@ class _Heuristic:
     """
 
     def __init__(self, w: np.ndarray, rng: np.random.Generator, deadline: float,
-                 lat: np.ndarray | None = None) -> None:
+                 lat: np.ndarray | None = None, at_max: list[int] | None = None) -> None:
+        """``at_max``: a matching that reaches ``w``'s largest value, which is then the
+        bottleneck bound (``w`` from :func:`_tolerant_with_match`): not searched again."""
         self.search = _LocalSearch(w, lat)
         self.latencies = lat is not None and bool(lat.any())
         self.rng = rng
@@ -901,7 +911,11 @@ class _Heuristic:
         self.cover_every, self.cover_misses = 2, 0
         self.order = np.argsort(-w, axis=1, kind="stable")  # receivers, fastest first
         self.values = np.unique(w[w > 0])
-        self.bound, self.match = _ring_bound(w, self.order, self.values, deadline)
+        self.match: list[int] | None
+        if at_max is not None:
+            self.bound, self.match = len(self.values) - 1, at_max
+        else:
+            self.bound, self.match = _ring_bound(w, self.order, self.values, deadline)
         self.aim = self.bound  # threshold index the random restarts aim for
         self.best: np.ndarray | None = None
         self.best_key = (-math.inf, math.inf)
@@ -1022,7 +1036,8 @@ def solve_heuristic(bw: np.ndarray, rng: np.random.Generator | None = None,
     # first construction and its descent get at least this long.
     first_deadline = max(deadline, start + 0.05)
     lat = _latency(latency, n)
-    h = _Heuristic(_tolerant(w, lat, first_deadline), _default_rng(rng), first_deadline, lat)
+    capped, at_max = _tolerant_with_match(w, lat, first_deadline)
+    h = _Heuristic(capped, _default_rng(rng), first_deadline, lat, at_max)
     for k, t in enumerate(h.constructions(deadline, first_deadline)):
         h.descend_and_offer(t, first_deadline if k == 0 else deadline)
     while time.perf_counter() < deadline and (max_rounds is None or h.rounds < max_rounds):
@@ -1091,7 +1106,7 @@ class RingImprover:
             raise ValueError("ring must be a permutation of range(len(bw))")
         self._ring = [int(x) for x in ring]
         self._lat = _latency(latency, len(w))
-        self._w = _tolerant(w, self._lat, math.inf)
+        self._w, self._at_max = _tolerant_with_match(w, self._lat, math.inf)
         self._rng = _default_rng(rng)
         # Built on the first step, so that constructing an improver costs nothing.
         self._h: _Heuristic | None = None
@@ -1109,7 +1124,7 @@ class RingImprover:
             return False
         deadline = time.perf_counter() + budget
         if self._h is None:
-            h = self._h = _Heuristic(self._w, self._rng, deadline, self._lat)
+            h = self._h = _Heuristic(self._w, self._rng, deadline, self._lat, self._at_max)
             given = np.array(self._ring, dtype=np.int64)
             h.offer(given, h.search.score(given))
             before = h.best_key

@@ -476,6 +476,27 @@ def test_exact_with_latencies_equals_brute_force() -> None:
             assert same_score(ring_cost(ring, capped, lat), want), (ring, want)
 
 
+def test_the_capped_matrix_bound_is_its_cap_and_the_cap_matching_reaches_it() -> None:
+    # The heuristic takes the cap's matching instead of bisecting the capped matrix
+    # again: the bisection must agree, and the matching must use only edges at the cap.
+    rng = np.random.default_rng(11)
+    for n in (5, 9, 30):
+        for _ in range(4):
+            bw = rng.uniform(1e6, 1e9, (n, n))
+            bw[rng.random((n, n)) < 0.2] = 0.0  # some pairs unreachable
+            lat = rng.uniform(0.0, 0.05, (n, n))
+            w = topology._weights(bw)
+            capped, match = topology._tolerant_with_match(w, lat, math.inf)
+            if match is None:
+                continue
+            values = np.unique(capped[capped > 0])
+            order = np.argsort(-capped, axis=1, kind="stable")
+            bound, _ = topology._ring_bound(capped, order, values, math.inf)
+            assert bound == len(values) - 1
+            assert sorted(match) == list(range(n))
+            assert all(i != j and capped[i, j] >= values[-1] for i, j in enumerate(match))
+
+
 def test_bandwidth_comes_before_latency() -> None:
     # The nearest ring 0-1-2-3 has one slow link; the only ring without it crosses the
     # far pairs. The bottleneck decides: latency only breaks ties.
