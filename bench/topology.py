@@ -24,8 +24,7 @@ from contextlib import AsyncExitStack
 
 import numpy as np
 
-from pccl.testing import Cluster, LinkEmulator
-from pccl.testing.link_emulator import p2p_dialer_id
+from pccl.testing import Cluster
 from pccl.topology import ring_cost
 
 
@@ -49,37 +48,15 @@ async def run(peers: int, mib: int, seed: int, lo: float, hi: float, iters: int,
         cluster = await stack.enter_async_context(
             Cluster(0, pool_size=2, master_kwargs={"heartbeat_timeout": 60.0,
                                                     "insecure": True}))
-        comms = []
-        for _ in range(peers):
-            # Peer ids are handed out 1, 2, ... by the fresh master: matrix index = id - 1.
-            # The receiver's id is known by the time anyone dials it.
-            holder: list = []
 
-            def classify(first: bytes, holder=holder) -> float | None:
-                sender = p2p_dialer_id(first)
-                if sender is None:
-                    return None
-                return float(bw[sender - 1, holder[0].peer_id - 1])
-
-            def delay(first: bytes, holder=holder) -> float | None:
-                sender = p2p_dialer_id(first)
-                if sender is None:
-                    return None
-                far = (sender - 1) % regions != (holder[0].peer_id - 1) % regions
-                return region_ms / 1e3 if far else 0.0
-            emu = await stack.enter_async_context(
-                LinkEmulator(classify=classify, chunk_size=256 * 1024,
-                             classify_latency=delay if regions > 1 else None))
-            # Clear text: the emulator tells senders apart by the id in their p2p hello,
-            # which the default encrypted transport hides.
-            comm = cluster.new_comm(p2p_advertise_address=emu.address, peer_timeout=120.0,
-                                    via_master_max_bytes=0, insecure=True)
-            holder.append(comm)
-            emu.target = (lambda c: lambda: f"127.0.0.1:{c.p2p_port}")(comm)
-            comms.append(comm)
-        await cluster.admit(comms)
-        comms.sort(key=lambda c: c.peer_id)
-        index = {c.peer_id: c.peer_id - 1 for c in comms}
+        def delay(i: int, j: int) -> float:
+            return region_ms / 1e3 if i % regions != j % regions else 0.0
+        # Clear text: the emulators tell senders apart by the id in their p2p hello,
+        # which the default encrypted transport hides. Matrix index = join index.
+        comms = await cluster.admit_shaped(
+            stack, peers, lambda i, j: float(bw[i, j]), delay if regions > 1 else None,
+            peer_timeout=120.0, via_master_max_bytes=0)
+        index = {c.peer_id: k for k, c in enumerate(comms)}
         n = mib * (1 << 20) // 4
         join_ring = list(range(peers))
         small = small_kib * 1024 // 4

@@ -10,8 +10,7 @@ import numpy as np
 import pytest
 
 import pccl
-from pccl.testing import Cluster, LinkEmulator
-from pccl.testing.link_emulator import p2p_dialer_id
+from pccl.testing import Cluster
 
 pytest.importorskip("pccl.topology")
 
@@ -22,38 +21,13 @@ async def shaped_cluster(stack, n: int, slow: set[tuple[int, int]], *, fast: flo
                          latency: Callable[[int, int], float] | None = None,
                          chunk_size: int = 256 * 1024):
     """n peers; the link from join-index i to j is SLOW if (i, j) in ``slow``, else
-    ``fast``; ``latency(i, j)``: its one-way latency (both directions of a connection
-    that i dials to j), when given."""
+    ``fast``; ``latency(i, j)``: its one-way latency, when given."""
     cluster = await stack.enter_async_context(
         Cluster(0, pool_size=2, master_kwargs={"insecure": True}))
-    comms = []
-    for _ in range(n):
-        # A fresh master hands out ids 1, 2, ...: join index = id - 1. The receiver's id
-        # is known by the time anyone dials it.
-        holder: list = []
-
-        def classify(first: bytes, holder=holder) -> float | None:
-            sender = p2p_dialer_id(first)
-            if sender is None:
-                return None
-            return SLOW if (sender - 1, holder[0].peer_id - 1) in slow else fast
-
-        def delay(first: bytes, holder=holder) -> float | None:
-            sender = p2p_dialer_id(first)
-            if sender is None or latency is None:
-                return None
-            return latency(sender - 1, holder[0].peer_id - 1)
-        emu = await stack.enter_async_context(
-            LinkEmulator(classify=classify, chunk_size=chunk_size,
-                         classify_latency=delay if latency is not None else None))
-        # Clear-text streams: the classifier reads the dialer's id from its hello, which
-        # the default encrypted transport hides.
-        comm = cluster.new_comm(p2p_advertise_address=emu.address, insecure=True)
-        holder.append(comm)
-        emu.target = (lambda c: lambda: f"127.0.0.1:{c.p2p_port}")(comm)
-        comms.append(comm)
-    await cluster.admit(comms)
-    return cluster, sorted(comms, key=lambda c: c.peer_id)
+    comms = await cluster.admit_shaped(
+        stack, n, lambda i, j: SLOW if (i, j) in slow else fast, latency,
+        chunk_size=chunk_size)
+    return cluster, comms
 
 
 def edges(ring: list[int]) -> set[tuple[int, int]]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Awaitable, Callable, Sequence
 from types import TracebackType
 from typing import Any
@@ -101,6 +102,51 @@ class Cluster:
         comm = self.new_comm_behind(emu, **kwargs)
         await self.admit([comm])
         return comm
+
+    async def admit_shaped(self, stack: contextlib.AsyncExitStack, n: int,
+                           rate: Callable[[int, int], float | None],
+                           latency: Callable[[int, int], float] | None = None, *,
+                           chunk_size: int = 256 * 1024, **kwargs: Any
+                           ) -> list[Communicator]:
+        """Admits ``n`` new peers (in clear text), each behind its own
+        :class:`pccl.testing.LinkEmulator` (entered on ``stack``), and returns them
+        sorted by peer id (the join order: the ring's order before any optimization).
+        The link that the i-th of them dials to the j-th carries ``rate(i, j)`` bytes/s
+        each way (``None``: as fast as it goes) and, with ``latency``, ``latency(i, j)``
+        seconds one way. The emulators tell dialers apart by the peer id in their
+        clear-text hello, hence ``insecure=True``; ``kwargs`` go to the communicators."""
+        from pccl.testing.link_emulator import LinkEmulator, p2p_dialer_id
+
+        comms: list[Communicator] = []
+
+        def position(peer_id: int | None) -> int | None:
+            # Rank of one of ours among our peer ids (all known by the time links are
+            # dialed); None for anybody else.
+            ids = sorted(c.peer_id for c in comms if c.peer_id is not None)
+            return ids.index(peer_id) if peer_id in ids else None
+
+        def pair(first: bytes, receiver: Communicator) -> tuple[int, int] | None:
+            i, j = position(p2p_dialer_id(first)), position(receiver.peer_id)
+            return None if i is None or j is None else (i, j)
+
+        for _ in range(n):
+            holder: list[Communicator] = []
+
+            def classify(first: bytes, holder: list[Communicator] = holder) -> float | None:
+                ij = pair(first, holder[0])
+                return None if ij is None else rate(*ij)
+
+            def delay(first: bytes, holder: list[Communicator] = holder) -> float | None:
+                ij = pair(first, holder[0])
+                return None if ij is None or latency is None else latency(*ij)
+
+            emu = await stack.enter_async_context(
+                LinkEmulator(classify=classify, chunk_size=chunk_size,
+                             classify_latency=delay if latency is not None else None))
+            holder.append(self.new_comm_behind(emu, insecure=True, **kwargs))
+            comms.append(holder[0])
+        await self.admit(comms)
+        return sorted(comms, key=lambda c: c.peer_id or 0)
 
     async def admit(self, comms: Sequence[Communicator]) -> None:
         """Connects new communicators while every accepted one votes them in."""
