@@ -207,9 +207,11 @@ def _insecure() -> bool:
     return os.environ.get("PCCL_BENCH_INSECURE") == "1"
 
 
-def _piece_bytes() -> int:
-    """The ring's piece size: ``PCCL_BENCH_PIECE_BYTES``, else pccl's default."""
-    return int(os.environ.get("PCCL_BENCH_PIECE_BYTES", str(1 << 20)))
+def _piece_kwargs() -> dict[str, int]:
+    """The ring's piece size, ``PCCL_BENCH_PIECE_BYTES``, when set (else pccl's own
+    default applies)."""
+    value = os.environ.get("PCCL_BENCH_PIECE_BYTES")
+    return {} if value is None else {"piece_bytes": int(value)}
 
 
 def _mesh_max_bytes() -> int:
@@ -259,7 +261,7 @@ async def _pccl_peer(rank: int, k: int, master: str, pool: int, advertise: str |
 
     comm = pccl.Communicator(master=master, p2p_connection_pool_size=pool,
                              p2p_advertise_address=advertise, peer_timeout=30.0,
-                             timeout=30.0, insecure=_insecure(), piece_bytes=_piece_bytes())
+                             timeout=30.0, insecure=_insecure(), **_piece_kwargs())
 
     def sync(timeout: float) -> Any:
         # In a thread, so the event loop keeps answering the master while we wait.

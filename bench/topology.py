@@ -76,8 +76,10 @@ async def run(peers: int, mib: int, seed: int, lo: float, hi: float, iters: int,
     def crossings(ring: list[int]) -> int:
         return sum(ring[k] % regions != ring[k - 1] % regions for k in range(len(ring)))
     # By brute force, (k - 1)! rings: up to 10 peers (11 would take minutes).
-    best = max((list((0, *p)) for p in itertools.permutations(range(1, peers))),
-               key=lambda r: (ring_cost(r, bw)[0], -ring_cost(r, bw)[1])) \
+    def rank(r: list[int]) -> tuple[float, float]:
+        bottleneck, cost = ring_cost(r, bw)
+        return bottleneck, -cost
+    best = max((list((0, *p)) for p in itertools.permutations(range(1, peers))), key=rank) \
         if peers <= 10 else opt_ring
     return {
         "peers": peers, "mib": mib, "seed": seed,
