@@ -24,18 +24,23 @@ from contextlib import AsyncExitStack
 
 import numpy as np
 
+from pccl.algorithms import mesh_steps
 from pccl.testing import Cluster
 from pccl.topology import ring_cost
 
 
-async def time_reduce(comms, n: int, iters: int) -> float:
+async def time_reduce(comms, n: int, iters: int, used: set[str] | None = None) -> float:
+    """Median seconds of ``iters`` all-reduces of ``n`` floats; ``used`` collects the
+    algorithms that ran them."""
     times = []
     for it in range(iters):
         xs = [np.ones(n, np.float32) for _ in comms]
         t0 = time.perf_counter()
-        await asyncio.gather(*(c.all_reduce(x, tag=it) for c, x in zip(comms, xs)))
+        infos = await asyncio.gather(*(c.all_reduce(x, tag=it) for c, x in zip(comms, xs)))
         times.append(time.perf_counter() - t0)
         assert all((x == len(comms)).all() for x in xs)
+        if used is not None:
+            used.update(i.algorithm for i in infos)
     return sorted(times)[len(times) // 2]
 
 
@@ -61,20 +66,28 @@ async def run(peers: int, mib: int, seed: int, lo: float, hi: float, iters: int,
         join_ring = list(range(peers))
         small = small_kib * 1024 // 4
         t_join = await time_reduce(comms, n, iters)
-        t_join_small = await time_reduce(comms, small, iters) if small else None
+        used_join: set[str] = set()
+        used_opt: set[str] = set()
+        t_join_small = await time_reduce(comms, small, iters, used_join) if small else None
+        mesh_limit_before = cluster.master.state.mesh_limits.get(0)
         t0 = time.perf_counter()
         await asyncio.gather(*(c.optimize_topology() for c in comms))
         t_opt_call = time.perf_counter() - t0
         opt_ring = [index[p] for p in comms[0].ring]
         t_opt = await time_reduce(comms, n, iters)
-        t_opt_small = await time_reduce(comms, small, iters) if small else None
+        t_opt_small = await time_reduce(comms, small, iters, used_opt) if small else None
         state = cluster.master.state
+        mesh_order = [index[p] for p in state.mesh_orders.get(0, [])]
         measured_ms = {f"{index[a]}->{index[b]}": round(v * 1e3, 3)
                        for (a, b), (v, _) in sorted(state.latency.items())}
         mesh_limit = state.mesh_limits.get(0)
 
     def crossings(ring: list[int]) -> int:
         return sum(ring[k] % regions != ring[k - 1] % regions for k in range(len(ring)))
+
+    def mesh_crossings(order: list[int]) -> int:  # steps of the mesh that cross
+        return sum(any(order[a] % regions != order[b] % regions for a, b in step)
+                   for step in mesh_steps(len(order)))
     # By brute force, (k - 1)! rings: up to 10 peers (11 would take minutes).
     def rank(r: list[int]) -> tuple[float, float]:
         bottleneck, cost = ring_cost(r, bw)
@@ -94,7 +107,14 @@ async def run(peers: int, mib: int, seed: int, lo: float, hi: float, iters: int,
         "join_region_crossings": crossings(join_ring),
         "optimized_region_crossings": crossings(opt_ring),
         "small_kib": small_kib, "join_small_reduce_s": t_join_small,
-        "optimized_small_reduce_s": t_opt_small, "mesh_limit_after": mesh_limit,
+        "optimized_small_reduce_s": t_opt_small, "mesh_limit_before": mesh_limit_before,
+        "mesh_limit_after": mesh_limit,
+        "small_algorithms_before": sorted(used_join), "small_algorithms_after": sorted(used_opt),
+        "mesh_order_after": mesh_order,
+        "mesh_step_crossings_before": mesh_crossings(join_ring),
+        "mesh_step_crossings_after": mesh_crossings(mesh_order) if mesh_order else None,
+        "mesh_step_crossings_ring_rotations": min(
+            mesh_crossings(opt_ring[k:] + opt_ring[:k]) for k in range(peers)),
         "measured_one_way_ms": measured_ms,
     }
 

@@ -30,8 +30,10 @@ dials), the hops are not all alike: peers in several regions have short hops ins
 region and long ones between them. The model then takes the latency part of each
 algorithm from the pairs it uses (:func:`ring_path_latency`, :func:`mesh_path_latency`)
 instead of ``hops x a``: the ring's ``2 (k - 1) / k`` times the sum over its edges, the
-mesh's slowest pair of each of its steps. Ranks are ring positions on both, so a ring
-that visits each region once also keeps the mesh's first steps inside a region.
+mesh's slowest pair of each of its steps. The best ring visits each region once; the
+mesh then ranks the peers in an order of its own (:func:`mesh_order`, sent by the master
+with the ring), since recursive doubling wants regions split along a rank bit, not laid
+out in runs.
 """
 
 from __future__ import annotations
@@ -144,6 +146,238 @@ def mesh_start(world: int, latency: Callable[[int, int], float], tries: int = 8)
     return mesh_rotation(world, latency, [0] + [i for i in longest if i != 0])
 
 
+#: The largest group :func:`mesh_order` builds orders to the mesh's shape for (it reads
+#: every pair's latency and matches groups pairwise level by level: 0.09 s at 256
+#: peers, 0.23 s at 255, whose 127 extras are the most; pure Python, on one core of
+#: this project's 2-core VM); larger groups only get the ring's best start.
+MESH_ORDER_MAX_WORLD = 256
+
+
+def mesh_order(world: int, latency: Callable[[int, int], float],
+               max_world: int = MESH_ORDER_MAX_WORLD) -> list[int]:
+    """The mesh's rank order over a ring of ``world`` peers: ``order[r]`` is the ring
+    position that takes mesh rank ``r``; ``latency(i, j)`` is between ring positions.
+
+    Candidates, the cheapest by :func:`mesh_path_latency` winning (the earlier on ties):
+
+    1. the ring from its best start (:func:`mesh_start`; position 0 first, so a group
+       whose pairs are all alike keeps the ring's own order);
+    2. up to ``max_world`` peers, orders built to the mesh's shape:
+
+       - the extras (the ``world - p`` peers above the largest power of two ``p``,
+         each folding into rank ``r - p``) are chosen three ways: from the closest
+         disjoint pairs; the same, one region at a time first; and per region, so
+         that the peers each region keeps fill whole blocks of the cube (two
+         regions of 6 in a mesh of 12 keep 4 each, not 3 and 5);
+       - the other ``p`` peers are matched pairwise, closest pairs first, then the
+         pairs matched the same way, and so on: after ``log2 p`` levels, close peers
+         share the low levels (the first steps) and regions meet at the top;
+       - which level becomes which rank bit (every rotation of the levels, both
+         ways), and which block of ranks hosts the extras (flipping rank bits), are
+         then chosen, since the hosts must be ranks ``0 .. world - p - 1``: with two
+         regions of three, one host in each, which puts the crossing on rank bit 0.
+
+    A ring visiting regions in turn is the worst order for recursive doubling when
+    ``world`` is not a power of two: 6 peers in 2 regions of 3 cross between them at 3
+    of the mesh's 4 steps from any start of the ring, and at 1 of 4 in this order.
+    """
+    if world < 3:
+        return list(range(world))
+
+    def cost(order: Sequence[int]) -> float:
+        return mesh_path_latency(world, lambda a, b: latency(order[a], order[b]))
+
+    s = mesh_start(world, latency)
+    best = [(s + r) % world for r in range(world)]
+    if world > max_world:
+        return best
+    best_cost = cost(best)
+    for order in _clustered_orders(world, latency):
+        c = cost(order)
+        if c < best_cost - 1e-12:
+            best, best_cost = order, c
+    return best
+
+
+def _clustered_orders(world: int, latency: Callable[[int, int], float]) -> list[list[int]]:
+    """The candidate orders of :func:`mesh_order`'s second kind."""
+    d = [[0.0 if i == j else max(latency(i, j), latency(j, i)) for j in range(world)]
+         for i in range(world)]
+    p = 1 << (world.bit_length() - 1)
+    e = world - p
+    pairs = sorted((d[i][j], i, j) for i in range(world) for j in range(i + 1, world)) \
+        if e else []
+    choices = [_pick_extras(pairs, d, e, spread) for spread in (False, True)] if e else [[]]
+    by_region = _extras_by_region(pairs, d, e) if e else None
+    if by_region is not None:
+        choices.append(by_region)
+    orders: list[list[int]] = []
+    for extras in choices:
+        orders += _shaped_orders(extras, world, d)
+    return orders
+
+
+def _extras_by_region(pairs: list[tuple[float, int, int]], d: list[list[float]],
+                      e: int) -> list[int] | None:
+    """Extras taken so that what stays of each region splits into few whole blocks of
+    the mesh's cube. Regions: peers linked through pairs at most twice the median
+    distance to a nearest neighbour. Taking ``x`` extras from a region of ``n`` leaves
+    ``n - x`` peers, which fill ``popcount(n - x)`` aligned blocks of ranks; the split
+    of the ``e`` extras (at most half of each region, so that each folds into a peer of
+    its own region) with the fewest blocks wins. Inside a region the extras come from
+    its closest disjoint pairs. None when the regions cannot give ``e`` extras."""
+    world = len(d)
+    nearest = sorted(min(d[i][j] for j in range(world) if j != i) for i in range(world))
+    limit = 2 * nearest[world // 2]
+    parent = list(range(world))
+
+    def root(i: int) -> int:
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    for lat, i, j in pairs:
+        if lat > limit:
+            break
+        parent[root(i)] = root(j)
+    regions: dict[int, list[int]] = {}
+    for i in range(world):
+        regions.setdefault(root(i), []).append(i)
+    sizes = [len(r) for r in regions.values()]
+    # best[x]: (blocks, extras per region) over the regions so far, x extras in all.
+    best: list[tuple[int, list[int]] | None] = [(0, [])] + [None] * e
+    for n in sizes:
+        nxt: list[tuple[int, list[int]] | None] = [None] * (e + 1)
+        for x, got in enumerate(best):
+            if got is None:
+                continue
+            for take in range(min(n // 2, e - x) + 1):
+                cand = (got[0] + bin(n - take).count("1"), got[1] + [take])
+                old = nxt[x + take]
+                if old is None or cand[0] < old[0]:
+                    nxt[x + take] = cand
+        best = nxt
+    split = best[e]
+    if split is None:
+        return None
+    extras: list[int] = []
+    for members, want in zip(regions.values(), split[1], strict=True):
+        inside = set(members)
+        used: set[int] = set()
+        for _, i, j in pairs:
+            if want == 0:
+                break
+            if i in inside and j in inside and i not in used and j not in used:
+                used.update((i, j))
+                extras.append(j)
+                want -= 1
+    return extras
+
+
+def _pick_extras(pairs: list[tuple[float, int, int]], d: list[list[float]], e: int,
+                 spread: bool) -> list[int]:
+    """One of each of the ``e`` closest disjoint pairs (``pairs``: (latency, i, j),
+    sorted). ``spread``: a pair is first passed over when its extra would be no
+    farther from an extra already taken than from its partner, so that each region
+    gives one before any gives two (two regions of 5 make cores of 4 and 4, not 3
+    and 5); the pairs passed over fill what is left."""
+    extras: list[int] = []
+    used: set[int] = set()
+    for lat, i, j in pairs:
+        if len(extras) == e:
+            return extras
+        if i in used or j in used:
+            continue
+        if spread and any(d[j][x] <= 2 * lat for x in extras):
+            continue
+        used.update((i, j))
+        extras.append(j)
+    for _, i, j in pairs:
+        if len(extras) == e:
+            break
+        if i not in used and j not in used:
+            used.update((i, j))
+            extras.append(j)
+    return extras
+
+
+def _shaped_orders(extras: list[int], world: int, d: list[list[float]]) -> list[list[int]]:
+    """Orders with these extras: the other peers matched level by level, each way of
+    reading the levels as rank bits."""
+    p = world - len(extras)
+    e = len(extras)
+    taken = set(extras)
+    groups = [[i] for i in range(world) if i not in taken]
+    # Level by level, greedy matching of the groups, closest first; a pair of groups
+    # costs its slowest rank pair (element by element, as recursive doubling pairs them).
+    while len(groups) > 1:
+        n = len(groups)
+        pairs = sorted((max(d[a][b] for a, b in zip(groups[x], groups[y], strict=True)), x, y)
+                       for x in range(n) for y in range(x + 1, n))
+        merged: list[list[int]] = []
+        done: set[int] = set()
+        for _, x, y in pairs:
+            if x not in done and y not in done:
+                done.update((x, y))
+                merged.append(groups[x] + groups[y])
+                if len(done) == n:
+                    break
+        groups = merged
+    logical = groups[0]
+    m = p.bit_length() - 1
+    orders = []
+    for flip in (False, True):
+        for t in range(m):
+            # Physical rank bit b reads logical bit (b + t) % m, or (t - b) % m.
+            src = [((t - b) if flip else (b + t)) % m for b in range(m)]
+            core = [logical[sum(((r >> b) & 1) << src[b] for b in range(m))]
+                    for r in range(p)]
+            if not e:
+                orders.append(core)
+                continue
+            # The hosts' block of ranks (0..2^h, h = bits of e - 1) may be any of the
+            # p / 2^h blocks of the same shape: flipping rank bits h and up changes no
+            # pair of the recursive doubling, only who hosts. The block whose hosts
+            # are closest to the extras wins.
+            h = (e - 1).bit_length()
+            _, block, hosted = _best_block(core, e, h, extras, d)
+            orders.append([core[r ^ block] for r in range(p)] + hosted)
+    return orders
+
+
+def _best_block(core: list[int], e: int, h: int, extras: list[int],
+                d: list[list[float]]) -> tuple[float, int, list[int]]:
+    """Among the blocks ``c`` of ``2^h`` ranks of ``core``, the one whose first ``e``
+    members host ``extras`` with the shortest slowest pair: (that latency, c, the
+    extras in host order); the first such block on ties."""
+    best: tuple[float, int, list[int]] | None = None
+    # Flipping low bits too reorders the hosts inside a block ([C C A A] -> [A A C C]
+    # for hosts that must be two A and one C); tried where it is cheap.
+    step = 1 if len(core) * e * e <= 1 << 16 else 1 << h
+    for c in range(0, len(core), step):
+        slowest, hosted = _hosted([core[r ^ c] for r in range(e)], extras, d)
+        if best is None or slowest < best[0] - 1e-12:
+            best = (slowest, c, hosted)
+    assert best is not None
+    return best
+
+
+def _hosted(hosts: list[int], extras: list[int],
+            d: list[list[float]]) -> tuple[float, list[int]]:
+    """``extras`` in the order of the ``hosts`` they fold into (rank ``p + i`` pairs
+    with rank ``i``), closest pairs first, and the slowest such pair's latency."""
+    out = [-1] * len(hosts)
+    free = set(extras)
+    slowest = 0.0
+    for lat, i, x in sorted((d[h][x], i, x) for i, h in enumerate(hosts) for x in extras):
+        if out[i] < 0 and x in free:
+            out[i] = x
+            free.discard(x)
+            slowest = max(slowest, lat)
+    return slowest, out
+
+
 def one_way_latency(dial_seconds: Sequence[float]) -> float:
     """One-way link latency (s) estimated from the durations of pool dials: the median
     dial over twice :data:`DIAL_ROUND_TRIPS`; 0 when nothing was measured."""
@@ -169,10 +403,13 @@ def mesh_seconds(world: int, nbytes: int, one_way: float, bandwidth: float) -> f
 
 def mesh_max_bytes(world: int, one_way: float, bandwidth: float = DEFAULT_BANDWIDTH,
                    cap: int = MESH_CAP_BYTES, *,
-                   latency: Callable[[int, int], float] | None = None) -> int:
+                   latency: Callable[[int, int], float] | None = None,
+                   mesh_latency: Callable[[int, int], float] | None = None) -> int:
     """The largest all-reduce (bytes) for which the mesh is modelled faster than the
     ring, at most ``cap``; 0 for a group of one. ``latency(i, j)``: the one-way latency
-    from ring rank ``i`` to ``j`` where pairs differ (else every hop is ``one_way``)."""
+    from ring rank ``i`` to ``j`` where pairs differ (else every hop is ``one_way``);
+    ``mesh_latency(i, j)`` the same between mesh ranks, where the mesh has its own order
+    (default: ``latency``)."""
     if world < 2:
         return 0
     hops_ring, hops_mesh = 2 * (world - 1), mesh_rounds(world)
@@ -180,7 +417,8 @@ def mesh_max_bytes(world: int, one_way: float, bandwidth: float = DEFAULT_BANDWI
     if latency is None:
         saved = (hops_ring - hops_mesh) * (one_way + HOP_OVERHEAD_S)
     else:
-        saved = (ring_path_latency(world, latency) - mesh_path_latency(world, latency)
+        saved = (ring_path_latency(world, latency)
+                 - mesh_path_latency(world, mesh_latency or latency)
                  + (hops_ring - hops_mesh) * HOP_OVERHEAD_S)
     if saved <= 0:
         return 0

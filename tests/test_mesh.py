@@ -180,6 +180,57 @@ def test_the_mesh_starts_at_a_region_edge() -> None:
     assert algorithms.mesh_rotation(8, lambda i, j: 0.01) == 0
 
 
+def _regions(of):
+    return lambda i, j: 0.001 if of(i) == of(j) else 0.010
+
+
+@pytest.mark.parametrize(("k", "of", "best"), [
+    (6, lambda i: i // 3, 0.013),  # 2 regions of 3: from any ring start, 31 ms
+    (7, lambda i: i // 4, 0.013),
+    (10, lambda i: i // 5, 0.014),  # cores of 4 and 4, crossing on one rank bit
+    (12, lambda i: i // 4, 0.023),  # 3 regions: two crossing steps at least
+    (20, lambda i: i // 5, 0.024),
+    (40, lambda i: i // 10, 0.025),
+    (8, lambda i: i // 4, 0.012),  # a power of two: the ring's order is as good
+])
+def test_the_mesh_orders_regions_along_rank_bits(k, of, best) -> None:
+    lat = _regions(of)
+    order = algorithms.mesh_order(k, lat)
+    assert sorted(order) == list(range(k))
+    got = algorithms.mesh_path_latency(k, lambda a, b: lat(order[a], order[b]))
+    assert got == pytest.approx(best)
+    # Never worse than the ring's best start, which is what a larger group gets.
+    s = algorithms.mesh_start(k, lat)
+    assert got <= algorithms.mesh_path_latency(
+        k, lambda a, b: lat((s + a) % k, (s + b) % k)) + 1e-12
+    assert algorithms.mesh_order(k, lat, max_world=k - 1) == [(s + r) % k for r in range(k)]
+
+
+def test_the_mesh_order_is_the_rings_when_pairs_are_alike() -> None:
+    for k in (3, 5, 6, 9, 16):
+        assert algorithms.mesh_order(k, lambda i, j: 0.005) == list(range(k))
+
+
+def test_the_mesh_order_copes_with_noisy_regions() -> None:
+    # Latencies within 20% of their region's: the regions still split along rank bits
+    # (brute force over all 6! orders agrees to within the noise).
+    import itertools
+    import random
+
+    rnd = random.Random(3)
+    k = 6
+    noise = {(i, j): 1 + 0.2 * rnd.random() for i in range(k) for j in range(k)}
+
+    def lat(i: int, j: int) -> float:
+        return _regions(lambda r: r // 3)(i, j) * noise[(i, j)]
+
+    def cost(order) -> float:
+        return algorithms.mesh_path_latency(k, lambda a, b: lat(order[a], order[b]))
+    brute = min(cost(p) for p in itertools.permutations(range(k)))
+    got = cost(algorithms.mesh_order(k, lat))
+    assert brute <= got <= brute + 0.002 * 4  # one crossing, like the best
+
+
 @pytest.mark.parametrize("fault", ["blackhole", "reset"])
 async def test_a_stalled_or_reset_mesh_link_fails_everyone_in_bounded_time(fault) -> None:
     async with LinkEmulator(bandwidth=5e6, chunk_size=64 * 1024) as emu:

@@ -63,6 +63,22 @@ def test_admission_installs_the_ring_between_the_neighbours() -> None:
     assert mc.status is ps.Status.ACCEPTED and mc.ring_epoch == 4 and mc.usable() is None
 
 
+@pytest.mark.parametrize(("sent", "order", "limit"), [
+    ([3, 1, 2], (3, 1, 2), 4096),  # the master's own mesh order goes to the install
+    ([1, 2, 4], (1, 2, 3), 0),  # not an order of the ring: no mesh, the ring's order
+    ([1, 2], (1, 2, 3), 0),
+])
+def test_the_mesh_order_from_the_master_goes_to_the_install(sent, order, limit) -> None:
+    mc = ps.PeerMachine()
+    out = cmds(mc, ps.Welcomed(2), ps.FromMaster(world([1, 2, 3], 4)),
+               ps.FromMaster(m.TopologyUpdated(epoch=4, mesh_max_bytes=4096,
+                                               mesh_order=sent)))
+    assert ps.InstallRing(4, 3, 1, 1, order, limit) in out
+    logged = [c for c in out if isinstance(c, ps.Log)]
+    assert bool(logged) == (limit == 0)
+    assert all("not an order of the ring" in c.message for c in logged)
+
+
 def test_a_failed_install_fails_the_admission() -> None:
     mc = ps.PeerMachine()
     cmds(mc, ps.Welcomed(2), ps.FromMaster(world([1, 2], 1)),

@@ -19,14 +19,15 @@ FAST, SLOW = 80e6, 4e6
 
 async def shaped_cluster(stack, n: int, slow: set[tuple[int, int]], *, fast: float = FAST,
                          latency: Callable[[int, int], float] | None = None,
-                         chunk_size: int = 256 * 1024):
+                         chunk_size: int = 256 * 1024, **kwargs):
     """n peers; the link from join-index i to j is SLOW if (i, j) in ``slow``, else
-    ``fast``; ``latency(i, j)``: its one-way latency, when given."""
+    ``fast``; ``latency(i, j)``: its one-way latency, when given; ``kwargs`` go to
+    each Communicator."""
     cluster = await stack.enter_async_context(
         Cluster(0, pool_size=2, master_kwargs={"insecure": True}))
     comms = await cluster.admit_shaped(
         stack, n, lambda i, j: SLOW if (i, j) in slow else fast, latency,
-        chunk_size=chunk_size)
+        chunk_size=chunk_size, **kwargs)
     return cluster, comms
 
 
@@ -74,7 +75,8 @@ async def test_optimized_ring_visits_each_region_once() -> None:
     async with AsyncExitStack() as stack:
         cluster, comms = await shaped_cluster(
             stack, n, set(), fast=8e6, chunk_size=64 * 1024,
-            latency=lambda i, j: far if region(i) != region(j) else 0.0)
+            latency=lambda i, j: far if region(i) != region(j) else 0.0,
+            via_master_max_bytes=0)
         ids = [c.peer_id for c in comms]
         of = {p: region(k) for k, p in enumerate(ids)}
         assert all(of[a] != of[b] for a, b in edges(comms[0].ring))
@@ -88,16 +90,27 @@ async def test_optimized_ring_visits_each_region_once() -> None:
         assert len(inside) + len(across) == n * (n - 1)
         assert min(across) > max(inside), (sorted(inside), sorted(across))
         assert sum(of[a] != of[b] for a, b in edges(ring)) == 2, (ring, of)
-        # The ring starts where the mesh's ranks meet the least measured latency.
+        # The mesh ranks the peers in an order of its own, the regions split along a
+        # rank bit: one of its 4 steps crosses between them, where the ring's order
+        # crosses at 3 from any start.
         from pccl import algorithms
 
-        def mesh_latency(s: int) -> float:
-            return algorithms.mesh_path_latency(n, lambda i, j: state.latency[
-                (ring[(s + i) % n], ring[(s + j) % n])][0])
-        assert mesh_latency(0) == min(mesh_latency(s) for s in range(n))
-        xs = [np.full(1001, i + 1, np.float32) for i in range(n)]
-        await asyncio.gather(*(c.all_reduce(x) for c, x in zip(comms, xs)))
-        assert all((x == n * (n + 1) // 2).all() for x in xs)
+        def crossings(order: list[int]) -> int:
+            return sum(any(of[order[a]] != of[order[b]] for a, b in step)
+                       for step in algorithms.mesh_steps(n))
+        order = state.mesh_orders[state.peers[ids[0]].peer_group]
+        assert sorted(order) == sorted(ring)
+        assert crossings(order) == 1, (order, of)
+        assert min(crossings(ring[s:] + ring[:s]) for s in range(n)) == 3
+        # The mesh runs in that order (its ranks are not the ops' ring ranks), exact
+        # and bit-identical on every peer.
+        rng = np.random.default_rng(5)
+        xs = [rng.standard_normal(1001).astype(np.float32) for _ in range(n)]
+        want = np.sum(np.stack(xs).astype(np.float64), axis=0)
+        infos = await asyncio.gather(*(c.all_reduce(x) for c, x in zip(comms, xs)))
+        assert {i.algorithm for i in infos} == {"mesh"}, state.mesh_limits
+        assert all(x.tobytes() == xs[0].tobytes() for x in xs)
+        np.testing.assert_allclose(xs[0], want, rtol=1e-5, atol=1e-5)
 
 
 async def test_peer_lost_during_optimization_fails_it_everywhere() -> None:

@@ -355,6 +355,8 @@ class Round:
     mesh_ok: set[int] = dataclasses.field(default_factory=set)
     # Per group: how long the members' pool dials took (the latency measurement).
     dials: dict[int, list[float]] = dataclasses.field(default_factory=dict)
+    # Per group: the mesh's rank order (peer ids) sent with this round's links.
+    mesh_orders: dict[int, list[int]] = dataclasses.field(default_factory=dict)
     member_set: frozenset[int] = dataclasses.field(init=False)  # for membership tests
 
     def __post_init__(self) -> None:
@@ -457,6 +459,10 @@ class MasterState:
         self.mesh_max_bytes = mesh_max_bytes
         # Per group: the mesh limit of its current ring epoch (sent with TopologyUpdated).
         self.mesh_limits: dict[int, int] = {}
+        # Per group: the mesh's rank order (peer ids) of its current ring epoch, and the
+        # orders computed for rings (cleared when a latency is measured).
+        self.mesh_orders: dict[int, list[int]] = {}
+        self.mesh_order_memo: dict[tuple[int, ...], list[int]] = {}
         # Per group: what the cost model was given for it (one-way latency s, bytes/s).
         self.mesh_inputs: dict[int, tuple[float, float]] = {}
         # Relay tokens of mesh links (not ring links: their fallback says nothing of a
@@ -601,7 +607,7 @@ class MasterState:
         elif isinstance(event, BetterRing):
             members = set(self._groups().get(event.group, []))
             if event.round_id == self.opt_round and set(event.ring) == members:
-                self.ring_order[event.group] = self._rotated_for_the_mesh(list(event.ring))
+                self.ring_order[event.group] = list(event.ring)
                 self.rings_stale = True  # the next update_topology() rebuilds in it
         elif isinstance(event, Relayed):
             pair = self.relay_tokens.get(event.token)
@@ -960,7 +966,8 @@ class MasterState:
                 g = self.peers[p].peer_group
                 out.append(Send(p, m.TopologyUpdated(
                     epoch=self.ring_epochs.get(g, self.epoch),
-                    mesh_max_bytes=self.mesh_limits.get(g, 0))))
+                    mesh_max_bytes=self.mesh_limits.get(g, 0),
+                    mesh_order=self._mesh_order_sent(g))))
             return
         self.attempts = 0
         self._start_round(accepted + pending, out)
@@ -1097,7 +1104,9 @@ class MasterState:
             for i, p in enumerate(ring):
                 if n > 1:
                     routes[p] = self._route(p, ring[(i + 1) % n], rnd)
-            mesh = self._mesh_routes(ring)
+            order = rnd.mesh_orders[group] = self._mesh_order(ring)
+            rank = {p: r for r, p in enumerate(order)}
+            mesh = self._mesh_routes(order)
             if mesh is not None:
                 rnd.mesh_ok.add(group)
             for i, p in enumerate(ring):
@@ -1105,7 +1114,7 @@ class MasterState:
                 prv = ring[(i - 1) % n] if n > 1 else -1
                 route, token = routes.get(p, ("direct", b""))
                 prev_route, prev_token = routes.get(prv, ("direct", b""))
-                partners = ([ring[r] for r in algorithms.mesh_partners(i, n)]
+                partners = ([order[r] for r in algorithms.mesh_partners(rank[p], n)]
                             if mesh is not None else [])
                 out_routes = [mesh[(p, q)] for q in partners] if mesh is not None else []
                 in_routes = [mesh[(q, p)] for q in partners] if mesh is not None else []
@@ -1130,19 +1139,20 @@ class MasterState:
                     quorum_rings=[list(r) for _, r in counted.get(group, [])],
                 )))
 
-    def _mesh_routes(self, ring: list[int]) -> dict[tuple[int, int], tuple[str, bytes]] | None:
-        """How each directed mesh link of ``ring`` is made (sender, receiver) -> (route,
-        token): dialed when the receiver is reachable, dialed back when only the sender
-        is, else through the relay. None: no mesh for this ring (the mesh is off, the
-        ring is too small, or two partners behind NAT cannot use the relay); its
-        collectives then all take the ring, and nobody is dropped for it."""
-        n = len(ring)
+    def _mesh_routes(self, order: list[int]) -> dict[tuple[int, int], tuple[str, bytes]] | None:
+        """How each directed mesh link over the ranks ``order`` is made: (sender,
+        receiver) -> (route, token), dialed when the receiver is reachable, dialed back
+        when only the sender is, else through the relay. None: no mesh for this ring
+        (the mesh is off, the ring is too small, or two partners behind NAT cannot use
+        the relay); its collectives then all take the ring, and nobody is dropped for
+        it."""
+        n = len(order)
         if self.mesh_max_bytes == 0 or n < 2:
             return None
         routes: dict[tuple[int, int], tuple[str, bytes]] = {}
-        for i, p in enumerate(ring):
+        for i, p in enumerate(order):
             for r in algorithms.mesh_partners(i, n):
-                q = ring[r]
+                q = order[r]
                 a, b = self.peers[p], self.peers[q]
                 token = self._token(f"{self.epoch}:{p}:{q}:mesh")
                 if b.reachable:
@@ -1177,9 +1187,11 @@ class MasterState:
         # Pairs the probes measured have their own latency (regions); the others are
         # taken at this round's dials. Only when the probes measured pairs of the group.
         per_pair = any((ring[i - 1], ring[i]) in self.latency for i in range(len(ring)))
+        order = rnd.mesh_orders.get(group, ring)
         return algorithms.mesh_max_bytes(
             len(ring), one_way, bandwidth,
-            latency=self._ring_latency(ring, one_way) if per_pair else None)
+            latency=self._ring_latency(ring, one_way) if per_pair else None,
+            mesh_latency=self._ring_latency(order, one_way) if per_pair else None)
 
     def _token(self, label: str) -> bytes:
         """A route token: unguessable without the master's key, the same for the same
@@ -1301,10 +1313,12 @@ class MasterState:
                     self.ring_epochs[g] = rnd.epoch
                     self.lineage[g] = (rnd.epoch, frozenset(rings[g]))
                     self.mesh_limits[g] = self._mesh_limit(g, rings[g], rnd)
+                    self.mesh_orders[g] = rnd.mesh_orders.get(g, rings[g])
                 else:
                     self.rings.pop(g, None)
                     self.ring_epochs.pop(g, None)
                     self.mesh_limits.pop(g, None)
+                    self.mesh_orders.pop(g, None)
                 self.broken_groups.discard(g)
             self._note("repair", f"ring epoch {rnd.epoch}: rebuilt without the lost peers: "
                        + self._describe_rings(rnd.groups), rnd.members, value=rnd.epoch)
@@ -1312,9 +1326,10 @@ class MasterState:
             self.phase = Phase.IDLE
             self._broadcast_world(rnd.members, out)
             for p in rnd.members:
+                g = self.peers[p].peer_group
                 out.append(Send(p, m.TopologyUpdated(
-                    epoch=rnd.epoch, repair=True,
-                    mesh_max_bytes=self.mesh_limits.get(self.peers[p].peer_group, 0))))
+                    epoch=rnd.epoch, repair=True, mesh_max_bytes=self.mesh_limits.get(g, 0),
+                    mesh_order=self._mesh_order_sent(g))))
             self._after_repair(out)
             return
         joined = [p for p in rnd.members if self.peers[p].status is PeerStatus.REGISTERED]
@@ -1333,6 +1348,7 @@ class MasterState:
         for g, ring in self.rings.items():
             self.lineage[g] = (rnd.epoch, frozenset(ring))
         self.mesh_limits = {g: self._mesh_limit(g, ring, rnd) for g, ring in self.rings.items()}
+        self.mesh_orders = {g: rnd.mesh_orders.get(g, ring) for g, ring in self.rings.items()}
         self.rings_stale = False
         self.broken_groups.clear()
         self.repair_failed.clear()
@@ -1343,14 +1359,19 @@ class MasterState:
                    rnd.members, value=rnd.epoch)
         self._broadcast_world(rnd.members, out)
         for p in rnd.members:
+            g = self.peers[p].peer_group
             out.append(Send(p, m.TopologyUpdated(
-                epoch=rnd.epoch,
-                mesh_max_bytes=self.mesh_limits.get(self.peers[p].peer_group, 0))))
+                epoch=rnd.epoch, mesh_max_bytes=self.mesh_limits.get(g, 0),
+                mesh_order=self._mesh_order_sent(g))))
 
     def _describe_rings(self, groups: Collection[int]) -> str:
+        def mesh(g: int) -> str:
+            order = self._mesh_order_sent(g)
+            return f" (mesh ranks {' '.join(map(str, order))})" if order else ""
+
         return "; ".join(
-            f"group {g}: " + (" -> ".join(map(str, self.rings[g])) if len(self.rings[g]) > 1
-                              else f"{self.rings[g][0]} alone")
+            f"group {g}: " + (" -> ".join(map(str, self.rings[g])) + mesh(g)
+                              if len(self.rings[g]) > 1 else f"{self.rings[g][0]} alone")
             for g in sorted(groups) if self.rings.get(g)) or "no rings"
 
     def _after_repair(self, out: list[Command]) -> None:
@@ -1946,6 +1967,7 @@ class MasterState:
                           if pair[0] in self.peers and pair[1] in self.peers}
         self.latency = {pair: v for pair, v in self.latency.items()
                         if pair[0] in self.peers and pair[1] in self.peers}
+        self.mesh_order_memo.clear()
         # Measure every ordered pair inside a group that is unknown or too old.
         plan: dict[int, list[int]] = {}
         for members in self._groups().values():
@@ -1982,6 +2004,7 @@ class MasterState:
         for t, dial in zip(msg.target_ids, dials):
             if t in self.peers and math.isfinite(dial) and dial >= 0:
                 self.latency[(peer, t)] = (algorithms.one_way_latency([dial]), self.opt_round)
+                self.mesh_order_memo.clear()
         if not self.opt_probers:
             self._solve_all(out)
 
@@ -2016,25 +2039,40 @@ class MasterState:
         if not groups:
             self._finish_optimize(out)
 
-    #: The largest ring :meth:`_rotated_for_the_mesh` rotates (it tries 8 starts, each
-    #: k log k latency lookups).
-    mesh_rotation_max_peers = 4096
+    #: The largest group :meth:`_mesh_order` orders (beyond it the mesh takes the ring's
+    #: order; up to pccl.algorithms.MESH_ORDER_MAX_WORLD it is built to the mesh's shape,
+    #: above only the ring's best start is chosen: 8 starts, each k log k lookups).
+    mesh_order_max_peers = 4096
 
-    def _rotated_for_the_mesh(self, ring: list[int]) -> list[int]:
-        """The same ring, started where the mesh's ranks meet the least latency
-        (pccl.algorithms.mesh_rotation): with regions, at a region's edge, so that its
-        first steps stay inside regions. Tried: position 0 and the positions after the
-        ring's longest hops. Unchanged without measured latencies or without a mesh."""
+    def _mesh_order(self, ring: list[int]) -> list[int]:
+        """The mesh's rank order over ``ring`` (peer ids): pccl.algorithms.mesh_order
+        from the latencies the probes measured (with regions: split along a rank bit,
+        so that few of the mesh's steps cross between them). The ring's own order
+        without measured latencies or without a mesh."""
         k = len(ring)
-        if k < 3 or k > self.mesh_rotation_max_peers or self.mesh_max_bytes == 0 \
+        if k < 3 or k > self.mesh_order_max_peers or self.mesh_max_bytes == 0 \
                 or not self.latency:
             return ring
+        key = tuple(ring)
+        got = self.mesh_order_memo.get(key)
+        if got is not None:
+            return got
         known = sorted(self.latency[(ring[i - 1], ring[i])][0] for i in range(k)
                        if (ring[i - 1], ring[i]) in self.latency)
         if not known:
             return ring
-        s = algorithms.mesh_start(k, self._ring_latency(ring, known[len(known) // 2]))
-        return ring[s:] + ring[:s]
+        order = [ring[i] for i in algorithms.mesh_order(
+            k, self._ring_latency(ring, known[len(known) // 2]))]
+        if len(self.mesh_order_memo) >= 64:
+            self.mesh_order_memo.clear()
+        self.mesh_order_memo[key] = order
+        return order
+
+    def _mesh_order_sent(self, group: int) -> list[int]:
+        """What TopologyUpdated carries of ``group``'s mesh order: empty where it is the
+        ring's own."""
+        order = self.mesh_orders.get(group, [])
+        return [] if order == self.rings.get(group, []) else list(order)
 
     def _ring_latency(self, ring: list[int], fallback: float) -> Callable[[int, int], float]:
         """One-way latency from ring position ``i`` to ``j``, as the probes measured the
@@ -2060,7 +2098,7 @@ class MasterState:
             return
         self.opt_solving.discard(ev.group)
         if sorted(ev.ring) == sorted(p for p in ev.ring if p in self.peers):
-            self.ring_order[ev.group] = self._rotated_for_the_mesh(list(ev.ring))
+            self.ring_order[ev.group] = list(ev.ring)
         if not self.opt_solving:
             self._finish_optimize(out)
 

@@ -545,7 +545,7 @@ class Driver:
                                           pool_timeout=self.p2p_timeout,
                                           io_timeout=self.peer_timeout,
                                           max_piece=max(self.piece_bytes, 1 << 16),
-                                          ring=list(c.ring) or None,
+                                          ring=list(c.mesh_order) or None,
                                           mesh_max_bytes=c.mesh_max_bytes)
         except PCCLError as e:
             error = str(e) or type(e).__name__

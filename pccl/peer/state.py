@@ -303,8 +303,9 @@ class InstallRing:
     next_id: int  # -1: a ring of one
     prev_id: int
     generation: int
-    # The ring's peer ids in order, and the largest all-reduce for its mesh (0: none).
-    ring: tuple[int, ...] = ()
+    # The mesh's ranks (peer ids: the ring's order unless the master sent another), and
+    # the largest all-reduce for the mesh (0: none).
+    mesh_order: tuple[int, ...] = ()
     mesh_max_bytes: int = 0
 
 
@@ -734,8 +735,14 @@ class PeerMachine:
             nxt = self.ring[(i + 1) % n] if n > 1 else -1
             prv = self.ring[(i - 1) % n] if n > 1 else -1
             if self.installing.get(msg.epoch) != self.generation:
-                out.append(InstallRing(msg.epoch, nxt, prv, self.generation,
-                                       tuple(self.ring), msg.mesh_max_bytes))
+                order, limit = tuple(msg.mesh_order) or tuple(self.ring), msg.mesh_max_bytes
+                if sorted(order) != sorted(self.ring):
+                    # Every member got the same message: all of them take the ring.
+                    out.append(Log(f"peer {self.peer_id}: the master's mesh order "
+                                   f"{list(order)} for epoch {msg.epoch} is not an order of "
+                                   f"the ring {self.ring}; every collective takes the ring"))
+                    order, limit = tuple(self.ring), 0
+                out.append(InstallRing(msg.epoch, nxt, prv, self.generation, order, limit))
                 self.installing[msg.epoch] = self.generation
             self.installs.append(msg)
         else:

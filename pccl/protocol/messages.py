@@ -14,7 +14,7 @@ from typing import ClassVar
 from pccl.errors import ErrorKind
 
 #: Bumped on every incompatible change; checked in the handshake.
-PROTOCOL_VERSION = 10
+PROTOCOL_VERSION = 11
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -278,6 +278,9 @@ class TopologyUpdated(Message):
     # All-reduces of up to this many bytes (unquantized) run on the mesh of ``epoch``
     # instead of the ring; 0: no mesh. The same for every member of a group.
     mesh_max_bytes: int = 0
+    # The mesh's ranks (peer ids, a permutation of the ring) where they are not the
+    # ring's order (pccl.algorithms.mesh_order); empty: the ring's order.
+    mesh_order: list[int] = dataclasses.field(default_factory=list)
 
 
 @message

@@ -83,10 +83,10 @@ def section_algorithms(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 def section_solver(args: argparse.Namespace) -> list[dict[str, Any]]:
     """pccl's solver on the model's matrices, told the bandwidths only and the
-    latencies too (what the master hands it once probes timed their dials; that ring
-    started where the master starts it, pccl.algorithms.mesh_start), against join
-    order and the regions sorted by hand: the 64 MiB ring and the 4 KiB mesh each
-    ring's ranks give."""
+    latencies too (what the master hands it once probes timed their dials), against
+    join order and the regions sorted by hand: the 64 MiB ring, and the 4 KiB mesh
+    with each ring's order as ranks, except the latency-aware one's, which has the
+    mesh order the master would send (pccl.algorithms.mesh_order)."""
     rows = []
     for n in args.solver_peers:
         net = NetworkModel.sampled(n, args.seed)
@@ -98,15 +98,16 @@ def section_solver(args: argparse.Namespace) -> list[dict[str, Any]]:
         t0 = time.perf_counter()
         near = topology.solve(bw, time_budget=args.solver_budget, latency=lat)
         took_near = time.perf_counter() - t0
-        s = algorithms.mesh_start(n, lat[np.ix_(near, near)].item)
+        mesh = [near[i] for i in algorithms.mesh_order(n, lat[np.ix_(near, near)].item)]
         rings = {"join_order": order, "region_sorted": collectives.region_sorted(net, order),
-                 "solver": ring, "solver_latency": near[s:] + near[:s]}
+                 "solver": ring, "solver_latency": near}
+        meshes = {**rings, "solver_latency": mesh}
         row = {"peers": n, "solver_s": took, "solver_latency_s": took_near,
                "budget_s": args.solver_budget,
                "ring_seconds_64MiB": {k: collectives.ring_seconds(net, r, 64 << 20)
                                       for k, r in rings.items()},
                "mesh_seconds_4KiB": {k: collectives.mesh_seconds(net, r, 4 << 10)
-                                     for k, r in rings.items()},
+                                     for k, r in meshes.items()},
                "bottleneck_MBps": {k: topology.ring_cost(r, bw)[0] / 1e6
                                    for k, r in rings.items()},
                "region_crossings": {k: sum(int(net.region[r[i]] != net.region[r[i - 1]])

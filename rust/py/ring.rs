@@ -49,7 +49,8 @@ pub(crate) struct KeepAlive(#[allow(dead_code)] pub(crate) Py<PyAny>);
 impl PyP2PNode {
     /// Turns the pools of `epoch` into the ring links (to `next_id`, from `prev_id`).
     /// A ring of one (`next_id < 0`) just drops the old links. With `ring` (the peer
-    /// ids in ring order) and `mesh_max_bytes > 0`, also the mesh links of the epoch
+    /// ids in the mesh's rank order: the ring's, or the order the master chose for the
+    /// mesh) and `mesh_max_bytes > 0`, also the mesh links of the epoch
     /// (pools dialed with `connect_pool(mesh=True)` to and from every partner):
     /// unquantized all-reduces of up to that many bytes then run on the mesh.
     #[pyo3(signature = (epoch, next_id, prev_id, pool_timeout=10.0, io_timeout=30.0, max_piece=16 << 20, ring=None, mesh_max_bytes=0))]

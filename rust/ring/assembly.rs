@@ -196,9 +196,11 @@ pub struct Ring {
 }
 
 /// What [`Ring::install`] needs for the mesh of an epoch besides the ring links: the
-/// ring's peer ids in order and the largest collective (bytes) to run on it.
+/// ring's peer ids in the mesh's rank order and the largest collective (bytes) to run
+/// on it.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct MeshConfig {
+    /// Peer ids by mesh rank: a permutation of the ring (its own order by default).
     pub ring: Vec<u64>,
     pub max_bytes: usize,
 }

@@ -2,7 +2,11 @@
 //! ring, for collectives too small for the ring's bandwidth to matter. Its latency
 //! grows with log2(k) hops instead of the ring's 2(k-1).
 //!
-//! Ranks are the ring's. Let `p` be the largest power of two not above the world `k`;
+//! Ranks are the mesh's own order of the ring's peers ([`MeshConfig::ring`]: the ring's
+//! order unless the master chose one for the mesh, as it does where it measured latencies:
+//! recursive doubling wants regions split along a rank bit, which the ring, visiting each
+//! region once, does not give), not the op's ring rank. Let `p` be the largest power of
+//! two not above the world `k`;
 //! ranks `p..k` are *extras*, each paired with rank `r - p`:
 //!
 //! - step 0: every extra sends its input to its pair, which folds it in after its own
@@ -148,9 +152,10 @@ fn schedule(rank: usize, world: usize) -> Vec<Step> {
 /// it, receiving from it), and the largest collective it takes.
 pub struct Mesh {
     pub epoch: u64,
-    /// Peer ids in ring order (rank -> id).
+    /// Peer ids in mesh rank order (rank -> id): the ring's order unless the master
+    /// sent an order of the mesh's own.
     pub ring: Vec<u64>,
-    /// This peer's rank in `ring`.
+    /// This peer's rank in `ring` (not necessarily its ring position).
     pub rank: usize,
     /// Collectives of at most this many bytes (unquantized) run on the mesh.
     pub max_bytes: usize,
@@ -374,20 +379,23 @@ pub async fn mesh_all_reduce(
     cancel: CancellationToken,
     armed: Arc<Armed>,
 ) -> CoreResult<ReduceStats> {
-    let (world, rank) = (spec.world, spec.rank);
-    if world < 2 || rank >= world {
+    // The op's rank is this peer's ring position; the mesh ranks its peers in an order
+    // of its own (the master's mesh order), so only the worlds must agree.
+    let (world, rank) = (spec.world, mesh.rank);
+    if world < 2 || spec.rank >= world {
         return Err(CoreError::InvalidArgument(format!(
-            "a mesh all-reduce needs rank < world and world >= 2 (rank {rank}, world {world})"
+            "a mesh all-reduce needs rank < world and world >= 2 (rank {}, world {world})",
+            spec.rank
         )));
     }
-    if world != mesh.ring.len() || rank != mesh.rank {
+    if world != mesh.ring.len() {
         return Err(CoreError::InvalidUsage(format!(
-            "the mesh of epoch {} has rank {} of {}, the op rank {rank} of {world}",
+            "the mesh of epoch {} has {} peers, the op {world}",
             mesh.epoch,
-            mesh.rank,
             mesh.ring.len()
         )));
     }
+    let spec = ReduceSpec { rank, ..spec };
     if spec.quant.is_some() {
         return Err(CoreError::InvalidArgument(
             "the mesh all-reduce does not quantize".into(),
