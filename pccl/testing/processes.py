@@ -17,6 +17,11 @@ from typing import Any
 from pccl.errors import ERROR_KINDS, PCCLError
 
 
+#: Ports :func:`free_port` returned in this process: a port handed to a child that has
+#: not bound it yet still looks free, and is never handed out twice.
+_handed_out: set[int] = set()
+
+
 def free_port() -> int:
     """A TCP port that was free a moment ago on 127.0.0.1 (for a listener a child
     process or a test binds next).
@@ -25,7 +30,9 @@ def free_port() -> int:
     are handed out to every outgoing connection and every ``bind(0)``, so one chosen
     there can be taken by any socket before the listener binds it (seen in a churn soak:
     a joiner's ``Address already in use``); below it, only another explicit bind of the
-    same number can collide.
+    same number can collide. A port is never returned twice by one process: handed to a
+    child that has not bound it yet, it still looks free (seen in a churn soak: two
+    workers on one port, which p2p listeners now refuse).
     """
     low, high = 32768, 60999
     try:
@@ -37,11 +44,14 @@ def free_port() -> int:
         rng = random.Random()
         for _ in range(64):
             port = rng.randrange(max(1024, low - 16384), low)
+            if port in _handed_out:
+                continue
             with socket.socket() as s:
                 try:
                     s.bind(("127.0.0.1", port))
                 except OSError:
                     continue
+                _handed_out.add(port)
                 return port
     with socket.socket() as s:  # no room below the range: any free port
         s.bind(("127.0.0.1", 0))

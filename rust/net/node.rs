@@ -173,6 +173,26 @@ fn reusable_socket(addr: SocketAddr) -> io::Result<TcpSocket> {
     Ok(s)
 }
 
+/// Fails with `AddrInUse` if a listener already holds `addr`'s port (0: any port, no
+/// check). The p2p listener sets SO_REUSEPORT (hole punching connects from its port), so
+/// a second process of the same user binding the same port would succeed, and the
+/// kernel would then split incoming connections between the two listeners: half of the
+/// dials to either peer would reach the other one (seen in a churn soak where two
+/// workers were handed the same port). A socket with SO_REUSEADDR alone may bind over
+/// connections left in TIME_WAIT, not over a listener.
+fn port_not_listened_on(addr: SocketAddr) -> io::Result<()> {
+    if addr.port() == 0 {
+        return Ok(());
+    }
+    let probe = if addr.is_ipv4() {
+        TcpSocket::new_v4()?
+    } else {
+        TcpSocket::new_v6()?
+    };
+    probe.set_reuseaddr(true)?;
+    probe.bind(addr)
+}
+
 fn route_frame(magic: &[u8; 8], token: &[u8; TOKEN_LEN], stream: u16) -> Vec<u8> {
     let mut f = Vec::with_capacity(8 + TOKEN_LEN + 2);
     f.extend_from_slice(magic);
@@ -256,7 +276,8 @@ const MAX_IDLE_TRANSFERS: usize = 16;
 impl Node {
     /// Binds the listener and starts accepting.
     pub async fn bind(cfg: NodeConfig, addr: SocketAddr) -> CoreResult<Arc<Node>> {
-        let listener = reusable_socket(addr)
+        let listener = port_not_listened_on(addr)
+            .and_then(|()| reusable_socket(addr))
             .and_then(|s| {
                 s.bind(addr)?;
                 s.listen(1024)
