@@ -16,7 +16,6 @@ from typing import Any
 
 from pccl.errors import ERROR_KINDS, PCCLError
 
-
 #: Ports :func:`free_port` returned in this process: a port handed to a child that has
 #: not bound it yet still looks free, and is never handed out twice.
 _handed_out: set[int] = set()
