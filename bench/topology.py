@@ -45,14 +45,16 @@ async def time_reduce(comms, n: int, iters: int, used: set[str] | None = None) -
 
 
 async def run(peers: int, mib: int, seed: int, lo: float, hi: float, iters: int,
-              regions: int = 1, region_ms: float = 0.0, small_kib: int = 0) -> dict:
+              regions: int = 1, region_ms: float = 0.0, small_kib: int = 0,
+              mesh_max_bytes: int = -1) -> dict:
     rng = np.random.default_rng(seed)
     bw = np.exp(rng.uniform(np.log(lo), np.log(hi), size=(peers, peers)))
     np.fill_diagonal(bw, 0)
     async with AsyncExitStack() as stack:
         cluster = await stack.enter_async_context(
             Cluster(0, pool_size=2, master_kwargs={"heartbeat_timeout": 60.0,
-                                                    "insecure": True}))
+                                                    "insecure": True,
+                                                    "mesh_max_bytes": mesh_max_bytes}))
 
         def delay(i: int, j: int) -> float:
             return region_ms / 1e3 if i % regions != j % regions else 0.0
@@ -108,7 +110,7 @@ async def run(peers: int, mib: int, seed: int, lo: float, hi: float, iters: int,
         "optimized_region_crossings": crossings(opt_ring),
         "small_kib": small_kib, "join_small_reduce_s": t_join_small,
         "optimized_small_reduce_s": t_opt_small, "mesh_limit_before": mesh_limit_before,
-        "mesh_limit_after": mesh_limit,
+        "mesh_limit_after": mesh_limit, "mesh_max_bytes_asked": mesh_max_bytes,
         "small_algorithms_before": sorted(used_join), "small_algorithms_after": sorted(used_opt),
         "mesh_order_after": mesh_order,
         "mesh_step_crossings_before": mesh_crossings(join_ring),
@@ -131,11 +133,14 @@ def main() -> None:
     ap.add_argument("--region-ms", type=float, default=0.0,
                     help="one-way latency between regions, each way")
     ap.add_argument("--small-kib", type=int, default=0)
+    ap.add_argument("--mesh-max-bytes", type=int, default=-1,
+                    help="the master's mesh limit: -1 the cost model's (default), 0 no "
+                         "mesh, N > 0 every all-reduce up to N bytes on the mesh")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     res = asyncio.run(run(args.peers, args.mib, args.seed, args.min_mbps * 1e6,
                           args.max_mbps * 1e6, args.iters, args.regions, args.region_ms,
-                          args.small_kib))
+                          args.small_kib, args.mesh_max_bytes))
     print(json.dumps(res, indent=1))
     if args.out:
         with open(args.out, "w") as f:
