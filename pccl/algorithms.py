@@ -7,19 +7,22 @@ them: ``Communicator(via_master_max_bytes=)``):
   ``S / k`` bytes: ``T_ring(S) = 2 (k - 1) a + 2 (k - 1) / k * S / bw``;
 * the **mesh** (recursive doubling over direct links to ``log2 k`` partners, plus one
   hop in and one out for the peers above the largest power of two ``p <= k``):
-  ``R = log2 p (+ 2)`` hops, each carrying all ``S`` bytes, and each byte costing
-  :data:`MESH_BYTE_COST` times what it costs the ring (a mesh step sends, receives and
-  reduces the whole tensor one after the other on one stream, where the ring pipelines
-  pieces over several): ``T_mesh(S) = R a + R S c / bw``.
+  ``R = log2 p (+ 2)`` hops, each carrying all ``S`` bytes, and each byte costing the
+  link's time plus :data:`MESH_CPU_SECONDS_PER_BYTE` (``m``: a mesh step sends,
+  receives and reduces the whole tensor one after the other on one stream, where the
+  ring pipelines pieces over several and hides that work under its transfers):
+  ``T_mesh(S) = R a + R S (1 / bw + m)``.
 
 ``a`` is the cost of one hop: the link's one-way latency plus this implementation's
 own cost of moving a piece (:data:`HOP_OVERHEAD_S`). The mesh wins below the size where
 the two meet,
 
-    S* = a * bw * (2 (k - 1) - R) / (R c - 2 (k - 1) / k),
+    S* = a (2 (k - 1) - R) / (R (1 / bw + m) - 2 (k - 1) / (k bw)),
 
-which grows with the bandwidth-delay product and with k (about 3.4 a bw at k = 32, 0.33
-a bw at k = 2), and never passes :data:`MESH_CAP_BYTES`.
+which grows with the latency, with k and, while the link's time dominates ``m``, with
+the bandwidth (about 3.4 a bw at k = 32, 0.33 a bw at k = 2 on a 1 GB/s link; on a slow
+link the mesh's extra work matters less: 2.1 a bw at k = 6 and 40 MB/s, against 0.42
+a bw at 1 GB/s), and never passes :data:`MESH_CAP_BYTES`.
 
 The master computes ``S*`` once per group and ring epoch (:func:`mesh_max_bytes`), from
 the latencies measured while the peers opened that epoch's links, and sends the one
@@ -63,11 +66,14 @@ DEFAULT_BANDWIDTH = 1e9
 #: Largest all-reduce the cost model sends to the mesh, in bytes.
 MESH_CAP_BYTES = 1 << 20
 
-#: How much more a byte costs on the mesh than on the ring. Calibrated with
-#: bench/allreduce.py (processes, encrypted, 256 KiB and 1 MiB, mesh forced against
-#: ring forced): 3.2 ms per extra MiB for one mesh hop at k = 2 against 0.8 ms for the
-#: ring's two half-size hops.
-MESH_BYTE_COST = 4.0
+#: What a byte costs a mesh hop besides the link's time, seconds: the unpipelined send,
+#: receive and reduce of the whole tensor. Calibrated with bench/allreduce.py
+#: (processes on loopback, encrypted, 256 KiB and 1 MiB, mesh forced against ring
+#: forced): 3.2 ms per extra MiB for one mesh hop at k = 2 against 0.8 ms for the
+#: ring's two half-size hops; with loopback taken at :data:`DEFAULT_BANDWIDTH` (1 ns a
+#: byte), 3 ns a byte on top. It was a factor on the link's time (4x) before: on a
+#: 40 MB/s link that counted 100 ns a byte where the mesh measured about 28.
+MESH_CPU_SECONDS_PER_BYTE = 3e-9
 
 
 def mesh_rounds(world: int) -> int:
@@ -398,7 +404,8 @@ def ring_seconds(world: int, nbytes: int, one_way: float, bandwidth: float) -> f
 def mesh_seconds(world: int, nbytes: int, one_way: float, bandwidth: float) -> float:
     """Modelled time of a mesh all-reduce (see the module docs)."""
     hops = mesh_rounds(world)
-    return hops * (one_way + HOP_OVERHEAD_S) + hops * nbytes * MESH_BYTE_COST / bandwidth
+    return hops * (one_way + HOP_OVERHEAD_S) \
+        + hops * nbytes * (1 / bandwidth + MESH_CPU_SECONDS_PER_BYTE)
 
 
 def mesh_max_bytes(world: int, one_way: float, bandwidth: float = DEFAULT_BANDWIDTH,
@@ -413,7 +420,8 @@ def mesh_max_bytes(world: int, one_way: float, bandwidth: float = DEFAULT_BANDWI
     if world < 2:
         return 0
     hops_ring, hops_mesh = 2 * (world - 1), mesh_rounds(world)
-    per_byte = (hops_mesh * MESH_BYTE_COST - hops_ring / world) / bandwidth
+    per_byte = hops_mesh * (1 / bandwidth + MESH_CPU_SECONDS_PER_BYTE) \
+        - hops_ring / world / bandwidth
     if latency is None:
         saved = (hops_ring - hops_mesh) * (one_way + HOP_OVERHEAD_S)
     else:

@@ -106,9 +106,19 @@ def test_the_cost_model_prefers_the_mesh_for_small_tensors_and_large_k() -> None
     limits = [algorithms.mesh_max_bytes(k, 0.005, 1e8) for k in (3, 4, 8, 32)]
     assert 0 < limits[0] < limits[1] and limits[2] <= limits[3] == algorithms.MESH_CAP_BYTES
     assert algorithms.mesh_max_bytes(8, 0.0, 1e9) < algorithms.mesh_max_bytes(8, 1e-3, 1e9)
-    # k = 2: one hop instead of two, each byte dearer: S* = a bw / (c - 1).
+    # k = 2: one hop instead of two, each byte dearer by m: S* = a / m, whatever bw.
     a = algorithms.HOP_OVERHEAD_S
-    assert algorithms.mesh_max_bytes(2, 0.0, 1e9) == int(a * 1e9 / (algorithms.MESH_BYTE_COST - 1))
+    for bw in (1e9, 4e7):
+        assert algorithms.mesh_max_bytes(2, 0.0, bw) == int(
+            a / algorithms.MESH_CPU_SECONDS_PER_BYTE)
+    # Larger k: the mesh's extra work weighs less on a slow link, so its limit is larger
+    # there in link time (k = 6: R = 4 hops of S against the ring's 10 of S / 6).
+    fast, slow = (algorithms.mesh_max_bytes(6, 0.005, bw, cap=1 << 40) for bw in (1e9, 4e7))
+    r, m = 4, algorithms.MESH_CPU_SECONDS_PER_BYTE
+    saved = (10 - r) * (0.005 + a)
+    assert fast == int(saved / (r * (1e-9 + m) - 10 / 6 * 1e-9))
+    assert slow == int(saved / (r * (1 / 4e7 + m) - 10 / 6 / 4e7))
+    assert slow / 4e7 > 5 * fast / 1e9
     assert algorithms.mesh_max_bytes(1, 0.005, 1e9) == 0
     for k in (3, 4, 8, 32):
         s = algorithms.mesh_max_bytes(k, 0.001, 1e9, cap=1 << 40)

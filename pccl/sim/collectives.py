@@ -2,7 +2,7 @@
 :class:`~pccl.sim.network.NetworkModel`, per algorithm.
 
 The per-hop cost of the implementation (:data:`pccl.algorithms.HOP_OVERHEAD_S`) and
-the mesh's per-byte factor (:data:`pccl.algorithms.MESH_BYTE_COST`) are the values
+the mesh's own cost per byte (:data:`pccl.algorithms.MESH_CPU_SECONDS_PER_BYTE`) are the values
 calibrated on real pccl here (see :mod:`pccl.algorithms`); the link latencies and rates
 come from the network model. :func:`pccl.sim.scale.calibration` checks these formulas
 against the all-reduce times measured with emulated 5 ms links (bench/latency.py).
@@ -71,16 +71,17 @@ def _mesh_steps(k: int) -> list[tuple[np.ndarray, np.ndarray]]:
 
 
 def mesh_seconds(net: NetworkModel, order: Sequence[int], nbytes: float,
-                 byte_cost: float | None = None) -> float:
+                 cpu_per_byte: float | None = None) -> float:
     k = len(order)
     if k < 2:
         return 0.0
-    c = algorithms.MESH_BYTE_COST if byte_cost is None else byte_cost
+    c = algorithms.MESH_CPU_SECONDS_PER_BYTE if cpu_per_byte is None else cpu_per_byte
     a = np.asarray(order)
     total = 0.0
     for snd, rcv in _mesh_steps(k):
         i, j = a[snd], a[rcv]
-        step = net.latency(i, j) + algorithms.HOP_OVERHEAD_S + c * nbytes / net.bandwidth(i, j)
+        step = net.latency(i, j) + algorithms.HOP_OVERHEAD_S + nbytes / net.bandwidth(i, j) \
+            + c * nbytes
         total += float(step.max())
     return total
 
@@ -97,7 +98,7 @@ def hierarchical_seconds(net: NetworkModel, order: Sequence[int], nbytes: float)
     groups = by_region(net, order)
     inner = max(mesh_seconds(net, g, nbytes) for g in groups)
     leaders = mesh_seconds(net, [g[0] for g in groups], nbytes)
-    down = max(mesh_seconds(net, g, nbytes, byte_cost=1.0) for g in groups)
+    down = max(mesh_seconds(net, g, nbytes, cpu_per_byte=0.0) for g in groups)
     return inner + leaders + down
 
 
