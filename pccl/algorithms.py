@@ -71,8 +71,9 @@ MESH_CAP_BYTES = 1 << 20
 #: (processes on loopback, encrypted, 256 KiB and 1 MiB, mesh forced against ring
 #: forced): 3.2 ms per extra MiB for one mesh hop at k = 2 against 0.8 ms for the
 #: ring's two half-size hops; with loopback taken at :data:`DEFAULT_BANDWIDTH` (1 ns a
-#: byte), 3 ns a byte on top. It was a factor on the link's time (4x) before: on a
-#: 40 MB/s link that counted 100 ns a byte where the mesh measured about 28.
+#: byte), 3 ns a byte on top. It was a factor on the link's time (4x) before, which on
+#: a 40 MB/s link counted 100 ns a byte and hop; 6 peers on such emulated links
+#: measured 14.1 ms for a 64 KiB mesh all-reduce and 16.1 ms for 256 KiB (docs/scale.md).
 MESH_CPU_SECONDS_PER_BYTE = 3e-9
 
 
@@ -267,27 +268,28 @@ def _extras_by_region(pairs: list[tuple[float, int, int]], d: list[list[float]],
     split = best[e]
     if split is None:
         return None
+    want = dict(zip(regions, split[1], strict=True))
+    region = [root(i) for i in range(world)]
     extras: list[int] = []
-    for members, want in zip(regions.values(), split[1], strict=True):
-        inside = set(members)
-        used: set[int] = set()
-        for _, i, j in pairs:
-            if want == 0:
-                break
-            if i in inside and j in inside and i not in used and j not in used:
-                used.update((i, j))
-                extras.append(j)
-                want -= 1
+    used: set[int] = set()
+    for _, i, j in pairs:  # one pass: each region's closest disjoint pairs
+        if len(extras) == e:
+            break
+        r = region[i]
+        if want[r] and region[j] == r and i not in used and j not in used:
+            used.update((i, j))
+            extras.append(j)
+            want[r] -= 1
     return extras
 
 
 def _pick_extras(pairs: list[tuple[float, int, int]], d: list[list[float]], e: int,
                  spread: bool) -> list[int]:
     """One of each of the ``e`` closest disjoint pairs (``pairs``: (latency, i, j),
-    sorted). ``spread``: a pair is first passed over when its extra would be no
-    farther from an extra already taken than from its partner, so that each region
-    gives one before any gives two (two regions of 5 make cores of 4 and 4, not 3
-    and 5); the pairs passed over fill what is left."""
+    sorted). ``spread``: a pair is first passed over when its extra lies within twice
+    the pair's latency of an extra already taken, so that each region gives one
+    before any gives two (two regions of 5 make cores of 4 and 4, not 3 and 5); the
+    pairs passed over fill what is left."""
     extras: list[int] = []
     used: set[int] = set()
     for lat, i, j in pairs:
