@@ -2346,3 +2346,51 @@ def test_the_cost_model_limit_comes_from_the_dials_the_members_measured() -> Non
     want = algorithms.mesh_max_bytes(5, one_way, algorithms.DEFAULT_BANDWIDTH)
     assert 0 < want and mesh_limits(out) == dict.fromkeys(range(1, 6), want)
     assert st.mesh_inputs[0] == (one_way, algorithms.DEFAULT_BANDWIDTH)
+
+
+@pytest.mark.parametrize(("n", "first_region", "own_order"), [
+    # 2 regions of 3 (peers 1-3, 4-6): no start of the ring serves the mesh (its extras
+    # fold across the regions), so the mesh gets an order of its own, sent to all.
+    (6, [1, 2, 3], True),
+    # 2 regions of 4 that the ring visits 7 8 1 2 | 3 4 5 6: started at a region's edge
+    # the ring itself serves the mesh; the master starts it there and sends no order.
+    (8, [7, 8, 1, 2], False),
+])
+def test_the_mesh_order_goes_with_the_ring_or_starts_it(n, first_region, own_order) -> None:
+    st = run_with([0] * n, mesh_max_bytes=-1, token_key=bytes(32))  # type: ignore[arg-type]
+
+    def region(p: int) -> int:
+        return int(p in first_region)
+    for a in range(1, n + 1):
+        for b in range(1, n + 1):
+            if a != b:
+                st.latency[(a, b)] = (0.001 if region(a) == region(b) else 0.010, 0)
+    st.rings_stale = True  # the next vote rebuilds the rings
+    out: list[Command] = []
+    for p in range(1, n + 1):
+        out += vote(st, p)
+    establish_cmds = [c for c in out if isinstance(c, Send)
+                      and isinstance(c.msg, m.EstablishP2P)]
+    assert len(establish_cmds) == n
+    out = report_all(st)
+    updates = [c.msg for c in out if isinstance(c, Send)
+               and isinstance(c.msg, m.TopologyUpdated)]
+    assert len(updates) == n and len({tuple(u.mesh_order) for u in updates}) == 1
+    ring = st.rings[0]
+    assert sorted(ring) == list(range(1, n + 1))
+    # The same cycle as before (the ring's edges did not change) ...
+    s = ring.index(1)
+    assert ring[s:] + ring[:s] == list(range(1, n + 1))
+    mesh = updates[0].mesh_order or ring
+    assert bool(updates[0].mesh_order) == own_order
+    assert st.mesh_orders[0] == mesh and sorted(mesh) == sorted(ring)
+    # ... and the mesh's steps cross between the regions once.
+    crossings = sum(any(region(mesh[a]) != region(mesh[b]) for a, b in step)
+                    for step in algorithms.mesh_steps(n))
+    assert crossings == 1, (mesh, ring)
+    # Each peer's mesh partners follow that order.
+    rank = {p: r for r, p in enumerate(mesh)}
+    for c in establish_cmds:
+        assert isinstance(c, Send) and isinstance(c.msg, m.EstablishP2P)
+        assert c.msg.mesh_ids == [mesh[r] for r in algorithms.mesh_partners(rank[c.peer_id], n)]
+    assert st.mesh_limits[0] > 0

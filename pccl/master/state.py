@@ -287,6 +287,17 @@ class PeerRecord:
     was: int = 0
 
 
+def _rotation_of(a: list[int], b: list[int]) -> bool:
+    """Whether ``a`` is ``b`` started elsewhere (the same cycle)."""
+    if len(a) != len(b) or not a:
+        return a == b
+    try:
+        s = b.index(a[0])
+    except ValueError:
+        return False
+    return b[s:] + b[:s] == a
+
+
 def _covers(calls: Collection[int], members: Collection[int]) -> bool:
     """Whether every one of ``members`` is among ``calls``: O(1) while some are missing
     (the counts are compared first), which is the common case on every message."""
@@ -1246,13 +1257,18 @@ class MasterState:
         return route
 
     def _rings_of(self, members: list[int]) -> dict[int, list[int]]:
-        """Rings per group: the optimized order where there is one, join order else."""
+        """Rings per group: the optimized order where there is one, join order else;
+        started where the mesh's ranks start when the mesh's order is a rotation of the
+        ring (the same cycle: nothing more to send than the ring)."""
         rings: dict[int, list[int]] = {}
         for p in members:
             rings.setdefault(self.peers[p].peer_group, []).append(p)
         for g, ring in rings.items():
             order = {p: i for i, p in enumerate(self.ring_order.get(g, []))}
             ring.sort(key=lambda p: (0, order[p]) if p in order else (1, p))
+            mesh = self._mesh_order(ring)
+            if mesh != ring and _rotation_of(mesh, ring):
+                rings[g] = mesh
         return rings
 
     def _maybe_finish_round(self, out: list[Command]) -> None:
@@ -2066,6 +2082,8 @@ class MasterState:
         if len(self.mesh_order_memo) >= 64:
             self.mesh_order_memo.clear()
         self.mesh_order_memo[key] = order
+        if _rotation_of(order, ring):  # (the ring is then started there: _rings_of)
+            self.mesh_order_memo[tuple(order)] = order
         return order
 
     def _mesh_order_sent(self, group: int) -> list[int]:
