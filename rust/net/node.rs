@@ -159,15 +159,22 @@ fn zero_linger(tcp: &TcpStream) {
     let _ = tcp.set_linger(Some(Duration::ZERO));
 }
 
-/// A TCP socket for `addr`'s family with SO_REUSEADDR and SO_REUSEPORT, so that the
-/// listener and the hole-punching connects can share the listening port.
-fn reusable_socket(addr: SocketAddr) -> io::Result<TcpSocket> {
+/// A TCP socket for `addr`'s family with SO_REUSEADDR (it may bind over connections
+/// left in TIME_WAIT).
+fn reuseaddr_socket(addr: SocketAddr) -> io::Result<TcpSocket> {
     let s = if addr.is_ipv4() {
         TcpSocket::new_v4()?
     } else {
         TcpSocket::new_v6()?
     };
     s.set_reuseaddr(true)?;
+    Ok(s)
+}
+
+/// A TCP socket for `addr`'s family with SO_REUSEADDR and SO_REUSEPORT, so that the
+/// listener and the hole-punching connects can share the listening port.
+fn reusable_socket(addr: SocketAddr) -> io::Result<TcpSocket> {
+    let s = reuseaddr_socket(addr)?;
     #[cfg(unix)]
     s.set_reuseport(true)?;
     Ok(s)
@@ -184,13 +191,7 @@ fn port_not_listened_on(addr: SocketAddr) -> io::Result<()> {
     if addr.port() == 0 {
         return Ok(());
     }
-    let probe = if addr.is_ipv4() {
-        TcpSocket::new_v4()?
-    } else {
-        TcpSocket::new_v6()?
-    };
-    probe.set_reuseaddr(true)?;
-    probe.bind(addr)
+    reuseaddr_socket(addr)?.bind(addr)
 }
 
 fn route_frame(magic: &[u8; 8], token: &[u8; TOKEN_LEN], stream: u16) -> Vec<u8> {
