@@ -219,8 +219,13 @@ def _clustered_orders(world: int, latency: Callable[[int, int], float]) -> list[
     if by_region is not None:
         choices.append(by_region)
     orders: list[list[int]] = []
+    seen: set[frozenset[int]] = set()
     for extras in choices:
-        orders += _shaped_orders(extras, world, d)
+        # Where the regions are plain, the three ways often agree: each set is shaped once
+        # (the orders depend on the set, not on the order it was picked in).
+        if frozenset(extras) not in seen:
+            seen.add(frozenset(extras))
+            orders += _shaped_orders(extras, world, d)
     return orders
 
 

@@ -1267,7 +1267,7 @@ class MasterState:
             order = {p: i for i, p in enumerate(self.ring_order.get(g, []))}
             ring.sort(key=lambda p: (0, order[p]) if p in order else (1, p))
             mesh = self._mesh_order(ring)
-            if mesh != ring and _rotation_of(mesh, ring):
+            if _rotation_of(mesh, ring):
                 rings[g] = mesh
         return rings
 
