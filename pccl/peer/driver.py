@@ -165,6 +165,7 @@ class Driver:
         refused: list[PCCLError] = []
         chosen: str | None = None
         until: float | None = None
+        scanned = False
         try:
             pending = set(tasks)
             while pending and chosen is None:
@@ -190,13 +191,20 @@ class Driver:
                     if until is None:  # (half the timeout at most: a second dial follows)
                         until = min(loop.time() + self._scan_grace(loop.time() - started),
                                     started + timeout / 2)
+            scanned = True
         finally:
             for t in tasks:
                 t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            for addr, (conn, _) in answers.items():
-                if addr != chosen:
-                    await conn.close()  # (a FIN: a master logs it and moves on)
+            results = await asyncio.gather(*tasks, return_exceptions=True)
+            # Every connection made but not kept is closed (a FIN: a master logs it and
+            # moves on): those looked at, and those whose dial ended in the same wait as
+            # the chosen one's or just as this scan was cancelled (never looked at).
+            spare = [got[0] for addr, got in zip(tasks.values(), results, strict=True)
+                     if isinstance(got, tuple) and (addr != chosen or not scanned)]
+            for conn in spare:
+                conn.start_close()  # all of them now, even if cancelled again below
+            for conn in spare:
+                await conn.close()
         if chosen is not None:
             self._master_addr = chosen
             return answers[chosen]

@@ -195,6 +195,11 @@ class FramedConnection:
         if transport is not None:
             transport.abort()
 
+    def start_close(self) -> None:
+        """Starts closing the connection (a FIN once what is buffered is sent); the
+        socket is released soon after without anything awaiting it."""
+        self.writer.close()
+
     async def close(self) -> None:
         """Closes the connection and waits until the socket is released."""
         self.writer.close()
