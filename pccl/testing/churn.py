@@ -429,6 +429,8 @@ class Orchestrator:
         self.leaks: list[str] = []
         self.max_rss_growth = 0.0
         self.kill_in_sync = False
+        # The revision when a peer was last killed or cut off (see _may_disrupt).
+        self.disrupted_at = -2
         self.last_master_kill = time.monotonic()
         self.longest_without_step = 0.0
         self.crashes: list[str] = []
@@ -583,8 +585,12 @@ class Orchestrator:
         a = self.args
         # Never take the last holders of the state away (2 must stay).
         weights: dict[str, float] = {"link_reset": 0.6, "link_blackhole": 0.6}
+        if not self._may_disrupt():
+            del weights["link_blackhole"]
+        if len(synced) > 2 and len(live) > a.min_peers and self._may_disrupt():
+            weights.update(kill_reduce=2.0, kill_sync=2.0, kill_any=1.0)
         if len(synced) > 2 and len(live) > a.min_peers:
-            weights.update(kill_reduce=2.0, kill_sync=2.0, kill_any=1.0, leave=1.0)
+            weights["leave"] = 1.0
         if len(live) < a.max_peers:
             weights["join"] = 3.0 if len(live) <= a.min_peers else 1.5
         # A master restart every few seconds leaves nothing to measure: space them.
@@ -621,6 +627,7 @@ class Orchestrator:
         elif what == "link_blackhole":
             victim = self.rng.choice(live)
             victim.link.blackhole(True)
+            self.disrupted_at = self.max_revision
             self.figures["link_blackholes"] += 1
             log.info("black-holed the links of %s", victim.name)
             self._own(self._unblackhole(victim, self.rng.uniform(0.5, 3.0)))
@@ -637,10 +644,20 @@ class Orchestrator:
 
     def _may_kill(self) -> bool:
         live = self.live()
-        return sum(p.synced for p in live) > 2 and len(live) > self.args.min_peers
+        return sum(p.synced for p in live) > 2 and len(live) > self.args.min_peers \
+            and self._may_disrupt()
+
+    def _may_disrupt(self) -> bool:
+        """Whether a peer may be killed or cut off now. With ``--failover`` the group
+        runs with quorums, which survive losing fewer than half of a ring at a time
+        (docs/semantics.md): after each kill or black-holed link the next waits until
+        the group has completed two more steps (the first may have been in flight), so
+        the ring in between was installed without the lost peer."""
+        return not self.args.failover or self.max_revision >= self.disrupted_at + 2
 
     def _kill(self, victim: Peer) -> None:
         category = victim.phase if victim.phase in ("reduce", "sync") else "other"
+        self.disrupted_at = self.max_revision
         victim.killed = True
         victim.proc.kill()
         self.figures[f"kills_mid_{category}"] += 1
