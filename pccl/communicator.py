@@ -52,6 +52,10 @@ log = logging.getLogger(__name__)
 
 _CANCELLED = "cancelled by the caller"
 
+#: How long close() waits, at most, for the master to close its end after the Leave
+#: (it does once it has read it; see FramedConnection.linger).
+LEAVE_LINGER = 2.0
+
 
 class Communicator(Driver):
     """One peer of a pccl run.
@@ -306,7 +310,10 @@ class Communicator(Driver):
         await asyncio.gather(*tasks, return_exceptions=True)
         self._tasks.clear()
         if conn is not None:
-            await conn.close()
+            # The master must read the Leave: closed at once while it still writes to
+            # this peer, the connection breaks on its side and the Leave is lost with
+            # it (a graceful leave then counts as a loss, which quorums feel).
+            await conn.linger(min(self.timeout, LEAVE_LINGER))
         if self._node is not None:
             node, self._node = self._node, None
             await node.close()

@@ -1,7 +1,10 @@
-"""A peer with several masters dials them all at once and keeps one connection: every
-other connection it made is closed, including those it never looked at (found by the
-failover churn soak: a peer leaving while it re-registered kept a socket to a master
-open after close())."""
+"""A peer's connections to its masters, as the failover churn soak found them lacking:
+
+- a peer with several masters dials them all at once and keeps one connection: every
+  other connection it made is closed, including those it never looked at (a peer
+  leaving while it re-registered kept a socket to a master open after close());
+- a peer that leaves makes sure the master reads its Leave (the master lost it when it
+  wrote to the closing peer first, and counted the leave as a loss)."""
 
 from __future__ import annotations
 
@@ -12,6 +15,7 @@ import pytest
 import pccl
 from pccl.protocol import messages as m
 from pccl.protocol.messages import PROTOCOL_VERSION
+from pccl.protocol.transport import FramedConnection
 
 A, B, C = "127.0.0.1:1", "127.0.0.1:2", "127.0.0.1:3"
 
@@ -86,3 +90,54 @@ async def test_a_scan_cancelled_as_a_dial_ends_closes_that_connection(monkeypatc
         await scan
     assert made[A].closing
     assert cancelled == [B] and B not in made
+
+
+async def test_a_last_message_survives_writes_to_a_closing_peer() -> None:
+    """A peer sends Leave and closes while the master, slow to read it, still writes to
+    the peer: with ``linger`` the master reads the Leave; the peer's close ends once the
+    master closed its end. (With a plain close the master's second write breaks the
+    pipe and asyncio drops the unread Leave: the churn soak saw graceful leaves counted
+    as losses, which stopped a group under quorums.)"""
+    accepted: asyncio.Future[FramedConnection] = asyncio.get_running_loop().create_future()
+
+    async def serve(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        accepted.set_result(FramedConnection(r, w))
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    try:
+        port = server.sockets[0].getsockname()[1]
+        peer = FramedConnection(*await asyncio.open_connection("127.0.0.1", port))
+        master = await accepted
+        peer.send_nowait(m.Leave())
+        closing = asyncio.create_task(peer.linger(10.0))
+        # The master writes before it reads; each write reaches the peer's socket.
+        for seq in range(3):
+            master.send_nowait(m.Ping(seq=seq))
+            await master.writer.drain()
+            await asyncio.sleep(0.05)
+        assert not closing.done()  # still waiting for the master's end
+        assert isinstance(await master.recv(), m.Leave)
+        await master.close()
+        async with asyncio.timeout(10.0):
+            await closing
+    finally:
+        server.close()
+        await server.wait_closed()
+
+
+async def test_a_closed_peer_leaves_gracefully_at_the_master() -> None:
+    """Communicator.close() lingers until the master closed its end: the master drops
+    the peer as having left (not lost), and close() returns."""
+    from pccl.testing import free_port
+
+    async with pccl.MasterNode(f"127.0.0.1:{free_port()}", insecure=True) as master:
+        comm = pccl.Communicator(master.address, insecure=True,
+                                 p2p_listen_host="127.0.0.1")
+        await comm.connect()
+        peer_id = comm.peer_id
+        await master.wait_for(lambda s: peer_id in s.accepted(), timeout=30.0)
+        await comm.close()
+        await master.wait_for(lambda s: peer_id not in s.peers, timeout=30.0)
+        drops = [e["text"] for e in master.monitor.timeline
+                 if e["kind"] == "dropped" and peer_id in e["peers"]]
+        assert len(drops) == 1 and "left gracefully" in drops[0], drops

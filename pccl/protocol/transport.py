@@ -54,6 +54,8 @@ class FramedConnection:
         #: The record layer once a secure handshake finished; None in clear text.
         self.session: _core.SecureSession | None = None
         self._plain = bytearray()
+        # Half-closed by linger(): nothing more is written.
+        self._lingering = False
 
     @property
     def peername(self) -> tuple[str, int]:
@@ -172,7 +174,7 @@ class FramedConnection:
     def send_nowait(self, msg: Message, framed: bytes | None = None) -> None:
         """Queues ``msg`` on the transport (no flow control: control messages are small).
         ``framed``: its frame, when the caller has it already (:class:`FrameCache`)."""
-        if self.writer.is_closing():
+        if self.writer.is_closing() or self._lingering:
             return
         data = frame(msg) if framed is None else framed
         if self.session is not None:
@@ -194,6 +196,25 @@ class FramedConnection:
         transport = self.writer.transport
         if transport is not None:
             transport.abort()
+
+    async def linger(self, timeout: float) -> None:
+        """Closes after the other side did: half-closes (a FIN after what is queued),
+        reads and discards until the other side's FIN or ``timeout``, then closes.
+
+        For a last message the other side must read (a peer's ``Leave``). Closed at
+        once, this end answers whatever the other side still writes with a reset, and
+        once a write of the other side fails, asyncio drops that connection's unread
+        data: the last message with it (tests/test_master_scan.py)."""
+        self._lingering = True
+        try:
+            if self.writer.can_write_eof():
+                self.writer.write_eof()
+            async with asyncio.timeout(timeout):
+                while await self.reader.read(1 << 16):
+                    pass
+        except (TimeoutError, ConnectionError, OSError):
+            pass
+        await self.close()
 
     def start_close(self) -> None:
         """Starts closing the connection (a FIN once what is buffered is sent); the
