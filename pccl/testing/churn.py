@@ -588,9 +588,7 @@ class Orchestrator:
         if not self._may_disrupt():
             del weights["link_blackhole"]
         if len(synced) > 2 and len(live) > a.min_peers and self._may_disrupt():
-            weights.update(kill_reduce=2.0, kill_sync=2.0, kill_any=1.0)
-        if len(synced) > 2 and len(live) > a.min_peers:
-            weights["leave"] = 1.0
+            weights.update(kill_reduce=2.0, kill_sync=2.0, kill_any=1.0, leave=1.0)
         if len(live) < a.max_peers:
             weights["join"] = 3.0 if len(live) <= a.min_peers else 1.5
         # A master restart every few seconds leaves nothing to measure: space them.
@@ -611,6 +609,7 @@ class Orchestrator:
         elif what == "leave":
             victim = self.rng.choice(synced)
             victim.leaving = True
+            self.disrupted_at = self.max_revision
             assert victim.proc.stdin is not None
             victim.proc.stdin.write(b"leave\n")
             self.figures["graceful_leaves"] += 1
@@ -648,11 +647,13 @@ class Orchestrator:
             and self._may_disrupt()
 
     def _may_disrupt(self) -> bool:
-        """Whether a peer may be killed or cut off now. With ``--failover`` the group
-        runs with quorums, which survive losing fewer than half of a ring at a time
-        (docs/semantics.md): after each kill or black-holed link the next waits until
-        the group has completed two more steps (the first may have been in flight), so
-        the ring in between was installed without the lost peer."""
+        """Whether a peer may be killed, cut off or told to leave now. With
+        ``--failover`` the group runs with quorums, which survive losing fewer than half
+        of a ring at a time (docs/semantics.md): after each such fault the next waits
+        until the group has completed two more steps (the first may have been in
+        flight), so the ring in between was installed without the lost peer. Leaves
+        count too: one made while the master is failing over reaches no master that
+        holds the group, and the next one counts the peer as lost."""
         return not self.args.failover or self.max_revision >= self.disrupted_at + 2
 
     def _kill(self, victim: Peer) -> None:
