@@ -587,7 +587,7 @@ class Orchestrator:
         weights: dict[str, float] = {"link_reset": 0.6, "link_blackhole": 0.6}
         if not self._may_disrupt():
             del weights["link_blackhole"]
-        if len(synced) > 2 and len(live) > a.min_peers and self._may_disrupt():
+        if self._may_kill():
             weights.update(kill_reduce=2.0, kill_sync=2.0, kill_any=1.0, leave=1.0)
         if len(live) < a.max_peers:
             weights["join"] = 3.0 if len(live) <= a.min_peers else 1.5
