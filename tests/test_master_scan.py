@@ -14,8 +14,8 @@ import pytest
 
 import pccl
 from pccl.protocol import messages as m
-from pccl.protocol.messages import PROTOCOL_VERSION
 from pccl.protocol.transport import FramedConnection
+from pccl.testing import free_port
 
 A, B, C = "127.0.0.1:1", "127.0.0.1:2", "127.0.0.1:3"
 
@@ -35,7 +35,7 @@ class FakeConn:
 
 
 def challenge(groups: list[int], standby: bool = False) -> m.Challenge:
-    return m.Challenge(version=PROTOCOL_VERSION, nonce=bytes(16), auth=False,
+    return m.Challenge(version=m.PROTOCOL_VERSION, nonce=bytes(16), auth=False,
                        groups=groups, standby=standby)
 
 
@@ -128,8 +128,6 @@ async def test_a_last_message_survives_writes_to_a_closing_peer() -> None:
 async def test_a_closed_peer_leaves_gracefully_at_the_master() -> None:
     """Communicator.close() lingers until the master closed its end: the master drops
     the peer as having left (not lost), and close() returns."""
-    from pccl.testing import free_port
-
     async with pccl.MasterNode(f"127.0.0.1:{free_port()}", insecure=True) as master:
         comm = pccl.Communicator(master.address, insecure=True,
                                  p2p_listen_host="127.0.0.1")
