@@ -12,9 +12,16 @@ Access: a status server bound to a loopback address is open to this machine's us
 other address needs a token (``MasterNode(status_token=...)``), sent as
 ``Authorization: Bearer TOKEN`` or, for a browser (EventSource cannot set headers), as
 ``?token=TOKEN`` in the page's URL. ``/healthz`` is open (for load balancers and
-Kubernetes probes) and says only ``ok``.
+Kubernetes probes) and says only ``ok``. Connections have budgets and deadlines whoever
+opens them (see :mod:`pccl.peer.metrics_server`).
 
 The ``/api/status`` schema (version 1) is documented in ``docs/operations.md``.
+
+What peers send ends up here (error texts, probe reports), so the model keeps it small
+and the documents well-formed: a timeline entry's text is cut to TIMELINE_TEXT_CHARS,
+the timeline as a whole to TIMELINE_MAX_BYTES of JSON, and every document goes out
+through :func:`to_json`, which writes a number that is not finite (NaN, infinity) as
+``null``.
 """
 
 from __future__ import annotations
@@ -22,7 +29,9 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
+import json
 import logging
+import math
 import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
@@ -43,6 +52,16 @@ log = logging.getLogger(__name__)
 SCHEMA_VERSION = 1
 #: Timeline entries kept (the oldest are forgotten first).
 TIMELINE_LENGTH = 500
+#: Characters of an entry's text kept (the text may carry what a peer sent); a longer
+#: one is cut there and says how much was cut.
+TIMELINE_TEXT_CHARS = 300
+#: Characters of a note's text logged (the log line of a timeline entry).
+LOG_TEXT_CHARS = 2000
+#: Peer ids an entry lists at most.
+TIMELINE_PEERS = 256
+#: Bytes of JSON the whole timeline may take (the oldest entries are forgotten first);
+#: the documents carry at most this much of it.
+TIMELINE_MAX_BYTES = 128 * 1024
 #: Seconds of collective completions the rate is computed over.
 RATE_WINDOW = 30.0
 #: Server-sent events: at most this many snapshots a second per client, and one at
@@ -60,6 +79,31 @@ _DROP_CAUSES = (("left", "left"),
                 ("heartbeat timeout", "heartbeat_timeout"),
                 ("protocol error", "protocol_error"),
                 ("unreachable", "unreachable"))
+
+
+def finite(value: Any) -> Any:
+    """``value`` (made of dicts, lists, tuples and scalars) with every float that is not
+    finite replaced by None."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite(v) for v in value]
+    return value
+
+
+def cut(text: str, chars: int) -> str:
+    """``text``, or its first ``chars`` characters and how many more there were."""
+    if len(text) <= chars:
+        return text
+    return f"{text[:chars]}... ({len(text) - chars} more characters)"
+
+
+def to_json(doc: Any) -> str:
+    """The JSON every route and event sends: compact, ASCII, NaN and infinities as null
+    (strict JSON: a browser's ``JSON.parse`` refuses ``NaN``)."""
+    return json.dumps(finite(doc), separators=(",", ":"), allow_nan=False)
 
 
 def _drop_cause(reason: str) -> str:
@@ -92,8 +136,9 @@ class RunMonitor:
         self.master = master
         self.started_at = time.time()
         self.peers: dict[int, PeerView] = {}
-        self.timeline: collections.deque[dict[str, Any]] = collections.deque(
-            maxlen=TIMELINE_LENGTH)
+        self.timeline: collections.deque[dict[str, Any]] = collections.deque()
+        self._sizes: collections.deque[int] = collections.deque()  # each entry's JSON bytes
+        self.timeline_bytes = 0  # their sum
         self._seq = 0
         # Running collectives: op id -> when it began (monotonic), its tensor bytes.
         self._started: dict[int, float] = {}
@@ -140,9 +185,20 @@ class RunMonitor:
     # --- what the server reports ------------------------------------------------------
 
     def add(self, kind: str, text: str, peers: tuple[int, ...] = (), group: int = -1) -> None:
+        """A timeline entry: its text cut to TIMELINE_TEXT_CHARS, its peers to
+        TIMELINE_PEERS; the oldest entries go while there are more than TIMELINE_LENGTH
+        or they take more than TIMELINE_MAX_BYTES."""
         self._seq += 1
-        self.timeline.append({"seq": self._seq, "time": time.time(), "kind": kind,
-                              "text": text, "peers": list(peers), "group": group})
+        entry = {"seq": self._seq, "time": time.time(), "kind": kind,
+                 "text": cut(text, TIMELINE_TEXT_CHARS),
+                 "peers": list(peers[:TIMELINE_PEERS]), "group": group}
+        size = len(to_json(entry)) + 1  # (and its comma in the list)
+        self.timeline.append(entry)
+        self._sizes.append(size)
+        self.timeline_bytes += size
+        while len(self.timeline) > TIMELINE_LENGTH or self.timeline_bytes > TIMELINE_MAX_BYTES:
+            self.timeline.popleft()
+            self.timeline_bytes -= self._sizes.popleft()
         self.changed.set()
 
     def connected(self, peer_id: int, remote: str, encrypted: bool, text: str) -> None:
@@ -216,7 +272,7 @@ class RunMonitor:
                 if not self._recovering:
                     self._recovering = True
                     self._m_restarts.inc()
-            log.info("%s", note.text)
+            log.info("%s", cut(note.text, LOG_TEXT_CHARS))
             self.add(note.kind, note.text, note.peers, note.group)
         self.changed.set()
 
