@@ -5,18 +5,19 @@ the master only when it serves them."""
 from __future__ import annotations
 
 import asyncio
-import hmac
 import importlib.resources
-import json
-from collections.abc import Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
 
-from pccl.master.status import KEEPALIVE, MAX_EVENT_STREAMS, MAX_EVENTS_PER_SECOND, RunMonitor
+from pccl.master.status import (
+    KEEPALIVE,
+    MAX_EVENT_STREAMS,
+    MAX_EVENTS_PER_SECOND,
+    RunMonitor,
+    to_json,
+)
 from pccl.peer.metrics_server import MetricsServer
-
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 def _page() -> bytes:
@@ -30,11 +31,17 @@ class StatusServer(MetricsServer):
 
     what = "the master's status server"
     home = "/"
+    # A browser keeps a few connections and an event stream open; Prometheus one.
+    max_connections = 128
+    max_connections_per_ip = 16
+    #: Seconds one /api/events stream lasts (then it ends; EventSource reconnects).
+    stream_seconds = 600.0
+    #: Seconds one event may take to be written (a client that does not read is cut).
+    write_timeout = 10.0
 
     def __init__(self, monitor: RunMonitor, listen: str, token: str | None) -> None:
-        super().__init__(monitor.registry, listen)
+        super().__init__(monitor.registry, listen, token)
         self.monitor = monitor
-        self.token = token
         self._streams: set[asyncio.Task[Any]] = set()
         self._closing = asyncio.Event()
 
@@ -43,9 +50,6 @@ class StatusServer(MetricsServer):
         app.router.add_get("/api/status", self._status)
         app.router.add_get("/api/events", self._events)
         super().add_routes(app)
-
-    def middlewares(self) -> list[Any]:
-        return [self._auth]
 
     def bind_hint(self) -> str:
         return " (give another --status HOST:PORT, port 0 for a free one, or --status off)"
@@ -56,25 +60,6 @@ class StatusServer(MetricsServer):
             task.cancel()
         await super().stop()
 
-    @web.middleware
-    async def _auth(self, request: web.Request, handler: Handler) -> web.StreamResponse:
-        if request.method not in ("GET", "HEAD"):
-            raise web.HTTPMethodNotAllowed(request.method, ["GET", "HEAD"])
-        if self.token and request.path != "/healthz":
-            given = request.query.get("token", "")
-            auth = request.headers.get("Authorization", "")
-            if auth.startswith("Bearer "):
-                given = auth[len("Bearer "):]
-            if not hmac.compare_digest(given.encode(), self.token.encode()):
-                raise web.HTTPUnauthorized(
-                    text="this status server needs its token: 'Authorization: Bearer TOKEN' "
-                         "or ?token=TOKEN\n",
-                    headers={"WWW-Authenticate": 'Bearer realm="pccl"'})
-        response = await handler(request)
-        response.headers.setdefault("Cache-Control", "no-store")
-        response.headers.setdefault("X-Content-Type-Options", "nosniff")
-        return response
-
     async def _index(self, request: web.Request) -> web.StreamResponse:
         return web.Response(body=_page(), content_type="text/html", charset="utf-8",
                             headers={"Content-Security-Policy": "default-src 'self'; "
@@ -82,11 +67,14 @@ class StatusServer(MetricsServer):
                                      "frame-ancestors 'none'"})
 
     async def _status(self, request: web.Request) -> web.StreamResponse:
-        return web.json_response(self.monitor.snapshot())
+        return web.Response(text=to_json(self.monitor.snapshot()),
+                            content_type="application/json")
 
     async def _events(self, request: web.Request) -> web.StreamResponse:
         """The status document again whenever something changed (at most
-        MAX_EVENTS_PER_SECOND a second, at least every KEEPALIVE seconds)."""
+        MAX_EVENTS_PER_SECOND a second, at least every KEEPALIVE seconds), for at most
+        ``stream_seconds`` (the browser's EventSource connects again); a write the client
+        does not take within ``write_timeout`` ends the stream and its connection."""
         if len(self._streams) >= MAX_EVENT_STREAMS:
             raise web.HTTPServiceUnavailable(text="too many open event streams\n")
         task = asyncio.current_task()
@@ -95,15 +83,23 @@ class StatusServer(MetricsServer):
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                                "Cache-Control": "no-store"})
         changed = self.monitor.changed
+        loop = asyncio.get_running_loop()
+        end = loop.time() + self.stream_seconds
         try:
             await response.prepare(request)
-            while not self._closing.is_set():
+            while not self._closing.is_set() and loop.time() < end:
                 changed.clear()
-                data = json.dumps(self.monitor.snapshot(), separators=(",", ":"))
-                await response.write(f"event: status\ndata: {data}\n\n".encode())
+                data = to_json(self.monitor.snapshot())
+                try:
+                    async with asyncio.timeout(self.write_timeout):
+                        await response.write(f"event: status\ndata: {data}\n\n".encode())
+                except TimeoutError:
+                    if request.transport is not None:
+                        request.transport.abort()  # a client that does not read
+                    break
                 # A deadline on the wait (keepalive), then a floor between snapshots.
                 try:
-                    async with asyncio.timeout(KEEPALIVE):
+                    async with asyncio.timeout(min(KEEPALIVE, max(end - loop.time(), 0.0))):
                         await changed.wait()
                 except TimeoutError:
                     pass
