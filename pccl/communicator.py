@@ -33,6 +33,7 @@ from pccl.peer.options import (
     ReduceInfo,
     check_deadline,
     check_int,
+    check_metrics_listen,
     check_quantization,
     check_seconds,
     master_addresses,
@@ -136,6 +137,7 @@ class Communicator(Driver):
         insecure: bool = False,
         allow_relay: bool = True,
         metrics_listen: str | None = None,
+        metrics_token: str | None = None,
         early_start_max_bytes: int = 4 << 20,
         via_master_max_bytes: int = 64 << 10,
     ) -> None:
@@ -180,6 +182,9 @@ class Communicator(Driver):
         # "host:port": this peer's own Prometheus /metrics (bytes per link, retries, time
         # in collectives); None: not served.
         self.metrics_listen = metrics_listen
+        # What /metrics asks for (a non-loopback metrics_listen needs one).
+        check_metrics_listen(metrics_listen, metrics_token)
+        self.metrics_token = metrics_token
         # All-reduces of at most this many bytes start the ring when called, on a ring
         # that ran its last collectives without a failure (one master round trip instead
         # of two; 0: never). Their pieces may reach a neighbour that has not called yet:
@@ -267,7 +272,8 @@ class Communicator(Driver):
                 # aiohttp is imported only by peers that serve metrics.
                 from pccl.peer.metrics_server import MetricsServer
 
-                self._metrics_server = MetricsServer(self.metrics.registry, self.metrics_listen)
+                self._metrics_server = MetricsServer(self.metrics.registry, self.metrics_listen,
+                                                    self.metrics_token)
                 await self._metrics_server.start()
             delay = 0.05
             for attempt in range(n_attempts):

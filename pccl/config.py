@@ -8,7 +8,7 @@ in capitals, except for the few names in :data:`RENAMED` (``master`` is ``PCCL_M
 ``p2p_listen_port`` is ``PCCL_P2P_PORT``, ...). A parameter that both classes take
 (``secret``, ``insecure``, ``max_frame``) has one variable for both, so one setting
 holds for a whole run. The secrets also come from files: ``PCCL_SECRET_FILE``,
-``PCCL_STATUS_TOKEN_FILE``.
+``PCCL_STATUS_TOKEN_FILE``, ``PCCL_METRICS_TOKEN_FILE``.
 
 Rules, the same for every variable:
 
@@ -75,7 +75,8 @@ RENAMED: dict[str, str] = {
 
 #: Parameters that hold a secret: the value is never logged, and it may come from a
 #: file (the variable's name + ``_FILE``), whitespace around it stripped.
-SECRETS: dict[str, str] = {"secret": "secret", "status_token": "status token"}
+SECRETS: dict[str, str] = {"secret": "secret", "status_token": "status token",
+                           "metrics_token": "metrics token"}
 
 #: Where ``local_rank`` is read from, first set wins: torchrun sets ``LOCAL_RANK`` for
 #: each worker (under ``srun ... torchrun`` every worker of a node also inherits the
@@ -113,6 +114,7 @@ _HELP: dict[str, str] = {
     "collective_timeout": "seconds a collective waits for the other peers (none: no limit)",
     "allow_relay": "whether ring links may go through the master's relay",
     "metrics_listen": "`host:port` of this peer's Prometheus `/metrics` (none: off)",
+    "metrics_token": "bearer token this peer's `/metrics` asks for; needed off loopback",
     # both
     "secret": "shared secret of the run; the same on every node",
     "insecure": "clear-text connections (trusted networks only; the same on every node)",

@@ -1,7 +1,8 @@
 """One peer's own counters: what its heartbeat answers tell the master (so the master's
 status page shows each peer's traffic and sync progress) and, when
 ``Communicator(metrics_listen="host:port")`` asks for it, a Prometheus ``/metrics``
-endpoint of the peer itself: bytes per ring link, collectives by outcome, time spent in
+endpoint of the peer itself (behind ``metrics_token`` off loopback; served by
+:mod:`pccl.peer.metrics_server`): bytes per ring link, collectives by outcome, time spent in
 collectives, syncs, and the retries of the recovery policy (:mod:`pccl.recovery`).
 
 Everything is updated on the event loop by the communicator; nothing here takes a lock.

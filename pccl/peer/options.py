@@ -9,7 +9,7 @@ from typing import Any
 
 from pccl import _core
 from pccl.enums import DTYPES, DataType, QuantizationAlgorithm, ReduceOp
-from pccl.protocol.auth import DEFAULT_PORT
+from pccl.protocol.auth import DEFAULT_PORT, is_loopback_host, split_host_port
 from pccl.tensors import RawTensor
 
 
@@ -79,6 +79,23 @@ def check_master_address(master: str) -> None:
             f"master address {master!r} has no valid port: give 'host:port' (pccl's "
             f"default port is {DEFAULT_PORT}, e.g. '{master.rstrip(':') or '127.0.0.1'}:"
             f"{DEFAULT_PORT}')")
+
+
+def check_metrics_listen(listen: str | None, token: str | None) -> None:
+    """``Communicator(metrics_listen=..., metrics_token=...)``: a malformed address, or an
+    address other machines can reach without a token, fails at construction (the same
+    rule as the master's ``status_listen`` and ``status_token``)."""
+    if token is not None and (not isinstance(token, str) or not token):
+        raise _core.InvalidArgumentError(
+            f"metrics_token must be a non-empty string or None, got {token!r}")
+    if listen is None:
+        return
+    host, _ = split_host_port(listen)
+    if not is_loopback_host(host) and not token:
+        raise _core.InvalidArgumentError(
+            f"Communicator(metrics_listen={listen!r}) is reachable from other machines: "
+            f"give metrics_token=... (PCCL_METRICS_TOKEN; scrapers send 'Authorization: "
+            f"Bearer TOKEN'), or listen on 127.0.0.1")
 
 
 MAX_MASTERS = 16
