@@ -36,6 +36,7 @@ from pccl.peer.state import Status as PeerState
 from pccl.protocol import PROTOCOL_VERSION
 from pccl.protocol import messages as m
 from pccl.protocol.auth import master_mac, peer_mac, split_host_port
+from pccl.protocol.codec import fit_hello
 from pccl.protocol.transport import ConnectionClosed, FramedConnection
 from pccl.shared_state import SharedState, SyncInfo, SyncProgress
 from pccl.tensors import RawTensor, as_raw
@@ -274,7 +275,7 @@ class Driver:
                 resume_id, resume_epoch, resume_revision, resume_peers = self._m.resume()
                 (base_epoch, base_peers), more = (self._m.resume_base() if resume_id
                                                   else ((0, []), []))
-                await conn.send(m.Hello(
+                await conn.send(fit_hello(m.Hello(
                     version=PROTOCOL_VERSION, peer_group=self.peer_group,
                     p2p_port=adv_port, p2p_host=adv_host, nonce=nonce, mac=mac,
                     resume_peer_id=resume_id, resume_epoch=resume_epoch,
@@ -283,7 +284,7 @@ class Driver:
                     p2p_punch_ports=[int(p) for p in self._node.punch_ports],
                     masters=len(self.masters), resume_base_epoch=base_epoch,
                     resume_base_peers=base_peers, resume_more_epochs=[e for e, _ in more],
-                    resume_more_peers=[r for _, r in more]))
+                    resume_more_peers=[r for _, r in more])))
                 reply = await conn.recv()
         except TimeoutError:
             raise MasterConnectionError(

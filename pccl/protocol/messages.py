@@ -9,9 +9,27 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-from typing import ClassVar
+from typing import Annotated, ClassVar
 
 from pccl.errors import ErrorKind
+
+
+@dataclasses.dataclass(frozen=True)
+class Bound:
+    """A decode-time limit of a field (``Annotated[list[int], Bound(64)]``): at most
+    ``n`` items, or ``n`` characters of text. A longer value refuses the frame, or with
+    ``clip`` (free text: error messages) is cut to ``n`` characters instead."""
+
+    n: int
+    clip: bool = False
+
+
+#: Free text a peer sends (its side of an error): clipped to this many characters on
+#: decode, before it reaches an exception, a log line or the status page of anyone else.
+PEER_TEXT = 256
+PeerText = Annotated[str, Bound(PEER_TEXT, clip=True)]
+#: Free text the master sends (which may quote several peers): clipped on decode.
+MasterText = Annotated[str, Bound(16384, clip=True)]
 
 #: Bumped on every incompatible change; checked in the handshake.
 PROTOCOL_VERSION = 11
@@ -148,7 +166,7 @@ class Reject(Message):
 
     TYPE: ClassVar[str] = "reject"
     kind: ErrorKind
-    message: str
+    message: MasterText
     # This master cannot take the peer's group on (no quorum of its previous ring
     # here): a peer with several masters tries the others first (protocol 9).
     elsewhere: bool = False
@@ -242,10 +260,10 @@ class P2PReport(Message):
 
     TYPE: ClassVar[str] = "p2p_report"
     epoch: int
-    failed: list[int]
+    failed: Annotated[list[int], Bound(64)]
     # Mesh partners whose pool did not come up (the epoch then runs without a mesh;
     # nobody is dropped for it).
-    mesh_failed: list[int] = dataclasses.field(default_factory=list)
+    mesh_failed: Annotated[list[int], Bound(256)] = dataclasses.field(default_factory=list)
     # Seconds each pool this peer dialed took to open (TCP connect, transport and p2p
     # handshakes): the master's latency measurement for the algorithm choice.
     dial_seconds: list[float] = dataclasses.field(default_factory=list)
@@ -287,7 +305,7 @@ class TopologyUpdated(Message):
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class TopologyUpdateFailed(Message):
     TYPE: ClassVar[str] = "topology_update_failed"
-    message: str
+    message: MasterText
     kind: ErrorKind = ErrorKind.UpdateTopologyFailedError
 
 
@@ -316,7 +334,7 @@ class PendingAnswer(Message):
     count: int = 0
     ok: bool = True
     kind: ErrorKind = ErrorKind.NONE
-    message: str = ""
+    message: MasterText = ""
 
 
 @message
@@ -334,7 +352,7 @@ class ErrorReply(Message):
 
     TYPE: ClassVar[str] = "error"
     kind: ErrorKind
-    message: str
+    message: MasterText
 
 
 # --- collectives --------------------------------------------------------------------
@@ -347,7 +365,7 @@ class CollectiveInit(Message):
 
     TYPE: ClassVar[str] = "coll_init"
     tag: int
-    kind: str  # "all_reduce"
+    kind: Annotated[str, Bound(32)]  # "all_reduce"
     dtype: int
     count: int
     op: int
@@ -356,7 +374,7 @@ class CollectiveInit(Message):
     timeout: float = 0.0  # seconds the master waits for the others to join (0: no limit)
     # The caller's tensor shape where it has one (empty: unknown, e.g. a raw buffer):
     # peers whose shapes both are known must agree, not only on the element count.
-    shape: list[int] = dataclasses.field(default_factory=list)
+    shape: Annotated[list[int], Bound(64)] = dataclasses.field(default_factory=list)
     # Early start: the peer already runs the ring as op ``early_op`` on the links of ring
     # epoch ``epoch`` (see :func:`early_op_id`); -1: it waits for CollectivePerform.
     early_op: int = -1
@@ -398,7 +416,7 @@ class CollectiveDone(Message):
     op_id: int
     ok: bool
     kind: ErrorKind
-    message: str
+    message: PeerText
 
 
 @message
@@ -409,7 +427,7 @@ class CollectiveAbort(Message):
     TYPE: ClassVar[str] = "coll_abort"
     tag: int
     op_id: int
-    message: str
+    message: MasterText
 
 
 @message
@@ -422,7 +440,7 @@ class CollectiveOutcome(Message):
     op_id: int
     ok: bool
     kind: ErrorKind
-    message: str
+    message: MasterText
     # Reduced by the master (every member sent its data): the result, and the world.
     data: bytes = b""
     world: int = 0
@@ -483,7 +501,7 @@ class SyncDone(Message):
     TYPE: ClassVar[str] = "sync_done"
     ok: bool
     kind: ErrorKind
-    message: str
+    message: PeerText
 
 
 @message
@@ -504,7 +522,7 @@ class SyncOutcome(Message):
     TYPE: ClassVar[str] = "sync_outcome"
     ok: bool
     kind: ErrorKind
-    message: str
+    message: MasterText
     revision: int
 
 
@@ -549,4 +567,4 @@ class OptimizeFailed(Message):
     """M->P: optimize_topology() failed; the previous rings stay."""
 
     TYPE: ClassVar[str] = "optimize_failed"
-    message: str
+    message: MasterText
