@@ -28,7 +28,8 @@ from pccl.errors import (
 )
 from pccl.master import state as st
 from pccl.master import status
-from pccl.protocol import MAX_FRAME, PROTOCOL_VERSION
+from pccl.master.admission import MAX_RESUMED, Budget, hello_problem
+from pccl.protocol import PROTOCOL_VERSION
 from pccl.protocol import messages as m
 from pccl.protocol.auth import (
     DEFAULT_PORT,
@@ -38,7 +39,7 @@ from pccl.protocol.auth import (
     peer_mac,
     split_host_port,
 )
-from pccl.protocol.codec import FrameCache
+from pccl.protocol.codec import PRE_HELLO_MAX_FRAME, FrameCache
 from pccl.protocol.transport import ConnectionClosed, FramedConnection
 
 if TYPE_CHECKING:
@@ -57,10 +58,17 @@ _PATHS = {
 
 log = logging.getLogger(__name__)
 
-# Echo round trips a ``pccl doctor`` connection may ask for.
+# Echo round trips a ``pccl doctor`` connection may ask for, and the largest echo.
 DOCTOR_ECHOES = 32
+DOCTOR_MAX_ECHO = 8 << 20
 # A peer that does not read its control messages is dropped past this much backlog.
 MAX_WRITE_BACKLOG = 64 * 1024 * 1024
+#: Largest frame from a registered peer (a tiny all-reduce's bytes are at most 1 MiB,
+#: a shared state's description ~100 bytes a tensor).
+PEER_MAX_FRAME = 4 << 20
+#: Relay streams whose other end has not come yet, per route token (a link's pool has
+#: at most 64 streams).
+RELAY_WAITING_PER_TOKEN = 64
 
 
 def _positive(name: str, value: float) -> float:
@@ -89,7 +97,7 @@ class MasterNode:
         heartbeat_interval: float = 1.0,
         heartbeat_timeout: float = 5.0,
         handshake_timeout: float = 5.0,
-        max_frame: int = MAX_FRAME,
+        max_frame: int = PEER_MAX_FRAME,
         max_establish_attempts: int = 3,
         recovery_grace: float = 5.0,
         establish_timeout: float = 60.0,
@@ -171,6 +179,10 @@ class MasterNode:
         self.status_listen = status_listen
         self.status_token = status_token
         self._relay_waiting: dict[bytes, tuple[FramedConnection, asyncio.Future[Any]]] = {}
+        # Relay streams (waiting or carried) per peer at either end: one peer, even one
+        # holding valid tokens, cannot take the whole relay.
+        self.max_relayed_per_peer = max(8, max_relayed_streams // 4)
+        self._relay_held = Budget(1 << 30, self.max_relayed_per_peer)
         self.relayed_streams = 0  # carried now
         self.relayed_bytes = 0  # carried so far, both directions
         self._timed_epoch = -1
@@ -189,6 +201,19 @@ class MasterNode:
         self._handlers: set[asyncio.Task[None]] = set()
         self._heartbeat: asyncio.Task[None] | None = None
         self._next_peer_id = 1
+        # Ids handed to registrations still in their dial-back: nobody else gets them.
+        self._claimed: set[int] = set()
+        # What strangers can make the master hold before they register (see
+        # pccl.master.admission): connections in the handshake, in all and per source
+        # address, and pccl doctor sessions (each may ask for 8 MiB echoes). Attributes,
+        # so that an operator (or a test) may change them before start().
+        self.max_pending = 256
+        self.max_pending_per_source = 32
+        self.max_doctors = 4
+        self._pending = Budget(self.max_pending, self.max_pending_per_source)
+        self._doctors = Budget(self.max_doctors, 1)
+        self._refusals_logged = 0.0
+        self._quorum_warned = False
         self._changed = asyncio.Event()
         self._address = ""
         self._stopped = asyncio.Event()
@@ -229,6 +254,9 @@ class MasterNode:
         if self._server is not None:
             return
         host, port = split_host_port(self.listen)
+        self._pending = Budget(self.max_pending, self.max_pending_per_source)
+        self._doctors = Budget(self.max_doctors, 1)
+        self._relay_held = Budget(1 << 30, self.max_relayed_per_peer)
         try:
             # Hundreds of peers may connect at once; the default backlog of 100 drops SYNs.
             self._server = await asyncio.start_server(self._handle, host, port, backlog=4096)
@@ -345,26 +373,53 @@ class MasterNode:
         task = asyncio.current_task()
         assert task is not None
         self._handlers.add(task)
-        conn = FramedConnection(reader, writer, max_frame=self.max_frame)
+        # Until it registers, a connection may send only small frames.
+        conn = FramedConnection(reader, writer, max_frame=min(self.max_frame,
+                                                              PRE_HELLO_MAX_FRAME))
+        source = conn.peername[0]
         peer_id: int | None = None
+        pending = self._pending.take(source)
         try:
+            if not pending:
+                self._log_refusal(f"connection from {source} refused: "
+                                  f"{len(self._pending)} connections are in the handshake "
+                                  f"({self.max_pending} at most, "
+                                  f"{self.max_pending_per_source} per address)")
+                return
             first = await self._first_frame(conn)
             if first is None:
                 return
             if len(first) == len(RELAY_MAGIC) + 18 and first.startswith(RELAY_MAGIC):
+                self._pending.release(source)
+                pending = False
                 await self._relay(conn, first[len(RELAY_MAGIC):])
                 return
             peer_id = await self._handshake(conn, first)
             if peer_id is None:
                 return
+            self._pending.release(source)
+            pending = False
             await self._read_loop(peer_id, conn)
         except asyncio.CancelledError:
             pass
         finally:
+            if pending:
+                self._pending.release(source)
             self._handlers.discard(task)
             if peer_id is not None:
                 self._conns.pop(peer_id, None)
             conn.abort()
+
+    def _log_refusal(self, text: str) -> None:
+        """A refused newcomer: a warning at most every 10 s (a flood is hundreds)."""
+        now = time.monotonic()
+        if now - self._refusals_logged >= 10.0:
+            self._refusals_logged = now
+            log.warning("%s (refused so far: %d connections, %d doctors, %d relay "
+                        "streams)", text, self._pending.refused, self._doctors.refused,
+                        self._relay_held.refused)
+        else:
+            log.debug("%s", text)
 
     async def _first_frame(self, conn: FramedConnection) -> bytes | None:
         remote = "{}:{}".format(*conn.peername)
@@ -415,34 +470,52 @@ class MasterNode:
         server_mac = await self._check_hello(conn, hello, nonce, f"peer at {remote}")
         if server_mac is None:
             return None
-        if not (0 < hello.p2p_port < 65536):
-            await self._reject(conn, ErrorKind.ProtocolError, f"invalid p2p port {hello.p2p_port}")
+        problem = hello_problem(hello)
+        if problem is not None:
+            log.warning("peer at %s rejected: %s", remote, problem)
+            await self._reject(conn, ErrorKind.ProtocolError, problem)
             return None
-        # The state adopts a resumed epoch and counts up from it: keep it far below the
-        # largest integer a message can carry.
-        if not (0 <= hello.resume_epoch < 1 << 48):
-            await self._reject(conn, ErrorKind.ProtocolError,
-                               f"invalid resume epoch {hello.resume_epoch}")
-            return None
-        peer_id = self._next_peer_id
         resume: st.Resume | None = None
-        if 0 < hello.resume_peer_id < 1 << 48:
+        if 0 < hello.resume_peer_id < MAX_RESUMED:
             resume = st.Resume(hello.resume_epoch, hello.resume_revision,
                                tuple(hello.resume_peers[:4096]), hello.resume_peer_id,
-                               min(max(hello.resume_base_epoch, 0), 1 << 48),
+                               min(max(hello.resume_base_epoch, 0), MAX_RESUMED),
                                tuple(hello.resume_base_peers[:4096]),
                                tuple((e, tuple(r[:4096])) for e, r in zip(
                                    hello.resume_more_epochs[:64], hello.resume_more_peers[:64])))
-            # Keep the old id when it is free: ring order and tie-breaks follow ids.
-            if hello.resume_peer_id not in self._conns and \
-                    hello.resume_peer_id not in self.state.peers:
-                peer_id = hello.resume_peer_id
+        # Claimed before the first await below: two registrations never share an id.
+        peer_id = self._claim_id(hello.resume_peer_id if resume is not None else 0)
+        try:
+            host = hello.p2p_host or conn.peername[0]
+            p2p_addr = join_host_port(host, hello.p2p_port)
+            reachable = await self._dial_back(host, hello.p2p_port)
+            if conn.writer.is_closing() or self._server is None:
+                return None
+            self._register(peer_id, conn, hello, server_mac, remote, p2p_addr, reachable,
+                           resume, host)
+        finally:
+            self._claimed.discard(peer_id)
+        return peer_id
+
+    def _claim_id(self, wanted: int) -> int:
+        """The id of a registration: the one it had before (``wanted``) when nobody
+        holds or claims it (ring order and tie-breaks follow ids), else a new one."""
+        taken = (self._conns.keys(), self.state.peers.keys(), self._claimed)
+        if 0 < wanted < MAX_RESUMED and not any(wanted in t for t in taken):
+            peer_id = wanted
+        else:
+            peer_id = self._next_peer_id
+            while any(peer_id in t for t in taken):  # (ids above _next_peer_id: resumed)
+                peer_id += 1
         self._next_peer_id = max(self._next_peer_id, peer_id + 1)
-        host = hello.p2p_host or conn.peername[0]
-        p2p_addr = join_host_port(host, hello.p2p_port)
-        reachable = await self._dial_back(host, hello.p2p_port)
-        if conn.writer.is_closing():
-            return None
+        self._claimed.add(peer_id)
+        return peer_id
+
+    def _register(self, peer_id: int, conn: FramedConnection, hello: m.Hello,
+                  server_mac: bytes, remote: str, p2p_addr: str, reachable: bool,
+                  resume: st.Resume | None, host: str) -> None:
+        """Welcomes a peer whose hello passed every check (no await: atomic)."""
+        conn.max_frame = self.max_frame
         self._conns[peer_id] = conn
         conn.send_nowait(m.Welcome(peer_id=peer_id, mac=server_mac,
                                    heartbeat_interval=self.heartbeat_interval,
@@ -455,13 +528,18 @@ class MasterNode:
                   f", {'encrypted' if conn.encrypted else 'clear text'})")
         log.info("%s", joined)
         self.monitor.connected(peer_id, remote, conn.encrypted, joined)
+        if hello.masters > 1 and not self.state.quorum_on and not self._quorum_warned:
+            self._quorum_warned = True
+            log.warning("peer %d fails over between %d masters, but this master counts no "
+                        "quorums: two masters could each run its group. Start every master "
+                        "of a run with several with --quorum (MasterNode(quorum=True)); a "
+                        "standby always counts them", peer_id, min(hello.masters, 64))
         punch_addrs = tuple(join_host_port(host, port)
                             for port in hello.p2p_punch_ports[:16] if 0 < port < 65536)
         self._feed(st.PeerRegistered(peer_id, hello.peer_group, p2p_addr, resume,
                                      reachable=reachable, allow_relay=hello.allow_relay,
                                      punch_addrs=punch_addrs,
                                      masters=max(1, min(hello.masters, 64))))
-        return peer_id
 
     async def _doctor(self, conn: FramedConnection, hello: m.DoctorHello, nonce: bytes,
                       remote: str) -> None:
@@ -471,19 +549,38 @@ class MasterNode:
         if mac is None:
             return
         host = conn.peername[0]
-        reachable = 0 < hello.p2p_port < 65536 and await self._dial_back(host, hello.p2p_port)
-        log.info("doctor from %s: p2p port %d %s", remote, hello.p2p_port,
-                 "reachable" if reachable else "not reachable")
-        with contextlib.suppress(ConnectionClosed, ProtocolError, TimeoutError):
-            await conn.send(m.DoctorReport(observed=remote, reachable=reachable, mac=mac,
-                                           master_time=time.time()))
-            for _ in range(DOCTOR_ECHOES):
-                async with asyncio.timeout(self.heartbeat_timeout * 4):
-                    req = await conn.recv()
-                if not isinstance(req, m.DoctorEcho):
-                    return
-                await conn.send(m.DoctorEcho(payload=bytes(min(req.reply_bytes, 8 << 20)),
-                                             reply_bytes=0, master_time=time.time()))
+        # An echo may be 8 MiB, held until the client reads it: a few sessions at a
+        # time, one per address, each send with a deadline.
+        if not self._doctors.take(host):
+            self._log_refusal(f"doctor from {remote} refused: {len(self._doctors)} doctor "
+                              f"sessions run ({self.max_doctors} at most, one per address)")
+            await self._reject(conn, ErrorKind.PeerConnectionError,
+                               "the master is answering other pccl doctor sessions; "
+                               "try again in a minute")
+            return
+        # Its upload measurement sends one echo-sized frame at a time.
+        conn.max_frame = DOCTOR_MAX_ECHO + 1024
+        try:
+            reachable = 0 < hello.p2p_port < 65536 and await self._dial_back(
+                host, hello.p2p_port)
+            log.info("doctor from %s: p2p port %d %s", remote, hello.p2p_port,
+                     "reachable" if reachable else "not reachable")
+            with contextlib.suppress(ConnectionClosed, ProtocolError, TimeoutError):
+                async with asyncio.timeout(self.handshake_timeout):
+                    await conn.send(m.DoctorReport(observed=remote, reachable=reachable,
+                                                   mac=mac, master_time=time.time()))
+                for _ in range(DOCTOR_ECHOES):
+                    async with asyncio.timeout(self.heartbeat_timeout * 4):
+                        req = await conn.recv()
+                    if not isinstance(req, m.DoctorEcho):
+                        return
+                    size = max(0, min(req.reply_bytes, DOCTOR_MAX_ECHO))
+                    # A client that does not read its echo is dropped, not waited for.
+                    async with asyncio.timeout(self.heartbeat_timeout * 4):
+                        await conn.send(m.DoctorEcho(payload=bytes(size), reply_bytes=0,
+                                                     master_time=time.time()))
+        finally:
+            self._doctors.release(host)
 
     async def _check_hello(self, conn: FramedConnection, hello: m.Hello | m.DoctorHello,
                            nonce: bytes, who: str) -> bytes | None:
@@ -536,48 +633,92 @@ class MasterNode:
     async def _relay(self, conn: FramedConnection, hello: bytes) -> None:
         """One end of a relayed ring-link stream (``hello``: token | stream u16). The
         first end waits (bounded) for the other; the second splices them. The bytes are
-        the peers' encrypted stream: the relay sees ciphertext only."""
+        the peers' encrypted stream: the relay sees ciphertext only.
+
+        Budgets: ``max_relayed_streams`` streams waiting or carried in all, at most
+        ``max_relayed_per_peer`` of them naming one peer at either end, and at most
+        :data:`RELAY_WAITING_PER_TOKEN` waiting per token; a waiting end is let go when
+        its token expires (a new round) and after ``establish_timeout``."""
         remote = "{}:{}".format(*conn.peername)
         token = hello[:16]
         transfer = self.state.transfer_tokens.get(token)
         pair = self.state.relay_tokens.get(token) or transfer
         if pair is None:
-            log.warning("relay connection from %s refused: unknown or expired token", remote)
+            self._log_refusal(f"relay connection from {remote} refused: unknown or "
+                              "expired token")
             return
         waiting = self._relay_waiting.pop(hello, None)
-        if waiting is None:
-            if self.relayed_streams + len(self._relay_waiting) >= self.max_relayed_streams:
-                log.warning("relay connection from %s refused: %d streams relayed already "
-                            "(max_relayed_streams)", remote, self.relayed_streams)
+        if waiting is not None:
+            other, paired = waiting
+            if not paired.done():  # (else that end is being let go)
+                finished: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+                paired.set_result(finished)
+                if transfer is None:
+                    self._feed(st.Relayed(token))  # a punched link that fell back, perhaps
+                try:
+                    await self._splice(other, conn, pair)
+                finally:
+                    if not finished.done():
+                        finished.set_result(None)
                 return
+        same_token = sum(1 for h in self._relay_waiting if h[:16] == token)
+        ends = (pair[0],) if pair[0] == pair[1] else pair
+        if same_token >= RELAY_WAITING_PER_TOKEN or not self._take_relay(ends):
+            self._log_refusal(
+                f"relay connection from {remote} refused: {self.relayed_streams} streams "
+                f"relayed and {len(self._relay_waiting)} waiting for their other end "
+                f"(max_relayed_streams={self.max_relayed_streams}, at most "
+                f"{self.max_relayed_per_peer} per peer and {RELAY_WAITING_PER_TOKEN} "
+                f"waiting per token; peers {pair[0]} and {pair[1]} hold "
+                f"{self._relay_held.held(pair[0])} and {self._relay_held.held(pair[1])})")
+            return
+        try:
             holder = self._conns.get(transfer[1]) if transfer is not None else None
             if holder is not None:
                 # A fetcher's stream to a holder behind NAT: ask the holder for its end.
                 holder.send_nowait(m.RelayOpen(token=token,
                                                stream=int.from_bytes(hello[16:], "big")))
-            paired: asyncio.Future[asyncio.Future[None]] = \
+            paired_here: asyncio.Future[asyncio.Future[None] | None] = \
                 asyncio.get_running_loop().create_future()
-            self._relay_waiting[hello] = (conn, paired)
+            self._relay_waiting[hello] = (conn, paired_here)
             try:
                 async with asyncio.timeout(self.establish_timeout):
-                    finished = await paired
+                    ended = await paired_here
             except TimeoutError:
                 log.info("relay connection from %s dropped: the other end never came", remote)
                 return
             finally:
                 if self._relay_waiting.get(hello, (None,))[0] is conn:
                     del self._relay_waiting[hello]
-            await finished
-            return
-        other, paired = waiting
-        finished = asyncio.get_running_loop().create_future()
-        paired.set_result(finished)
-        if transfer is None:
-            self._feed(st.Relayed(token))  # a punched link that fell back, perhaps
-        try:
-            await self._splice(other, conn, pair)
+            if ended is None:
+                log.info("relay connection from %s dropped: its token expired", remote)
+                return
+            await ended
         finally:
-            finished.set_result(None)
+            for p in ends:
+                self._relay_held.release(p)
+
+    def _take_relay(self, ends: tuple[int, ...]) -> bool:
+        """A relay slot for a stream between ``ends`` (both, or none)."""
+        if self.relayed_streams + len(self._relay_waiting) >= self.max_relayed_streams:
+            self._relay_held.refused += 1
+            return False
+        taken: list[int] = []
+        for p in ends:
+            if not self._relay_held.take(p):
+                for q in taken:
+                    self._relay_held.release(q)
+                return False
+            taken.append(p)
+        return True
+
+    def _expire_relay_waits(self) -> None:
+        """Lets go of waiting relay ends whose token the state no longer knows."""
+        for hello, (_conn, paired) in list(self._relay_waiting.items()):
+            token = hello[:16]
+            if token not in self.state.relay_tokens and token not in \
+                    self.state.transfer_tokens and not paired.done():
+                paired.set_result(None)
 
     async def _splice(self, a: FramedConnection, b: FramedConnection,
                       pair: tuple[int, int]) -> None:
@@ -675,6 +816,8 @@ class MasterNode:
                                                   elsewhere=cmd.elsewhere))
                     # close() flushes what is queued (e.g. a final error) before closing.
                     conn.writer.close()
+        if self._relay_waiting:
+            self._expire_relay_waits()
         # Operations that ended took their deadlines with them: drop those timers.
         for did in [d for d in self._deadlines if d not in self.state.deadlines]:
             self._deadlines.pop(did).cancel()

@@ -1,0 +1,94 @@
+"""What the master checks and counts before it trusts a connection (no I/O here).
+
+Anyone who can reach the master's port can open connections, and a registered peer can
+send whatever it likes. Two tools keep that from costing the run anything:
+
+- :class:`Budget`: a bounded count of something a remote party makes the master hold
+  (connections that have not registered yet, ``pccl doctor`` sessions, relay streams),
+  in all and per key (a source address, a peer). A full budget refuses the newcomer; it
+  never takes a slot from whoever holds one.
+- :func:`hello_problem`: the fields of a ``hello`` a peer chose itself, checked before
+  any of them is used (its address is dialed back and shown to every other peer).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import re
+from collections import Counter
+from collections.abc import Hashable
+
+from pccl.protocol import messages as m
+
+#: Longest DNS name (RFC 1035); an advertised p2p host longer than this is refused.
+MAX_HOST = 253
+# A DNS name: labels of letters, digits, '-' and '_' (container names), dot-separated.
+_HOSTNAME = re.compile(r"[A-Za-z0-9_](?:[A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?"
+                       r"(?:\.[A-Za-z0-9_](?:[A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?)*\.?")
+#: Ids and epochs a peer may ask to resume: far below what a message can carry, so
+#: that counting up from them never overflows.
+MAX_RESUMED = 1 << 48
+
+
+class Budget:
+    """At most ``total`` holders in all and ``per_key`` per key. ``take`` answers
+    whether the newcomer got a slot; every successful ``take`` is matched by one
+    ``release`` of the same key."""
+
+    def __init__(self, total: int, per_key: int) -> None:
+        self.total = total
+        self.per_key = per_key
+        self._held: Counter[Hashable] = Counter()
+        self._count = 0
+        #: Newcomers refused so far (for logs and metrics).
+        self.refused = 0
+
+    def __len__(self) -> int:
+        return self._count
+
+    def held(self, key: Hashable) -> int:
+        return self._held[key]
+
+    def take(self, key: Hashable) -> bool:
+        if self._count >= self.total or self._held[key] >= self.per_key:
+            self.refused += 1
+            return False
+        self._held[key] += 1
+        self._count += 1
+        return True
+
+    def release(self, key: Hashable) -> None:
+        if self._held[key] <= 0:
+            raise ValueError(f"release of {key!r}, which holds nothing")
+        self._held[key] -= 1
+        if not self._held[key]:
+            del self._held[key]
+        self._count -= 1
+
+
+def valid_host(host: str) -> bool:
+    """Whether ``host`` is an IP address or a DNS name (what a peer may advertise as
+    the host of its p2p address): no spaces, control characters or NULs, at most
+    :data:`MAX_HOST` characters."""
+    if not host or len(host) > MAX_HOST:
+        return False
+    try:
+        ipaddress.ip_address(host.strip("[]") if host.startswith("[") else host)
+        return True
+    except ValueError:
+        pass
+    return _HOSTNAME.fullmatch(host) is not None
+
+
+def hello_problem(hello: m.Hello) -> str | None:
+    """Why the master refuses ``hello`` (the reason it tells the peer), or None."""
+    if not 0 < hello.p2p_port < 65536:
+        return f"invalid p2p port {hello.p2p_port}"
+    if hello.p2p_host and not valid_host(hello.p2p_host):
+        shown = repr(hello.p2p_host[:64]) + ("..." if len(hello.p2p_host) > 64 else "")
+        return (f"invalid p2p host {shown}: give an IP address or a DNS name of at most "
+                f"{MAX_HOST} characters (p2p_advertise_address)")
+    # The state adopts a resumed epoch and counts up from it.
+    if not 0 <= hello.resume_epoch < MAX_RESUMED:
+        return f"invalid resume epoch {hello.resume_epoch}"
+    return None
