@@ -54,7 +54,8 @@ def report_all(st: MasterState) -> list[Command]:
 
 def run_of(n: int, **kwargs: object) -> MasterState:
     """Peers 1..n accepted in one group (peer 1 alone at epoch 1, the rest at 2), each
-    saying it has two masters."""
+    saying it has two masters (quorums on unless ``quorum=False``)."""
+    kwargs.setdefault("quorum", True)
     st = MasterState(mesh_max_bytes=0, token_key=bytes(32), **kwargs)  # type: ignore[arg-type]
     join(st, 1)
     report_all(st)
@@ -76,13 +77,16 @@ def established(out: list[Command]) -> dict[int, list[int]]:
             if isinstance(c, Send) and isinstance(c.msg, m.EstablishP2P)}
 
 
-def test_quorum_counts_only_when_a_peer_has_several_masters() -> None:
+def test_quorums_come_from_the_masters_configuration_never_from_a_hello() -> None:
+    # Issue 36 (7): one hello saying "masters=2" used to turn quorums on for good, and a
+    # single-master run then stopped when half its ring died, waiting for other masters.
     st = MasterState(mesh_max_bytes=0)
     join(st, 1, masters=1)
     assert not st.quorum_on
     join(st, 2, masters=3)
-    assert st.quorum_on
+    assert not st.quorum_on
     assert MasterState(quorum=True).quorum_on
+    assert MasterState(standby=True).quorum_on
     off = MasterState(quorum=False)
     off.handle(PeerRegistered(1, 0, addr(1), masters=2))
     assert not off.quorum_on
@@ -131,7 +135,7 @@ def test_peers_that_leave_gracefully_are_not_counted() -> None:
 
 
 def test_a_standby_takes_over_only_with_a_majority_of_the_old_ring() -> None:
-    st = MasterState(mesh_max_bytes=0, token_key=bytes(32))
+    st = MasterState(mesh_max_bytes=0, token_key=bytes(32), quorum=True)
     # Two of the five peers of ring epoch 7 come here; the other three do not.
     assert resume(st, 2, 7, [1, 2, 3, 4, 5]) == [ArmRecoveryTimer(1)]
     assert st.held_groups() == [0]  # gathering: other peers of the group come here
@@ -140,7 +144,7 @@ def test_a_standby_takes_over_only_with_a_majority_of_the_old_ring() -> None:
     assert sent_away(out) == [2, 4] and established(out) == {}
     assert st.held_groups() == []
 
-    st = MasterState(mesh_max_bytes=0, token_key=bytes(32))
+    st = MasterState(mesh_max_bytes=0, token_key=bytes(32), quorum=True)
     resume(st, 2, 7, [1, 2, 3, 4, 5])
     resume(st, 4, 7, [1, 2, 3, 4, 5])
     resume(st, 5, 6, [1, 2, 3, 4, 5])  # (saw an older epoch: still of that ring)
@@ -153,7 +157,7 @@ def test_a_standby_takes_over_only_with_a_majority_of_the_old_ring() -> None:
 
 def test_quorum_counts_the_ids_peers_had_at_their_old_master() -> None:
     # Peer 9 here was peer 3 there (its old id was taken): it counts as 3.
-    st = MasterState(mesh_max_bytes=0, token_key=bytes(32))
+    st = MasterState(mesh_max_bytes=0, token_key=bytes(32), quorum=True)
     st.handle(PeerRegistered(9, 0, addr(9), Resume(7, -1, (1, 2, 3), peer_id=3), masters=2))
     out = st.handle(PeerRegistered(1, 0, addr(1), Resume(7, -1, (1, 2, 3)), masters=2))
     st.handle(RecoveryTimeout(1))
@@ -164,7 +168,7 @@ def test_quorum_counts_the_ids_peers_had_at_their_old_master() -> None:
 def test_a_peer_bringing_a_newer_proposal_waits_until_the_epochs_pass_it() -> None:
     # This master took the group over at epoch 8 from {3, 4, 5}. Peer 1 comes from the
     # old master, which had proposed (never installed) {1, 2, 3} up to epoch 12.
-    st = MasterState(mesh_max_bytes=0, token_key=bytes(32))
+    st = MasterState(mesh_max_bytes=0, token_key=bytes(32), quorum=True)
     for p in (3, 4, 5):
         resume(st, p, 7, [1, 2, 3, 4, 5])
     st.handle(RecoveryTimeout(1))

@@ -113,7 +113,7 @@ async def test_a_partitioned_minority_stops_and_the_majority_goes_on() -> None:
     group on the standby; the two left with the active master can run no collective
     there (their ring lost its majority: they are sent to the standby and join the
     group there). At no time do both masters complete a collective."""
-    active = pccl.MasterNode("127.0.0.1:0", **FAST)
+    active = pccl.MasterNode("127.0.0.1:0", quorum=True, **FAST)
     standby = pccl.MasterNode("127.0.0.1:0", standby=True, **FAST)
     await active.start()
     await standby.start()
@@ -160,7 +160,7 @@ async def test_a_vanished_master_host_costs_its_silence_not_the_connect_timeout(
     60 s connect timeout the peers were given) they re-form the group there. The bound
     below is a hang guard that the old one-after-the-other scan could not meet: it
     waited the whole timeout for the dead master first."""
-    active = pccl.MasterNode("127.0.0.1:0", **FAST)
+    active = pccl.MasterNode("127.0.0.1:0", quorum=True, **FAST)
     standby = pccl.MasterNode("127.0.0.1:0", standby=True, **FAST)
     await active.start()
     await standby.start()
@@ -193,7 +193,7 @@ async def test_a_new_run_starts_on_the_master_that_is_not_a_standby() -> None:
     """Before any group exists, peers listing the standby first still start the run on
     the other master (challenges say which is a standby), and later peers find it."""
     standby = pccl.MasterNode("127.0.0.1:0", standby=True, **FAST)
-    primary = pccl.MasterNode("127.0.0.1:0", **FAST)
+    primary = pccl.MasterNode("127.0.0.1:0", quorum=True, **FAST)
     await standby.start()
     await primary.start()
     comms = [pccl.Communicator([standby.address, primary.address],
@@ -224,7 +224,7 @@ async def test_a_peer_the_standby_sends_away_tries_again_until_the_run_starts(ca
     await standby.start()
     comm = pccl.Communicator([f"127.0.0.1:{port}", standby.address],
                              p2p_listen_host="127.0.0.1")
-    primary = pccl.MasterNode(f"127.0.0.1:{port}", **FAST)
+    primary = pccl.MasterNode(f"127.0.0.1:{port}", quorum=True, **FAST)
     try:
         connecting = asyncio.create_task(comm.connect(n_attempts=20))
         async with asyncio.timeout(30):

@@ -285,6 +285,9 @@ class PeerRecord:
     # MasterState._quorum_filter.
     claim: Claim | None = None
     was: int = 0
+    # Peers dropped because this one reported its ring link to them failed (see
+    # MasterState._settle_disputes): after one, its own link is taken to be at fault.
+    dropped_on_its_word: int = 0
 
 
 def _rotation_of(a: list[int], b: list[int]) -> bool:
@@ -368,6 +371,14 @@ class Round:
     dials: dict[int, list[float]] = dataclasses.field(default_factory=dict)
     # Per group: the mesh's rank order (peer ids) sent with this round's links.
     mesh_orders: dict[int, list[int]] = dataclasses.field(default_factory=dict)
+    # Per group: the ring whose links this round establishes (installed if it succeeds).
+    rings: dict[int, list[int]] = dataclasses.field(default_factory=dict)
+    # Per member: the peer its ring link dials, and its mesh partners: all that its
+    # p2p report may speak of.
+    next_of: dict[int, int] = dataclasses.field(default_factory=dict)
+    partners_of: dict[int, frozenset[int]] = dataclasses.field(default_factory=dict)
+    # Ring links reported failed: reporter -> the peer it could not reach.
+    accused: dict[int, int] = dataclasses.field(default_factory=dict)
     member_set: frozenset[int] = dataclasses.field(init=False)  # for membership tests
 
     def __post_init__(self) -> None:
@@ -455,9 +466,11 @@ class MasterState:
         # Split-brain protection for runs with several masters: a round may install a
         # group's new ring only if it holds a strict majority of the newest ring known
         # for that group (this master's, or one a peer back from another master saw).
-        # None: on once any peer says it fails over between several masters.
+        # None: on for a standby, else off. Only the master's own configuration turns
+        # it on: a peer's hello saying it has several masters once did, so that any
+        # registered peer could make a single-master run wait for quorums of masters
+        # that do not exist.
         self.quorum = quorum
-        self.failover_seen = False
         # A standby never starts a group: it only takes one over from peers that come
         # from another master (with their rings), so that a peer that reaches only the
         # standby cannot start a second run of its group there. Implies quorums.
@@ -668,7 +681,6 @@ class MasterState:
                                             was=(res.peer_id or ev.peer_id)
                                             if res is not None else 0)
         self._roster_changed()
-        self.failover_seen |= ev.masters > 1
         self.recovery_awaiting.discard(ev.peer_id)
         if res is not None:
             # Epochs must keep increasing across the restart: peers still hold links
@@ -717,15 +729,9 @@ class MasterState:
                 self._maybe_answer_pending(out)
         elif isinstance(msg, m.P2PReport):
             rnd = self.round
-            if rnd is not None and msg.epoch == rnd.epoch and peer in rnd.member_set:
-                rnd.reported.add(peer)
-                group = self.peers[peer].peer_group
-                rnd.dials.setdefault(group, []).extend(
-                    float(d) for d in msg.dial_seconds[:64] if d >= 0)
-                if msg.mesh_failed:
-                    rnd.mesh_ok.discard(group)
-                rnd.unreachable.update(rnd.blame.get((peer, p), p) for p in msg.failed
-                                       if p in rnd.member_set)
+            if rnd is not None and msg.epoch == rnd.epoch and peer in rnd.member_set \
+                    and peer not in rnd.reported:
+                self._on_p2p_report(peer, msg, rnd)
                 self._maybe_finish_round(out)
         elif isinstance(msg, m.CollectiveInit):
             self._on_collective_init(peer, msg, out)
@@ -755,6 +761,59 @@ class MasterState:
             out.append(Send(peer, m.ErrorReply(
                 kind=ErrorKind.ProtocolError,
                 message=f"unexpected message {msg.TYPE!r} at the master")))
+
+    def _on_p2p_report(self, peer: int, msg: m.P2PReport, rnd: Round) -> None:
+        """A member's outcome of its links. A peer speaks only for the links it dialed
+        itself: its ring link to ``next_of[peer]`` (``failed``) and its mesh partners
+        (``mesh_failed``). A report that blames anyone else is a lie (honest peers
+        never send one): the reporter is dropped, its blame ignored. Who is dropped for
+        a failed ring link is decided once every member reported (_settle_disputes)."""
+        rnd.reported.add(peer)
+        group = self.peers[peer].peer_group
+        own = rnd.next_of.get(peer, -1)
+        partners = rnd.partners_of.get(peer, frozenset())
+        lies = sorted({p for p in msg.failed if p != own}
+                      | {p for p in msg.mesh_failed if p not in partners})
+        if lies:
+            rnd.unreachable.add(peer)
+            rnd.reasons[peer] = (f"its p2p report of round {rnd.epoch} blamed peers it has "
+                                 f"no link to ({lies[:8]}); a peer reports only its own links")
+            return
+        rnd.dials.setdefault(group, []).extend(
+            float(d) for d in msg.dial_seconds[:64] if 0 <= d < 3600)
+        if msg.mesh_failed:
+            rnd.mesh_ok.discard(group)
+        if own in msg.failed:
+            rnd.accused[peer] = own
+
+    def _settle_disputes(self, rnd: Round) -> None:
+        """Whom to drop for the ring links that failed, every member having reported.
+
+        A failed link r -> t has honest explanations (t cannot be reached, r cannot dial
+        out, the path between them) and dishonest ones (r lies, t refuses r): one report
+        convicts nobody for certain, and the master picks so that a liar gains nothing.
+        Where it knew in advance (two peers behind NAT, no relay: ``rnd.blame``) its
+        choice holds. Else a newcomer goes before a member (a joiner cannot evict the
+        group, nor a member keep a newcomer's word against it), and between equals t
+        goes, unless a peer was already dropped on r's word since r registered: then r
+        goes. So an insider evicts at most one peer, and only by spending its standing."""
+        for r, t in sorted(rnd.accused.items()):
+            if r in rnd.unreachable or t in rnd.unreachable:
+                continue  # decided already (a liar, no path)
+            if (r, t) in rnd.blame:
+                rnd.unreachable.add(rnd.blame[(r, t)])
+                continue
+            newcomers = [x for x in (r, t) if self.peers[x].status is not PeerStatus.ACCEPTED]
+            if len(newcomers) == 1:
+                rnd.unreachable.add(newcomers[0])
+            elif self.peers[r].dropped_on_its_word:
+                rnd.unreachable.add(r)
+                rnd.reasons.setdefault(r, (
+                    f"it reported its ring link to peer {t} failed after a peer was "
+                    "already dropped on its word: its own link is taken to be what fails"))
+            else:
+                self.peers[r].dropped_on_its_word += 1
+                rnd.unreachable.add(t)
 
     # --- are_peers_pending() and deadlines -------------------------------------------
 
@@ -988,7 +1047,7 @@ class MasterState:
         """Whether rounds need a quorum of each group's previous ring (see __init__)."""
         if self.standby:
             return True
-        return self.quorum if self.quorum is not None else self.failover_seen
+        return bool(self.quorum)
 
     def held_groups(self) -> list[int]:
         """The groups this master holds: accepted peers, or peers back from another
@@ -1109,7 +1168,8 @@ class MasterState:
         self.mesh_tokens.clear()
         self.mesh_paths.clear()
         self.paths.clear()
-        for group, ring in self._rings_of(members).items():
+        rnd.rings = self._rings_of(members)
+        for group, ring in rnd.rings.items():
             n = len(ring)
             routes = {}
             for i, p in enumerate(ring):
@@ -1127,6 +1187,8 @@ class MasterState:
                 prev_route, prev_token = routes.get(prv, ("direct", b""))
                 partners = ([order[r] for r in algorithms.mesh_partners(rank[p], n)]
                             if mesh is not None else [])
+                rnd.next_of[p] = nxt
+                rnd.partners_of[p] = frozenset(partners)
                 out_routes = [mesh[(p, q)] for q in partners] if mesh is not None else []
                 in_routes = [mesh[(q, p)] for q in partners] if mesh is not None else []
                 out.append(Send(p, m.EstablishP2P(
@@ -1276,6 +1338,7 @@ class MasterState:
         assert rnd is not None
         if not _covers(rnd.reported, rnd.member_set):
             return
+        self._settle_disputes(rnd)
         if rnd.unreachable:
             self.attempts += 1
             dropped_accepted = False
@@ -1322,7 +1385,7 @@ class MasterState:
             self._admit_if_nobody_accepted(out)
             return
         if rnd.repair:
-            rings = self._rings_of(rnd.members)
+            rings = rnd.rings
             for g in rnd.groups:
                 if g in rings:
                     self.rings[g] = rings[g]
@@ -1359,7 +1422,7 @@ class MasterState:
                        joined, value=rnd.epoch)
         # Every member has just come out of update_topology() (or was admitted by it).
         self.fresh |= set(rnd.members)
-        self.rings = self._rings_of(rnd.members)
+        self.rings = rnd.rings
         self.ring_epochs = dict.fromkeys(self.rings, rnd.epoch)
         for g, ring in self.rings.items():
             self.lineage[g] = (rnd.epoch, frozenset(ring))

@@ -450,7 +450,8 @@ class Orchestrator:
         with open(log_path, "wb") as out:  # noqa: ASYNC230 - a local log file
             self.masters[index] = await master_process(
                 self.ports[index], "--heartbeat-interval", "0.5", "--heartbeat-timeout", "4",
-                *(["--standby"] if standby else []), log=out)
+                *(["--standby"] if standby else []),
+                *(["--quorum"] if self.args.failover else []), log=out)
 
     async def kill_master(self) -> None:
         proc = self.masters[self.active]
