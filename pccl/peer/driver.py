@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import hmac
 import logging
+import math
 import secrets as _secrets
 import time
 from collections.abc import Callable
@@ -580,8 +581,9 @@ class Driver:
             except PCCLError as e:
                 log.warning("peer %s: probe to peer %d failed: %s", self.peer_id, target, e)
                 rate, dial = 0.0, -1.0
-            rates.append(float(rate))
-            dials.append(float(dial))
+            # (the codec refuses non-finite floats: an instant probe is "not measured")
+            rates.append(float(rate) if math.isfinite(rate) else 0.0)
+            dials.append(float(dial) if math.isfinite(dial) else -1.0)
         self._feed(ps.Probed(tuple(c.msg.target_ids), tuple(rates), c.generation,
                              tuple(dials)))
 
