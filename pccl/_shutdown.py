@@ -16,15 +16,27 @@ returns once no runtime thread is attached any more (waiting at most 2 s, with t
 released so that such a thread can finish). From then on operations that finish never
 hand their outcome over, and no runtime thread enters Python again.
 
+Python's own threads are the other half. A daemon thread inside a pccl call that
+releases the GIL (``content_hash``, ``copy_into``, a ring op's commit, ...) as the
+program ends would take the GIL back while CPython finalizes, and be ended by
+``pthread_exit`` through the call's Rust frames: SIGSEGV. Such calls count the threads on
+their way back into Python; the hook also waits (same 2 s) until none is, and a thread
+other than the one that finalizes that finishes such a call afterwards never returns
+from it: it stays parked until the process ends (CPython 3.14 hangs such threads
+instead of ending them, too).
+
 History: first only a wait for runtime threads already in Python; then the flag, which
 a thread could still pass just before it was set (a peer process of the churn tests
 died of SIGSEGV at exit in a runtime thread, the main thread finalizing). pccl's own
 asyncio bridge replaced pyo3-async-runtimes' ``future_into_py``, whose hand-off for an
 asyncio future cancelled in the program's last moments attached without any check.
+Then the daemon threads (issue 36): every such program crashed before.
 
 So pccl calls made from ``atexit`` hooks that run after this one (registered before
 ``import pccl``) never finish: close communicators in hooks registered after importing
-pccl, or before the program ends.
+pccl, or before the program ends. (Blocking calls made by the finalizing thread itself
+still return; one made by another thread then does not, so such a hook must not wait
+for a thread that is inside pccl without a timeout.)
 """
 
 from __future__ import annotations

@@ -80,7 +80,7 @@ fn with_bytes<R: Send>(
         // is dropped at the end of this function, after `f` is done.
         unsafe { std::slice::from_raw_parts(buf.buf_ptr() as *const u8, len) }
     };
-    let value = py.detach(|| f(data));
+    let value = crate::py::detach(py, || f(data));
     drop(buf);
     Ok(value)
 }

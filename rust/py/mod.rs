@@ -14,43 +14,105 @@ use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::IntoPyObjectExt;
 use std::future::Future;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{LazyLock, RwLock, TryLockError};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{LazyLock, OnceLock, RwLock, TryLockError};
+use std::thread::ThreadId;
 use std::time::{Duration, Instant};
 use tokio_util::sync::CancellationToken;
 
 /// Set at interpreter exit (`leave_python`, from an `atexit` hook): from then on the
-/// runtime's threads start no new hand-off into Python.
+/// runtime's threads start no new hand-off into Python, and Python threads that come
+/// out of a pccl call with the GIL released ([`detach`]) never take it back.
 static EXITING: AtomicBool = AtomicBool::new(false);
 static EXIT: LazyLock<CancellationToken> = LazyLock::new(CancellationToken::new);
 /// Held (shared) by every runtime thread while it is attached to Python; the exit hook
 /// takes it exclusively, so that once it returns no runtime thread is in Python, and
 /// none enters again (`EXITING` is set before).
 static GATE: RwLock<()> = RwLock::new(());
-/// How long the exit hook waits for runtime threads to leave Python.
+/// Python threads between the end of a [`detach`]ed pccl call and having the GIL back.
+static RETURNING: AtomicUsize = AtomicUsize::new(0);
+/// The thread that ran `leave_python`: the one that runs the `atexit` hooks and then
+/// finalizes the interpreter (CPython never ends that one).
+static FINALIZER: OnceLock<ThreadId> = OnceLock::new();
+/// How long the exit hook waits for threads to leave Python (runtime threads) or to get
+/// back into it (Python threads returning from a pccl call).
 const EXIT_WAIT: Duration = Duration::from_secs(2);
 
 /// Interpreter exit: awaited pccl operations that have not finished yet never resolve
-/// their asyncio futures, and runtime threads stop attaching to Python, so none of them
-/// enters an interpreter that is finalizing (CPython would end the thread mid-Rust, an
-/// abort, or it would touch freed interpreter state, a crash). Returns once no runtime
-/// thread is attached (or after [`EXIT_WAIT`]). Called by `pccl._shutdown` from an
-/// `atexit` hook; irreversible.
+/// their asyncio futures, runtime threads stop attaching to Python, and other Python
+/// threads (daemon threads) that are in a pccl call with the GIL released stay in it, so
+/// that none of them enters an interpreter that is finalizing (CPython would end the
+/// thread with a forced unwind through Rust frames, a crash, or it would touch freed
+/// interpreter state). Returns once no runtime thread is attached and no Python thread
+/// is on its way back from a pccl call (or after [`EXIT_WAIT`]). Called by
+/// `pccl._shutdown` from an `atexit` hook, on the thread that will finalize;
+/// irreversible.
 #[pyfunction]
 fn leave_python(py: Python<'_>) {
+    let _ = FINALIZER.set(std::thread::current().id());
     EXITING.store(true, Ordering::SeqCst);
     EXIT.cancel();
-    // With the GIL released: a thread holding the gate may be waiting for it.
+    // With the GIL released: a thread holding the gate, or one returning from `detach`,
+    // may be waiting for it.
     py.detach(|| {
         let deadline = Instant::now() + EXIT_WAIT;
         loop {
-            match GATE.try_write() {
-                Ok(_) | Err(TryLockError::Poisoned(_)) => return,
-                Err(TryLockError::WouldBlock) if Instant::now() >= deadline => return,
-                Err(TryLockError::WouldBlock) => std::thread::sleep(Duration::from_millis(1)),
+            let closed = match GATE.try_write() {
+                Ok(_) | Err(TryLockError::Poisoned(_)) => true,
+                Err(TryLockError::WouldBlock) => false,
+            };
+            if (closed && RETURNING.load(Ordering::SeqCst) == 0) || Instant::now() >= deadline {
+                return;
             }
+            std::thread::sleep(Duration::from_millis(1));
         }
     });
+}
+
+/// `py.detach(f)` for pccl calls that release the GIL (hashing, copies, commits), safe
+/// at interpreter exit: a Python thread other than the finalizing one that finishes `f`
+/// after `leave_python` never takes the GIL back, it stays parked until the process
+/// ends. (Taking it back while CPython 3.11-3.13 finalizes ends the thread with
+/// `pthread_exit`, whose forced unwind through these Rust frames crashed the process:
+/// SIGSEGV, every time for a daemon thread hashing as the program ended. CPython 3.14
+/// hangs such threads instead of ending them, too.) The finalizing thread, and every
+/// thread while the program runs, get `f`'s value as with `py.detach`.
+pub(crate) fn detach<T, F>(py: Python<'_>, f: F) -> T
+where
+    F: Send + FnOnce() -> T,
+    T: Send,
+{
+    let (value, _back) = py.detach(|| {
+        let value = f();
+        (value, Returning::announce())
+    });
+    value
+}
+
+/// A Python thread on its way back into Python from [`detach`]; dropped once it holds
+/// the GIL again.
+struct Returning;
+
+impl Returning {
+    /// Counted first, then `EXITING` read (both sequentially consistent): either the
+    /// exit hook, which sets the flag and then reads the count, waits for this thread
+    /// to be back in Python, or this thread sees the flag and never goes back.
+    fn announce() -> Returning {
+        RETURNING.fetch_add(1, Ordering::SeqCst);
+        if EXITING.load(Ordering::SeqCst) && FINALIZER.get() != Some(&std::thread::current().id()) {
+            RETURNING.fetch_sub(1, Ordering::SeqCst);
+            loop {
+                std::thread::park();
+            }
+        }
+        Returning
+    }
+}
+
+impl Drop for Returning {
+    fn drop(&mut self) {
+        RETURNING.fetch_sub(1, Ordering::SeqCst);
+    }
 }
 
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {

@@ -265,13 +265,13 @@ impl RingOp {
     /// original bytes back (GIL released while copying). A no-op for other ops, after
     /// a commit, and the second time.
     fn rollback(&self, py: Python<'_>) {
-        py.detach(|| self.op.rollback());
+        crate::py::detach(py, || self.op.rollback());
     }
 
     /// Copies the reduced bytes into `out` (GIL released while copying).
     fn commit(&self, py: Python<'_>, out: &Bound<'_, PyAny>) -> PyResult<()> {
         let raw = raw_buffer(out, true, "the output tensor")?;
-        py.detach(|| {
+        crate::py::detach(py, || {
             // SAFETY: `out` is a live, writable, C-contiguous buffer of `raw.len` bytes,
             // borrowed for this call; the op's scratch memory is its own.
             let dst = unsafe { std::slice::from_raw_parts_mut(raw.ptr as *mut u8, raw.len) };
@@ -313,7 +313,7 @@ pub fn star_all_reduce<'py>(
             len => unsafe { std::slice::from_raw_parts(b.buf_ptr() as *const u8, len) },
         })
         .collect();
-    let out = py.detach(|| crate::ring::star_all_reduce(&slices, dtype, op))?;
+    let out = crate::py::detach(py, || crate::ring::star_all_reduce(&slices, dtype, op))?;
     drop(slices);
     drop(views);
     Ok(PyBytes::new(py, &out))

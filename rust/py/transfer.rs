@@ -277,7 +277,7 @@ pub fn copy_into(
     let threads = threads
         .unwrap_or(if d.len >= 64 << 20 { cores } else { 1 })
         .clamp(1, 64);
-    py.detach(move || {
+    crate::py::detach(py, move || {
         transfer::prefault(d.ptr, d.len);
         // SAFETY: both buffers are exported by live Python objects the caller holds for
         // the duration of this call; pccl never hands overlapping buffers here.
@@ -303,7 +303,7 @@ pub fn copy_into(
 #[pyfunction]
 pub fn prefault(py: Python<'_>, buffer: &Bound<'_, PyAny>) -> PyResult<()> {
     let b = raw_buffer(buffer, true, "the buffer")?;
-    py.detach(move || transfer::prefault(b.ptr, b.len));
+    crate::py::detach(py, move || transfer::prefault(b.ptr, b.len));
     Ok(())
 }
 
