@@ -97,7 +97,7 @@ def _add_master_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quorum", action=argparse.BooleanOptionalAction, default=s,
                    help=f"a new ring needs a majority of the group's previous ring "
                         f"(split-brain protection; "
-                        f"{d('quorum', 'on once a peer names several masters')})")
+                        f"{d('quorum', QUORUM_DEFAULT)})")
     p.add_argument("--insecure", action=argparse.BooleanOptionalAction, default=s,
                    help=f"also accept peers whose control connection is in clear text "
                         f"(Communicator(insecure=True)); encrypted ones are accepted either "
@@ -111,6 +111,9 @@ def _add_master_args(p: argparse.ArgumentParser) -> None:
                         "(default: $PCCL_STATUS_TOKEN_FILE or $PCCL_STATUS_TOKEN, else none)")
     p.add_argument("--log-level", default=None, type=str.upper, choices=_LOG_LEVELS,
                    help=f"default: ${config.LOG_LEVEL}, else INFO")
+
+
+QUORUM_DEFAULT = "on for a standby, else off: give it to every master of a run with several"
 
 
 def _log_level(args: argparse.Namespace, env: Mapping[str, str]) -> int:

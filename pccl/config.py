@@ -131,7 +131,7 @@ _HELP: dict[str, str] = {
     "max_relayed_streams": "ring-link streams relayed at once (0: no relay)",
     "standby": "start no group: only take one over from the peers of a lost master",
     "quorum": "a new ring needs a majority of the group's previous ring (split-brain "
-              "protection; none: on once a peer names several masters)",
+              "protection; none: on for a standby, else off)",
     "mesh_max_bytes": "all-reduces up to this size run on the mesh (recursive doubling) "
                       "instead of the ring (-1: chosen from k and the measured links; 0: "
                       "never)",

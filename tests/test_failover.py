@@ -25,7 +25,7 @@ from pccl.master.state import (
     RoundTimeout,
     Send,
 )
-from pccl.peer.state import known_rings
+from pccl.peer.state import FromMaster, PeerMachine, known_rings
 from pccl.protocol import messages as m
 
 
@@ -153,6 +153,47 @@ def test_a_standby_takes_over_only_with_a_majority_of_the_old_ring() -> None:
     assert st.round is not None and st.round.epoch == 8  # after every epoch reported
     report_all(st)
     assert st.lineage[0] == (8, frozenset({2, 4, 5}))
+
+
+def test_graceful_leaves_do_not_count_against_the_quorum_of_a_take_over() -> None:
+    # docs/semantics.md's plan (issue 36): three of six peers leave gracefully, then the
+    # master dies before installing a ring without them. The survivors learnt who left
+    # (WorldInfo.left) and report the ring without the leavers, so the standby takes
+    # the group over with 3 of the 3 peers still in it (3 of 6 is no majority).
+    a = run_of(6, repair_rings=False)
+    epoch = a.ring_epochs[0]
+    worlds: list[m.WorldInfo] = []
+    for leaver in (4, 5, 6):
+        out = a.handle(Received(leaver, m.Leave()))
+        worlds += [c.msg for c in out if isinstance(c, Send) and c.peer_id == 1
+                   and isinstance(c.msg, m.WorldInfo)]
+    assert worlds[-1].left == [4, 5, 6] and worlds[-1].left_epoch == epoch
+    survivor = PeerMachine()
+    survivor.installed = (epoch, [1, 2, 3, 4, 5, 6])
+    for w in worlds:
+        survivor.handle(FromMaster(w))
+    (base_epoch, base), more = survivor.resume_base()
+    assert (base_epoch, base, more) == (epoch, [1, 2, 3], [])
+
+    b = MasterState(mesh_max_bytes=0, token_key=bytes(32), standby=True)
+    out = []
+    for p in (1, 2, 3):  # (all of that ring came back: no need to wait for the rest)
+        out += b.handle(PeerRegistered(p, 0, addr(p), Resume(epoch, -1, tuple(base), p,
+                                                             epoch, tuple(base)), masters=2))
+    assert established(out) == {p: [1, 2, 3] for p in (1, 2, 3)} and not sent_away(out)
+
+    # Without the leavers' names the same survivors are no majority of the ring.
+    c = MasterState(mesh_max_bytes=0, token_key=bytes(32), standby=True)
+    for p in (1, 2, 3):
+        c.handle(PeerRegistered(p, 0, addr(p), Resume(epoch, -1, (1, 2, 3, 4, 5, 6), p,
+                                                      epoch, (1, 2, 3, 4, 5, 6)), masters=2))
+    assert sent_away(c.handle(RecoveryTimeout(1))) == [1, 2, 3]
+
+
+def test_a_proposal_counted_against_the_installed_epoch_gives_the_ring_without_leavers() -> None:
+    proposal = m.EstablishP2P(epoch=9, ring=[1, 2, 3], next_id=2, next_addr="x:1",
+                              quorum_epochs=[8], quorum_rings=[[1, 2, 3]])
+    assert known_rings((8, [1, 2, 3, 4, 5, 6]), proposal) == ((8, [1, 2, 3]), [(9, [1, 2, 3])])
 
 
 def test_quorum_counts_the_ids_peers_had_at_their_old_master() -> None:

@@ -111,10 +111,11 @@ def establish(epoch: int, ring: list[int]) -> list[Command]:
 
 
 def world(epoch: int, ring: list[int], total: int, group_size: int, groups: int,
-          largest: int) -> m.WorldInfo:
+          largest: int, left: tuple[int, list[int]] = (-1, [])) -> m.WorldInfo:
     return m.WorldInfo(epoch=epoch, ring=list(ring), global_world_size=total,
                        peer_group_world_size=group_size, num_peer_groups=groups,
-                       largest_peer_group_world_size=largest)
+                       largest_peer_group_world_size=largest, left_epoch=left[0],
+                       left=left[1])
 
 
 def coll_init(tag: int = 0, *, dtype: int = 1, count: int = 16, op: int = 0,
@@ -584,10 +585,12 @@ def test_only_member_of_the_first_round_lost() -> None:
 
 def test_leave_disconnects_and_tells_the_rest() -> None:
     st = run_with([0, 0, 0], repair_rings=False)
+    # The rest learn who left the ring installed at epoch 2 (quorums then count
+    # without it, at any master taking the group over).
     assert tell(st, 2, m.Leave()) == [
         Disconnect(2, TEXT),
-        Send(1, world(2, [1, 3], 2, 2, 1, 2)),
-        Send(3, world(2, [1, 3], 2, 2, 1, 2)),
+        Send(1, world(2, [1, 3], 2, 2, 1, 2, left=(2, [2]))),
+        Send(3, world(2, [1, 3], 2, 2, 1, 2, left=(2, [2]))),
     ]
     # The ring stays as built (it is what the links are); the group is marked broken.
     assert st.rings == {0: [1, 2, 3]} and st.rings_stale and st.broken_groups == {0}
@@ -600,7 +603,7 @@ def test_leave_with_groups_updates_each_view() -> None:
     st = run_with([0, 1, 0], repair_rings=False)
     assert tell(st, 3, m.Leave()) == [
         Disconnect(3, TEXT),
-        Send(1, world(2, [1], 2, 1, 2, 1)),
+        Send(1, world(2, [1], 2, 1, 2, 1, left=(2, [3]))),
         Send(2, world(2, [2], 2, 1, 2, 1)),
     ]
 
@@ -1126,7 +1129,8 @@ def test_ring_forgets_an_accepted_peer_dropped_as_unreachable() -> None:
         Send(3, m.TopologyUpdateFailed(message=TEXT)),  # type: ignore[arg-type]
     ]
     # 2 is gone for good; when 3 leaves, 1 must not be told that 2 is still in its ring.
-    assert tell(st, 3, m.Leave()) == [Disconnect(3, TEXT), Send(1, world(3, [1], 1, 1, 1, 1))]
+    assert tell(st, 3, m.Leave()) == [Disconnect(3, TEXT),
+                                      Send(1, world(3, [1], 1, 1, 1, 1, left=(2, [3])))]
 
 
 def test_collective_fails_when_a_participant_is_dropped_as_unreachable() -> None:

@@ -1479,6 +1479,7 @@ class MasterState:
             group = self.peers[p].peer_group
             world = worlds.get(group)
             if world is None:
+                left_epoch, left = self._left(group)
                 world = worlds[group] = m.WorldInfo(
                     epoch=self.epoch,
                     ring=[q for q in self.rings.get(group, []) if q in self.peers],
@@ -1486,8 +1487,19 @@ class MasterState:
                     peer_group_world_size=sizes.get(group, 0),
                     num_peer_groups=len(sizes),
                     largest_peer_group_world_size=largest,
+                    left=left, left_epoch=left_epoch,
                 )
             out.append(Send(p, world))
+
+    def _left(self, group: int) -> tuple[int, list[int]]:
+        """(epoch, peers): who left ``group``'s installed ring gracefully since it was
+        installed (its lineage lost them on their ``Leave``); (-1, []) when none did."""
+        lin = self.lineage.get(group)
+        ring = self.rings.get(group)
+        if lin is None or ring is None or lin[0] != self.ring_epochs.get(group):
+            return -1, []
+        left = sorted(set(ring) - lin[1])
+        return (lin[0], left) if left else (-1, [])
 
     # --- collectives ------------------------------------------------------------------
 

@@ -404,11 +404,25 @@ def known_rings(installed: tuple[int, list[int]], proposed: m.EstablishP2P | Non
     if proposed is None:
         return base, []
     counted = list(zip(proposed.quorum_epochs, proposed.quorum_rings))
-    if counted and counted[0][0] > base[0]:
+    # At the installed ring's own epoch, the proposal's first counted ring is that ring
+    # as its master keeps it: without the peers that left it since.
+    if counted and counted[0][0] >= base[0]:
         base = (counted[0][0], list(counted[0][1]))
     more = [(e, list(r)) for e, r in [*counted[1:], (proposed.epoch, proposed.ring)]
             if e > base[0]]
     return base, more
+
+
+def without_leavers(ring: tuple[int, list[int]], left: tuple[int, frozenset[int]]
+                    ) -> tuple[int, list[int]]:
+    """``ring`` (epoch, members) less the peers its master said left gracefully from
+    the ring installed at ``left[0]`` (``WorldInfo.left``): they vote for no ring of
+    that epoch or later, so majorities are counted among the others, and two masters
+    counting them still share a peer."""
+    epoch, members = ring
+    if epoch < left[0] or not left[1]:
+        return ring
+    return epoch, [p for p in members if p not in left[1]]
 
 
 class PeerMachine:
@@ -429,6 +443,8 @@ class PeerMachine:
         # which the master's topology_updated came.
         self.installed: tuple[int, list[int]] = (0, [])
         self.world: m.WorldInfo | None = None
+        # Who left the installed ring gracefully, as the master last said (its epoch).
+        self.left: tuple[int, frozenset[int]] = (-1, frozenset())
         self.last_revision = -1  # of the last successful sync
         self.reconnects = 0
         self.generation = 0  # master connections so far (results of older ones are void)
@@ -482,6 +498,7 @@ class PeerMachine:
             if self.proposed is not None and self.proposed.epoch > epoch:
                 # (A single master sends proposals without their members: the last ring.)
                 epoch, ring = self.proposed.epoch, list(self.proposed.ring or self.ring)
+            epoch, ring = without_leavers((epoch, ring), self.left)
             return (self.peer_id, epoch, self.last_revision, ring)
         return (0, 0, -1, [])
 
@@ -489,7 +506,9 @@ class PeerMachine:
         """With :meth:`resume`: the newest ring this peer knows was installed, and the
         later rings that may have been ((epoch, members) each): what a master taking
         the group over counts its quorum against."""
-        return known_rings(self.installed, self.proposed)
+        base, more = known_rings(self.installed, self.proposed)
+        return (without_leavers(base, self.left),
+                [without_leavers(r, self.left) for r in more])
 
     # --- the one entry point -----------------------------------------------------------
 
@@ -630,6 +649,8 @@ class PeerMachine:
             out.append(Establish(msg, self.generation))
         elif isinstance(msg, m.WorldInfo):
             self.world = msg
+            if msg.left_epoch >= self.left[0]:
+                self.left = (msg.left_epoch, frozenset(msg.left))
         elif isinstance(msg, m.TopologyUpdated):
             self._on_topology_updated(msg, out)
         elif isinstance(msg, m.CollectivePerform):

@@ -32,7 +32,7 @@ PeerText = Annotated[str, Bound(PEER_TEXT, clip=True)]
 MasterText = Annotated[str, Bound(16384, clip=True)]
 
 #: Bumped on every incompatible change; checked in the handshake.
-PROTOCOL_VERSION = 11
+PROTOCOL_VERSION = 12
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -281,6 +281,11 @@ class WorldInfo(Message):
     peer_group_world_size: int
     num_peer_groups: int
     largest_peer_group_world_size: int
+    # Peers that left gracefully (``Leave``) the group's ring installed at ``left_epoch``:
+    # they vote for no later ring anywhere, so a master taking the group over counts
+    # its quorum without them (protocol 12; see pccl.peer.state.known_rings).
+    left: list[int] = dataclasses.field(default_factory=list)
+    left_epoch: int = -1
 
 
 @message
