@@ -12,7 +12,9 @@
 //! stream as if we had dialed it) or `Relay` (both ends dial the relay on the master's
 //! port with a token and it splices them). Whoever opened the TCP connection, the
 //! sending side runs the dialing handshakes and the receiving side the accepting ones
-//! (`open_inbound`), so the encryption stays end to end.
+//! (`open_inbound`), so the encryption stays end to end. Reverse and punched streams
+//! reach our listener before any authentication; they wait for their link in a
+//! `ParkingLot` that strangers cannot fill for honest links.
 //!
 //! The listener also answers the master's reachability check (`REACH_MAGIC`).
 //!
@@ -24,12 +26,13 @@ use crate::net::handshake::{self, Purpose, StreamHello};
 use crate::net::stream::{read_first_frame, P2PStream, Transport};
 use std::collections::HashMap;
 use std::io;
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::net::{TcpSocket, TcpStream};
 use tokio::sync::Notify;
+use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
@@ -56,8 +59,16 @@ pub const PUNCH_TIMEOUT: Duration = Duration::from_secs(5);
 pub const TOKEN_LEN: usize = 16;
 /// Parked punch connections use stream numbers from here (+ the remote's role).
 const PUNCH_SLOT: u16 = 0xFF00;
-/// Reverse streams that arrived before their pool was asked for, kept at most.
-const MAX_PARKED: usize = 256;
+/// Streams whose token no link here waits for yet, kept at most (see `ParkingLot`).
+const MAX_EARLY: usize = 128;
+/// Of those, from any one source address at most.
+const MAX_EARLY_PER_SOURCE: usize = 16;
+/// How long such a stream is kept for a link that has not asked for it yet.
+const EARLY_KEEP: Duration = Duration::from_secs(3);
+/// A refused reverse dial (the sender hung up before a word) is dialed again after this
+/// pause, doubling up to `REDIAL_PAUSE_MAX`, while the link's deadline allows.
+const REDIAL_PAUSE: Duration = Duration::from_millis(50);
+const REDIAL_PAUSE_MAX: Duration = Duration::from_secs(1);
 
 /// How transfer streams reach a holder behind NAT: (relay, token, streams so far).
 type TransferRelay = (SocketAddr, [u8; TOKEN_LEN], u16);
@@ -152,6 +163,17 @@ fn frame_token(frame: &[u8]) -> [u8; TOKEN_LEN] {
     parse_token(&frame[8..8 + TOKEN_LEN]).expect("a checked route frame")
 }
 
+/// Whether `e` is the other end hanging up (a reset where a clean close was meant).
+fn hung_up(e: &io::Error) -> bool {
+    matches!(
+        e.kind(),
+        io::ErrorKind::ConnectionReset
+            | io::ErrorKind::ConnectionAborted
+            | io::ErrorKind::BrokenPipe
+            | io::ErrorKind::UnexpectedEof
+    )
+}
+
 /// Closing `tcp` will reset it instead of lingering in TIME_WAIT (a zero linger time
 /// never blocks, which is what tokio's deprecation of `set_linger` is about).
 #[allow(deprecated)]
@@ -200,6 +222,169 @@ fn route_frame(magic: &[u8; 8], token: &[u8; TOKEN_LEN], stream: u16) -> Vec<u8>
     f.extend_from_slice(token);
     f.extend_from_slice(&stream.to_be_bytes());
     f
+}
+
+/// Where reverse and punch streams wait for their link; they come before any
+/// authentication, so a stranger can send any number of them with made-up tokens.
+///
+/// Their tokens come from the master, which hands them to both ends of a link in
+/// EstablishP2P; a stranger cannot guess one. The end that waits for the link's streams
+/// says so (`want`) as soon as it starts (`connect_pool_via` on a reverse route, `punch`
+/// on either end), and from then on a stream with that token is kept for it (`parked`)
+/// whatever strangers do: at most one per valid stream number, so at most a pool's worth
+/// per wanted token, until the waiter takes it or gives up (`unwant` drops the rest).
+///
+/// A stream whose token nobody here wants yet is either a stranger's or an honest one
+/// that beat its link (the other end processed its EstablishP2P first). It waits in the
+/// `early` area: small (`MAX_EARLY`), at most `MAX_EARLY_PER_SOURCE` per source address,
+/// kept `EARLY_KEEP` at most, and moved to `parked` when its token becomes wanted. When
+/// that area is full the newcomer is refused (closed), never anyone already kept; an
+/// honest dialer that was refused dials again (`Node::open_inbound`), and by then its
+/// token is normally wanted.
+///
+/// A stream whose (token, stream number) is already kept is refused as well: the first
+/// one stays (a later one could only be a repeat or a replay).
+struct ParkingLot<T> {
+    /// Tokens that a link here waits for, with how many waiters.
+    wanted: HashMap<[u8; TOKEN_LEN], usize>,
+    /// Streams of wanted tokens.
+    parked: HashMap<ParkKey, T>,
+    /// Streams of tokens not wanted (yet): (stream, source, kept until).
+    early: HashMap<ParkKey, (T, IpAddr, Instant)>,
+}
+
+/// Why the parking lot did not keep a stream.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Refusal {
+    /// No link uses that stream number.
+    BadSlot,
+    /// A stream with the same token and number is kept already.
+    Duplicate,
+    /// The early area is full.
+    Full,
+    /// The early area holds its share of streams from this source address.
+    SourceFull,
+}
+
+/// Where the parking lot put a stream.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Placed {
+    /// For a link that waits for it.
+    Parked,
+    /// In the early area, until the returned deadline.
+    Early(Instant),
+}
+
+impl<T> ParkingLot<T> {
+    fn new() -> Self {
+        ParkingLot {
+            wanted: HashMap::new(),
+            parked: HashMap::new(),
+            early: HashMap::new(),
+        }
+    }
+
+    /// Stream numbers in use: those of a pool, and the two punch roles.
+    fn valid_slot(slot: u16) -> bool {
+        slot < MAX_POOL || slot == PUNCH_SLOT || slot == PUNCH_SLOT + 1
+    }
+
+    /// Keeps `item` (from `source`) for (token, slot), or gives it back with the reason.
+    fn offer(
+        &mut self,
+        token: [u8; TOKEN_LEN],
+        slot: u16,
+        item: T,
+        source: IpAddr,
+        now: Instant,
+    ) -> Result<Placed, (T, Refusal)> {
+        if !Self::valid_slot(slot) {
+            return Err((item, Refusal::BadSlot));
+        }
+        self.purge(now);
+        let key = (token, slot);
+        if self.parked.contains_key(&key) || self.early.contains_key(&key) {
+            return Err((item, Refusal::Duplicate));
+        }
+        if self.wanted.contains_key(&token) {
+            self.parked.insert(key, item);
+            return Ok(Placed::Parked);
+        }
+        if self.early.len() >= MAX_EARLY {
+            return Err((item, Refusal::Full));
+        }
+        let source = source.to_canonical();
+        if self.early.values().filter(|e| e.1 == source).count() >= MAX_EARLY_PER_SOURCE {
+            return Err((item, Refusal::SourceFull));
+        }
+        let until = now + EARLY_KEEP;
+        self.early.insert(key, (item, source, until));
+        Ok(Placed::Early(until))
+    }
+
+    /// A link starts waiting for streams with `token`: those that came early are kept
+    /// for it from now on.
+    fn want(&mut self, token: [u8; TOKEN_LEN]) {
+        *self.wanted.entry(token).or_default() += 1;
+        let keys: Vec<ParkKey> = self
+            .early
+            .keys()
+            .filter(|k| k.0 == token)
+            .copied()
+            .collect();
+        for key in keys {
+            if let Some((item, _, _)) = self.early.remove(&key) {
+                self.parked.insert(key, item);
+            }
+        }
+    }
+
+    /// A waiter for `token` is done; with the last one, the streams still kept for the
+    /// token are of no use: they are returned (to be closed).
+    fn unwant(&mut self, token: [u8; TOKEN_LEN]) -> Vec<T> {
+        match self.wanted.get_mut(&token) {
+            Some(n) if *n > 1 => {
+                *n -= 1;
+                return Vec::new();
+            }
+            Some(_) => {
+                self.wanted.remove(&token);
+            }
+            None => return Vec::new(),
+        }
+        let keys: Vec<ParkKey> = self
+            .parked
+            .keys()
+            .filter(|k| k.0 == token)
+            .copied()
+            .collect();
+        keys.iter().filter_map(|k| self.parked.remove(k)).collect()
+    }
+
+    /// The stream kept for (token, slot), if any.
+    fn take(&mut self, token: &[u8; TOKEN_LEN], slot: u16) -> Option<T> {
+        let key = (*token, slot);
+        self.parked
+            .remove(&key)
+            .or_else(|| self.early.remove(&key).map(|e| e.0))
+    }
+
+    /// Drops early streams whose time is up (closing them).
+    fn purge(&mut self, now: Instant) {
+        self.early.retain(|_, e| e.2 > now);
+    }
+
+    /// (streams kept for links that wait for them, streams in the early area).
+    fn counts(&self) -> (usize, usize) {
+        (self.parked.len(), self.early.len())
+    }
+
+    /// Drops everything (the node is closing).
+    fn clear(&mut self) {
+        self.wanted.clear();
+        self.parked.clear();
+        self.early.clear();
+    }
 }
 
 #[derive(Clone, Debug)]
@@ -263,8 +448,9 @@ pub struct Node {
     /// Transfer streams this peer dialed that finished a fetch cleanly, by source, for
     /// the next fetch from the same source (a dial plus handshake costs round trips).
     idle_transfers: Mutex<HashMap<(SocketAddr, u64), Vec<P2PStream>>>,
-    /// Reverse streams received, by (token, stream), until `open_tcp` takes them.
-    parked: Mutex<HashMap<ParkKey, (TcpStream, tokio::time::Instant)>>,
+    /// Reverse and punch streams received, by (token, stream), until their link takes
+    /// them (see `ParkingLot`).
+    parked: Mutex<ParkingLot<TcpStream>>,
     parked_changed: Notify,
     /// Holders behind NAT: transfer streams to them go through this relay with this
     /// token, each stream numbered by the counter (the relay pairs by token and number).
@@ -273,6 +459,19 @@ pub struct Node {
 
 /// Most idle transfer streams kept per source.
 const MAX_IDLE_TRANSFERS: usize = 16;
+
+/// A link of ours waits for streams with `token` while this lives (`Node::want`).
+struct Wanted<'a> {
+    node: &'a Node,
+    token: [u8; TOKEN_LEN],
+}
+
+impl Drop for Wanted<'_> {
+    fn drop(&mut self) {
+        let unused = self.node.parked.lock().unwrap().unwant(self.token);
+        drop(unused); // closed outside the lock
+    }
+}
 
 impl Node {
     /// Binds the listener and starts accepting.
@@ -322,7 +521,7 @@ impl Node {
             tracker: TaskTracker::new(),
             transfers: Default::default(),
             idle_transfers: Mutex::new(HashMap::new()),
-            parked: Mutex::new(HashMap::new()),
+            parked: Mutex::new(ParkingLot::new()),
             parked_changed: Notify::new(),
             transfer_relays: Mutex::new(HashMap::new()),
         });
@@ -424,16 +623,29 @@ impl Node {
             let _ = tokio::time::timeout(timeout, write_frame(&mut tcp, &first[8..])).await;
             return;
         }
-        if first.len() == 8 + TOKEN_LEN + 2 && first.starts_with(REVERSE_MAGIC) {
-            let slot = u16::from_be_bytes([first[8 + TOKEN_LEN], first[9 + TOKEN_LEN]]);
-            self.park(frame_token(&first), slot, tcp, remote);
-            return;
-        }
-        if first.len() == 8 + TOKEN_LEN + 1 && first.starts_with(PUNCH_MAGIC) {
+        let slot = if first.len() == 8 + TOKEN_LEN + 2 && first.starts_with(REVERSE_MAGIC) {
+            Some(u16::from_be_bytes([
+                first[8 + TOKEN_LEN],
+                first[9 + TOKEN_LEN],
+            ]))
+        } else if first.len() == 8 + TOKEN_LEN + 1 && first.starts_with(PUNCH_MAGIC) {
             // A neighbour's hole-punching connect that reached our listener: the punch
             // loop of that link takes it (keyed by the token and its role + PUNCH_SLOT).
-            let slot = PUNCH_SLOT + first[8 + TOKEN_LEN] as u16;
-            self.park(frame_token(&first), slot, tcp, remote);
+            Some(PUNCH_SLOT + first[8 + TOKEN_LEN] as u16)
+        } else {
+            None
+        };
+        if let Some(slot) = slot {
+            if let Some(until) = self.park(frame_token(&first), slot, tcp, remote) {
+                // Kept early: this task lets it go when its time is up, unless its link
+                // took it by then (a purge drops only what has expired).
+                tokio::select! {
+                    _ = self.cancel.cancelled() => {}
+                    _ = tokio::time::sleep_until(until) => {
+                        self.parked.lock().unwrap().purge(Instant::now());
+                    }
+                }
+            }
             return;
         }
         let accepted = tokio::select! {
@@ -445,23 +657,66 @@ impl Node {
         }
     }
 
-    /// Keeps a reverse (or punch) connection until its link asks for (token, slot).
-    fn park(&self, token: [u8; TOKEN_LEN], slot: u16, tcp: TcpStream, remote: SocketAddr) {
-        let now = tokio::time::Instant::now();
-        let keep = self.cfg.connect_timeout + self.cfg.handshake_timeout;
-        let mut parked = self.parked.lock().unwrap();
-        parked.retain(|_, (_, at)| now.duration_since(*at) < keep);
-        if parked.len() >= MAX_PARKED {
-            drop(parked);
-            log::warn!(
-                "peer {}: reverse p2p stream from {remote} dropped: too many waiting",
-                self.peer_id()
-            );
-            return;
-        }
-        parked.insert((token, slot), (tcp, now));
-        drop(parked);
+    /// Keeps a reverse (or punch) connection until its link asks for (token, slot), or
+    /// refuses it (closes it). Returns the deadline of one kept in the early area.
+    fn park(
+        &self,
+        token: [u8; TOKEN_LEN],
+        slot: u16,
+        tcp: TcpStream,
+        remote: SocketAddr,
+    ) -> Option<Instant> {
+        let now = Instant::now();
+        let offered = self
+            .parked
+            .lock()
+            .unwrap()
+            .offer(token, slot, tcp, remote.ip(), now);
+        // (A refused stream is closed here, outside the lock.)
+        let why = match offered {
+            Ok(placed) => {
+                self.parked_changed.notify_waiters();
+                return match placed {
+                    Placed::Parked => None,
+                    Placed::Early(until) => Some(until),
+                };
+            }
+            Err((_closed, why)) => why,
+        };
+        // Never logged louder than info: a stranger may send thousands of these.
+        let why = match why {
+            Refusal::BadSlot => format!("stream number {slot} is not one a link uses"),
+            Refusal::Duplicate => "a stream with its token and number is waiting already".into(),
+            Refusal::Full => format!("{MAX_EARLY} streams of links not asked for yet wait already"),
+            Refusal::SourceFull => format!(
+                "{MAX_EARLY_PER_SOURCE} streams from {} for links not asked for yet wait \
+                 already",
+                remote.ip()
+            ),
+        };
+        let kind = if slot >= PUNCH_SLOT {
+            "punched"
+        } else {
+            "reverse"
+        };
+        log::info!(
+            "peer {}: {kind} p2p stream from {remote} refused: {why}",
+            self.peer_id()
+        );
+        None
+    }
+
+    /// Streams with `token` are kept for a link of ours from now on, until the guard is
+    /// dropped (see `ParkingLot`).
+    fn want(&self, token: [u8; TOKEN_LEN]) -> Wanted<'_> {
+        self.parked.lock().unwrap().want(token);
         self.parked_changed.notify_waiters();
+        Wanted { node: self, token }
+    }
+
+    /// (streams kept for links that wait for them, streams of links not asked for yet).
+    pub fn parked_counts(&self) -> (usize, usize) {
+        self.parked.lock().unwrap().counts()
     }
 
     fn log_refused(&self, remote: SocketAddr, e: &CoreError) {
@@ -593,9 +848,48 @@ impl Node {
                         (*a, RELAY_MAGIC, t, "reaching the relay at")
                     }
                 };
-                let mut tcp = self.connect_tcp(addr, &format!("{what} {addr}")).await?;
-                write_frame(&mut tcp, &route_frame(magic, token, i)).await?;
-                self.accept_stream(tcp, None).await
+                let frame = route_frame(magic, token, i);
+                if !matches!(how, Inbound::Reverse(..)) {
+                    let mut tcp = self.connect_tcp(addr, &format!("{what} {addr}")).await?;
+                    write_frame(&mut tcp, &frame).await?;
+                    return self.accept_stream(tcp, None).await;
+                }
+                // The sender's listener may refuse our stream (closes it without a word):
+                // it came before the sender's side of the link asked for it, while
+                // strangers filled the area for such streams (see `ParkingLot`). Dial
+                // again, a little later each time, as long as the sender would wait.
+                let deadline =
+                    Instant::now() + self.cfg.connect_timeout + self.cfg.handshake_timeout;
+                let mut pause = REDIAL_PAUSE;
+                loop {
+                    let mut tcp = self.connect_tcp(addr, &format!("{what} {addr}")).await?;
+                    write_frame(&mut tcp, &frame).await?;
+                    // The sender speaks first once its link took the stream.
+                    let mut byte = [0u8; 1];
+                    let refused = match tokio::time::timeout_at(deadline, tcp.peek(&mut byte)).await
+                    {
+                        Ok(Ok(0)) => true,
+                        Ok(Ok(_)) => false,
+                        Ok(Err(e)) if hung_up(&e) => true,
+                        Ok(Err(e)) => return Err(CoreError::io(format!("{what} {addr}"), e)),
+                        Err(_) => {
+                            return Err(CoreError::PeerConnection(format!(
+                                "the peer at {addr} did not take our dial-back in time"
+                            )))
+                        }
+                    };
+                    if !refused {
+                        return self.accept_stream(tcp, None).await;
+                    }
+                    if Instant::now() + pause >= deadline {
+                        return Err(CoreError::PeerConnection(format!(
+                            "the peer at {addr} kept refusing our dial-back (closed it \
+                             before its hello)"
+                        )));
+                    }
+                    tokio::time::sleep(pause).await;
+                    pause = (pause * 2).min(REDIAL_PAUSE_MAX);
+                }
             }
         };
         let all = async {
@@ -670,7 +964,8 @@ impl Node {
             let notified = self.parked_changed.notified();
             tokio::pin!(notified);
             notified.as_mut().enable();
-            if let Some((tcp, _)) = self.parked.lock().unwrap().remove(&(*token, slot)) {
+            let taken = self.parked.lock().unwrap().take(token, slot);
+            if let Some(tcp) = taken {
                 let _ = tcp.set_nodelay(true);
                 return Some(tcp);
             }
@@ -697,6 +992,8 @@ impl Node {
         epoch: u64,
     ) -> CoreResult<TcpStream> {
         let (mine, theirs) = if sender { (0u8, 1u8) } else { (1u8, 0u8) };
+        // The neighbour's connect may land on our listener: kept for us meanwhile.
+        let _wanted = self.want(*token);
         let hello = |role: u8| {
             let mut f = PUNCH_MAGIC.to_vec();
             f.extend_from_slice(token);
@@ -861,6 +1158,12 @@ impl Node {
                 }
             }
             other => (other, n),
+        };
+        // The neighbour dials us for a reverse route: its streams are kept for this pool
+        // from now on, whatever strangers send meanwhile.
+        let _wanted = match &route {
+            Route::Reverse(token) => Some(self.want(*token)),
+            _ => None,
         };
         let dials = (0..n).map(|i| {
             let hello = StreamHello {
@@ -1492,6 +1795,202 @@ mod tests {
             .await
             .unwrap());
         assert_eq!(got, [9u8; TOKEN_LEN]);
+        b.close().await;
+    }
+
+    fn ip(last: u8) -> IpAddr {
+        IpAddr::from([10, 0, 0, last])
+    }
+
+    #[test]
+    fn strangers_fill_only_the_early_area_and_a_wanted_token_still_parks() {
+        let now = Instant::now();
+        let mut lot = ParkingLot::new();
+        let mine = [1u8; TOKEN_LEN];
+        lot.want(mine);
+        // One source gets its share, then is refused; many sources fill the area.
+        let mut kept = 0;
+        for i in 0..(MAX_EARLY_PER_SOURCE + 5) {
+            let token = [0, 0, 0, (i + 1) as u8].repeat(4).try_into().unwrap();
+            match lot.offer(token, 0, i, ip(1), now) {
+                Ok(Placed::Early(until)) => {
+                    assert_eq!(until, now + EARLY_KEEP);
+                    kept += 1;
+                }
+                Err((_, why)) => assert_eq!(why, Refusal::SourceFull),
+                other => panic!("{other:?}"),
+            }
+        }
+        assert_eq!(kept, MAX_EARLY_PER_SOURCE);
+        for i in 0..2 * MAX_EARLY {
+            let token: [u8; TOKEN_LEN] = [(i >> 8) as u8 + 1, i as u8, 7, 7]
+                .repeat(4)
+                .try_into()
+                .unwrap();
+            match lot.offer(token, 1, i, ip(2 + (i / MAX_EARLY_PER_SOURCE) as u8), now) {
+                Ok(Placed::Early(_)) => {}
+                Err((_, why)) => assert_eq!(why, Refusal::Full),
+                other => panic!("{other:?}"),
+            }
+        }
+        assert_eq!(lot.counts(), (0, MAX_EARLY));
+        // Nothing was evicted for the newcomers, and the wanted token is kept anyway.
+        for slot in 0..MAX_POOL {
+            assert_eq!(
+                lot.offer(mine, slot, 1000, ip(1), now).unwrap(),
+                Placed::Parked
+            );
+        }
+        assert_eq!(lot.counts(), (MAX_POOL as usize, MAX_EARLY));
+        assert_eq!(lot.take(&mine, 3), Some(1000));
+        assert_eq!(lot.take(&mine, 3), None);
+    }
+
+    #[test]
+    fn a_repeated_token_and_stream_is_refused_and_the_first_stays() {
+        let now = Instant::now();
+        let mut lot = ParkingLot::new();
+        let (early, wanted) = ([2u8; TOKEN_LEN], [3u8; TOKEN_LEN]);
+        lot.want(wanted);
+        assert!(lot.offer(early, 0, "first", ip(1), now).is_ok());
+        assert!(lot.offer(wanted, 0, "first", ip(1), now).is_ok());
+        for token in [early, wanted] {
+            let (back, why) = lot.offer(token, 0, "second", ip(9), now).unwrap_err();
+            assert_eq!((back, why), ("second", Refusal::Duplicate));
+        }
+        // The early one, moved when its token is wanted, stays the first as well.
+        lot.want(early);
+        assert_eq!(lot.counts(), (2, 0));
+        assert_eq!(
+            lot.offer(early, 0, "third", ip(1), now).unwrap_err().1,
+            Refusal::Duplicate
+        );
+        assert_eq!(lot.take(&early, 0), Some("first"));
+        assert_eq!(lot.take(&wanted, 0), Some("first"));
+        // Stream numbers no link uses are refused.
+        for slot in [MAX_POOL, PUNCH_SLOT - 1, PUNCH_SLOT + 2, u16::MAX] {
+            assert_eq!(
+                lot.offer(wanted, slot, "x", ip(1), now).unwrap_err().1,
+                Refusal::BadSlot
+            );
+        }
+        for slot in [PUNCH_SLOT, PUNCH_SLOT + 1] {
+            assert_eq!(
+                lot.offer(wanted, slot, "x", ip(1), now).unwrap(),
+                Placed::Parked
+            );
+        }
+    }
+
+    #[test]
+    fn early_streams_expire_and_unwanted_leftovers_are_dropped() {
+        let now = Instant::now();
+        let mut lot = ParkingLot::new();
+        for i in 0..4u8 {
+            lot.offer([i; TOKEN_LEN], 0, i, ip(i), now).unwrap();
+        }
+        lot.purge(now + EARLY_KEEP - Duration::from_millis(1));
+        assert_eq!(lot.counts(), (0, 4));
+        lot.purge(now + EARLY_KEEP);
+        assert_eq!(lot.counts(), (0, 0));
+        // An expired one no longer blocks the same key, and space is free again.
+        let later = now + EARLY_KEEP;
+        lot.offer([0; TOKEN_LEN], 0, 10, ip(0), now).unwrap();
+        assert!(lot.offer([0; TOKEN_LEN], 0, 11, ip(0), later).is_ok());
+        assert_eq!(lot.take(&[0; TOKEN_LEN], 0), Some(11));
+        // Two waiters for one token: the streams stay until the last one is done.
+        let token = [5u8; TOKEN_LEN];
+        lot.want(token);
+        lot.want(token);
+        lot.offer(token, 0, 50, ip(5), later).unwrap();
+        lot.offer(token, 1, 51, ip(5), later).unwrap();
+        assert!(lot.unwant(token).is_empty());
+        let mut left = lot.unwant(token);
+        left.sort();
+        assert_eq!(left, vec![50, 51]);
+        assert!(lot.unwant(token).is_empty()); // one too many: harmless
+                                               // Not wanted any more: a stream for it waits early again (and expires).
+        assert!(matches!(
+            lot.offer(token, 0, 52, ip(5), later),
+            Ok(Placed::Early(_))
+        ));
+        lot.clear();
+        assert_eq!(lot.counts(), (0, 0));
+    }
+
+    /// Opens `n` connections to `addr` that each send a reverse frame with a random
+    /// token, and keeps them open.
+    async fn strangers(addr: SocketAddr, n: usize) -> Vec<TcpStream> {
+        let mut conns = Vec::with_capacity(n);
+        for _ in 0..n {
+            let mut tcp = TcpStream::connect(addr).await.unwrap();
+            let token: [u8; TOKEN_LEN] = rand::random();
+            write_frame(&mut tcp, &route_frame(REVERSE_MAGIC, &token, 0))
+                .await
+                .unwrap();
+            conns.push(tcp);
+        }
+        conns
+    }
+
+    /// Waits (bounded) until `node`'s parking lot holds `want` (see `parked_counts`).
+    async fn parked_become(node: &Node, want: (usize, usize)) {
+        for _ in 0..500 {
+            if node.parked_counts() == want {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        panic!("parked {:?}, never {want:?}", node.parked_counts());
+    }
+
+    #[tokio::test]
+    async fn a_refused_early_dial_back_is_dialed_again_and_taken_once_wanted() {
+        crate::py::logging::capture::install();
+        let any: SocketAddr = "127.0.0.1:0".parse().unwrap();
+        let a = Node::bind(cfg(7301, Some(b"k")), any).await.unwrap();
+        let b = Node::bind(cfg(7302, Some(b"k")), any).await.unwrap();
+        // Strangers from our address hold all of its share of the early area.
+        let flood = strangers(a.local_addr(), 3 * MAX_EARLY_PER_SOURCE).await;
+        parked_become(&a, (0, MAX_EARLY_PER_SOURCE)).await;
+        let token = [7u8; TOKEN_LEN];
+        let (sent, opened) = tokio::join!(
+            async {
+                // Only once b's early stream was refused (after the strangers' surplus)
+                // does a ask for the link.
+                let refusals = || {
+                    crate::py::logging::capture::matching("peer 7301: reverse p2p stream from")
+                        .len()
+                };
+                for _ in 0..500 {
+                    if refusals() > 2 * MAX_EARLY_PER_SOURCE {
+                        break;
+                    }
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                }
+                assert!(refusals() > 2 * MAX_EARLY_PER_SOURCE);
+                a.connect_pool_via(Route::Reverse(token), 7302, 5, 2, Purpose::Ring)
+                    .await
+            },
+            b.open_inbound(Inbound::Reverse(a.local_addr(), token), None),
+        );
+        sent.unwrap();
+        opened.unwrap();
+        let key = |peer| PoolKey {
+            peer,
+            epoch: 5,
+            purpose: Purpose::Ring,
+        };
+        let inn = b
+            .take_inbound(key(7301), Duration::from_secs(2))
+            .await
+            .unwrap();
+        let out = a.take_outbound(key(7302)).unwrap();
+        data_flows(out, inn).await;
+        assert_eq!(a.parked_counts(), (0, MAX_EARLY_PER_SOURCE));
+        drop(flood);
+        a.close().await;
+        assert_eq!(a.parked_counts(), (0, 0));
         b.close().await;
     }
 }
