@@ -204,6 +204,12 @@ impl PyP2PNode {
         self.node.retain_from_epoch(epoch)
     }
 
+    /// Reverse and punch streams held by the listener: (those kept for a link of ours
+    /// that waits for them, those of links not asked for yet). For tests and diagnosis.
+    fn parked(&self) -> (usize, usize) {
+        self.node.parked_counts()
+    }
+
     /// Stops the listener and all tasks and drops every stream. Idempotent.
     fn close<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
         let node = self.node.clone();
