@@ -42,6 +42,7 @@ COMMUNICATOR_VARIABLES = {
     "insecure": "PCCL_INSECURE",
     "allow_relay": "PCCL_ALLOW_RELAY",
     "metrics_listen": "PCCL_METRICS_LISTEN",
+    "metrics_token": "PCCL_METRICS_TOKEN",
 }
 MASTER_VARIABLES = {
     "listen": "PCCL_MASTER_LISTEN",
@@ -90,10 +91,11 @@ def test_the_variable_names_are_the_documented_ones() -> None:
     assert {v.param: v.name for v in variables(pccl.MasterNode)} == MASTER_VARIABLES
     files = {v.name: v.file_name for cls in CLASSES for v in variables(cls) if v.file_name}
     assert files == {"PCCL_SECRET": "PCCL_SECRET_FILE",
-                     "PCCL_STATUS_TOKEN": "PCCL_STATUS_TOKEN_FILE"}
+                     "PCCL_STATUS_TOKEN": "PCCL_STATUS_TOKEN_FILE",
+                     "PCCL_METRICS_TOKEN": "PCCL_METRICS_TOKEN_FILE"}
     assert names() == frozenset({*COMMUNICATOR_VARIABLES.values(), *MASTER_VARIABLES.values(),
                                  "PCCL_SECRET_FILE", "PCCL_STATUS_TOKEN_FILE",
-                                 "PCCL_LOG_LEVEL"})
+                                 "PCCL_METRICS_TOKEN_FILE", "PCCL_LOG_LEVEL"})
 
 
 def test_only_parameters_that_mean_the_same_share_a_variable() -> None:
@@ -154,6 +156,7 @@ def test_every_communicator_variable_is_read_with_its_type(tmp_path: Path) -> No
         "PCCL_INSECURE": "yes",
         "PCCL_ALLOW_RELAY": "Off",
         "PCCL_METRICS_LISTEN": "0.0.0.0:9400",
+        "PCCL_METRICS_TOKEN": "scrape-me",
         "PCCL_LOG_LEVEL": "debug",  # read at import, not here
         "HOME": "/root",
     }
@@ -166,6 +169,7 @@ def test_every_communicator_variable_is_read_with_its_type(tmp_path: Path) -> No
         "timeout": 12.5, "p2p_timeout": 7.0, "peer_timeout": 45.0, "piece_bytes": 65536,
         "max_frame": 2097152, "reconnect_timeout": 0.0, "collective_timeout": None,
         "insecure": True, "allow_relay": False, "metrics_listen": "0.0.0.0:9400",
+        "metrics_token": "scrape-me",
     }
     assert sources["secret"] == f"PCCL_SECRET_FILE={str(tmp_path / 'secret')!r}"
     assert sources["p2p_connection_pool_size"] == "PCCL_POOL_SIZE='8'"

@@ -177,6 +177,7 @@ def test_the_peers_take_their_configuration(tmp_path: Path) -> None:
             comm.reconnect_timeout, comm.metrics_listen) == (
         "pccl-master:48148", 48149, POD_IP, 0, 300.0, "0.0.0.0:9400")
     assert comm.secret == secrets()["pccl-secret"]["secret"].encode()
+    assert comm.metrics_token == secrets()["pccl-status-token"]["token"]
 
 
 def test_no_service_link_variable_lands_in_pccl_names() -> None:
