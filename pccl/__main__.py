@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import importlib.metadata
 import logging
 import os
+import resource
 import signal
 import sys
 from collections.abc import Mapping
@@ -40,6 +42,7 @@ _LOG_LEVELS = ["DEBUG", "INFO", "WARNING", "ERROR"]
 _PLAIN_FLAGS = ("listen", "heartbeat_interval", "heartbeat_timeout", "handshake_timeout",
                 "establish_timeout", "max_establish_attempts", "recovery_grace",
                 "repair_rings", "dial_back_timeout", "max_relayed_streams", "insecure",
+                "max_connections",
                 "mesh_max_bytes", "quorum", "standby")
 
 
@@ -86,6 +89,10 @@ def _add_master_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-relayed-streams", type=int, default=s, metavar="N",
                    help=f"ring-link streams relayed at once for peers that cannot connect "
                         f"directly (0: no relay; {d('max_relayed_streams')})")
+    p.add_argument("--max-connections", type=int, default=s, metavar="N",
+                   help=f"connections held at once on the control port (peers, handshakes, "
+                        f"relayed streams); past it new ones wait in the kernel's backlog "
+                        f"({d('max_connections', 'the open-files limit less 128')})")
     p.add_argument("--mesh-max-bytes", type=int, default=s, metavar="N",
                    help=f"all-reduces up to N bytes run on the mesh (recursive doubling, "
                         f"log2(k) hops) instead of the ring (-1: chosen from k and the "
@@ -160,7 +167,19 @@ class _UserError(Exception):
     """A mistake on the command line: printed as one line, exit status 2 (as argparse)."""
 
 
+def _raise_fd_limit() -> None:
+    """The soft limit on open files up to the hard one: a master holds a socket per
+    peer, and what it accepts at once is this limit less a reserve
+    (``MasterNode.max_connections``)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = hard if hard != resource.RLIM_INFINITY else 1 << 20
+    if soft != resource.RLIM_INFINITY and soft < want:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (min(want, 1 << 20), hard))
+
+
 async def _run_master(args: argparse.Namespace) -> None:
+    _raise_fd_limit()
     master = MasterNode.from_env(os.environ, **master_overrides(args, os.environ))
     await master.start()
     print(f"pccl master listening on {master.address}", flush=True)

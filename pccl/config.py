@@ -129,6 +129,8 @@ _HELP: dict[str, str] = {
     "repair_rings": "rebuild a ring that lost a peer without waiting for update_topology()",
     "dial_back_timeout": "seconds for the reachability check of each peer's p2p address",
     "max_relayed_streams": "ring-link streams relayed at once (0: no relay)",
+    "max_connections": "control-port connections held at once, of every kind; past it the "
+                       "master stops accepting (none: the open-files limit less 128)",
     "standby": "start no group: only take one over from the peers of a lost master",
     "quorum": "a new ring needs a majority of the group's previous ring (split-brain "
               "protection; none: on for a standby, else off)",

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import secrets
 import socket
 import tracemalloc
@@ -395,6 +396,31 @@ async def test_strangers_holding_handshakes_do_not_touch_the_group(caplog) -> No
         joiner = cluster.new_comm()
         await cluster.admit([joiner])
         assert joiner.world_size == 3
+
+
+async def test_connections_past_the_cap_wait_in_the_backlog_not_in_the_process() -> None:
+    """At ``max_connections`` the master stops accepting: a flood of strangers from many
+    addresses holds at most that many of its descriptors; once they go (the handshake
+    deadline), a peer registers."""
+    fds = len(os.listdir("/proc/self/fd"))
+    async with _master() as master:
+        master.max_connections = 40  # (read by the accept loops as they run)
+        host, port = master.address.rsplit(":", 1)
+        flood = []
+        for i in range(120):
+            flood.append(await asyncio.open_connection(
+                host, int(port), local_addr=(f"127.0.1.{2 + i % 200}", 0)))
+        await master.wait_for(lambda _: master.open_connections >= 40, timeout=30)
+        assert master.open_connections == 40  # the other 80 wait in the kernel's backlog
+        # 120 client ends here, at most 40 server ends (and the listener, the loop's)
+        assert len(os.listdir("/proc/self/fd")) - fds <= 120 + 40 + 8
+        for r, _ in flood:
+            assert await _eof_within(r, 30)  # each closed by its handshake deadline
+        for _, w in flood:
+            w.close()
+        conn = await dial_master(master.address)
+        assert isinstance(await conn.recv(), m.Challenge)
+        conn.abort()
 
 
 # --- lying reports (1) -------------------------------------------------------------------

@@ -58,6 +58,7 @@ MASTER_VARIABLES = {
     "insecure": "PCCL_INSECURE",
     "dial_back_timeout": "PCCL_DIAL_BACK_TIMEOUT",
     "max_relayed_streams": "PCCL_MAX_RELAYED_STREAMS",
+    "max_connections": "PCCL_MAX_CONNECTIONS",
     "mesh_max_bytes": "PCCL_MESH_MAX_BYTES",
     "quorum": "PCCL_QUORUM",
     "standby": "PCCL_STANDBY",

@@ -359,7 +359,7 @@ def _assert_baseline(live: Live, real: set[int], handlers: set[asyncio.Task[None
     master = live.cluster.master
     s = master.state
     assert not live.serve.done(), "the master's serve task ended"
-    assert master._server is not None and master._server.is_serving()
+    assert master.serving
     assert set(s.peers) == real and s.accepted() == sorted(real) and not s.pending()
     assert set(master._conns) == real
     assert master._handlers == handlers

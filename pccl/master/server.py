@@ -12,6 +12,7 @@ import errno
 import hmac
 import logging
 import os
+import resource
 import secrets as _secrets
 import socket
 import time
@@ -79,6 +80,31 @@ def _positive(name: str, value: float) -> float:
     return float(value)
 
 
+async def _listen(host: str, port: int) -> list[socket.socket]:
+    """Listening sockets for ``host:port`` (one per address family it resolves to, as
+    asyncio.start_server makes them), non-blocking, with a backlog for hundreds of peers
+    connecting at once (the default of 100 drops SYNs)."""
+    loop = asyncio.get_running_loop()
+    infos = await loop.getaddrinfo(host or None, port, type=socket.SOCK_STREAM,
+                                   flags=socket.AI_PASSIVE)
+    socks: list[socket.socket] = []
+    try:
+        for family, kind, proto, _, addr in dict.fromkeys(infos):
+            sock = socket.socket(family, kind, proto)
+            socks.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            sock.bind(addr)
+            sock.listen(4096)
+            sock.setblocking(False)
+    except BaseException:
+        for sock in socks:
+            sock.close()
+        raise
+    return socks
+
+
 class MasterNode:
     """The run's coordinator. Holds no tensor data; peers only exchange votes with it.
 
@@ -105,6 +131,7 @@ class MasterNode:
         insecure: bool = False,
         dial_back_timeout: float = 2.0,
         max_relayed_streams: int = 256,
+        max_connections: int | None = None,
         mesh_max_bytes: int = -1,
         quorum: bool | None = None,
         standby: bool = False,
@@ -196,7 +223,21 @@ class MasterNode:
                                     mesh_max_bytes=mesh_max_bytes, quorum=quorum,
                                     standby=standby)
         self._deadlines: dict[int, asyncio.TimerHandle] = {}
-        self._server: asyncio.Server | None = None
+        # The listening sockets while started (None: stopped), and their accept loops.
+        self._server: list[socket.socket] | None = None
+        self._accepting: list[asyncio.Task[None]] = []
+        # Connections accepted and not yet closed, of every kind. At the cap the master
+        # stops accepting: newcomers wait in the kernel's backlog (no descriptor here)
+        # until one closes. None: the soft RLIMIT_NOFILE less 128 for the master's own
+        # dials, files and the status server.
+        if max_connections is not None and (isinstance(max_connections, bool) or not
+                                            isinstance(max_connections, int)
+                                            or max_connections < 1):
+            raise InvalidArgumentError(f"MasterNode(max_connections=...) must be an integer "
+                                       f">= 1 or None, got {max_connections!r}")
+        self.max_connections = max_connections
+        self._open = 0
+        self._slot_free = asyncio.Event()
         self._conns: dict[int, FramedConnection] = {}
         self._handlers: set[asyncio.Task[None]] = set()
         self._heartbeat: asyncio.Task[None] | None = None
@@ -257,9 +298,11 @@ class MasterNode:
         self._pending = Budget(self.max_pending, self.max_pending_per_source)
         self._doctors = Budget(self.max_doctors, 1)
         self._relay_held = Budget(1 << 30, self.max_relayed_per_peer)
+        if self.max_connections is None:
+            soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+            self.max_connections = max(64, (soft if soft > 0 else 1024) - 128)
         try:
-            # Hundreds of peers may connect at once; the default backlog of 100 drops SYNs.
-            self._server = await asyncio.start_server(self._handle, host, port, backlog=4096)
+            self._server = await _listen(host, port)
         except socket.gaierror as e:
             raise InvalidArgumentError(
                 f"MasterNode cannot listen on {self.listen!r}: unknown host {host!r} "
@@ -271,7 +314,9 @@ class MasterNode:
             why = os.strerror(e.errno) if e.errno else str(e)
             raise OSError(e.errno, f"MasterNode cannot listen on {self.listen!r}: "
                                    f"{why}{hint.get(e.errno or 0, '')}") from None
-        sock = self._server.sockets[0].getsockname()
+        self._accepting = [asyncio.create_task(self._accept_loop(s), name="pccl-master-accept")
+                           for s in self._server]
+        sock = self._server[0].getsockname()
         shown = sock[0] if host not in ("", "0.0.0.0", "::") else host or "0.0.0.0"
         self._address = join_host_port(shown, sock[1])
         self._heartbeat = asyncio.create_task(self._heartbeat_loop(), name="pccl-master-heartbeat")
@@ -314,8 +359,13 @@ class MasterNode:
         """Closes every connection and stops listening. Idempotent."""
         if self._server is None:
             return
-        server, self._server = self._server, None
-        server.close()
+        listeners, self._server = self._server, None
+        for task in self._accepting:
+            task.cancel()
+        await asyncio.gather(*self._accepting, return_exceptions=True)
+        self._accepting = []
+        for sock in listeners:
+            sock.close()
         if self._status is not None:
             status_server, self._status = self._status, None
             await status_server.stop()
@@ -332,7 +382,6 @@ class MasterNode:
         if self._heartbeat is not None:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._heartbeat
-        await server.wait_closed()
         self._conns.clear()
         self._stopped.set()
         log.info("master stopped")
@@ -367,12 +416,52 @@ class MasterNode:
                 self._changed.clear()
                 await self._changed.wait()
 
+    @property
+    def serving(self) -> bool:
+        """Whether the master listens (between start() and stop())."""
+        return self._server is not None
+
+    @property
+    def open_connections(self) -> int:
+        """Connections accepted on the control port and not closed yet (every kind)."""
+        return self._open
+
     # --- connections ----------------------------------------------------------------
 
+    async def _accept_loop(self, listener: socket.socket) -> None:
+        """Accepts while under ``max_connections``; each connection is handled in a task
+        of its own that gives its slot back when it ends."""
+        loop = asyncio.get_running_loop()
+        while True:
+            while self._open >= (self.max_connections or 1):
+                self._slot_free.clear()
+                await self._slot_free.wait()
+            try:
+                sock, _ = await loop.sock_accept(listener)
+            except OSError as e:
+                # (EMFILE and the like: the process is out of descriptors; wait a little
+                # for some to close instead of spinning)
+                log.warning("accepting a connection failed: %s", e)
+                await asyncio.sleep(0.1)  # a back-off, not a synchronisation
+                continue
+            self._open += 1
+            self._own(self._serve(sock), "pccl-master-connection")
+            self._changed.set()  # (wait_for predicates may look at open_connections)
+
+    async def _serve(self, sock: socket.socket) -> None:
+        try:
+            try:
+                reader, writer = await asyncio.open_connection(sock=sock)
+            except OSError:
+                sock.close()
+                return
+            await self._handle(reader, writer)
+        finally:
+            self._open -= 1
+            self._slot_free.set()
+
+
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        task = asyncio.current_task()
-        assert task is not None
-        self._handlers.add(task)
         # Until it registers, a connection may send only small frames.
         conn = FramedConnection(reader, writer, max_frame=min(self.max_frame,
                                                               PRE_HELLO_MAX_FRAME))
@@ -405,7 +494,6 @@ class MasterNode:
         finally:
             if pending:
                 self._pending.release(source)
-            self._handlers.discard(task)
             if peer_id is not None:
                 self._conns.pop(peer_id, None)
             conn.abort()
