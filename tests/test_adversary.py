@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.util
 import logging
 import os
 import secrets
 import socket
 import tracemalloc
 from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
 
 import msgpack
 import numpy as np
@@ -490,3 +493,31 @@ def test_a_lying_member_evicts_at_most_one_peer_then_itself() -> None:
     assert liar not in s.peers
     gone = honest - set(s.accepted())
     assert len(gone) == 1 and gone <= set(victims)  # one honest peer, then the liar
+
+
+# --- a mixed flood (bench/adversary_flood.py, bounded) -----------------------------------
+
+
+def _flood_bench() -> Any:
+    path = Path(__file__).resolve().parent.parent / "bench" / "adversary_flood.py"
+    spec = importlib.util.spec_from_file_location("adversary_flood", path)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+async def test_a_master_under_a_mixed_flood_keeps_honest_peers_exact() -> None:
+    """Hundreds of strangers (silent, garbage, pre-hello bombs, doctors that never
+    read) and two insiders (lies, bombs, 2 MiB texts, squatted ids) against a master
+    process while three peers reduce: every result exact, nobody honest dropped, the
+    master's memory and descriptors within the stated bounds (docs/security.md)."""
+    bench = _flood_bench()
+    res = await bench.main(bench.parse(["--seconds", "8", "--strangers", "240",
+                                        "--max-connections", "160"]))
+    assert res["errors"] == [] and res["wrong"] == 0 and res["steps"] > 0, res
+    assert res["honest_world_size_after"] == 3
+    assert res["attacks"].get("prehello_bomb_cut", 0) > 0 and res["attacks"].get(
+        "insider_registered", 0) > 0, res
+    assert res["master_rss_mb_peak"] < 200, res
+    assert res["master_fds_peak"] <= 160 + 16, res

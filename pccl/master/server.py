@@ -455,7 +455,13 @@ class MasterNode:
             except OSError:
                 sock.close()
                 return
-            await self._handle(reader, writer)
+            try:
+                await self._handle(reader, writer)
+            finally:
+                # The slot is free once the socket is (_handle aborted it: it closes on
+                # the loop's next turn), so that descriptors never outnumber the cap.
+                with contextlib.suppress(Exception):
+                    await writer.wait_closed()
         finally:
             self._open -= 1
             self._slot_free.set()
