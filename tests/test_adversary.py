@@ -68,6 +68,18 @@ def test_a_nested_array_bomb_costs_a_small_multiple_of_its_size() -> None:
     assert peak < 20 * len(body) // 4, f"decoding a {len(body)}-byte bomb peaked at {peak}"
 
 
+@pytest.mark.parametrize("inner", [{}, [{}]], ids=["maps", "arrays-of-maps"])
+def test_a_nested_map_bomb_is_refused_as_it_is_built(inner: object) -> None:
+    # Found in review: maps were not counted, and [{}] * N cost ~73 bytes a byte.
+    body = msgpack.packb({"t": "hello", "x": [inner] * (2 << 20)}, use_bin_type=True)
+
+    def decode() -> None:
+        with pytest.raises(pccl.ProtocolError, match="map inside"):
+            codec.decode(body)
+
+    assert _peak_while(decode) < len(body)
+
+
 def test_a_registered_peers_bomb_inside_a_real_message_is_refused() -> None:
     body = msgpack.packb({"t": "coll_done", "tag": 0, "op_id": 0, "ok": False, "kind": "",
                           "message": [[]] * (2 << 20)}, use_bin_type=True)

@@ -3,10 +3,10 @@
 Everything decoded here comes from the network, so decoding is bounded before anything
 is trusted: the frame's length was checked against a cap before it was read
 (:func:`parse_length`); msgpack refuses a string, a byte string or an array longer
-than the frame could honestly hold, any map but the message's own, and more than
-:data:`MAX_CONTAINERS` arrays per frame (nested empty arrays are the cheapest way to
-make a few bytes cost a lot of memory: ``[[]]*4M`` is 4 MB on the wire and 300 MB as
-Python lists). What remains costs at most ~20 bytes of memory per byte of frame (a
+than the frame could honestly hold, any map but the message's own (refused as it is
+built), and more than :data:`MAX_CONTAINERS` arrays per frame (nested empty arrays or
+maps are the cheapest way to make a few bytes cost a lot of memory: ``[[]]*4M`` is 4 MB
+on the wire and 300 MB as Python lists). What remains costs at most ~20 bytes of memory per byte of frame (a
 list of 2-character strings), and only while one frame is decoded. Then every field
 is checked against its annotation, including the limits of :class:`Bound`: too many
 items refuse the frame, too long a text is clipped.
@@ -52,7 +52,8 @@ def _checker(tp: object) -> _Check:
         bound = next(b for b in extras if isinstance(b, Bound))
         if bound.clip:  # text, clipped after the checks (_CLIPS) rather than refused
             return lambda v: isinstance(v, str)
-        return lambda v: check(v) and len(v) <= bound.n  # type: ignore[arg-type]
+        # the length first: a field far past its bound is refused without a pass over it
+        return lambda v: isinstance(v, (str, list)) and len(v) <= bound.n and check(v)
     if isinstance(tp, type) and issubclass(tp, enum.StrEnum):
         # An enum travels as its value; only the enum's own values decode.
         values = frozenset(str(v.value) for v in tp)
@@ -158,9 +159,14 @@ class _TooManyContainers(Exception):
     pass
 
 
+class _NestedMap(Exception):
+    pass
+
+
 def _unpack(data: bytes) -> object:
     """msgpack with limits (see the module's docstring)."""
     containers = 0
+    maps = 0
 
     def count(items: list[object]) -> list[object]:
         nonlocal containers
@@ -169,16 +175,28 @@ def _unpack(data: bytes) -> object:
             raise _TooManyContainers
         return items
 
+    def one_map(pairs: dict[object, object]) -> dict[object, object]:
+        # A message is one map and no field holds another: a second map (nested empty
+        # maps cost as much as nested arrays) refuses the frame as it is built.
+        nonlocal maps
+        maps += 1
+        if maps > 1:
+            raise _NestedMap
+        return pairs
+
     n = len(data)
     try:
         return msgpack.unpackb(
             data, raw=False, strict_map_key=True, use_list=True, list_hook=count,
+            object_hook=one_map,
             # Every element takes at least a byte: nothing honest is longer than the
             # frame. A message is one map of at most a few dozen fields.
             max_str_len=n, max_bin_len=n, max_array_len=n, max_map_len=64,
             max_ext_len=0)
     except _TooManyContainers:
         raise ProtocolError(f"frame holds more than {MAX_CONTAINERS} arrays") from None
+    except _NestedMap:
+        raise ProtocolError("frame holds a map inside the message") from None
     except Exception as e:  # msgpack raises several unrelated types on garbage
         raise ProtocolError(
             f"undecodable frame ({type(e).__name__}: {clip_text(str(e), 200)})") from None
