@@ -40,7 +40,8 @@ HEARTBEAT = ("--heartbeat-interval", "0.5", "--heartbeat-timeout", "3")
 
 
 async def start_master(port: int, standby: bool) -> asyncio.subprocess.Process:
-    proc = await master_process(port, *HEARTBEAT, *(["--standby"] if standby else []))
+    proc = await master_process(port, *HEARTBEAT, "--quorum",
+                                *(["--standby"] if standby else []))
     for _ in range(200):  # bounded: until it listens
         try:
             _, w = await asyncio.open_connection("127.0.0.1", port)
