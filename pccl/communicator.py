@@ -110,10 +110,10 @@ class Communicator(Driver):
     :class:`MasterConnectionError`); once the time is up, every call raises it.
 
     ``master`` may name several masters (a list, or one string with commas), e.g. an
-    active ``pccl-master --quorum`` and a ``pccl-master --standby``: the peer registers with the one that
-    holds its group and fails over to another by itself; quorums of the previous ring
-    keep two masters from both running the group (docs/semantics.md, "Several
-    masters").
+    active ``pccl-master --quorum`` and a ``pccl-master --standby``: the peer registers
+    with the one that holds its group and fails over to another by itself; quorums of
+    the previous ring keep two masters from both running the group (docs/semantics.md,
+    "Several masters").
     """
 
     def __init__(

@@ -454,7 +454,10 @@ def _group_of(n: int) -> st.MasterState:
     return s
 
 
-def _report_all(s: st.MasterState, lies: dict[int, list[int]] | None = None) -> list[st.Command]:
+def _report_all(s: st.MasterState, lies: dict[int, list[int]] | None = None,
+                reachable: frozenset[int] = frozenset(range(100))) -> list[st.Command]:
+    """Every member of each round reports (the first round with ``lies``); the master's
+    own dial-backs (CheckReach) are answered: ``reachable`` answer."""
     out: list[st.Command] = []
     while s.round is not None:
         rnd = s.round
@@ -462,6 +465,10 @@ def _report_all(s: st.MasterState, lies: dict[int, list[int]] | None = None) -> 
             if s.round is rnd and p in s.peers:
                 out += s.handle(st.Received(p, m.P2PReport(
                     epoch=rnd.epoch, failed=(lies or {}).get(p, []))))
+        while checks := [c for c in out if isinstance(c, st.CheckReach)]:
+            out = [c for c in out if not isinstance(c, st.CheckReach)]
+            for c in checks:
+                out += s.handle(st.ReachChecked(c.epoch, c.peer_id, c.peer_id in reachable))
         lies = None
     return out
 
@@ -488,23 +495,42 @@ def test_a_joiner_blaming_only_its_ring_next_is_the_one_dropped() -> None:
     assert s.accepted() == [1, 2, 3, 4] and 9 not in s.peers
 
 
-def test_a_lying_member_evicts_at_most_one_peer_then_itself() -> None:
+def test_a_lying_member_is_caught_by_the_masters_own_look() -> None:
+    # A member reports its link to another member failed: the master dials that peer
+    # itself; it answers, so the reporter is the one dropped, and nobody honest goes.
     s = _group_of(5)
-    liar, victims, honest = 3, [], {1, 2, 4, 5}
-    for joiner in (10, 11, 12):
-        if liar not in s.peers:
-            break
-        s.handle(st.PeerRegistered(joiner, 0, f"10.0.0.{joiner}:1"))
-        honest.add(joiner)
-        for p in s.accepted():
-            s.handle(st.Received(p, m.UpdateTopology()))
-        rnd = s.round
-        assert rnd is not None and liar in rnd.member_set
-        victims.append(rnd.next_of[liar])
-        _report_all(s, lies={liar: [rnd.next_of[liar]]})
-    assert liar not in s.peers
-    gone = honest - set(s.accepted())
-    assert len(gone) == 1 and gone <= set(victims)  # one honest peer, then the liar
+    s.handle(st.PeerRegistered(10, 0, "10.0.0.10:1"))
+    for p in s.accepted():
+        s.handle(st.Received(p, m.UpdateTopology()))
+    rnd = s.round
+    assert rnd is not None
+    victim = rnd.next_of[3]
+    out = s.handle(st.Received(3, m.P2PReport(epoch=rnd.epoch, failed=[victim])))
+    for p in rnd.members:
+        if p != 3:
+            out += s.handle(st.Received(p, m.P2PReport(epoch=rnd.epoch, failed=[])))
+    assert [c for c in out if isinstance(c, st.CheckReach)] == [
+        st.CheckReach(rnd.epoch, victim, f"10.0.0.{victim}:1")]
+    out = s.handle(st.ReachChecked(rnd.epoch, victim, True))
+    assert any(isinstance(c, st.Disconnect) and c.peer_id == 3 and "reaches" in c.reason
+               for c in out)
+    _report_all(s)
+    assert 3 not in s.peers and set(s.accepted()) == {1, 2, 4, 5, 10}
+
+
+def test_a_member_whose_port_is_dead_is_dropped_not_its_neighbours() -> None:
+    # Found in review: strikes against reporters let a dead-port member outlive the
+    # honest peers that reported it. The master's own look settles it.
+    s = _group_of(4)
+    s.handle(st.PeerRegistered(10, 0, "10.0.0.10:1"))
+    for p in s.accepted():
+        s.handle(st.Received(p, m.UpdateTopology()))
+    rnd = s.round
+    assert rnd is not None
+    dead = 2
+    prev = next(p for p, n in rnd.next_of.items() if n == dead)
+    _report_all(s, lies={prev: [dead]}, reachable=frozenset({1, 3, 4, 10}))
+    assert dead not in s.peers and set(s.accepted()) == {1, 3, 4, 10}
 
 
 # --- a mixed flood (bench/adversary_flood.py, bounded) -----------------------------------

@@ -31,6 +31,7 @@ from pccl.errors import ErrorKind
 from pccl.master.state import (
     ArmDeadline,
     ArmRecoveryTimer,
+    CheckReach,
     Command,
     DeadlineExpired,
     Disconnect,
@@ -40,6 +41,7 @@ from pccl.master.state import (
     PeerRegistered,
     PeerStatus,
     Phase,
+    ReachChecked,
     Received,
     RecoveryTimeout,
     Relayed,
@@ -91,8 +93,23 @@ def vote(st: MasterState, pid: int) -> list[Command]:
     return tell(st, pid, m.UpdateTopology())
 
 
-def report(st: MasterState, pid: int, epoch: int, failed: Sequence[int] = ()) -> list[Command]:
-    return tell(st, pid, m.P2PReport(epoch=epoch, failed=list(failed)))
+def report(st: MasterState, pid: int, epoch: int, failed: Sequence[int] = (),
+           reach: bool = False) -> list[Command]:
+    """``pid``'s p2p report; the master's own checks of failed links (CheckReach) are
+    answered at once with ``reach`` (False: the accused peer does not answer either)."""
+    return answer_checks(st, tell(st, pid, m.P2PReport(epoch=epoch, failed=list(failed))),
+                         reach)
+
+
+def answer_checks(st: MasterState, out: list[Command], reach: bool = False) -> list[Command]:
+    done: list[Command] = []
+    while out:
+        c = out.pop(0)
+        if isinstance(c, CheckReach):
+            out += st.handle(ReachChecked(c.epoch, c.peer_id, reach))
+        else:
+            done.append(c)
+    return done
 
 
 def establish(epoch: int, ring: list[int]) -> list[Command]:
@@ -1052,6 +1069,7 @@ SCRIPT: list[Event] = [
     Received(4, m.P2PReport(epoch=2, failed=[])),
     Received(5, m.P2PReport(epoch=2, failed=[])),
     Received(1, m.P2PReport(epoch=2, failed=[])),
+    ReachChecked(2, 4, False),  # the master's own dial-back of 4: no answer either
     Received(3, m.P2PReport(epoch=3, failed=[])),
     PeerLost(5, "heartbeat timeout"),
     Received(1, m.P2PReport(epoch=4, failed=[])),
@@ -1071,6 +1089,7 @@ SCRIPT: list[Event] = [
     Received(1, m.P2PReport(epoch=5, failed=[])),
     Received(3, m.P2PReport(epoch=5, failed=[1])),
     Received(6, m.P2PReport(epoch=5, failed=[])),
+    ReachChecked(5, 1, False),  # the master's own dial-back of 1: no answer either
     Received(9, m.Leave()),
     Received(3, m.Hello(version=1, peer_group=0, p2p_port=1, p2p_host="", nonce=b"", mac=b"")),
     Received(6, m.P2PReport(epoch=6, failed=[])),
@@ -1109,8 +1128,8 @@ def test_joiner_is_admitted_after_every_member_of_the_round_was_unreachable() ->
     assert tell(st, 1, m.Leave()) == [Disconnect(1, TEXT)] + establish(2, [2, 3])
     assert join(st, 4) == []  # joins while that round runs
     assert report(st, 2, 2, failed=[3]) == []
-    # 2 and 3 cannot reach each other: one of them is dropped (the master cannot tell
-    # whose end fails; issue 36: one report convicts one peer at most); 2 goes on alone.
+    # 2 and 3 cannot reach each other, and the master reaches neither: 3 (whom 2 could
+    # not reach) is dropped; 3's report no longer counts, and 2 goes on.
     assert report(st, 3, 2, failed=[2]) == [Disconnect(3, TEXT)] + establish(3, [2])
 
 
@@ -1242,6 +1261,12 @@ class MasterPopulation(RuleBasedStateMachine):
         before = set(self.st.peers)
         cmds = self.st.handle(event)
         assert self.twin.handle(event) == cmds, "the same events gave different commands"
+        # The master's own look at a failed link: the accused does not answer either.
+        for c in [c for c in cmds if isinstance(c, CheckReach)]:
+            more = self.st.handle(ReachChecked(c.epoch, c.peer_id, False))
+            assert self.twin.handle(ReachChecked(c.epoch, c.peer_id, False)) == more
+            cmds = [*cmds, *more]
+        cmds = [c for c in cmds if not isinstance(c, CheckReach)]
         after = set(self.st.peers)
         for cmd in cmds:
             if isinstance(cmd, Disconnect):

@@ -899,6 +899,8 @@ class MasterNode:
             elif isinstance(cmd, st.ArmDeadline):
                 self._deadlines[cmd.deadline_id] = asyncio.get_running_loop().call_later(
                     cmd.seconds, self._deadline_expired, cmd.deadline_id)
+            elif isinstance(cmd, st.CheckReach):
+                self._own(self._check_reach(cmd), "pccl-master-check-reach")
             else:
                 conn = self._conns.pop(cmd.peer_id, None)
                 if conn is not None:
@@ -925,6 +927,14 @@ class MasterNode:
                 self._round_timer_task = self._own(self._round_timer(rnd.epoch),
                                                    "pccl-master-round-timer")
         self._changed.set()
+
+    async def _check_reach(self, cmd: st.CheckReach) -> None:
+        host, port = split_host_port(cmd.addr)
+        ok = await self._dial_back(host, port)
+        log.info("round %d: peer %d's p2p port %s %s from here", cmd.epoch, cmd.peer_id,
+                 cmd.addr, "answers" if ok else "does not answer")
+        if self._server is not None:
+            self._feed(st.ReachChecked(cmd.epoch, cmd.peer_id, ok))
 
     def _deadline_expired(self, deadline_id: int) -> None:
         if self._deadlines.pop(deadline_id, None) is not None and self._server is not None:

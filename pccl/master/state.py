@@ -144,6 +144,16 @@ class DeadlineExpired:
 
 
 @dataclasses.dataclass(frozen=True)
+class ReachChecked:
+    """The answer to :class:`CheckReach`: whether ``peer_id``'s p2p listener answered
+    this master's dial-back during the round of ``epoch``."""
+
+    epoch: int
+    peer_id: int
+    ok: bool
+
+
+@dataclasses.dataclass(frozen=True)
 class RoundTimeout:
     """The round of ``epoch`` has been establishing p2p links for too long (the server
     times every round). Members that have not reported by now count as unreachable: a
@@ -161,7 +171,7 @@ class Relayed:
 
 
 Event = (PeerRegistered | PeerLost | Received | Solved | BetterRing | RecoveryTimeout
-         | RoundTimeout | DeadlineExpired | Relayed)
+         | RoundTimeout | DeadlineExpired | Relayed | ReachChecked)
 
 
 # --- commands -----------------------------------------------------------------------
@@ -216,7 +226,18 @@ class ArmDeadline:
     seconds: float
 
 
-Command = Send | Disconnect | Solve | ArmRecoveryTimer | ArmDeadline
+@dataclasses.dataclass(frozen=True)
+class CheckReach:
+    """Dial ``addr`` (``peer_id``'s p2p listener) as at registration and feed
+    :class:`ReachChecked` with the answer: the master's own look at a ring link that a
+    peer reported failed (see MasterState._settle_disputes)."""
+
+    epoch: int
+    peer_id: int
+    addr: str
+
+
+Command = Send | Disconnect | Solve | ArmRecoveryTimer | ArmDeadline | CheckReach
 
 
 # --- notes --------------------------------------------------------------------------
@@ -379,6 +400,8 @@ class Round:
     partners_of: dict[int, frozenset[int]] = dataclasses.field(default_factory=dict)
     # Ring links reported failed: reporter -> the peer it could not reach.
     accused: dict[int, int] = dataclasses.field(default_factory=dict)
+    # This master's own dial-back of accused peers: None while it runs.
+    reach: dict[int, bool | None] = dataclasses.field(default_factory=dict)
     member_set: frozenset[int] = dataclasses.field(init=False)  # for membership tests
 
     def __post_init__(self) -> None:
@@ -638,6 +661,12 @@ class MasterState:
             if pair is not None and self.paths.get(pair) == "punch" \
                     and event.token not in self.mesh_tokens:
                 self.punch_failed.add(pair)
+        elif isinstance(event, ReachChecked):
+            rnd = self.round
+            if rnd is not None and rnd.epoch == event.epoch and event.peer_id in rnd.reach \
+                    and rnd.reach[event.peer_id] is None:
+                rnd.reach[event.peer_id] = event.ok
+                self._maybe_finish_round(out)
         elif isinstance(event, RoundTimeout):
             rnd = self.round
             if rnd is not None and rnd.epoch == event.epoch:
@@ -786,17 +815,26 @@ class MasterState:
         if own in msg.failed:
             rnd.accused[peer] = own
 
-    def _settle_disputes(self, rnd: Round) -> None:
-        """Whom to drop for the ring links that failed, every member having reported.
+    def _settle_disputes(self, rnd: Round, out: list[Command]) -> bool:
+        """Whom to drop for the ring links that failed, every member having reported;
+        False while this master's own checks of them still run.
 
         A failed link r -> t has honest explanations (t cannot be reached, r cannot dial
         out, the path between them) and dishonest ones (r lies, t refuses r): one report
-        convicts nobody for certain, and the master picks so that a liar gains nothing.
-        Where it knew in advance (two peers behind NAT, no relay: ``rnd.blame``) its
-        choice holds. Else a newcomer goes before a member (a joiner cannot evict the
-        group, nor a member keep a newcomer's word against it), and between equals t
-        goes, unless a peer was already dropped on r's word since r registered: then r
-        goes. So an insider evicts at most one peer, and only by spending its standing."""
+        convicts nobody, so the master looks for itself. Where it knew in advance (two
+        peers behind NAT, no relay: ``rnd.blame``) its choice holds. A newcomer goes
+        before a member: a joiner cannot evict the group. Between equals, when r dials t
+        directly, the master dials t's listener itself (:class:`CheckReach`): t goes if
+        it does not answer, r if it does (then r's side is what fails, or r lies). A
+        link the master cannot check (t behind NAT) drops t, unless a peer was already
+        dropped on r's word since r registered: then r goes."""
+        checks = [t for r, t in rnd.accused.items() if self._checkable(rnd, r, t)]
+        for t in checks:
+            if t not in rnd.reach:
+                rnd.reach[t] = None
+                out.append(CheckReach(rnd.epoch, t, self.peers[t].p2p_addr))
+        if any(rnd.reach[t] is None for t in checks):
+            return False
         for r, t in sorted(rnd.accused.items()):
             if r in rnd.unreachable or t in rnd.unreachable:
                 continue  # decided already (a liar, no path)
@@ -806,6 +844,15 @@ class MasterState:
             newcomers = [x for x in (r, t) if self.peers[x].status is not PeerStatus.ACCEPTED]
             if len(newcomers) == 1:
                 rnd.unreachable.add(newcomers[0])
+            elif t in rnd.reach:
+                if rnd.reach[t]:
+                    rnd.unreachable.add(r)
+                    rnd.reasons.setdefault(r, (
+                        f"it reported its ring link to peer {t} failed, but this master "
+                        f"reaches peer {t}'s p2p port: this peer's outgoing connections "
+                        "fail (a firewall?)"))
+                else:
+                    rnd.unreachable.add(t)
             elif self.peers[r].dropped_on_its_word:
                 rnd.unreachable.add(r)
                 rnd.reasons.setdefault(r, (
@@ -814,6 +861,17 @@ class MasterState:
             else:
                 self.peers[r].dropped_on_its_word += 1
                 rnd.unreachable.add(t)
+        return True
+
+    def _checkable(self, rnd: Round, r: int, t: int) -> bool:
+        """Whether the master settles the failed link r -> t by dialing t itself: a
+        direct link between two peers of the same standing, t reachable from here."""
+        if r in rnd.unreachable or t in rnd.unreachable or (r, t) in rnd.blame:
+            return False
+        if (self.peers[r].status is PeerStatus.ACCEPTED) != (
+                self.peers[t].status is PeerStatus.ACCEPTED):
+            return False
+        return self.paths.get((r, t)) == "direct" and self.peers[t].reachable
 
     # --- are_peers_pending() and deadlines -------------------------------------------
 
@@ -1338,7 +1396,8 @@ class MasterState:
         assert rnd is not None
         if not _covers(rnd.reported, rnd.member_set):
             return
-        self._settle_disputes(rnd)
+        if not self._settle_disputes(rnd, out):
+            return  # (ReachChecked comes back here)
         if rnd.unreachable:
             self.attempts += 1
             dropped_accepted = False

@@ -6,10 +6,10 @@ is trusted: the frame's length was checked against a cap before it was read
 than the frame could honestly hold, any map but the message's own (refused as it is
 built), and more than :data:`MAX_CONTAINERS` arrays per frame (nested empty arrays or
 maps are the cheapest way to make a few bytes cost a lot of memory: ``[[]]*4M`` is 4 MB
-on the wire and 300 MB as Python lists). What remains costs at most ~20 bytes of memory per byte of frame (a
-list of 2-character strings), and only while one frame is decoded. Then every field
-is checked against its annotation, including the limits of :class:`Bound`: too many
-items refuse the frame, too long a text is clipped.
+on the wire and 300 MB as Python lists). What remains costs at most ~20 bytes of memory
+per byte of frame (a list of 2-character strings), and only while one frame is
+decoded. Then every field is checked against its annotation, including the limits of
+:class:`Bound`: too many items refuse the frame, too long a text is clipped.
 """
 
 from __future__ import annotations

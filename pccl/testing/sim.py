@@ -687,6 +687,9 @@ class Sim:
             elif isinstance(c, ms.ArmRecoveryTimer):
                 self.later(5.0, self._master_timer, self.master_gen,
                            ms.RecoveryTimeout(c.recovery_id))
+            elif isinstance(c, ms.CheckReach):
+                self.later(self.delay("dial", c.peer_id), self._master_timer, self.master_gen,
+                           ms.ReachChecked(c.epoch, c.peer_id, self.reachable(c.peer_id)))
         rnd = self.master.round
         if rnd is not None and rnd.epoch != self._timed_epoch:
             self._timed_epoch = rnd.epoch
