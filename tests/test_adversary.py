@@ -25,7 +25,7 @@ import pytest
 import pccl
 from pccl.errors import ErrorKind
 from pccl.master import state as st
-from pccl.master.admission import Budget, valid_host
+from pccl.master.admission import Budget, source_key, valid_host
 from pccl.master.server import RELAY_MAGIC, RELAY_WAITING_PER_TOKEN
 from pccl.protocol import PROTOCOL_VERSION, codec
 from pccl.protocol import messages as m
@@ -123,6 +123,23 @@ def test_a_hello_too_big_for_the_first_frame_is_cut_to_fit() -> None:
     assert codec.fit_hello(fitted) == fitted
 
 
+def test_with_several_masters_a_hello_too_big_is_an_error_not_a_cut() -> None:
+    # Found in review: a cut ring could make a minority look like a majority.
+    ring = list(range(1 << 20, (1 << 20) + 20000))
+    hello = m.Hello(version=PROTOCOL_VERSION, peer_group=0, p2p_port=1, p2p_host="",
+                    nonce=b"n" * 16, mac=b"", resume_peer_id=3, resume_peers=ring,
+                    masters=2)
+    with pytest.raises(pccl.ProtocolError, match="several masters"):
+        codec.fit_hello(hello)
+
+
+def test_per_address_budgets_count_an_ipv6_host_by_its_64() -> None:
+    assert source_key("2001:db8:1:2::5") == source_key("2001:db8:1:2:ffff::1")
+    assert source_key("2001:db8:1:3::5") != source_key("2001:db8:1:2::5")
+    assert source_key("10.0.0.1") == "10.0.0.1" != source_key("10.0.0.2")
+    assert source_key("::ffff:10.0.0.1") == "10.0.0.1"
+
+
 # --- the control port, before and after registration -------------------------------------
 
 
@@ -206,6 +223,24 @@ class _SilentListener:
         self.sock.close()
 
 
+async def test_a_huge_resumed_id_does_not_move_the_next_ids() -> None:
+    # Found in review: one hello resuming id 2**48-1 pushed every later id past the range
+    # in which peers may resume their ids.
+    listener = _SilentListener()
+    try:
+        async with _master(dial_back_timeout=0.1) as master:
+            conn = await dial_master(master.address)
+            assert isinstance(await conn.recv(), m.Challenge)
+            conn.send_nowait(_hello(p2p_port=listener.port, resume_peer_id=(1 << 48) - 1,
+                                    resume_epoch=1, resume_peers=[(1 << 48) - 1]))
+            welcome = await conn.recv()
+            assert isinstance(welcome, m.Welcome) and welcome.peer_id < 1 << 32
+            assert master._next_peer_id < 1 << 32
+            conn.abort()
+    finally:
+        listener.close()
+
+
 async def test_two_registrations_resuming_one_id_get_two_ids() -> None:
     # Issue 36 (6): both got welcome(77), "peer id 77 registered twice" escaped, and the
     # master's replies went to a dead socket.
@@ -223,6 +258,7 @@ async def test_two_registrations_resuming_one_id_get_two_ids() -> None:
             welcomes = [await conn.recv() for conn in conns]
             ids = [w.peer_id for w in welcomes if isinstance(w, m.Welcome)]
             assert len(ids) == 3 and len(set(ids)) == 3 and 77 in ids
+            assert master._next_peer_id <= 80
             assert sorted(master._conns) == sorted(ids)
             for pid, conn in zip(ids, conns, strict=True):
                 assert master._conns[pid] is not None

@@ -28,6 +28,23 @@ _HOSTNAME = re.compile(r"[A-Za-z0-9_](?:[A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?"
 #: Ids and epochs a peer may ask to resume: far below what a message can carry, so
 #: that counting up from them never overflows.
 MAX_RESUMED = 1 << 48
+#: A resumed peer id is kept only below this: ids above it would move the next fresh
+#: id (one hello could push every later peer's id past MAX_RESUMED).
+MAX_KEPT_ID = 1 << 32
+
+
+def source_key(host: str) -> str:
+    """What the per-address budgets count by: the address itself for IPv4, its /64 for
+    IPv6 (one host is usually given a whole /64, and can pick any address in it)."""
+    try:
+        addr = ipaddress.ip_address(host)
+    except ValueError:
+        return host
+    if isinstance(addr, ipaddress.IPv6Address):
+        if addr.ipv4_mapped is not None:
+            return str(addr.ipv4_mapped)
+        return str(ipaddress.ip_network(f"{addr}/64", strict=False))
+    return str(addr)
 
 
 class Budget:

@@ -29,7 +29,7 @@ from pccl.errors import (
 )
 from pccl.master import state as st
 from pccl.master import status
-from pccl.master.admission import MAX_RESUMED, Budget, hello_problem
+from pccl.master.admission import MAX_KEPT_ID, MAX_RESUMED, Budget, hello_problem, source_key
 from pccl.protocol import PROTOCOL_VERSION
 from pccl.protocol import messages as m
 from pccl.protocol.auth import (
@@ -471,7 +471,7 @@ class MasterNode:
         # Until it registers, a connection may send only small frames.
         conn = FramedConnection(reader, writer, max_frame=min(self.max_frame,
                                                               PRE_HELLO_MAX_FRAME))
-        source = conn.peername[0]
+        source = source_key(conn.peername[0])
         peer_id: int | None = None
         pending = self._pending.take(source)
         try:
@@ -595,7 +595,7 @@ class MasterNode:
         """The id of a registration: the one it had before (``wanted``) when nobody
         holds or claims it (ring order and tie-breaks follow ids), else a new one."""
         taken = (self._conns.keys(), self.state.peers.keys(), self._claimed)
-        if 0 < wanted < MAX_RESUMED and not any(wanted in t for t in taken):
+        if 0 < wanted < MAX_KEPT_ID and not any(wanted in t for t in taken):
             peer_id = wanted
         else:
             peer_id = self._next_peer_id
@@ -645,7 +645,7 @@ class MasterNode:
         host = conn.peername[0]
         # An echo may be 8 MiB, held until the client reads it: a few sessions at a
         # time, one per address, each send with a deadline.
-        if not self._doctors.take(host):
+        if not self._doctors.take(source_key(host)):
             self._log_refusal(f"doctor from {remote} refused: {len(self._doctors)} doctor "
                               f"sessions run ({self.max_doctors} at most, one per address)")
             await self._reject(conn, ErrorKind.PeerConnectionError,
@@ -674,7 +674,7 @@ class MasterNode:
                         await conn.send(m.DoctorEcho(payload=bytes(size), reply_bytes=0,
                                                      master_time=time.time()))
         finally:
-            self._doctors.release(host)
+            self._doctors.release(source_key(host))
 
     async def _check_hello(self, conn: FramedConnection, hello: m.Hello | m.DoctorHello,
                            nonce: bytes, who: str) -> bytes | None:

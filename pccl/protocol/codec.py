@@ -127,8 +127,16 @@ def frame(msg: Message) -> bytes:
 def fit_hello(hello: Hello) -> Hello:
     """``hello`` cut to fit :data:`PRE_HELLO_MAX_FRAME`: the rings it resumes are what
     can grow (with thousands of peers); the later ones of ``resume_more_*`` go first,
-    then every ring is shortened (a master counts a quorum against what it is told)."""
+    then every ring is shortened. Only for a peer with one master, where the rings only
+    help a restarted master re-form the group: with several, a master counts quorums
+    against them, and a cut ring could make a minority look like a majority, so a hello
+    that does not fit raises :class:`ProtocolError` instead."""
     limit = PRE_HELLO_MAX_FRAME - 4
+    if hello.masters > 1 and len(encode(hello)) > limit:
+        raise ProtocolError(
+            f"this peer's hello ({len(encode(hello))} bytes, with the rings it resumes) "
+            f"exceeds the {PRE_HELLO_MAX_FRAME}-byte limit of a first frame: with several "
+            f"masters, groups of up to ~10,000 peers fit")
     while len(encode(hello)) > limit and hello.resume_more_epochs:
         hello = dataclasses.replace(hello, resume_more_epochs=hello.resume_more_epochs[:-1],
                                     resume_more_peers=hello.resume_more_peers[:-1])
