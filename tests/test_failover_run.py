@@ -40,7 +40,8 @@ async def _retry(p, cmd: str, **kwargs):
 @pytest.mark.multiprocess
 async def test_sigkilled_master_fails_over_to_the_standby(pccl_peer_process) -> None:
     ports = [free_port(), free_port()]
-    masters = [await _master_process(ports[0]), await _master_process(ports[1], "--standby")]
+    masters = [await _master_process(ports[0], "--quorum"),
+               await _master_process(ports[1], "--standby")]
     both = f"127.0.0.1:{ports[0]},127.0.0.1:{ports[1]}"
     try:
         peers = [await pccl_peer_process(both)]
