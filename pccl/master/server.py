@@ -659,7 +659,7 @@ class MasterNode:
                 host, hello.p2p_port)
             log.info("doctor from %s: p2p port %d %s", remote, hello.p2p_port,
                      "reachable" if reachable else "not reachable")
-            with contextlib.suppress(ConnectionClosed, ProtocolError, TimeoutError):
+            try:
                 async with asyncio.timeout(self.handshake_timeout):
                     await conn.send(m.DoctorReport(observed=remote, reachable=reachable,
                                                    mac=mac, master_time=time.time()))
@@ -673,6 +673,10 @@ class MasterNode:
                     async with asyncio.timeout(self.heartbeat_timeout * 4):
                         await conn.send(m.DoctorEcho(payload=bytes(size), reply_bytes=0,
                                                      master_time=time.time()))
+            except TimeoutError:
+                conn.reset()  # (the echo it did not read is dropped here and in the kernel)
+            except (ConnectionClosed, ProtocolError):
+                pass
         finally:
             self._doctors.release(source_key(host))
 
@@ -891,7 +895,7 @@ class MasterNode:
                                  cmd.msg.route, cmd.msg.route))
                 if conn.buffered_bytes() > MAX_WRITE_BACKLOG:
                     log.warning("peer %d dropped: not reading its control messages", cmd.peer_id)
-                    conn.abort()
+                    conn.reset()
             elif isinstance(cmd, st.Solve):
                 self._own(self._solve(cmd), "pccl-master-solve")
             elif isinstance(cmd, st.ArmRecoveryTimer):

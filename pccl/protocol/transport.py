@@ -15,6 +15,9 @@ reaches the codec."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import socket
+import struct
 
 from pccl import _core
 from pccl.errors import (
@@ -196,6 +199,16 @@ class FramedConnection:
         transport = self.writer.transport
         if transport is not None:
             transport.abort()
+
+    def reset(self) -> None:
+        """Aborts with a reset: what is still unsent is thrown away, by the kernel too.
+        For a party that does not read: a plain close leaves the kernel sending it the
+        rest of its buffer (megabytes) from an orphaned socket."""
+        sock = self.writer.get_extra_info("socket")
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        self.abort()
 
     async def linger(self, timeout: float) -> None:
         """Closes after the other side did: half-closes (a FIN after what is queued),
