@@ -285,3 +285,32 @@ def test_measurements_of_departed_peers_are_forgotten_at_the_next_optimization()
     optimize((1, 2, 3))
     assert all(4 not in pair for pair in [*s.bandwidth, *s.latency])
     assert len(s.bandwidth) == len(s.latency) == 6
+
+
+def test_a_better_ring_found_during_a_round_waits_for_the_next_update() -> None:
+    # The round installs the ring whose links it made; a better order that came in
+    # meanwhile stays pending (rings_stale) for the next update_topology().
+    from pccl.master import state as st
+    from pccl.protocol import messages as m
+
+    s = st.MasterState(mesh_max_bytes=0)
+    for p in (1, 2, 3):
+        s.handle(st.PeerRegistered(p, 0, f"h:{p}"))
+    s.handle(st.Received(1, m.P2PReport(epoch=1, failed=[])))
+    s.handle(st.Received(1, m.UpdateTopology()))
+    for p in (1, 2, 3):
+        s.handle(st.Received(p, m.P2PReport(epoch=2, failed=[])))
+    s.handle(st.PeerRegistered(4, 0, "h:4"))  # a joiner: the next vote runs a round
+    for p in (1, 2, 3):
+        s.handle(st.Received(p, m.UpdateTopology()))
+    assert s.round is not None and s.round.epoch == 3
+    s.opt_round = 1
+    s.handle(st.BetterRing(1, 0, [1, 3, 2]))  # while the round of epoch 3 runs
+    for p in (1, 2, 3, 4):
+        s.handle(st.Received(p, m.P2PReport(epoch=3, failed=[])))
+    assert s.rings[0] == [1, 2, 3, 4] and s.rings_stale
+    out = []
+    for p in (1, 2, 3, 4):
+        out += s.handle(st.Received(p, m.UpdateTopology()))
+    nexts = {c.peer_id: c.msg.next_id for c in out if isinstance(c.msg, m.EstablishP2P)}
+    assert nexts == {1: 3, 3: 2, 2: 4, 4: 1}

@@ -402,6 +402,9 @@ class Round:
     accused: dict[int, int] = dataclasses.field(default_factory=dict)
     # This master's own dial-back of accused peers: None while it runs.
     reach: dict[int, bool | None] = dataclasses.field(default_factory=dict)
+    # A better ring order came in while this round ran (BetterRing): the next
+    # update_topology() rebuilds in it (this round installs the links it made).
+    reorder_pending: bool = False
     member_set: frozenset[int] = dataclasses.field(init=False)  # for membership tests
 
     def __post_init__(self) -> None:
@@ -656,6 +659,8 @@ class MasterState:
             if event.round_id == self.opt_round and set(event.ring) == members:
                 self.ring_order[event.group] = list(event.ring)
                 self.rings_stale = True  # the next update_topology() rebuilds in it
+                if self.round is not None:
+                    self.round.reorder_pending = True
         elif isinstance(event, Relayed):
             pair = self.relay_tokens.get(event.token)
             if pair is not None and self.paths.get(pair) == "punch" \
@@ -1487,7 +1492,7 @@ class MasterState:
             self.lineage[g] = (rnd.epoch, frozenset(ring))
         self.mesh_limits = {g: self._mesh_limit(g, ring, rnd) for g, ring in self.rings.items()}
         self.mesh_orders = {g: rnd.mesh_orders.get(g, ring) for g, ring in self.rings.items()}
-        self.rings_stale = False
+        self.rings_stale = rnd.reorder_pending
         self.broken_groups.clear()
         self.repair_failed.clear()
         self.round = None
