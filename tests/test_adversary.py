@@ -601,3 +601,23 @@ async def test_a_master_under_a_mixed_flood_keeps_honest_peers_exact() -> None:
         "insider_registered", 0) > 0, res
     assert res["master_rss_mb_peak"] < 200, res
     assert res["master_fds_peak"] <= 160 + 16, res
+
+
+async def test_a_shared_state_past_the_masters_frame_limit_is_a_typed_error() -> None:
+    """The master says in its challenge how large a frame it reads from a peer: a shared
+    state whose description does not fit raises InvalidUsageError at the peer, which
+    stays in the group, instead of the master dropping it for an oversized frame."""
+    async with Cluster(2, master_kwargs={**FAST, "max_frame": 8192}) as cluster:
+        def state_of(n: int) -> pccl.SharedState:
+            return pccl.SharedState([
+                pccl.TensorInfo.from_numpy(np.zeros(1, dtype=np.float32), f"layer.{i}.weight")
+                for i in range(n)])
+
+        for comm in cluster.comms:
+            with pytest.raises(pccl.InvalidUsageError, match="more than the master reads"):
+                await comm.sync_shared_state(state_of(400))
+        await asyncio.gather(*(c.sync_shared_state(state_of(2)) for c in cluster.comms))
+        xs = [np.ones(8, dtype=np.float32) for _ in cluster.comms]
+        infos = await asyncio.gather(*(c.all_reduce(x) for c, x in zip(cluster.comms, xs,
+                                                                       strict=True)))
+        assert [i.world_size for i in infos] == [2, 2] and (xs[0] == 2).all()

@@ -538,7 +538,8 @@ class MasterNode:
                 await conn.send(m.Challenge(version=PROTOCOL_VERSION, nonce=nonce,
                                             auth=self.secret is not None,
                                             groups=self.state.held_groups(),
-                                            standby=self.state.standby))
+                                            standby=self.state.standby,
+                                            max_frame=self.max_frame))
                 hello = await conn.recv()
         except AuthenticationError as e:
             log.warning("connection from %s refused: %s", remote, e)

@@ -37,7 +37,7 @@ from pccl.peer.state import Status as PeerState
 from pccl.protocol import PROTOCOL_VERSION
 from pccl.protocol import messages as m
 from pccl.protocol.auth import master_mac, peer_mac, split_host_port
-from pccl.protocol.codec import fit_hello
+from pccl.protocol.codec import MAX_STR, encode, fit_hello
 from pccl.protocol.transport import ConnectionClosed, FramedConnection
 from pccl.shared_state import SharedState, SyncInfo, SyncProgress
 from pccl.tensors import RawTensor, as_raw
@@ -266,6 +266,7 @@ class Driver:
 
     async def _handshake(self, conn: FramedConnection, challenge: m.Challenge) -> None:
         assert self._node is not None
+        conn.peer_max_frame = max(0, challenge.max_frame)
         nonce = _secrets.token_bytes(16)
         try:
             async with asyncio.timeout(self.timeout):
@@ -470,6 +471,25 @@ class Driver:
         why = self._m.usable()
         if why is not None:
             raise why[0].error(why[1])
+
+    def _check_fits(self, msg: m.Message, what: str) -> None:
+        """InvalidUsageError when ``msg`` is more than the master reads in one frame
+        (its challenge said how much), or has a name longer than it accepts: told here,
+        instead of the master dropping this peer for it."""
+        conn = self._conn
+        limit = conn.peer_max_frame if conn is not None else 0
+        size = len(encode(msg))
+        if limit and size > limit:
+            raise InvalidUsageError(
+                f"{what} takes {size} bytes, more than the master reads in one message "
+                f"({limit}): start the master with a larger max_frame "
+                "(MasterNode(max_frame=), PCCL_MAX_FRAME), or use fewer, larger tensors")
+        if isinstance(msg, m.SyncInit):
+            long = [k for k in msg.keys if len(k) > MAX_STR]
+            if long:
+                raise InvalidUsageError(
+                    f"shared-state key {long[0][:60]!r}... has {len(long[0])} characters; "
+                    f"the master accepts at most {MAX_STR}")
 
     def _check_loop(self, what: str = "this call") -> None:
         """A Communicator lives in the event loop it connected in: its futures and
@@ -863,15 +883,16 @@ class Driver:
         prefault: asyncio.Task[None] | None = None
         fetched: dict[str, Any] = {}
         reported_ok = False
+        init = m.SyncInit(
+            revision=int(state.revision), strategy=int(strategy),
+            keys=[i.name for i in state.infos], dtypes=[int(r.dtype) for r in raws],
+            counts=[r.count for r in raws], hashes=list(hashes),
+            unequal=[bool(i.allow_content_inequality) for i in state.infos], timeout=wire)
+        self._check_fits(init, f"the shared state's description ({len(raws)} tensors)")
         for info, raw in zip(state.infos, raws):
             node.serve(info.name, raw.data)
         try:
-            self._feed(ps.StartSync(m.SyncInit(
-                revision=int(state.revision), strategy=int(strategy),
-                keys=[i.name for i in state.infos], dtypes=[int(r.dtype) for r in raws],
-                counts=[r.count for r in raws], hashes=list(hashes),
-                unequal=[bool(i.allow_content_inequality) for i in state.infos],
-                timeout=wire)))
+            self._feed(ps.StartSync(init))
             plan_fut, outcome_fut = self._future(ps.PLAN), self._future(ps.SYNC)
             try:
                 # Shielded (here and for the outcome): a cancelled caller still needs them.

@@ -69,6 +69,9 @@ class Challenge(Message):
     # A standby starts no group: a peer whose group no master holds registers with the
     # first master that is not one.
     standby: bool = False
+    # The largest frame the master reads from a registered peer (0: not said): a peer
+    # refuses to send more, with a typed error, instead of being dropped (protocol 12).
+    max_frame: int = 0
 
 
 @message

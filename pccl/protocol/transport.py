@@ -57,6 +57,8 @@ class FramedConnection:
         #: The record layer once a secure handshake finished; None in clear text.
         self.session: _core.SecureSession | None = None
         self._plain = bytearray()
+        #: The largest frame the other side reads (0: not known), as it said.
+        self.peer_max_frame = 0
         # Half-closed by linger(): nothing more is written.
         self._lingering = False
 
