@@ -25,7 +25,7 @@ from pccl.master.state import (
     RoundTimeout,
     Send,
 )
-from pccl.peer.state import FromMaster, PeerMachine, known_rings
+from pccl.peer.state import FromMaster, PeerMachine, known_rings, without_leavers
 from pccl.protocol import messages as m
 
 
@@ -439,3 +439,12 @@ def test_a_peer_reports_the_rings_that_may_have_been_installed() -> None:
     # An older proposal (a late message) changes nothing.
     mach.handle(ps.FromMaster(m.EstablishP2P(epoch=8, ring=[1], next_id=-1, next_addr="")))
     assert mach.resume_base() == ((9, [2, 4, 6]), [])
+
+
+def test_leavers_are_taken_out_of_their_own_ring_only() -> None:
+    # A later ring was made without them; an id there belongs to someone else (a
+    # restarted master hands ids out again): it must still count.
+    left = (8, frozenset({4, 5}))
+    assert without_leavers((8, [1, 2, 3, 4, 5]), left) == (8, [1, 2, 3])
+    assert without_leavers((9, [1, 2, 4]), left) == (9, [1, 2, 4])
+    assert without_leavers((7, [1, 4]), left) == (7, [1, 4])

@@ -416,11 +416,12 @@ def known_rings(installed: tuple[int, list[int]], proposed: m.EstablishP2P | Non
 def without_leavers(ring: tuple[int, list[int]], left: tuple[int, frozenset[int]]
                     ) -> tuple[int, list[int]]:
     """``ring`` (epoch, members) less the peers its master said left gracefully from
-    the ring installed at ``left[0]`` (``WorldInfo.left``): they vote for no ring of
-    that epoch or later, so majorities are counted among the others, and two masters
-    counting them still share a peer."""
+    the ring installed at ``left[0]`` (``WorldInfo.left``), when it is that ring: they
+    vote for no ring of that epoch or later, so majorities are counted among the others,
+    and two masters counting them still share a peer. Later rings were made without
+    them (an id there is someone else's, given out again by a restarted master)."""
     epoch, members = ring
-    if epoch < left[0] or not left[1]:
+    if epoch != left[0] or not left[1]:
         return ring
     return epoch, [p for p in members if p not in left[1]]
 
