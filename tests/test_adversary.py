@@ -515,24 +515,27 @@ def _report_all(s: st.MasterState, lies: dict[int, list[int]] | None = None,
     return out
 
 
+def _vote_in(s: st.MasterState, joiner: int) -> st.Round:
+    """``joiner`` registers and every accepted peer votes: the round that admits it."""
+    s.handle(st.PeerRegistered(joiner, 0, f"10.0.0.{joiner}:1"))
+    for p in s.accepted():
+        s.handle(st.Received(p, m.UpdateTopology()))
+    assert s.round is not None
+    return s.round
+
+
 def test_a_joiner_blaming_every_member_is_dropped_and_the_group_stays() -> None:
     # Issue 36 (1): the joiner's report named every member in `failed`, and the master
     # dropped all honest peers in one round.
     s = _group_of(4)
-    s.handle(st.PeerRegistered(9, 0, "10.0.0.9:1"))
-    for p in (1, 2, 3, 4):
-        s.handle(st.Received(p, m.UpdateTopology()))
+    _vote_in(s, 9)
     _report_all(s, lies={9: [1, 2, 3, 4]})
     assert s.accepted() == [1, 2, 3, 4] and 9 not in s.peers
 
 
 def test_a_joiner_blaming_only_its_ring_next_is_the_one_dropped() -> None:
     s = _group_of(4)
-    s.handle(st.PeerRegistered(9, 0, "10.0.0.9:1"))
-    for p in (1, 2, 3, 4):
-        s.handle(st.Received(p, m.UpdateTopology()))
-    rnd = s.round
-    assert rnd is not None
+    rnd = _vote_in(s, 9)
     _report_all(s, lies={9: [rnd.next_of[9]]})
     assert s.accepted() == [1, 2, 3, 4] and 9 not in s.peers
 
@@ -541,11 +544,7 @@ def test_a_lying_member_is_caught_by_the_masters_own_look() -> None:
     # A member reports its link to another member failed: the master dials that peer
     # itself; it answers, so the reporter is the one dropped, and nobody honest goes.
     s = _group_of(5)
-    s.handle(st.PeerRegistered(10, 0, "10.0.0.10:1"))
-    for p in s.accepted():
-        s.handle(st.Received(p, m.UpdateTopology()))
-    rnd = s.round
-    assert rnd is not None
+    rnd = _vote_in(s, 10)
     victim = rnd.next_of[3]
     out = s.handle(st.Received(3, m.P2PReport(epoch=rnd.epoch, failed=[victim])))
     for p in rnd.members:
@@ -564,11 +563,7 @@ def test_a_member_whose_port_is_dead_is_dropped_not_its_neighbours() -> None:
     # Found in review: strikes against reporters let a dead-port member outlive the
     # honest peers that reported it. The master's own look settles it.
     s = _group_of(4)
-    s.handle(st.PeerRegistered(10, 0, "10.0.0.10:1"))
-    for p in s.accepted():
-        s.handle(st.Received(p, m.UpdateTopology()))
-    rnd = s.round
-    assert rnd is not None
+    rnd = _vote_in(s, 10)
     dead = 2
     prev = next(p for p, n in rnd.next_of.items() if n == dead)
     _report_all(s, lies={prev: [dead]}, reachable=frozenset({1, 3, 4, 10}))

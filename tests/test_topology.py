@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import pccl
+from pccl.master.state import MasterState
 from pccl.testing import Cluster
 
 pytest.importorskip("pccl.topology")
@@ -135,18 +136,27 @@ async def test_small_groups_need_no_probes(pccl_cluster) -> None:
     assert not cluster.master.state.bandwidth
 
 
-def test_a_better_ring_found_later_is_adopted_at_the_next_update() -> None:
+def _three_accepted() -> MasterState:
+    """A master state with peers 1, 2, 3 accepted in one group (ring epoch 2): 1 alone,
+    then 2 and 3 through a vote."""
     from pccl.master import state as st
     from pccl.protocol import messages as m
 
     s = st.MasterState(mesh_max_bytes=0)
     for p in (1, 2, 3):
         s.handle(st.PeerRegistered(p, 0, f"h:{p}"))
-    # Admit all three: 1 alone, then 2 and 3 through a vote.
     s.handle(st.Received(1, m.P2PReport(epoch=1, failed=[])))
     s.handle(st.Received(1, m.UpdateTopology()))
     for p in (1, 2, 3):
         s.handle(st.Received(p, m.P2PReport(epoch=2, failed=[])))
+    return s
+
+
+def test_a_better_ring_found_later_is_adopted_at_the_next_update() -> None:
+    from pccl.master import state as st
+    from pccl.protocol import messages as m
+
+    s = _three_accepted()
     assert s.rings[0] == [1, 2, 3] and not s.rings_stale
     s.opt_round = 1
     s.handle(st.BetterRing(1, 0, [1, 3, 2]))
@@ -293,13 +303,7 @@ def test_a_better_ring_found_during_a_round_waits_for_the_next_update() -> None:
     from pccl.master import state as st
     from pccl.protocol import messages as m
 
-    s = st.MasterState(mesh_max_bytes=0)
-    for p in (1, 2, 3):
-        s.handle(st.PeerRegistered(p, 0, f"h:{p}"))
-    s.handle(st.Received(1, m.P2PReport(epoch=1, failed=[])))
-    s.handle(st.Received(1, m.UpdateTopology()))
-    for p in (1, 2, 3):
-        s.handle(st.Received(p, m.P2PReport(epoch=2, failed=[])))
+    s = _three_accepted()
     s.handle(st.PeerRegistered(4, 0, "h:4"))  # a joiner: the next vote runs a round
     for p in (1, 2, 3):
         s.handle(st.Received(p, m.UpdateTopology()))

@@ -644,9 +644,10 @@ class MasterNode:
         if mac is None:
             return
         host = conn.peername[0]
+        source = source_key(host)
         # An echo may be 8 MiB, held until the client reads it: a few sessions at a
         # time, one per address, each send with a deadline.
-        if not self._doctors.take(source_key(host)):
+        if not self._doctors.take(source):
             self._log_refusal(f"doctor from {remote} refused: {len(self._doctors)} doctor "
                               f"sessions run ({self.max_doctors} at most, one per address)")
             await self._reject(conn, ErrorKind.PeerConnectionError,
@@ -679,7 +680,7 @@ class MasterNode:
             except (ConnectionClosed, ProtocolError):
                 pass
         finally:
-            self._doctors.release(source_key(host))
+            self._doctors.release(source)
 
     async def _check_hello(self, conn: FramedConnection, hello: m.Hello | m.DoctorHello,
                            nonce: bytes, who: str) -> bytes | None:
