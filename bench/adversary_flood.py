@@ -31,6 +31,7 @@ import random
 import secrets
 import sys
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -83,6 +84,26 @@ class Flood:
         return await asyncio.open_connection(self.host, self.port,
                                              local_addr=(self.source(i), 0))
 
+    @contextlib.asynccontextmanager
+    async def _challenged(self, i: int) -> AsyncIterator[FramedConnection]:
+        """A control connection from attacker ``i``'s address, past the handshake and
+        the master's challenge (no secret: anyone gets that far); aborted on exit."""
+        conn = FramedConnection(*await self._open(i))
+        try:
+            await conn.dial(None)
+            await conn.recv()
+            yield conn
+        finally:
+            conn.abort()
+
+    @staticmethod
+    async def _bomb_until_dropped(conn: FramedConnection, body: bytes) -> None:
+        """Sends ``body`` as one frame, then reads until the master hangs up."""
+        assert conn.session is not None
+        conn.writer.write(conn.session.seal(len(body).to_bytes(4, "big") + body))
+        while True:
+            await conn.recv()
+
     async def _attempt(self, what: str, coro: Any) -> None:
         try:
             async with asyncio.timeout(30):
@@ -129,33 +150,20 @@ class Flood:
     async def bomb_before_hello(self, i: int) -> None:
         while self.live():
             async def once() -> None:
-                conn = FramedConnection(*await self._open(i))
-                try:
-                    await conn.dial(None)
-                    await conn.recv()
-                    body = msgpack.packb({"t": "hello", "x": [[]] * (60 << 10)})
-                    assert conn.session is not None
-                    conn.writer.write(conn.session.seal(len(body).to_bytes(4, "big") + body))
-                    while True:
-                        await conn.recv()
-                finally:
-                    conn.abort()
+                async with self._challenged(i) as conn:
+                    await self._bomb_until_dropped(
+                        conn, msgpack.packb({"t": "hello", "x": [[]] * (60 << 10)}))
             await self._attempt("prehello_bomb", once())
 
     async def doctor(self, i: int) -> None:
         while self.live():
             async def once() -> None:
-                conn = FramedConnection(*await self._open(i))
-                try:
-                    await conn.dial(None)
-                    await conn.recv()
+                async with self._challenged(i) as conn:
                     await conn.send(m.DoctorHello(version=PROTOCOL_VERSION, p2p_port=0,
                                                   nonce=secrets.token_bytes(16), mac=b""))
                     if isinstance(await conn.recv(), m.DoctorReport):
                         await conn.send(m.DoctorEcho(payload=b"", reply_bytes=64 << 20))
                         await asyncio.sleep(30)  # never reads: the attack itself
-                finally:
-                    conn.abort()
             await self._attempt("doctor", once())
 
     # --- the insider ----------------------------------------------------------------
@@ -163,10 +171,7 @@ class Flood:
     async def insider(self, i: int, honest_ids: list[int]) -> None:
         while self.live():
             async def once() -> None:
-                conn = FramedConnection(*await self._open(i))
-                try:
-                    await conn.dial(None)
-                    await conn.recv()
+                async with self._challenged(i) as conn:
                     await conn.send(m.Hello(
                         version=PROTOCOL_VERSION, peer_group=0, p2p_port=9,
                         p2p_host=self.source(i), nonce=secrets.token_bytes(16), mac=b"",
@@ -181,13 +186,8 @@ class Flood:
                     conn.send_nowait(m.CollectiveDone(tag=0, op_id=0, ok=False,
                                                       kind=pccl.ErrorKind.NONE,
                                                       message="x" * (2 << 20)))
-                    body = msgpack.packb({"t": "coll_done", "x": [[]] * (4 << 20)})
-                    assert conn.session is not None
-                    conn.writer.write(conn.session.seal(len(body).to_bytes(4, "big") + body))
-                    while True:
-                        await conn.recv()
-                finally:
-                    conn.abort()
+                    await self._bomb_until_dropped(
+                        conn, msgpack.packb({"t": "coll_done", "x": [[]] * (4 << 20)}))
             await self._attempt("insider_round", once())
 
 
