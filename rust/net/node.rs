@@ -1714,6 +1714,22 @@ mod tests {
         b.close().await;
     }
 
+    /// Takes the ring pool of `epoch` from `sender` (peer `ids.0`) to `receiver` (peer
+    /// `ids.1`) at both ends and checks that data flows through it.
+    async fn ring_pool_carries_data(sender: &Node, receiver: &Node, ids: (u64, u64), epoch: u64) {
+        let key = |peer| PoolKey {
+            peer,
+            epoch,
+            purpose: Purpose::Ring,
+        };
+        let inn = receiver
+            .take_inbound(key(ids.0), Duration::from_secs(2))
+            .await
+            .unwrap();
+        let out = sender.take_outbound(key(ids.1)).unwrap();
+        data_flows(out, inn).await;
+    }
+
     /// Writes `msg` on every stream of `out` and reads it back on the matching stream of
     /// `inn` (the data direction is the pool's, whoever opened the TCP connection).
     async fn data_flows(out: Vec<P2PStream>, inn: Vec<P2PStream>) {
@@ -1745,17 +1761,7 @@ mod tests {
         );
         sent.unwrap();
         opened.unwrap();
-        let key = |peer| PoolKey {
-            peer,
-            epoch: 5,
-            purpose: Purpose::Ring,
-        };
-        let inn = b
-            .take_inbound(key(1), Duration::from_secs(2))
-            .await
-            .unwrap();
-        let out = a.take_outbound(key(2)).unwrap();
-        data_flows(out, inn).await;
+        ring_pool_carries_data(&a, &b, (1, 2), 5).await;
         a.close().await;
         b.close().await;
     }
@@ -1976,17 +1982,7 @@ mod tests {
         );
         sent.unwrap();
         opened.unwrap();
-        let key = |peer| PoolKey {
-            peer,
-            epoch: 5,
-            purpose: Purpose::Ring,
-        };
-        let inn = b
-            .take_inbound(key(7301), Duration::from_secs(2))
-            .await
-            .unwrap();
-        let out = a.take_outbound(key(7302)).unwrap();
-        data_flows(out, inn).await;
+        ring_pool_carries_data(&a, &b, (7301, 7302), 5).await;
         assert_eq!(a.parked_counts(), (0, MAX_EARLY_PER_SOURCE));
         drop(flood);
         a.close().await;
