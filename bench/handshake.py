@@ -65,14 +65,14 @@ def _identity(mode: dict[str, Any], who: str) -> Any:
         return None
     from pccl import identity as ident
     d = mode["identity_dir"]
-    return ident.Identity.load(os.path.join(d, f"{who}.key"), os.path.join(d, f"{who}.cert"),
+    return ident.load(os.path.join(d, f"{who}.key"), os.path.join(d, f"{who}.cert"),
                                trust=mode["trust"])
 
 
 async def control(mode: dict[str, Any], iters: int) -> list[float]:
     secret = mode.get("secret")
     insecure = bool(mode.get("insecure"))
-    new_api = hasattr(FramedConnection, "dial_identity")
+    new_api = hasattr(core, "Identity")
     accepted: asyncio.Queue[None] = asyncio.Queue()
     master_id, peer_id = _identity(mode, "master"), _identity(mode, "a")
 
@@ -80,7 +80,7 @@ async def control(mode: dict[str, Any], iters: int) -> list[float]:
         conn = FramedConnection(r, w)
         try:
             if new_api:
-                await conn.accept_identity(master_id, secret, allow_clear=insecure)
+                await conn.accept(secret and secret.encode(), allow_clear=insecure, identity=master_id)
             else:
                 await conn.accept(secret and secret.encode(), allow_clear=insecure)
         finally:
@@ -96,7 +96,7 @@ async def control(mode: dict[str, Any], iters: int) -> list[float]:
             r, w = await asyncio.open_connection("127.0.0.1", port)
             conn = FramedConnection(r, w)
             if new_api:
-                await conn.dial_identity(peer_id, secret, insecure=insecure)
+                await conn.dial(secret and secret.encode(), insecure=insecure, identity=peer_id)
             else:
                 await conn.dial(secret and secret.encode(), insecure=insecure)
             out.append(time.perf_counter() - t0)
@@ -113,14 +113,16 @@ async def p2p(mode: dict[str, Any], iters: int) -> list[float]:
     if mode.get("secret"):
         kw["secret"] = mode["secret"].encode()
     ia, ib = _identity(mode, "a"), _identity(mode, "b")
-    if ia is not None:
+    new_api = hasattr(core, "Identity")
+    if new_api:  # every node has a key now; the master's roster names them
+        ia, ib = ia or core.Identity(), ib or core.Identity()
         kw_a, kw_b = dict(kw, identity=ia), dict(kw, identity=ib)
     else:
         kw_a = kw_b = kw
     a = await core.P2PNode.bind(1, **kw_a)
     b = await core.P2PNode.bind(2, **kw_b)
     try:
-        if ia is not None:
+        if new_api:
             keys = {1: ia.public_key, 2: ib.public_key}
             a.set_peer_keys(keys)
             b.set_peer_keys(keys)

@@ -43,7 +43,8 @@ _PLAIN_FLAGS = ("listen", "heartbeat_interval", "heartbeat_timeout", "handshake_
                 "establish_timeout", "max_establish_attempts", "recovery_grace",
                 "repair_rings", "dial_back_timeout", "max_relayed_streams", "insecure",
                 "max_connections",
-                "mesh_max_bytes", "quorum", "standby")
+                "mesh_max_bytes", "quorum", "standby", "key_file", "cert_file", "trust",
+                "denylist", "allow_anonymous")
 
 
 def _add_master_args(p: argparse.ArgumentParser) -> None:
@@ -109,6 +110,20 @@ def _add_master_args(p: argparse.ArgumentParser) -> None:
                    help=f"also accept peers whose control connection is in clear text "
                         f"(Communicator(insecure=True)); encrypted ones are accepted either "
                         f"way ({d('insecure', 'off')})")
+    p.add_argument("--key-file", default=s, metavar="FILE",
+                   help=f"this master's node key (`pccl node new`) ({d('key_file')})")
+    p.add_argument("--cert-file", default=s, metavar="FILE",
+                   help="this master's certificate, for the group `master` (`pccl ca sign "
+                        f"--groups master`) ({d('cert_file')})")
+    p.add_argument("--trust", default=s, metavar="RUN.pub[,...]",
+                   help="run-key files whose certificates every peer must present "
+                        f"({d('trust')})")
+    p.add_argument("--denylist", default=s, metavar="FILE",
+                   help="signed denylist (`pccl ca revoke`), re-read when it changes: the "
+                        f"keys it names are dropped and refused ({d('denylist')})")
+    p.add_argument("--allow-anonymous", action=argparse.BooleanOptionalAction, default=s,
+                   help="listen beyond loopback with nothing authenticating the peers (no "
+                        f"secret, no certificates) ({d('allow_anonymous', 'off')})")
     p.add_argument("--status", default=s, metavar="HOST:PORT",
                    help=f"serve the read-only status page, /api/status and /metrics here "
                         f"('off': none; {d('status_listen', DEFAULT_STATUS)}); a non-loopback "
@@ -243,7 +258,12 @@ def main(argv: list[str] | None = None) -> None:
     doctor.add_argument("--timeout", type=float, default=10.0, metavar="S")
     doctor.add_argument("--log-level", default="ERROR", type=str.upper,
                         choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    from pccl import keys_cli
+
+    keys_cli.add_commands(sub)
     args = p.parse_args(argv)
+    if args.command in keys_cli.COMMANDS:
+        sys.exit(keys_cli.run(args))
     if args.command == "master":
         _configure_logging(_log_level(args, os.environ))
     else:

@@ -17,7 +17,7 @@ from collections.abc import Callable, Mapping, Sequence
 from types import TracebackType
 from typing import Any
 
-from pccl import _core, recovery
+from pccl import _core, identity, recovery
 from pccl.enums import Attribute, QuantizationAlgorithm, ReduceOp, SharedStateSyncStrategy
 from pccl.errors import (
     InvalidUsageError,
@@ -41,7 +41,7 @@ from pccl.peer.options import (
 from pccl.peer.state import Status as PeerState
 from pccl.protocol import MAX_FRAME
 from pccl.protocol import messages as m
-from pccl.protocol.auth import DEFAULT_PORT
+from pccl.protocol.auth import DEFAULT_PORT, is_loopback_host, split_host_port
 from pccl.protocol.transport import ConnectionClosed, FramedConnection
 from pccl.shared_state import SharedState, SyncInfo, SyncProgress
 from pccl.tensors import as_raw
@@ -140,6 +140,10 @@ class Communicator(Driver):
         metrics_token: str | None = None,
         early_start_max_bytes: int = 4 << 20,
         via_master_max_bytes: int = 64 << 10,
+        key_file: str | None = None,
+        cert_file: str | None = None,
+        trust: str | None = None,
+        allow_anonymous: bool = False,
     ) -> None:
         check_int(p2p_connection_pool_size, "p2p_connection_pool_size", 1, 64)
         check_int(peer_group, "peer_group", 0, (1 << 32) - 1)
@@ -155,7 +159,8 @@ class Communicator(Driver):
                             ("peer_timeout", peer_timeout)):
             check_seconds(value, name)
         check_seconds(reconnect_timeout, "reconnect_timeout", zero_ok=True)
-        for name, flag in (("insecure", insecure), ("allow_relay", allow_relay)):
+        for name, flag in (("insecure", insecure), ("allow_relay", allow_relay),
+                           ("allow_anonymous", allow_anonymous)):
             if not isinstance(flag, bool):
                 raise _core.InvalidArgumentError(f"{name} must be a bool, got {flag!r}")
         self.master = master
@@ -165,7 +170,21 @@ class Communicator(Driver):
         self._elsewhere: str | None = None  # the last one to send this peer elsewhere
         self.peer_group = peer_group
         self.p2p_connection_pool_size = p2p_connection_pool_size
-        self.secret = secret.encode() if isinstance(secret, str) else secret
+        self.secret = identity.check_secret(secret)
+        # This peer's static key (and certificate), and the run keys whose certificates
+        # it asks of the master and of every other peer; without them, a fresh key.
+        self.identity = identity.load(key_file, cert_file, trust)
+        self.allow_anonymous = allow_anonymous
+        if self.secret is None and not self.identity.checks_certs and not allow_anonymous:
+            remote = [a for a in masters if not is_loopback_host(split_host_port(a)[0])]
+            if remote:
+                raise _core.InvalidUsageError(
+                    f"Communicator(master={remote[0]!r}): a master on another machine, "
+                    "and nothing to authenticate it (no secret, no trusted run key): "
+                    "anyone on the path could stand in for it. Give every node the run's "
+                    "secret (secret= / PCCL_SECRET_FILE) or a certificate (key_file=, "
+                    "cert_file=, trust=; docs/security.md), or opt out with "
+                    "allow_anonymous=True")
         self.p2p_listen_host = p2p_listen_host
         self.p2p_listen_port = p2p_listen_port  # 0: ephemeral
         self.p2p_advertise_host = p2p_advertise_host

@@ -116,7 +116,16 @@ _HELP: dict[str, str] = {
     "metrics_listen": "`host:port` of this peer's Prometheus `/metrics` (none: off)",
     "metrics_token": "bearer token this peer's `/metrics` asks for; needed off loopback",
     # both
-    "secret": "shared secret of the run; the same on every node",
+    "secret": "shared secret of the run, the same on every node: a key of at least 128 "
+              "random bits (`pccl secret new`), not a password",
+    "key_file": "this node's key file (`pccl node new`); none: a fresh key per process",
+    "cert_file": "this node's certificate, signed by the run key (`pccl ca sign`)",
+    "trust": "run-key files (`run.pub`, comma-separated) whose certificates every other "
+             "node must present; none: certificates are not checked",
+    "allow_anonymous": "run with nothing authenticating the nodes (no secret, no "
+                       "certificates) on a non-loopback address",
+    "denylist": "signed denylist file (`pccl ca revoke`), watched: its keys are dropped "
+                "and refused",
     "insecure": "clear-text connections (trusted networks only; the same on every node)",
     # MasterNode
     "listen": "address the master listens on (port 0: a free one)",

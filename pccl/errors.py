@@ -22,6 +22,9 @@ from pccl._core import (
     CollectiveAbortedError as CollectiveAbortedError,
 )
 from pccl._core import (
+    IdentityError as IdentityError,
+)
+from pccl._core import (
     InvalidArgumentError as InvalidArgumentError,
 )
 from pccl._core import (
@@ -82,6 +85,7 @@ class ErrorKind(enum.StrEnum):
     PCCLError = "PCCLError"
     AuthenticationError = "AuthenticationError"
     CollectiveAbortedError = "CollectiveAbortedError"
+    IdentityError = "IdentityError"
     InvalidArgumentError = "InvalidArgumentError"
     InvalidUsageError = "InvalidUsageError"
     MasterConnectionError = "MasterConnectionError"
@@ -130,6 +134,7 @@ __all__ = [
     "AuthenticationError",
     "CollectiveAbortedError",
     "ErrorKind",
+    "IdentityError",
     "InvalidArgumentError",
     "InvalidUsageError",
     "MasterConnectionError",

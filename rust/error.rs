@@ -13,6 +13,10 @@ pub enum CoreError {
     PeerConnection(String),
     #[error("{0}")]
     Authentication(String),
+    /// A node's identity was refused: its certificate (none, not signed by a trusted run
+    /// key, expired, revoked, wrong group) or its key (not the one the roster names).
+    #[error("{0}")]
+    Identity(String),
     #[error("{0}")]
     Protocol(String),
     #[error("{0}")]

@@ -28,6 +28,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     py::hash::register(m)?;
     py::transfer::register(m)?;
     py::secure::register(m)?;
+    py::identity::register(m)?;
     m.add_class::<py::node::PyP2PNode>()?;
     m.add_class::<py::ring::RingOp>()?;
     Ok(())

@@ -43,6 +43,10 @@ COMMUNICATOR_VARIABLES = {
     "allow_relay": "PCCL_ALLOW_RELAY",
     "metrics_listen": "PCCL_METRICS_LISTEN",
     "metrics_token": "PCCL_METRICS_TOKEN",
+    "key_file": "PCCL_KEY_FILE",
+    "cert_file": "PCCL_CERT_FILE",
+    "trust": "PCCL_TRUST",
+    "allow_anonymous": "PCCL_ALLOW_ANONYMOUS",
 }
 MASTER_VARIABLES = {
     "listen": "PCCL_MASTER_LISTEN",
@@ -64,6 +68,11 @@ MASTER_VARIABLES = {
     "standby": "PCCL_STANDBY",
     "status_listen": "PCCL_STATUS_LISTEN",
     "status_token": "PCCL_STATUS_TOKEN",
+    "key_file": "PCCL_KEY_FILE",
+    "cert_file": "PCCL_CERT_FILE",
+    "trust": "PCCL_TRUST",
+    "denylist": "PCCL_DENYLIST",
+    "allow_anonymous": "PCCL_ALLOW_ANONYMOUS",
 }
 
 

@@ -20,10 +20,12 @@ from collections.abc import Callable, Mapping
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
+from pccl import identity as ident
 from pccl.errors import (
     AuthenticationError,
     ErrorKind,
     InvalidArgumentError,
+    InvalidUsageError,
     PeerConnectionError,
     ProtocolError,
 )
@@ -137,6 +139,11 @@ class MasterNode:
         standby: bool = False,
         status_listen: str | None = None,
         status_token: str | None = None,
+        key_file: str | None = None,
+        cert_file: str | None = None,
+        trust: str | None = None,
+        denylist: str | None = None,
+        allow_anonymous: bool = False,
     ) -> None:
         for name, value in (("heartbeat_interval", heartbeat_interval),
                             ("heartbeat_timeout", heartbeat_timeout),
@@ -156,7 +163,27 @@ class MasterNode:
                 f"{max_establish_attempts!r}")
         split_host_port(listen)  # a malformed address fails here, not at start()
         self.listen = listen
-        self.secret = secret.encode() if isinstance(secret, str) else secret
+        self.secret = ident.check_secret(secret)
+        # This master's static key and certificate, and the run keys whose certificates
+        # it asks of every peer (pccl.identity); without trust, a fresh key.
+        self.identity = ident.load(key_file, cert_file, trust, denylist)
+        # A signed denylist file, watched: a new version is handed to every peer and
+        # the nodes it names are dropped (see _watch_denylist).
+        self.denylist = denylist
+        if not isinstance(allow_anonymous, bool):
+            raise InvalidArgumentError(
+                f"MasterNode(allow_anonymous=...) must be a bool, got {allow_anonymous!r}")
+        self.allow_anonymous = allow_anonymous
+        host = split_host_port(listen)[0]
+        if self.anonymous and not allow_anonymous and not is_loopback_host(host):
+            raise InvalidUsageError(
+                f"MasterNode(listen={listen!r}) is reachable from other machines, and "
+                "nothing would authenticate who joins (no secret, no trusted run key): "
+                "anyone could join the run, and anyone on the path could sit in the "
+                "middle. Give every node a secret (`pccl secret new`, then --secret-file "
+                "/ PCCL_SECRET_FILE) or node certificates (`pccl ca new`, docs/security.md), "
+                "listen on 127.0.0.1, or opt out with allow_anonymous=True "
+                "(--allow-anonymous)")
         # False: every control connection is encrypted (a clear-text peer is refused
         # with AuthenticationError); True: clear-text peers are accepted too.
         self.insecure = bool(insecure)
@@ -241,6 +268,7 @@ class MasterNode:
         self._conns: dict[int, FramedConnection] = {}
         self._handlers: set[asyncio.Task[None]] = set()
         self._heartbeat: asyncio.Task[None] | None = None
+        self._denylist_stamp: int | None = None
         self._next_peer_id = 1
         # Ids handed to registrations still in their dial-back: nobody else gets them.
         self._claimed: set[int] = set()
@@ -290,6 +318,11 @@ class MasterNode:
 
     # --- lifecycle ------------------------------------------------------------------
 
+    @property
+    def anonymous(self) -> bool:
+        """Whether nothing authenticates the peers (no secret, no trusted run key)."""
+        return self.secret is None and not self.identity.checks_certs
+
     async def start(self) -> None:
         """Starts listening; returns once the socket is bound."""
         if self._server is not None:
@@ -332,15 +365,11 @@ class MasterNode:
                 self._status = None
                 await self.stop()
                 raise
-        if self.secret is None and not is_loopback_host(host):
+        if self.anonymous and not is_loopback_host(host):
             log.warning(
-                "master listening on %s WITHOUT AUTHENTICATION: anyone who can reach this "
-                "address can join the run, read the peer list and take part in reduces. "
-                "Give every node the same secret (MasterNode(secret=...), pccl-master "
-                "--secret-file FILE, Communicator(secret=...)), or listen on 127.0.0.1 "
-                "only; docs/deploying.md says what the secret protects (it authenticates "
-                "every connection and keys its encryption; without it connections are "
-                "encrypted but anyone may open one)", self._address)
+                "master listening on %s WITHOUT AUTHENTICATION (allow_anonymous=True): "
+                "anyone who can reach this address can join the run, and anyone on the "
+                "path can sit in the middle of every connection", self._address)
 
     @property
     def status_address(self) -> str | None:
@@ -534,7 +563,8 @@ class MasterNode:
         nonce = _secrets.token_bytes(16)
         try:
             async with asyncio.timeout(self.handshake_timeout):
-                await conn.accept(self.secret, allow_clear=self.insecure, first=first)
+                await conn.accept(self.secret, allow_clear=self.insecure, first=first,
+                                  identity=self.identity, group="peer")
                 await conn.send(m.Challenge(version=PROTOCOL_VERSION, nonce=nonce,
                                             auth=self.secret is not None,
                                             groups=self.state.held_groups(),
@@ -631,10 +661,17 @@ class MasterNode:
                         "standby always counts them", peer_id, min(hello.masters, 64))
         punch_addrs = tuple(join_host_port(host, port)
                             for port in hello.p2p_punch_ports[:16] if 0 < port < 65536)
+        key = conn.remote[0] if conn.remote is not None else b""
+        if conn.remote is not None:
+            _, fp, name, _, not_after = conn.remote
+            self.monitor.identified(peer_id, fp, name, not_after)
+        denylist = self.identity.denylist
+        if denylist is not None:
+            conn.send_nowait(m.Denylist(data=denylist))
         self._feed(st.PeerRegistered(peer_id, hello.peer_group, p2p_addr, resume,
                                      reachable=reachable, allow_relay=hello.allow_relay,
                                      punch_addrs=punch_addrs,
-                                     masters=max(1, min(hello.masters, 64))))
+                                     masters=max(1, min(hello.masters, 64)), key=key))
 
     async def _doctor(self, conn: FramedConnection, hello: m.DoctorHello, nonce: bytes,
                       remote: str) -> None:
@@ -692,7 +729,9 @@ class MasterNode:
                                f"(master speaks {PROTOCOL_VERSION})")
             log.warning("%s rejected: protocol version %d", who, hello.version)
             return None
-        if self.secret is None:
+        if self.secret is None or conn.encrypted:
+            # Encrypted, the handshake proved the secret (and the key); the MACs are for
+            # clear-text (insecure) registrations only.
             return b""
         if not hmac.compare_digest(hello.mac, peer_mac(self.secret, nonce, hello.nonce)):
             log.warning("%s rejected: wrong or missing shared secret", who)
@@ -1007,10 +1046,47 @@ class MasterNode:
                          cmd.group, better)
                 self._feed(st.BetterRing(cmd.round_id, cmd.group, better))
 
+    def revoke(self, denylist: bytes) -> bool:
+        """Installs a denylist signed by a run key this master trusts (``pccl ca
+        revoke`` writes one), if newer than the one held: hands it to every peer, which
+        refuses the keys it names from then on, and drops the connected peers it names
+        (they cannot register again). True if installed, False if not newer.
+        IdentityError for a bad signature or an untrusted signer."""
+        if not self.identity.install_denylist(denylist):
+            return False
+        log.warning("denylist version %d installed", self.identity.denylist_version)
+        self.monitor.add("revoked", f"denylist version {self.identity.denylist_version} "
+                                    "installed", ())
+        for conn in list(self._conns.values()):
+            conn.send_nowait(m.Denylist(data=denylist))
+        for peer_id, conn in list(self._conns.items()):
+            if conn.remote is not None and self.identity.is_denied(conn.remote[0]):
+                log.warning("peer %d (key %s) dropped: its key is revoked", peer_id,
+                            conn.remote[1])
+                conn.abort()  # (its read loop reports the loss)
+        return True
+
+    def _check_denylist_file(self) -> None:
+        """Picks up a new version of the denylist file (``denylist``), if any."""
+        if self.denylist is None:
+            return
+        try:
+            stamp = os.stat(self.denylist).st_mtime_ns
+        except OSError:
+            return
+        if stamp == self._denylist_stamp:
+            return
+        self._denylist_stamp = stamp
+        try:
+            self.revoke(ident.load_denylist(self.denylist))
+        except (InvalidArgumentError, AuthenticationError) as e:
+            log.error("denylist file %s not installed: %s", self.denylist, e)
+
     async def _heartbeat_loop(self) -> None:
         seq = 0
         while True:
             await asyncio.sleep(self.heartbeat_interval)
+            self._check_denylist_file()
             seq += 1
             for conn in list(self._conns.values()):
                 conn.send_nowait(m.Ping(seq=seq))

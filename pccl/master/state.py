@@ -35,7 +35,8 @@ import hashlib
 import math
 import os
 from collections import Counter, deque
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Iterable
+from typing import Any
 
 from pccl import _core, algorithms
 from pccl.enums import DTYPES, DataType, QuantizationAlgorithm, ReduceOp
@@ -94,6 +95,9 @@ class PeerRegistered:
     # How many masters the peer fails over between; above 1, split brain is possible and
     # the master counts quorums (see MasterState.quorum).
     masters: int = 1
+    # The static key the peer proved in its handshake (b"": clear text): handed to the
+    # peers that connect to it (``key_ids``/``keys`` of EstablishP2P and the like).
+    key: bytes = b""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -309,6 +313,8 @@ class PeerRecord:
     # Peers dropped because this one reported its ring link to them failed (see
     # MasterState._settle_disputes): after one, its own link is taken to be at fault.
     dropped_on_its_word: int = 0
+    # The static key it proved in its handshake (b"" in clear text).
+    key: bytes = b""
 
 
 def _rotation_of(a: list[int], b: list[int]) -> bool:
@@ -707,6 +713,7 @@ class MasterState:
                                             reachable=ev.reachable,
                                             allow_relay=ev.allow_relay,
                                             punch_addrs=ev.punch_addrs,
+                                            key=ev.key,
                                             claim=Claim(res.epoch, frozenset(res.peers),
                                                         res.base_epoch, frozenset(res.base),
                                                         tuple((e, frozenset(r))
@@ -1273,7 +1280,13 @@ class MasterState:
                     mesh_in_tokens=[t for _, t in in_routes],
                     quorum_epochs=[e for e, _ in counted.get(group, [])],
                     quorum_rings=[list(r) for _, r in counted.get(group, [])],
+                    **self._keys([nxt, prv, *partners]),
                 )))
+
+    def _keys(self, ids: Iterable[int]) -> dict[str, Any]:
+        """The ``key_ids``/``keys`` fields naming the static keys of ``ids``."""
+        known = sorted({i for i in ids if i in self.peers and self.peers[i].key})
+        return {"key_ids": known, "keys": [self.peers[i].key for i in known]}
 
     def _mesh_routes(self, order: list[int]) -> dict[tuple[int, int], tuple[str, bytes]] | None:
         """How each directed mesh link over the ranks ``order`` is made: (sender,
@@ -2031,7 +2044,7 @@ class MasterState:
             out.append(Send(p, m.SyncPlan(
                 revision=revision, fetch_keys=keys, fetch_hashes=hashes, fetch_sources=sources,
                 source_ids=ids, source_addrs=[self.peers[s].p2p_addr for s in ids],
-                source_relays=relays)))
+                source_relays=relays, **self._keys(ids))))
 
     def _on_sync_done(self, peer: int, msg: m.SyncDone, out: list[Command]) -> None:
         sync = self.syncs.get(self.peers[peer].peer_group)
@@ -2139,7 +2152,7 @@ class MasterState:
         for i, targets in sorted(plan.items()):
             out.append(Send(i, m.ProbeRequest(
                 target_ids=targets, target_addrs=[self.peers[t].p2p_addr for t in targets],
-                seconds=self.probe_seconds)))
+                seconds=self.probe_seconds, **self._keys(targets))))
         if not plan:
             self._solve_all(out)
 

@@ -127,6 +127,11 @@ class PeerView:
     rx_bytes: int = 0
     sync_rx_bytes: int = 0
     sync_rx_total: int = 0
+    # The static key it proved (fingerprint), and its certificate's name and expiry
+    # (unix seconds) when the master checks certificates.
+    fingerprint: str | None = None
+    cert_name: str | None = None
+    cert_not_after: int | None = None
 
 
 class RunMonitor:
@@ -205,6 +210,12 @@ class RunMonitor:
         now = time.monotonic()
         self.peers[peer_id] = PeerView(remote, encrypted, time.time(), now)
         self.add("joined", text, (peer_id,))
+
+    def identified(self, peer_id: int, fingerprint: str, name: str | None,
+                   not_after: int | None) -> None:
+        view = self.peers.get(peer_id)
+        if view is not None:
+            view.fingerprint, view.cert_name, view.cert_not_after = fingerprint, name, not_after
 
     def seen(self, peer_id: int) -> None:
         view = self.peers.get(peer_id)
@@ -320,6 +331,9 @@ class RunMonitor:
                 "control_address": view.remote if view else None,
                 "reachable": rec.reachable,
                 "encrypted": view.encrypted if view else None,
+                "key_fingerprint": view.fingerprint if view else None,
+                "cert_name": view.cert_name if view else None,
+                "cert_not_after": view.cert_not_after if view else None,
                 "path_out": out_path or ("direct" if pid in nxt else None),
                 "path_in": in_path or ("direct" if pid in prv else None),
                 "next": nxt.get(pid),
@@ -365,6 +379,9 @@ class RunMonitor:
                 "started_at": self.started_at,
                 "uptime_s": round(time.time() - self.started_at, 3),
                 "authenticated": m.secret is not None,
+                "certificates": m.identity.checks_certs,
+                "key_fingerprint": m.identity.fingerprint,
+                "denylist_version": m.identity.denylist_version,
                 "accepts_clear_text": m.insecure,
                 "phase": s.phase.name.lower(),
                 "epoch": s.epoch,

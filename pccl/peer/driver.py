@@ -55,6 +55,7 @@ class Driver:
     peer_group: int
     p2p_connection_pool_size: int
     secret: bytes | None
+    identity: _core.Identity
     p2p_listen_host: str | None
     p2p_listen_port: int
     p2p_advertise_host: str | None
@@ -102,7 +103,8 @@ class Driver:
             async with asyncio.timeout(timeout):
                 reader, writer = await asyncio.open_connection(host, port)
                 conn = FramedConnection(reader, writer, max_frame=self.max_frame)
-                await conn.dial(self.secret, insecure=self.insecure)
+                await conn.dial(self.secret, insecure=self.insecure, identity=self.identity,
+                                group="master")
                 challenge = await conn.recv()
         except TimeoutError:
             if conn is not None:
@@ -261,7 +263,7 @@ class Driver:
             self._node = await _core.P2PNode.bind(
                 0, self.p2p_listen_host or local_host, self.p2p_listen_port, self.secret,
                 handshake_timeout=self.p2p_timeout, connect_timeout=self.p2p_timeout,
-                insecure=self.insecure)
+                insecure=self.insecure, identity=self.identity)
         await self._handshake(conn, challenge)
 
     async def _handshake(self, conn: FramedConnection, challenge: m.Challenge) -> None:
@@ -270,7 +272,9 @@ class Driver:
         nonce = _secrets.token_bytes(16)
         try:
             async with asyncio.timeout(self.timeout):
-                mac = peer_mac(self.secret, challenge.nonce, nonce) if self.secret else b""
+                # (Encrypted, the handshake proved the secret: the MACs are for clear text.)
+                mac = (peer_mac(self.secret, challenge.nonce, nonce)
+                       if self.secret and conn.session is None else b"")
                 adv_host, adv_port = self.p2p_advertise_host or "", int(self._node.port)
                 if self.p2p_advertise_address:
                     adv_host, adv_port = split_host_port(self.p2p_advertise_address)
@@ -300,7 +304,7 @@ class Driver:
                 reply.message)
         if not isinstance(reply, m.Welcome):
             raise ProtocolError(f"expected welcome, the master sent {reply.TYPE}")
-        if self.secret is not None and not hmac.compare_digest(
+        if self.secret is not None and conn.session is None and not hmac.compare_digest(
                 reply.mac, master_mac(self.secret, challenge.nonce, nonce)):
             raise AuthenticationError("the master could not prove it knows the shared secret")
         self._heartbeat_timeout = reply.heartbeat_timeout
@@ -399,9 +403,35 @@ class Driver:
     def _dispatch(self, msg: m.Message) -> None:
         """One message from the master into the machine (tests hold some back here:
         :class:`pccl.testing.HeldMessage`)."""
+        if isinstance(msg, m.Denylist):
+            self._install_denylist(msg.data)
+            return
+        if isinstance(msg, (m.EstablishP2P, m.SyncPlan, m.ProbeRequest)) and msg.key_ids:
+            self._learn_keys(msg.key_ids, msg.keys)
         if isinstance(msg, m.Reject) and msg.elsewhere:
             self._elsewhere = self._master_addr  # no quorum there: try the others first
         self._feed(ps.FromMaster(msg))
+
+    def _learn_keys(self, ids: list[int], keys: list[bytes]) -> None:
+        """The roster's static keys of the peers a message names: the p2p node checks
+        that every stream to or from them proves the key."""
+        if self._node is None:
+            return
+        try:
+            self._node.set_peer_keys(dict(zip(ids, keys, strict=False)))
+        except PCCLError as e:
+            log.warning("peer %s: the master's roster was refused: %s", self.peer_id, e)
+
+    def _install_denylist(self, data: bytes) -> None:
+        """A denylist from the master: installed if a run key this peer trusts signed
+        it and it is newer than the one held (the master cannot forge one)."""
+        try:
+            if self.identity.install_denylist(data):
+                log.warning("peer %s: denylist version %d installed; its keys are refused "
+                            "from now on", self.peer_id, self.identity.denylist_version)
+        except PCCLError as e:
+            log.warning("peer %s: a denylist from the master was refused: %s",
+                        self.peer_id, e)
 
     async def _rejoin(self) -> None:
         """Registers with the master again (a restarted one, or the same one after it

@@ -32,7 +32,7 @@ PeerText = Annotated[str, Bound(PEER_TEXT, clip=True)]
 MasterText = Annotated[str, Bound(16384, clip=True)]
 
 #: Bumped on every incompatible change; checked in the handshake.
-PROTOCOL_VERSION = 12
+PROTOCOL_VERSION = 13
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -163,6 +163,17 @@ class Welcome(Message):
 
 @message
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class Denylist(Message):
+    """M->P: the run's newest denylist (signed by the operator's run key; protocol 13).
+    A peer installs it if a run key it trusts signed it and it is newer than its own;
+    from then on it refuses the keys it names in every handshake."""
+
+    TYPE: ClassVar[str] = "denylist"
+    data: bytes
+
+
+@message
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class Reject(Message):
     """M->P, then the master closes the connection. ``kind`` names a pccl error class
     (:class:`ErrorKind`)."""
@@ -254,6 +265,10 @@ class EstablishP2P(Message):
     # (Hello.resume_base_*, resume_more_*), see docs/semantics.md.
     quorum_epochs: list[int] = dataclasses.field(default_factory=list)
     quorum_rings: list[list[int]] = dataclasses.field(default_factory=list)
+    # The static keys of the peers this message names (parallel lists; protocol 13):
+    # a stream to or from one of them must prove it holds that key (the roster).
+    key_ids: list[int] = dataclasses.field(default_factory=list)
+    keys: list[bytes] = dataclasses.field(default_factory=list)
 
 
 @message
@@ -490,6 +505,10 @@ class SyncPlan(Message):
     # is behind NAT (fetch through the master's relay; the master asks the holder to
     # open its end of each stream with RelayOpen).
     source_relays: list[bytes] = dataclasses.field(default_factory=list)
+    # The static keys of the peers this message names (parallel lists; protocol 13):
+    # a stream to or from one of them must prove it holds that key (the roster).
+    key_ids: list[int] = dataclasses.field(default_factory=list)
+    keys: list[bytes] = dataclasses.field(default_factory=list)
 
 
 @message
@@ -555,6 +574,10 @@ class ProbeRequest(Message):
     target_ids: list[int]
     target_addrs: list[str]
     seconds: float
+    # The static keys of the peers this message names (parallel lists; protocol 13):
+    # a stream to or from one of them must prove it holds that key (the roster).
+    key_ids: list[int] = dataclasses.field(default_factory=list)
+    keys: list[bytes] = dataclasses.field(default_factory=list)
 
 
 @message

@@ -3,9 +3,11 @@
 Before any message, the dialing side (a peer) opens the connection with one of two
 handshakes, the same bytes as pccl's p2p streams (``rust/net/secure.rs``):
 
-- secure (the default): a Noise handshake, ``Noise_NNpsk0_25519_AESGCM_SHA256`` keyed by
-  the shared secret (or ``Noise_NN`` without a secret: encrypted against eavesdroppers,
-  not authenticated), after which every byte travels in authenticated records;
+- secure (the default): a Noise handshake, ``Noise_XXpsk3_25519_AESGCM_SHA256`` with the
+  shared secret's key mixed in last (``Noise_XX`` without a secret), each end proving its
+  static key (``pccl.identity``): with trusted run keys configured, every end must also
+  present a certificate for that key, for its role (the master ``master``, a peer
+  ``peer``); after the handshake every byte travels in authenticated records;
 - clear text (``insecure=True``): the frame ``CLEAR_HELLO``, answered by one status byte.
 
 A record that fails authentication (modified, injected, replayed, cut) ends the
@@ -61,6 +63,9 @@ class FramedConnection:
         self.peer_max_frame = 0
         # Half-closed by linger(): nothing more is written.
         self._lingering = False
+        #: Who the other end proved to be in the secure handshake: (static key,
+        #: fingerprint, certificate name, groups, not_after), None in clear text.
+        self.remote: tuple[bytes, str, str | None, list[str], int | None] | None = None
 
     @property
     def peername(self) -> tuple[str, int]:
@@ -88,31 +93,37 @@ class FramedConnection:
         if not self.writer.is_closing():
             self.writer.write(len(body).to_bytes(4, "big") + body)
 
-    async def dial(self, secret: bytes | None, *, insecure: bool = False) -> None:
+    async def dial(self, secret: bytes | None, *, insecure: bool = False,
+                   identity: _core.Identity | None = None, group: str = "master") -> None:
         """The peer's side: opens the connection encrypted (or in clear text when
-        ``insecure``). AuthenticationError when the two ends disagree on the secret or
-        on ``insecure``; ProtocolError when the other end is not a pccl master;
-        MasterConnectionError when it goes away. The caller bounds the time."""
+        ``insecure``) as ``identity`` (None: a fresh key), asking the other end's
+        certificate for ``group`` where ``identity`` checks certificates.
+        AuthenticationError when the two ends disagree on the secret or on
+        ``insecure``; IdentityError when an identity is refused (either way);
+        ProtocolError when the other end is not a pccl master; MasterConnectionError
+        when it goes away. The caller bounds the time."""
         try:
             if insecure:
                 self.send_handshake_frame(_core.CLEAR_HELLO)
                 status = await self.handshake_frame()
                 if status == _STATUS_TRANSPORT_MISMATCH:
                     raise AuthenticationError(
-                        "the master requires encryption and this peer runs in clear text "
-                        "(insecure=True); drop insecure=True (or start the master with "
-                        "insecure=True)")
+                        "the master, or something on the path, says it requires "
+                        "encryption and this peer runs in clear text (insecure=True); "
+                        "drop insecure=True")
                 if status != _STATUS_OK:
                     raise MasterConnectionError(
                         "the remote end does not speak the pccl control protocol")
                 return
-            hs = _core.SecureHandshake(True, secret, PROLOGUE)
+            hs = _core.SecureHandshake(True, secret, PROLOGUE, identity, group)
             self.send_handshake_frame(hs.hello())
-            out, err = hs.on_frame(await self.handshake_frame())
-            if out is not None:
-                self.send_handshake_frame(out)
-            if err is not None:
-                raise err
+            while not hs.done:
+                out, err = hs.on_frame(await self.handshake_frame())
+                if out is not None:
+                    self.send_handshake_frame(out)
+                if err is not None:
+                    raise err
+            self.remote = hs.remote
             self.session = hs.session()
         except ConnectionClosed as e:
             raise MasterConnectionError(
@@ -122,17 +133,20 @@ class FramedConnection:
             raise MasterConnectionError(f"control-plane handshake with the master: {e}") from None
 
     async def accept(self, secret: bytes | None, *, allow_clear: bool,
-                     first: bytes | None = None) -> None:
+                     first: bytes | None = None, identity: _core.Identity | None = None,
+                     group: str = "peer") -> None:
         """The master's side of ``dial`` (``first``: the dialer's first frame, if read
-        already). Raises AuthenticationError (wrong or missing secret, clear text
-        refused), PeerConnectionError / ProtocolError (garbage) or ConnectionClosed; the
-        reason has been told to the dialer where it should know."""
+        already), as ``identity``, asking a certificate for ``group``. Raises
+        AuthenticationError (wrong or missing secret, clear text refused), IdentityError
+        (an identity refused), PeerConnectionError / ProtocolError (garbage) or
+        ConnectionClosed; the reason has been told to the dialer where it should
+        know."""
         if first is None:
             first = await self.handshake_frame()
         if first == _core.CLEAR_HELLO and allow_clear:
             self.send_handshake_frame(_STATUS_OK)
             return
-        hs = _core.SecureHandshake(False, secret, PROLOGUE)
+        hs = _core.SecureHandshake(False, secret, PROLOGUE, identity, group)
         frame_in = first
         while True:
             out, err = hs.on_frame(frame_in)
@@ -143,6 +157,7 @@ class FramedConnection:
             if hs.done:
                 break
             frame_in = await self.handshake_frame()
+        self.remote = hs.remote
         self.session = hs.session()
 
     # --- messages ---------------------------------------------------------------------

@@ -826,6 +826,7 @@ mod tests {
         NodeConfig {
             peer_id: id,
             secret: Some(b"k".to_vec()),
+            identity: crate::net::identity::Identity::ephemeral(),
             handshake_timeout: Duration::from_millis(700),
             connect_timeout: Duration::from_secs(2),
             insecure: false,
@@ -833,7 +834,7 @@ mod tests {
     }
 
     async fn node(id: u64) -> Arc<Node> {
-        Node::bind(cfg(id), "127.0.0.1:0".parse().unwrap())
+        crate::testutil::known_node(cfg(id), "127.0.0.1:0".parse().unwrap())
             .await
             .unwrap()
     }

@@ -4,6 +4,7 @@
 pub mod fetch;
 pub mod frame;
 pub mod handshake;
+pub mod identity;
 pub mod node;
 pub mod secure;
 pub mod stream;

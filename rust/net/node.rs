@@ -23,6 +23,7 @@
 use crate::error::{CoreError, CoreResult};
 use crate::net::frame::write_frame;
 use crate::net::handshake::{self, Purpose, StreamHello};
+use crate::net::identity::{fingerprint_hex, Identity, PublicKey};
 use crate::net::stream::{read_first_frame, P2PStream, Transport};
 use std::collections::HashMap;
 use std::io;
@@ -387,10 +388,12 @@ impl<T> ParkingLot<T> {
     }
 }
 
-#[derive(Clone, Debug)]
+#[derive(Clone)]
 pub struct NodeConfig {
     pub peer_id: u64,
     pub secret: Option<Vec<u8>>,
+    /// This node's static key and certificate, and what it trusts (`identity.rs`).
+    pub identity: Arc<Identity>,
     /// Bound on a whole handshake, on both ends.
     pub handshake_timeout: Duration,
     /// Bound on establishing one TCP connection.
@@ -398,6 +401,19 @@ pub struct NodeConfig {
     /// Clear-text p2p streams (no encryption, no integrity protection beyond TCP's).
     /// Off by default; every peer must use the same setting.
     pub insecure: bool,
+}
+
+impl std::fmt::Debug for NodeConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("NodeConfig")
+            .field("peer_id", &self.peer_id)
+            .field("secret", &self.secret.as_ref().map(|_| "<redacted>"))
+            .field("identity", &self.identity)
+            .field("handshake_timeout", &self.handshake_timeout)
+            .field("connect_timeout", &self.connect_timeout)
+            .field("insecure", &self.insecure)
+            .finish()
+    }
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -429,6 +445,9 @@ pub struct Node {
     cfg: NodeConfig,
     /// How streams are protected (the PSK derived once from the secret).
     transport: Transport,
+    /// The static key of each peer, from the master's roster: a stream from (or to)
+    /// peer N must prove it holds N's key. Bounded by `MAX_ROSTER`.
+    keys: Mutex<HashMap<u64, PublicKey>>,
     /// Known only after the master welcomed us; the listener binds before that.
     peer_id: AtomicU64,
     id_known: Notify,
@@ -456,6 +475,9 @@ pub struct Node {
     /// token, each stream numbered by the counter (the relay pairs by token and number).
     transfer_relays: Mutex<HashMap<u64, TransferRelay>>,
 }
+
+/// Most peer keys a node keeps from the roster (more than any group has peers).
+pub const MAX_ROSTER: usize = 1 << 16;
 
 /// Most idle transfer streams kept per source.
 const MAX_IDLE_TRANSFERS: usize = 16;
@@ -510,7 +532,8 @@ impl Node {
             punch_addrs,
             peer_id: AtomicU64::new(cfg.peer_id),
             id_known: Notify::new(),
-            transport: Transport::new(cfg.secret.as_deref(), cfg.insecure),
+            transport: Transport::new(cfg.secret.as_deref(), cfg.insecure, cfg.identity.clone()),
+            keys: Mutex::new(HashMap::new()),
             cfg,
             local_addr,
             inbound: Mutex::new(HashMap::new()),
@@ -552,6 +575,61 @@ impl Node {
             }
         });
         Ok(node)
+    }
+
+    /// Learns peers' static keys from the master's roster (replacing what it said of
+    /// the same ids before). Refused past `MAX_ROSTER` ids.
+    pub fn set_peer_keys(&self, keys: &[(u64, PublicKey)]) -> CoreResult<()> {
+        let mut held = self.keys.lock().unwrap();
+        for (id, key) in keys {
+            if held.len() >= MAX_ROSTER && !held.contains_key(id) {
+                return Err(CoreError::InvalidArgument(format!(
+                    "a roster of more than {MAX_ROSTER} peers"
+                )));
+            }
+            held.insert(*id, *key);
+        }
+        Ok(())
+    }
+
+    /// This node's static public key.
+    pub fn public_key(&self) -> PublicKey {
+        *self.cfg.identity.key().public()
+    }
+
+    /// The roster's key of peer `id` (None in clear text, where there are no keys).
+    fn expected_key(&self, id: u64) -> CoreResult<Option<PublicKey>> {
+        if !self.transport.is_secure() {
+            return Ok(None);
+        }
+        match self.keys.lock().unwrap().get(&id) {
+            Some(k) => Ok(Some(*k)),
+            None => Err(CoreError::Identity(format!(
+                "the master's roster names no key for peer {id}: its streams cannot be \
+                 authenticated"
+            ))),
+        }
+    }
+
+    /// Whether `stream` proved the key the roster names for peer `id` (when the roster
+    /// knows it; `strict`: also when it does not).
+    fn stream_is(&self, stream: &P2PStream, id: u64, strict: bool) -> Result<(), String> {
+        let Some(remote) = stream.remote() else {
+            return Ok(());
+        };
+        match self.keys.lock().unwrap().get(&id) {
+            Some(k) if *k == remote.key => Ok(()),
+            Some(k) => Err(format!(
+                "it says it is peer {id} but holds key {}, not peer {id}'s key {}",
+                remote.fingerprint(),
+                fingerprint_hex(k)
+            )),
+            None if strict => Err(format!(
+                "it says it is peer {id} (key {}), whom the master's roster does not name",
+                remote.fingerprint()
+            )),
+            None => Ok(()),
+        }
     }
 
     pub fn local_addr(&self) -> SocketAddr {
@@ -725,6 +803,7 @@ impl Node {
         // is not.
         let (level, hint) = match e {
             CoreError::Authentication(m) if m.contains("insecure") => (log::Level::Warn, ""),
+            CoreError::Identity(_) => (log::Level::Warn, ""),
             CoreError::Authentication(_) => (
                 log::Level::Warn,
                 " (do all peers use the same secret as this one?)",
@@ -746,7 +825,13 @@ impl Node {
     /// the stream belongs to.
     async fn accept_stream(&self, tcp: TcpStream, first: Option<Vec<u8>>) -> CoreResult<u16> {
         let timeout = self.cfg.handshake_timeout;
-        let secret = self.cfg.secret.clone();
+        // Inside the encrypted transport the hello needs no MAC of its own: the
+        // handshake proved the key, and `stream_is` binds the key to the peer id.
+        let secret = if self.transport.is_secure() {
+            None
+        } else {
+            self.cfg.secret.clone()
+        };
         let (hello, stream) = tokio::time::timeout(timeout, async {
             let mut stream = match first {
                 Some(first) => self.transport.accept_first(tcp, first, timeout).await?,
@@ -758,6 +843,10 @@ impl Node {
         })
         .await
         .map_err(|_| CoreError::PeerConnection("the p2p handshake timed out".into()))??;
+        // A stream may only take a slot (or a transfer) of the peer whose key it holds.
+        if let Err(why) = self.stream_is(&stream, hello.from, false) {
+            return Err(CoreError::Identity(format!("p2p stream refused: {why}")));
+        }
         if hello.purpose == Purpose::Probe {
             let timeout = self.cfg.connect_timeout.max(Duration::from_secs(30));
             if let Err(e) =
@@ -1319,11 +1408,17 @@ impl Node {
         slot: u16,
     ) -> CoreResult<P2PStream> {
         let what = format!("handshaking with peer {} via {route:?}", hello.to);
+        let expect = self.expected_key(hello.to)?;
         let tcp = self.open_tcp(route, hello.to, slot, hello.epoch).await?;
         let timeout = self.cfg.handshake_timeout;
+        let secret = if self.transport.is_secure() {
+            None
+        } else {
+            self.cfg.secret.as_deref()
+        };
         tokio::time::timeout(timeout, async {
-            let mut stream = self.transport.dial(tcp, timeout).await?;
-            handshake::dial(&mut stream, self.cfg.secret.as_deref(), hello).await?;
+            let mut stream = self.transport.dial(tcp, timeout, expect).await?;
+            handshake::dial(&mut stream, secret, hello).await?;
             Ok::<_, CoreError>(stream)
         })
         .await
@@ -1350,7 +1445,19 @@ impl Node {
                 let mut inbound = self.inbound.lock().unwrap();
                 if inbound.get(&key).is_some_and(Pool::complete) {
                     let pool = inbound.remove(&key).unwrap();
-                    return Ok(pool.streams.into_iter().map(Option::unwrap).collect());
+                    drop(inbound);
+                    let streams: Vec<P2PStream> =
+                        pool.streams.into_iter().map(Option::unwrap).collect();
+                    // Filed before the roster named the peer, perhaps: checked now.
+                    for s in &streams {
+                        if let Err(why) = self.stream_is(s, key.peer, true) {
+                            return Err(CoreError::Identity(format!(
+                                "a p2p stream from peer {} was refused: {why}",
+                                key.peer
+                            )));
+                        }
+                    }
+                    return Ok(streams);
                 }
             }
             tokio::select! {
@@ -1398,6 +1505,7 @@ mod tests {
         NodeConfig {
             peer_id: id,
             secret: secret.map(|s| s.to_vec()),
+            identity: Identity::ephemeral(),
             handshake_timeout: Duration::from_secs(2),
             connect_timeout: Duration::from_secs(2),
             insecure: false,
@@ -1407,8 +1515,8 @@ mod tests {
     #[tokio::test]
     async fn pools_connect_and_are_filed_on_both_ends() {
         let any: SocketAddr = "127.0.0.1:0".parse().unwrap();
-        let a = Node::bind(cfg(1, Some(b"k")), any).await.unwrap();
-        let b = Node::bind(cfg(2, Some(b"k")), any).await.unwrap();
+        let a = crate::testutil::known_node(cfg(1, Some(b"k")), any).await.unwrap();
+        let b = crate::testutil::known_node(cfg(2, Some(b"k")), any).await.unwrap();
         a.connect_pool(b.local_addr(), 2, 5, 4, Purpose::Ring)
             .await
             .unwrap();
@@ -1434,8 +1542,8 @@ mod tests {
     /// Peers 1 (the fetcher) and 2 (the source), with a shared secret.
     async fn fetcher_and_source() -> (Arc<Node>, Arc<Node>) {
         let any: SocketAddr = "127.0.0.1:0".parse().unwrap();
-        let a = Node::bind(cfg(1, Some(b"k")), any).await.unwrap();
-        let b = Node::bind(cfg(2, Some(b"k")), any).await.unwrap();
+        let a = crate::testutil::known_node(cfg(1, Some(b"k")), any).await.unwrap();
+        let b = crate::testutil::known_node(cfg(2, Some(b"k")), any).await.unwrap();
         (a, b)
     }
 
@@ -1579,8 +1687,8 @@ mod tests {
         crate::py::logging::capture::install();
         let any: SocketAddr = "127.0.0.1:0".parse().unwrap();
         // Peer ids no other test uses: the captured records are process-wide.
-        let a = Node::bind(cfg(7101, Some(b"x")), any).await.unwrap();
-        let b = Node::bind(cfg(7102, Some(b"y")), any).await.unwrap();
+        let a = crate::testutil::known_node(cfg(7101, Some(b"x")), any).await.unwrap();
+        let b = crate::testutil::known_node(cfg(7102, Some(b"y")), any).await.unwrap();
         let err = a
             .connect_pool(b.local_addr(), 7102, 1, 2, Purpose::Ring)
             .await
@@ -1605,8 +1713,8 @@ mod tests {
         use tokio::io::AsyncWriteExt;
         let any: SocketAddr = "127.0.0.1:0".parse().unwrap();
         crate::py::logging::capture::install();
-        let a = Node::bind(cfg(7201, None), any).await.unwrap();
-        let b = Node::bind(cfg(7202, None), any).await.unwrap();
+        let a = crate::testutil::known_node(cfg(7201, None), any).await.unwrap();
+        let b = crate::testutil::known_node(cfg(7202, None), any).await.unwrap();
         let mut s = TcpStream::connect(b.local_addr()).await.unwrap();
         s.write_all(&u32::MAX.to_be_bytes()).await.unwrap();
         let mut s2 = TcpStream::connect(b.local_addr()).await.unwrap();
@@ -1644,8 +1752,8 @@ mod tests {
             let mut ca = cfg(1, secret);
             let mut cb = cfg(2, secret);
             (ca.insecure, cb.insecure) = (insecure, insecure);
-            let a = Node::bind(ca, any).await.unwrap();
-            let b = Node::bind(cb, any).await.unwrap();
+            let a = crate::testutil::known_node(ca, any).await.unwrap();
+            let b = crate::testutil::known_node(cb, any).await.unwrap();
             a.connect_pool(b.local_addr(), 2, 1, 2, Purpose::Ring)
                 .await
                 .unwrap();
@@ -1679,8 +1787,8 @@ mod tests {
             // Far longer than the test waits: the mismatch is told, not timed out.
             ca.handshake_timeout = Duration::from_secs(30);
             cb.handshake_timeout = Duration::from_secs(30);
-            let a = Node::bind(ca, any).await.unwrap();
-            let b = Node::bind(cb, any).await.unwrap();
+            let a = crate::testutil::known_node(ca, any).await.unwrap();
+            let b = crate::testutil::known_node(cb, any).await.unwrap();
             let err = tokio::time::timeout(
                 Duration::from_secs(5),
                 a.connect_pool(b.local_addr(), 2, 1, 2, Purpose::Ring),
@@ -1689,7 +1797,7 @@ mod tests {
             .expect("a transport mismatch must not wait for the handshake timeout")
             .unwrap_err();
             match err {
-                CoreError::Authentication(m) => assert!(m.contains("insecure"), "{m}"),
+                CoreError::Authentication(m) => assert!(m.contains("clear text"), "{m}"),
                 e => panic!("expected an authentication error, got {e:?}"),
             }
             a.close().await;
@@ -1700,7 +1808,7 @@ mod tests {
     #[tokio::test]
     async fn take_inbound_times_out() {
         let any: SocketAddr = "127.0.0.1:0".parse().unwrap();
-        let b = Node::bind(cfg(2, None), any).await.unwrap();
+        let b = crate::testutil::known_node(cfg(2, None), any).await.unwrap();
         let key = PoolKey {
             peer: 7,
             epoch: 1,
@@ -1747,8 +1855,8 @@ mod tests {
     #[tokio::test]
     async fn a_reverse_pool_is_dialed_by_the_receiver_and_filed_as_usual() {
         let any: SocketAddr = "127.0.0.1:0".parse().unwrap();
-        let a = Node::bind(cfg(1, Some(b"k")), any).await.unwrap();
-        let b = Node::bind(cfg(2, Some(b"k")), any).await.unwrap();
+        let a = crate::testutil::known_node(cfg(1, Some(b"k")), any).await.unwrap();
+        let b = crate::testutil::known_node(cfg(2, Some(b"k")), any).await.unwrap();
         let token = [7u8; TOKEN_LEN];
         // The receiver may dial back before the sender asks for the pool: parked.
         let (sent, opened) = tokio::join!(
@@ -1772,8 +1880,8 @@ mod tests {
         let mut c = cfg(1, Some(b"k"));
         c.connect_timeout = Duration::from_millis(200);
         c.handshake_timeout = Duration::from_millis(300);
-        let a = Node::bind(c, any).await.unwrap();
-        let b = Node::bind(cfg(2, Some(b"k")), any).await.unwrap();
+        let a = crate::testutil::known_node(c, any).await.unwrap();
+        let b = crate::testutil::known_node(cfg(2, Some(b"k")), any).await.unwrap();
         let (sent, opened) = tokio::join!(
             a.connect_pool_via(Route::Reverse([1; TOKEN_LEN]), 2, 5, 1, Purpose::Ring),
             b.open_inbound(Inbound::Reverse(a.local_addr(), [2; TOKEN_LEN]), None),
@@ -1790,7 +1898,7 @@ mod tests {
     async fn the_listener_echoes_a_reachability_token() {
         use tokio::io::AsyncWriteExt;
         let any: SocketAddr = "127.0.0.1:0".parse().unwrap();
-        let b = Node::bind(cfg(2, Some(b"k")), any).await.unwrap();
+        let b = crate::testutil::known_node(cfg(2, Some(b"k")), any).await.unwrap();
         let mut tcp = TcpStream::connect(b.local_addr()).await.unwrap();
         let mut probe = REACH_MAGIC.to_vec();
         probe.extend_from_slice(&[9u8; TOKEN_LEN]);
@@ -1954,8 +2062,8 @@ mod tests {
     async fn a_refused_early_dial_back_is_dialed_again_and_taken_once_wanted() {
         crate::py::logging::capture::install();
         let any: SocketAddr = "127.0.0.1:0".parse().unwrap();
-        let a = Node::bind(cfg(7301, Some(b"k")), any).await.unwrap();
-        let b = Node::bind(cfg(7302, Some(b"k")), any).await.unwrap();
+        let a = crate::testutil::known_node(cfg(7301, Some(b"k")), any).await.unwrap();
+        let b = crate::testutil::known_node(cfg(7302, Some(b"k")), any).await.unwrap();
         // Strangers from our address hold all of its share of the early area.
         let flood = strangers(a.local_addr(), 3 * MAX_EARLY_PER_SOURCE).await;
         parked_become(&a, (0, MAX_EARLY_PER_SOURCE)).await;

@@ -40,6 +40,7 @@
 
 use crate::error::{CoreError, CoreResult};
 use crate::net::frame::{read_frame, write_frame};
+use crate::net::identity::{self, fingerprint_hex, Identity, PublicKey, Remote};
 use hmac::{Hmac, Mac};
 use sha2::Sha256;
 use snow::{HandshakeState, StatelessTransportState};
@@ -51,18 +52,20 @@ use std::time::Duration;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 
 /// First bytes of the dialer's first handshake frame.
-pub const HELLO_MAGIC: &[u8; 8] = b"PCCLSEC\x01";
+pub const HELLO_MAGIC: &[u8; 8] = b"PCCLSEC\x02";
 /// The whole first frame of a dialer that does not encrypt (`insecure`).
 pub const CLEAR_HELLO: &[u8; 8] = b"PCCLCLR\x01";
 /// Hashed into every handshake before the caller's prologue.
-pub const PROLOGUE_LABEL: &[u8] = b"pccl secure transport v1";
-pub const MAX_HANDSHAKE_FRAME: usize = 256;
+pub const PROLOGUE_LABEL: &[u8] = b"pccl secure transport v2";
+/// Messages 2 and 3 carry a certificate (`identity::MAX_CERT`) besides the keys.
+pub const MAX_HANDSHAKE_FRAME: usize = 1024;
+/// Longest reason text a refusal (`STATUS_REFUSED`) carries.
+const MAX_REASON: usize = 400;
 /// Largest Noise message, and so the largest record body (ciphertext and tag).
 pub const MAX_RECORD: usize = 65535;
 pub const TAG_LEN: usize = 16;
 /// Largest plaintext of one record.
 pub const MAX_PLAINTEXT: usize = MAX_RECORD - TAG_LEN;
-const CONFIRM_LABEL: &[u8] = b"pccl secure handshake confirmed";
 const PSK_SALT: &[u8] = b"pccl secure transport psk v1";
 
 const STATUS_OK: u8 = 0;
@@ -71,6 +74,8 @@ const STATUS_MODE_MISMATCH: u8 = 2;
 const STATUS_CIPHER_MISMATCH: u8 = 3;
 /// One end encrypts, the other runs in clear text (`insecure`).
 pub const STATUS_TRANSPORT_MISMATCH: u8 = 4;
+/// The other end's identity was refused; a UTF-8 reason follows the status byte.
+pub const STATUS_REFUSED: u8 = 5;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Cipher {
@@ -181,28 +186,112 @@ impl<R: Unpin, W: AsyncWrite + Unpin> AsyncWrite for Joined<R, W> {
 }
 
 fn noise_params(psk: bool, cipher: Cipher) -> snow::params::NoiseParams {
-    let pattern = if psk { "NNpsk0" } else { "NN" };
+    let pattern = if psk { "XXpsk3" } else { "XX" };
     format!("Noise_{pattern}_25519_{}_SHA256", cipher.noise_name())
         .parse()
         .expect("a valid Noise protocol name")
 }
 
+/// X25519 for snow that refuses a low-order peer point (`identity::x25519`).
+#[derive(Default)]
+struct CheckedDh25519 {
+    secret: [u8; 32],
+    public: [u8; 32],
+}
+
+impl snow::types::Dh for CheckedDh25519 {
+    fn name(&self) -> &'static str {
+        "25519"
+    }
+    fn pub_len(&self) -> usize {
+        32
+    }
+    fn priv_len(&self) -> usize {
+        32
+    }
+    fn set(&mut self, privkey: &[u8]) {
+        self.secret.copy_from_slice(&privkey[..32]);
+        self.public = identity::x25519_public(&self.secret);
+    }
+    fn generate(&mut self, rng: &mut dyn snow::types::Random) -> Result<(), snow::Error> {
+        let mut secret = [0u8; 32];
+        rng.try_fill_bytes(&mut secret)?;
+        self.set(&secret);
+        secret.fill(0);
+        Ok(())
+    }
+    fn pubkey(&self) -> &[u8] {
+        &self.public
+    }
+    fn privkey(&self) -> &[u8] {
+        &self.secret
+    }
+    fn dh(&self, pubkey: &[u8], out: &mut [u8]) -> Result<(), snow::Error> {
+        let public: [u8; 32] = pubkey
+            .get(..32)
+            .and_then(|p| p.try_into().ok())
+            .ok_or(snow::Error::Dh)?;
+        let shared = identity::x25519(&self.secret, &public).ok_or(snow::Error::Dh)?;
+        out[..32].copy_from_slice(&shared);
+        Ok(())
+    }
+}
+
+impl Drop for CheckedDh25519 {
+    fn drop(&mut self) {
+        self.secret.fill(0);
+    }
+}
+
+/// snow's resolver for the suite, with `CheckedDh25519` for the Diffie-Hellman.
+struct Resolver(snow::resolvers::BoxedCryptoResolver);
+
+impl snow::resolvers::CryptoResolver for Resolver {
+    fn resolve_rng(&self) -> Option<Box<dyn snow::types::Random>> {
+        self.0.resolve_rng()
+    }
+    fn resolve_dh(&self, choice: &snow::params::DHChoice) -> Option<Box<dyn snow::types::Dh>> {
+        match choice {
+            snow::params::DHChoice::Curve25519 => Some(Box::<CheckedDh25519>::default()),
+            _ => None,
+        }
+    }
+    fn resolve_hash(
+        &self,
+        choice: &snow::params::HashChoice,
+    ) -> Option<Box<dyn snow::types::Hash>> {
+        self.0.resolve_hash(choice)
+    }
+    fn resolve_cipher(
+        &self,
+        choice: &snow::params::CipherChoice,
+    ) -> Option<Box<dyn snow::types::Cipher>> {
+        self.0.resolve_cipher(choice)
+    }
+}
+
 fn build_state(
     role: Role,
-    psk: Option<&[u8; 32]>,
+    auth: &Auth,
     prologue: &[u8],
     suite: Suite,
 ) -> CoreResult<HandshakeState> {
-    let params = noise_params(psk.is_some(), suite.cipher);
-    let mut builder = match suite.provider {
-        Provider::Ring => snow::Builder::new(params),
-        Provider::RustCrypto => {
-            snow::Builder::with_resolver(params, Box::new(snow::resolvers::DefaultResolver))
-        }
+    use snow::resolvers::{DefaultResolver, FallbackResolver, RingResolver};
+    let params = noise_params(auth.psk.is_some(), suite.cipher);
+    let inner: snow::resolvers::BoxedCryptoResolver = match suite.provider {
+        Provider::Ring => Box::new(FallbackResolver::new(
+            Box::new(RingResolver),
+            Box::new(DefaultResolver),
+        )),
+        Provider::RustCrypto => Box::new(DefaultResolver),
     };
-    builder = builder.prologue(prologue).map_err(noise_setup)?;
-    if let Some(psk) = psk {
-        builder = builder.psk(0, psk).map_err(noise_setup)?;
+    let mut builder = snow::Builder::with_resolver(params, Box::new(Resolver(inner)))
+        .prologue(prologue)
+        .map_err(noise_setup)?
+        .local_private_key(auth.identity.key().secret())
+        .map_err(noise_setup)?;
+    if let Some(psk) = &auth.psk {
+        builder = builder.psk(3, psk).map_err(noise_setup)?;
     }
     match role {
         Role::Dialer => builder.build_initiator(),
@@ -243,6 +332,60 @@ async fn read_hs<R: AsyncRead + Unpin>(r: &mut R, buf: &mut Vec<u8>) -> CoreResu
     }
 }
 
+/// Who a handshake speaks as and what it asks of the other end.
+#[derive(Clone)]
+pub struct Auth {
+    /// This node's static key and certificate, and what it trusts.
+    pub identity: Arc<Identity>,
+    /// The pre-shared key from the group secret, mixed in last (`XXpsk3`).
+    pub psk: Option<[u8; 32]>,
+    /// The group the other end's certificate must name (when certificates are checked).
+    pub group: &'static str,
+    /// The static key the other end must have (a dialer that knows whom it dials).
+    pub expect: Option<PublicKey>,
+}
+
+impl std::fmt::Debug for Auth {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Auth")
+            .field("identity", &self.identity)
+            .field("psk", &self.psk.map(|_| "<redacted>"))
+            .field("group", &self.group)
+            .field("expect", &self.expect.map(|k| fingerprint_hex(&k)))
+            .finish()
+    }
+}
+
+impl Auth {
+    /// A fresh key, no certificates, any peer: what tests and benches use.
+    pub fn ephemeral(psk: Option<&[u8; 32]>) -> Auth {
+        Auth {
+            identity: Identity::ephemeral(),
+            psk: psk.copied(),
+            group: identity::GROUP_PEER,
+            expect: None,
+        }
+    }
+
+    /// Checks the other end's static key and certificate (`payload`).
+    fn check(&self, remote_static: Option<&[u8]>, payload: &[u8]) -> CoreResult<Remote> {
+        let key = remote_static.ok_or_else(|| {
+            CoreError::Protocol("secure handshake: the peer sent no static key".into())
+        })?;
+        if let Some(expect) = &self.expect {
+            if key != expect {
+                return Err(CoreError::Identity(format!(
+                    "the peer presents key {}, not key {} that the roster names for it (a \
+                     relay, or something on the path, tried to stand in for it)",
+                    fingerprint_hex(key),
+                    fingerprint_hex(expect)
+                )));
+            }
+        }
+        self.identity.check_remote(key, payload, self.group)
+    }
+}
+
 /// A handshake step that failed: the frame to send the peer first (a status byte that
 /// tells it why, when it should know), and the error.
 #[derive(Debug)]
@@ -261,14 +404,40 @@ impl HandshakeFailure {
             error,
         }
     }
+    /// Refuses the other end's identity and tells it why (`STATUS_REFUSED` + text).
+    fn refused(error: CoreError) -> Self {
+        let mut reply = vec![STATUS_REFUSED];
+        let text = error.to_string();
+        let mut cut = text.len().min(MAX_REASON);
+        while !text.is_char_boundary(cut) {
+            cut -= 1;
+        }
+        reply.extend_from_slice(&text.as_bytes()[..cut]);
+        HandshakeFailure {
+            reply: Some(reply),
+            error,
+        }
+    }
+}
+
+/// The other end's refusal (`STATUS_REFUSED` + text) as our error. The text is not
+/// authenticated: anything on the path could have sent it.
+fn refusal(frame: &[u8]) -> CoreError {
+    let text = String::from_utf8_lossy(&frame[1..frame.len().min(1 + MAX_REASON)]);
+    let text: String = text.chars().filter(|c| !c.is_control()).collect();
+    CoreError::Identity(format!(
+        "the peer, or something on the path, refused our identity: {text}"
+    ))
 }
 
 enum HsState {
     /// Noise messages still to exchange (the dialer before its hello is sent, or waiting
-    /// for the reply; the acceptor waiting for the hello).
+    /// for the reply; the acceptor waiting for the hello or the dialer's identity).
     Noise(Box<HandshakeState>),
-    /// The acceptor's keys are set; it waits for the dialer's key confirmation.
-    Confirm(StatelessTransportState, Option<RecvKey>),
+    /// The acceptor answered the hello and waits for the dialer's identity (message 3).
+    Identity(Box<HandshakeState>),
+    /// The dialer sent its identity and waits for the acceptor's verdict.
+    Verdict(StatelessTransportState, Option<RecvKey>),
     Done(StatelessTransportState, Option<RecvKey>),
     Failed,
 }
@@ -313,15 +482,17 @@ impl RecvKey {
 /// async functions below drive it over a tokio stream; `py::secure` drives it from
 /// asyncio for the control plane. Either way the bytes on the wire are the same.
 ///
-/// Dialer: `hello()`, then `on_frame(reply)` gives the confirmation to send, and it is
-/// done. Acceptor: `on_frame(hello)` gives the reply to send, `on_frame(confirmation)`
-/// gives nothing, and it is done. A failure poisons the handshake.
+/// Dialer: `hello()`, then `on_frame(msg 2)` gives msg 3 to send, `on_frame(verdict)`
+/// gives nothing, and it is done. Acceptor: `on_frame(hello)` gives msg 2,
+/// `on_frame(msg 3)` gives the verdict to send, and it is done. A failure poisons the
+/// handshake. `remote()` then says who the other end proved to be.
 pub struct Handshake {
     role: Role,
-    psk: bool,
+    auth: Auth,
     suite: Suite,
     state: HsState,
     hello_sent: bool,
+    remote: Option<Remote>,
 }
 
 fn noise_err(e: snow::Error) -> CoreError {
@@ -330,20 +501,16 @@ fn noise_err(e: snow::Error) -> CoreError {
 
 impl Handshake {
     /// `prologue`: the caller's context; `PROLOGUE_LABEL` is put in front here.
-    pub fn new(
-        dial: bool,
-        psk: Option<&[u8; 32]>,
-        prologue: &[u8],
-        suite: Suite,
-    ) -> CoreResult<Self> {
+    pub fn new(dial: bool, auth: Auth, prologue: &[u8], suite: Suite) -> CoreResult<Self> {
         let role = if dial { Role::Dialer } else { Role::Acceptor };
-        let hs = build_state(role, psk, &full_prologue(prologue), suite)?;
+        let hs = build_state(role, &auth, &full_prologue(prologue), suite)?;
         Ok(Handshake {
             role,
-            psk: psk.is_some(),
+            auth,
             suite,
             state: HsState::Noise(Box::new(hs)),
             hello_sent: false,
+            remote: None,
         })
     }
 
@@ -351,17 +518,29 @@ impl Handshake {
         matches!(self.state, HsState::Done(..))
     }
 
-    /// The session keys, once done.
-    pub fn into_transport(self) -> Option<StatelessTransportState> {
-        self.into_parts().map(|(t, _)| t)
+    /// Who the other end proved to be (its static key; its certificate when this node
+    /// checks them), once its identity was checked.
+    pub fn remote(&self) -> Option<&Remote> {
+        self.remote.as_ref()
     }
 
-    /// The session keys, and the receiving key for opening records directly, once done.
-    fn into_parts(self) -> Option<(StatelessTransportState, Option<RecvKey>)> {
-        match self.state {
-            HsState::Done(t, k) => Some((t, k)),
+    /// The session keys, once done.
+    pub fn into_transport(self) -> Option<StatelessTransportState> {
+        self.into_parts().map(|(t, _, _)| t)
+    }
+
+    /// The session keys, the receiving key for opening records directly and the other
+    /// end's identity, once done.
+    fn into_parts(self) -> Option<(StatelessTransportState, Option<RecvKey>, Remote)> {
+        match (self.state, self.remote) {
+            (HsState::Done(t, k), Some(r)) => Some((t, k, r)),
             _ => None,
         }
+    }
+
+    /// This node's certificate (or nothing), the payload of its identity message.
+    fn own_cert(&self) -> &[u8] {
+        self.auth.identity.cert().unwrap_or(&[])
     }
 
     /// The dialer's first frame.
@@ -381,7 +560,7 @@ impl Handshake {
         self.hello_sent = true;
         let mut hello = Vec::with_capacity(10 + n);
         hello.extend_from_slice(HELLO_MAGIC);
-        hello.push(self.psk as u8);
+        hello.push(self.auth.psk.is_some() as u8);
         hello.push(self.suite.cipher.wire());
         hello.extend_from_slice(&msg[..n]);
         Ok(hello)
@@ -394,8 +573,9 @@ impl Handshake {
             (Role::Dialer, HsState::Noise(hs)) if self.hello_sent => {
                 self.dialer_reply(*hs, frame)?
             }
+            (Role::Dialer, HsState::Verdict(t, k)) => (dialer_verdict(t, k, frame)?, None),
             (Role::Acceptor, HsState::Noise(hs)) => self.acceptor_hello(*hs, frame)?,
-            (Role::Acceptor, HsState::Confirm(t, k)) => (acceptor_confirm(t, k, frame)?, None),
+            (Role::Acceptor, HsState::Identity(hs)) => self.acceptor_identity(*hs, frame)?,
             _ => {
                 return Err(HandshakeFailure::quiet(CoreError::InvalidUsage(
                     "secure handshake: a frame out of turn".into(),
@@ -407,7 +587,7 @@ impl Handshake {
     }
 
     fn dialer_reply(
-        &self,
+        &mut self,
         mut hs: HandshakeState,
         frame: &[u8],
     ) -> Result<(HsState, Option<Vec<u8>>), HandshakeFailure> {
@@ -415,55 +595,69 @@ impl Handshake {
         match frame.first().copied() {
             Some(STATUS_OK) => {}
             Some(STATUS_AUTH_FAILED) => {
-                return fail(auth_failed("the peer could not authenticate us"))
+                return fail(auth_failed(
+                    "the peer, or something on the path, says it could not authenticate us",
+                ))
             }
             Some(STATUS_MODE_MISMATCH) => {
-                return fail(CoreError::Authentication(if self.psk {
-                    "secure handshake failed: we use a shared secret and the peer has none".into()
+                return fail(CoreError::Authentication(if self.auth.psk.is_some() {
+                    "secure handshake failed: we use a shared secret and the peer, or \
+                     something on the path, says it has none"
+                        .into()
                 } else {
-                    "secure handshake failed: the peer requires a shared secret and we have none"
+                    "secure handshake failed: the peer, or something on the path, says it \
+                     requires a shared secret and we have none"
                         .into()
                 }))
             }
             Some(STATUS_TRANSPORT_MISMATCH) => {
                 return fail(CoreError::Authentication(
-                    "secure handshake failed: the peer runs in clear text (insecure=True) and \
-                     we encrypt; both ends must use the same `insecure` setting"
+                    "secure handshake failed: the peer, or something on the path, says it \
+                     runs in clear text; we encrypt, and will not talk to it in clear text"
                         .into(),
                 ))
             }
             Some(STATUS_CIPHER_MISMATCH) => {
                 return fail(CoreError::Protocol(
-                    "secure handshake failed: the peer uses another cipher (another pccl \
-                     version?)"
+                    "secure handshake failed: the peer, or something on the path, says it \
+                     uses another cipher (another pccl version?)"
                         .into(),
                 ))
             }
+            Some(STATUS_REFUSED) => return fail(refusal(frame)),
             _ => {
                 return fail(CoreError::PeerConnection(
                     "garbage during the secure handshake (bad status)".into(),
                 ))
             }
         }
-        let mut scratch = [0u8; MAX_HANDSHAKE_FRAME];
-        if hs.read_message(&frame[1..], &mut scratch).is_err() {
-            return Err(HandshakeFailure::status(
-                STATUS_AUTH_FAILED,
-                auth_failed("the peer's handshake reply did not authenticate"),
-            ));
-        }
+        let mut payload = [0u8; MAX_HANDSHAKE_FRAME];
+        let n = match hs.read_message(&frame[1..], &mut payload) {
+            Ok(n) => n,
+            Err(_) => {
+                return Err(HandshakeFailure::status(
+                    STATUS_AUTH_FAILED,
+                    auth_failed("the peer's handshake reply did not authenticate"),
+                ))
+            }
+        };
+        let remote = self
+            .auth
+            .check(hs.get_remote_static(), &payload[..n])
+            .map_err(HandshakeFailure::refused)?;
+        let mut msg = [0u8; MAX_HANDSHAKE_FRAME];
+        let n = hs
+            .write_message(self.own_cert(), &mut msg)
+            .map_err(|e| HandshakeFailure::quiet(noise_err(e)))?;
         let key = RecvKey::from_split(&mut hs, Role::Dialer, self.suite);
         let transport = hs
             .into_stateless_transport_mode()
             .map_err(|e| HandshakeFailure::quiet(noise_err(e)))?;
-        let mut msg = [0u8; MAX_HANDSHAKE_FRAME];
-        let n = transport
-            .write_message(0, CONFIRM_LABEL, &mut msg)
-            .map_err(|e| HandshakeFailure::quiet(noise_err(e)))?;
-        let mut confirm = Vec::with_capacity(1 + n);
-        confirm.push(STATUS_OK);
-        confirm.extend_from_slice(&msg[..n]);
-        Ok((HsState::Done(transport, key), Some(confirm)))
+        self.remote = Some(remote);
+        let mut out = Vec::with_capacity(1 + n);
+        out.push(STATUS_OK);
+        out.extend_from_slice(&msg[..n]);
+        Ok((HsState::Verdict(transport, key), Some(out)))
     }
 
     fn acceptor_hello(
@@ -487,8 +681,8 @@ impl Handshake {
             )));
         }
         let (their_psk, their_cipher) = (frame[8] != 0, frame[9]);
-        if their_psk != self.psk {
-            let m = if self.psk {
+        if their_psk != self.auth.psk.is_some() {
+            let m = if self.auth.psk.is_some() {
                 "secure handshake failed: we require a shared secret and the peer has none"
             } else {
                 "secure handshake failed: the peer uses a shared secret and we have none"
@@ -510,6 +704,9 @@ impl Handshake {
         }
         let mut scratch = [0u8; MAX_HANDSHAKE_FRAME];
         if hs.read_message(&frame[10..], &mut scratch).is_err() {
+            // (With a PSK the hello's empty payload is authenticated under the prologue;
+            // the PSK itself is mixed in only at message 3, so nothing here can be
+            // used to guess it offline.)
             return Err(HandshakeFailure::status(
                 STATUS_AUTH_FAILED,
                 auth_failed("the peer's hello did not authenticate"),
@@ -517,65 +714,89 @@ impl Handshake {
         }
         let mut msg = [0u8; MAX_HANDSHAKE_FRAME];
         let n = hs
-            .write_message(&[], &mut msg)
+            .write_message(self.own_cert(), &mut msg)
             .map_err(|e| HandshakeFailure::quiet(noise_err(e)))?;
         let mut reply = Vec::with_capacity(1 + n);
         reply.push(STATUS_OK);
         reply.extend_from_slice(&msg[..n]);
+        Ok((HsState::Identity(Box::new(hs)), Some(reply)))
+    }
+
+    /// The dialer's message 3: its static key and certificate (and the PSK's proof).
+    fn acceptor_identity(
+        &mut self,
+        mut hs: HandshakeState,
+        frame: &[u8],
+    ) -> Result<(HsState, Option<Vec<u8>>), HandshakeFailure> {
+        match frame.first().copied() {
+            Some(STATUS_OK) => {}
+            Some(STATUS_AUTH_FAILED) => {
+                return Err(HandshakeFailure::quiet(auth_failed(
+                    "the peer, or something on the path, says it could not authenticate us",
+                )))
+            }
+            Some(STATUS_REFUSED) => return Err(HandshakeFailure::quiet(refusal(frame))),
+            _ => {
+                return Err(HandshakeFailure::quiet(CoreError::PeerConnection(
+                    "garbage during the secure handshake (bad status)".into(),
+                )))
+            }
+        }
+        let mut payload = [0u8; MAX_HANDSHAKE_FRAME];
+        let n = match hs.read_message(&frame[1..], &mut payload) {
+            Ok(n) => n,
+            Err(_) => {
+                return Err(HandshakeFailure::status(
+                    STATUS_AUTH_FAILED,
+                    auth_failed("the peer's identity message did not authenticate"),
+                ))
+            }
+        };
+        let remote = self
+            .auth
+            .check(hs.get_remote_static(), &payload[..n])
+            .map_err(HandshakeFailure::refused)?;
         let key = RecvKey::from_split(&mut hs, Role::Acceptor, self.suite);
         let transport = hs
             .into_stateless_transport_mode()
             .map_err(|e| HandshakeFailure::quiet(noise_err(e)))?;
-        Ok((HsState::Confirm(transport, key), Some(reply)))
+        self.remote = Some(remote);
+        Ok((HsState::Done(transport, key), Some(vec![STATUS_OK])))
     }
 }
 
-fn acceptor_confirm(
+fn dialer_verdict(
     transport: StatelessTransportState,
     key: Option<RecvKey>,
     frame: &[u8],
 ) -> Result<HsState, HandshakeFailure> {
     match frame.first().copied() {
-        Some(STATUS_OK) => {}
-        Some(STATUS_AUTH_FAILED) => {
-            return Err(HandshakeFailure::quiet(auth_failed(
-                "the peer could not authenticate us",
-            )))
-        }
-        _ => {
-            return Err(HandshakeFailure::quiet(CoreError::PeerConnection(
-                "garbage during the secure handshake (bad status)".into(),
-            )))
-        }
-    }
-    let mut scratch = [0u8; MAX_HANDSHAKE_FRAME];
-    match transport.read_message(0, &frame[1..], &mut scratch) {
-        Ok(n) if &scratch[..n] == CONFIRM_LABEL => Ok(HsState::Done(transport, key)),
-        _ => Err(HandshakeFailure::quiet(auth_failed(
-            "the peer's key confirmation did not authenticate",
+        Some(STATUS_OK) if frame.len() == 1 => Ok(HsState::Done(transport, key)),
+        Some(STATUS_AUTH_FAILED) => Err(HandshakeFailure::quiet(auth_failed(
+            "the peer, or something on the path, says it could not authenticate us",
+        ))),
+        Some(STATUS_REFUSED) => Err(HandshakeFailure::quiet(refusal(frame))),
+        _ => Err(HandshakeFailure::quiet(CoreError::PeerConnection(
+            "garbage during the secure handshake (bad status)".into(),
         ))),
     }
 }
 
-/// The first nonce of each direction after the handshake, (read, write): the dialer's
-/// confirmation used nonce 0 of its sending direction.
-pub fn first_nonces(dial: bool) -> (u64, u64) {
-    if dial {
-        (0, 1)
-    } else {
-        (1, 0)
-    }
+/// The first nonce of each direction after the handshake, (read, write): the
+/// handshake itself sends no transport message.
+pub fn first_nonces(_dial: bool) -> (u64, u64) {
+    (0, 0)
 }
 
 async fn run_handshake<T: AsyncRead + AsyncWrite + Unpin>(
     io: &mut T,
     role: Role,
-    psk: Option<&[u8; 32]>,
+    auth: &Auth,
     prologue: &[u8],
     suite: Suite,
     first: Option<Vec<u8>>,
-) -> CoreResult<(StatelessTransportState, Option<RecvKey>)> {
-    let mut hs = Handshake::new(role == Role::Dialer, psk, prologue, suite)?;
+) -> CoreResult<(StatelessTransportState, Option<RecvKey>, Remote)> {
+    let mut hs = Handshake::new(role == Role::Dialer, auth.clone(), prologue, suite)?;
     if role == Role::Dialer {
         let hello = hs.hello()?;
         write_frame(io, &hello).await?;
@@ -605,15 +826,15 @@ async fn run_handshake<T: AsyncRead + AsyncWrite + Unpin>(
 async fn handshake<T: AsyncRead + AsyncWrite + Unpin>(
     io: &mut T,
     role: Role,
-    psk: Option<&[u8; 32]>,
+    auth: &Auth,
     prologue: &[u8],
     timeout: Duration,
     suite: Suite,
     first: Option<Vec<u8>>,
-) -> CoreResult<(ReadState, WriteState)> {
-    let (transport, key) = tokio::time::timeout(
+) -> CoreResult<(ReadState, WriteState, Remote)> {
+    let (transport, key, remote) = tokio::time::timeout(
         timeout,
-        run_handshake(io, role, psk, prologue, suite, first),
+        run_handshake(io, role, auth, prologue, suite, first),
     )
     .await
     .map_err(|_| {
@@ -626,29 +847,41 @@ async fn handshake<T: AsyncRead + AsyncWrite + Unpin>(
     Ok((
         ReadState::new(cipher.clone(), read_nonce).with_key(key),
         WriteState::new(cipher, write_nonce),
+        remote,
     ))
 }
 
-/// Dials the secure channel over a connected `stream` (the side that opened it).
+/// Dials the secure channel over a connected `stream` (the side that opened it), as a
+/// fresh node that takes any peer (tests, benches): `secure_dial_as` says who.
 /// `psk`: `Some(psk_from_secret(secret))` to authenticate the peer by a shared secret.
 /// `prologue`: the context both sides must agree on (protocol label, version, ...).
 pub async fn secure_dial<S: AsyncRead + AsyncWrite + Unpin>(
-    mut stream: S,
+    stream: S,
     psk: Option<&[u8; 32]>,
     prologue: &[u8],
     timeout: Duration,
 ) -> CoreResult<SecureStream<S>> {
-    let (r, w) = handshake(
+    secure_dial_as(stream, &Auth::ephemeral(psk), prologue, timeout).await
+}
+
+/// `secure_dial` as the node `auth` says, checking the other end as it says.
+pub async fn secure_dial_as<S: AsyncRead + AsyncWrite + Unpin>(
+    mut stream: S,
+    auth: &Auth,
+    prologue: &[u8],
+    timeout: Duration,
+) -> CoreResult<SecureStream<S>> {
+    let (r, w, remote) = handshake(
         &mut stream,
         Role::Dialer,
-        psk,
+        auth,
         prologue,
         timeout,
         SUITE,
         None,
     )
     .await?;
-    Ok(SecureStream::new(stream, r, w))
+    Ok(SecureStream::new(stream, r, w, remote))
 }
 
 /// The accepting side of `secure_dial`.
@@ -658,29 +891,29 @@ pub async fn secure_accept<S: AsyncRead + AsyncWrite + Unpin>(
     prologue: &[u8],
     timeout: Duration,
 ) -> CoreResult<SecureStream<S>> {
-    secure_accept_first(stream, None, psk, prologue, timeout).await
+    secure_accept_first(stream, None, &Auth::ephemeral(psk), prologue, timeout).await
 }
 
-/// `secure_accept` when the dialer's first frame has been read already (by a listener
-/// that looks at it to tell secure, clear and other hellos apart).
+/// The accepting side when the dialer's first frame has been read already (by a
+/// listener that looks at it to tell secure, clear and other hellos apart).
 pub async fn secure_accept_first<S: AsyncRead + AsyncWrite + Unpin>(
     mut stream: S,
     first: Option<Vec<u8>>,
-    psk: Option<&[u8; 32]>,
+    auth: &Auth,
     prologue: &[u8],
     timeout: Duration,
 ) -> CoreResult<SecureStream<S>> {
-    let (r, w) = handshake(
+    let (r, w, remote) = handshake(
         &mut stream,
         Role::Acceptor,
-        psk,
+        auth,
         prologue,
         timeout,
         SUITE,
         first,
     )
     .await?;
-    Ok(SecureStream::new(stream, r, w))
+    Ok(SecureStream::new(stream, r, w, remote))
 }
 
 /// `secure_dial` over a stream split already (e.g. `TcpStream::into_split()`).
@@ -713,7 +946,8 @@ where
     W: AsyncWrite + Unpin,
 {
     let role = if dial { Role::Dialer } else { Role::Acceptor };
-    let (r, w) = handshake(&mut io, role, psk, prologue, timeout, suite, None).await?;
+    let auth = Auth::ephemeral(psk);
+    let (r, w, _) = handshake(&mut io, role, &auth, prologue, timeout, suite, None).await?;
     Ok((
         SecureReadHalf {
             io: io.read,
@@ -1149,11 +1383,22 @@ pub struct SecureStream<S> {
     io: S,
     read: ReadState,
     write: WriteState,
+    remote: Remote,
 }
 
 impl<S> SecureStream<S> {
-    fn new(io: S, read: ReadState, write: WriteState) -> Self {
-        SecureStream { io, read, write }
+    fn new(io: S, read: ReadState, write: WriteState, remote: Remote) -> Self {
+        SecureStream {
+            io,
+            read,
+            write,
+            remote,
+        }
+    }
+
+    /// Who the other end proved to be in the handshake.
+    pub fn remote(&self) -> &Remote {
+        &self.remote
     }
 
     pub fn get_ref(&self) -> &S {
@@ -1548,6 +1793,180 @@ mod tests {
         match r {
             Err(CoreError::Authentication(m)) => assert!(m.contains("secure handshake"), "{m}"),
             other => panic!("{side}: expected an authentication error, got {other:?}"),
+        }
+    }
+
+    /// A run key, and identities it certified (or not) for tests.
+    struct Run {
+        seed: [u8; 32],
+    }
+
+    impl Run {
+        fn new() -> Run {
+            Run {
+                seed: rand::random(),
+            }
+        }
+        fn anchors(&self) -> Vec<PublicKey> {
+            vec![identity::run_public(&self.seed)]
+        }
+        /// A node certified by `by`, trusting it, for `groups`, valid in `window`
+        /// (seconds around now).
+        fn node(&self, by: &Run, groups: &[&str], window: (i64, i64)) -> Arc<Identity> {
+            let key = identity::NodeKey::generate();
+            let now = identity::now_secs() as i64;
+            let groups: Vec<String> = groups.iter().map(|g| g.to_string()).collect();
+            let cert = identity::Cert::sign(
+                &by.seed,
+                *key.public(),
+                "test",
+                &groups,
+                (now + window.0) as u64,
+                (now + window.1) as u64,
+            )
+            .unwrap();
+            Identity::new(key, Some(cert), by.anchors()).unwrap()
+        }
+    }
+
+    fn auth(id: &Arc<Identity>, group: &'static str, expect: Option<PublicKey>) -> Auth {
+        Auth {
+            identity: id.clone(),
+            psk: Some(psk_from_secret(b"0123456789abcdef0123456789abcdef")),
+            group,
+            expect,
+        }
+    }
+
+    async fn pair_as(
+        dialer: Auth,
+        acceptor: Auth,
+    ) -> (
+        CoreResult<SecureStream<DuplexStream>>,
+        CoreResult<SecureStream<DuplexStream>>,
+    ) {
+        let (a, b) = duplex(1 << 16);
+        tokio::join!(
+            secure_dial_as(a, &dialer, PROLOGUE, HS_TIMEOUT),
+            secure_accept_first(b, None, &acceptor, PROLOGUE, HS_TIMEOUT),
+        )
+    }
+
+    fn identity_refused(r: CoreResult<SecureStream<DuplexStream>>, needle: &str, side: &str) {
+        match r {
+            Err(CoreError::Identity(m)) => assert!(m.contains(needle), "{side}: {m}"),
+            other => panic!("{side}: expected an identity error, got {other:?}"),
+        }
+    }
+
+    #[tokio::test]
+    async fn certified_nodes_learn_each_other_and_carry_data() {
+        within(async {
+            let run = Run::new();
+            let peer = run.node(&run, &["peer"], (-10, 3600));
+            let master = run.node(&run, &["master"], (-10, 3600));
+            let (d, a) = pair_as(
+                auth(&peer, identity::GROUP_MASTER, Some(*master.key().public())),
+                auth(&master, identity::GROUP_PEER, None),
+            )
+            .await;
+            let (d, a) = (d.unwrap(), a.unwrap());
+            assert_eq!(&d.remote().key, master.key().public());
+            assert_eq!(&a.remote().key, peer.key().public());
+            assert_eq!(
+                a.remote().cert.as_ref().unwrap().groups,
+                vec!["peer".to_string()]
+            );
+            exchange(d.into_split(), a.into_split(), 11).await;
+        })
+        .await
+    }
+
+    #[tokio::test]
+    async fn wrong_identities_are_refused_naming_the_fingerprint_on_both_sides() {
+        within(async {
+            let run = Run::new();
+            let other_run = Run::new();
+            let good = run.node(&run, &["peer"], (-10, 3600));
+            // The dialer pins a key the acceptor does not hold (someone stands in).
+            let stand_in = run.node(&run, &["peer"], (-10, 3600));
+            let (d, a) = pair_as(
+                auth(&good, identity::GROUP_PEER, Some(*good.key().public())),
+                auth(&stand_in, identity::GROUP_PEER, None),
+            )
+            .await;
+            let fp = fingerprint_hex(stand_in.key().public());
+            identity_refused(d, &fp, "dialer");
+            identity_refused(a, "refused our identity", "acceptor");
+            // Certified by another run (self-signed, as far as this run knows), expired,
+            // for the wrong group, revoked: the acceptor refuses, the dialer hears why.
+            let foreign = {
+                let key = identity::NodeKey::generate();
+                let now = identity::now_secs();
+                let cert = identity::Cert::sign(
+                    &other_run.seed,
+                    *key.public(),
+                    "intruder",
+                    &["peer".to_string()],
+                    now - 10,
+                    now + 3600,
+                )
+                .unwrap();
+                // (It checks nobody: it is the one being refused.)
+                Identity::new(key, Some(cert), Vec::new()).unwrap()
+            };
+            let expired = run.node(&run, &["peer"], (-7200, -3600));
+            let master = run.node(&run, &["master"], (-10, 3600));
+            for (who, needle) in [
+                (&foreign, "not trusted"),
+                (&expired, "expired"),
+                (&master, "not as a peer"),
+            ] {
+                let (d, a) = pair_as(
+                    auth(who, identity::GROUP_PEER, None),
+                    auth(&good, identity::GROUP_PEER, None),
+                )
+                .await;
+                let fp = fingerprint_hex(who.key().public());
+                identity_refused(a, &fp, "acceptor");
+                identity_refused(d, needle, "dialer");
+            }
+            let list = identity::Denylist::sign(
+                &run.seed,
+                1,
+                identity::now_secs(),
+                &[identity::fingerprint(stand_in.key().public())],
+            )
+            .unwrap();
+            assert!(good.install_denylist(&list).unwrap());
+            let (d, a) = pair_as(
+                auth(&stand_in, identity::GROUP_PEER, None),
+                auth(&good, identity::GROUP_PEER, None),
+            )
+            .await;
+            identity_refused(a, "revoked", "acceptor");
+            identity_refused(d, "revoked", "dialer");
+        })
+        .await
+    }
+
+    #[test]
+    fn a_low_order_ephemeral_key_fails_the_handshake() {
+        for point in [[0u8; 32], {
+            let mut one = [0u8; 32];
+            one[0] = 1;
+            one
+        }] {
+            let mut acceptor = Handshake::new(false, Auth::ephemeral(None), PROLOGUE, SUITE).unwrap();
+            let mut hello = HELLO_MAGIC.to_vec();
+            hello.extend_from_slice(&[0, SUITE.cipher.wire()]);
+            hello.extend_from_slice(&point);
+            let err = acceptor.on_frame(&hello).unwrap_err();
+            assert!(
+                matches!(err.error, CoreError::PeerConnection(_)),
+                "{:?}",
+                err.error
+            );
         }
     }
 

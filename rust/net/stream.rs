@@ -6,7 +6,9 @@
 
 use crate::error::{CoreError, CoreResult};
 use crate::net::frame::{read_frame, write_frame};
-use crate::net::secure::{self, SecureReadHalf, SecureStream, SecureWriteHalf};
+use crate::net::identity::{Identity, PublicKey, Remote, GROUP_PEER};
+use crate::net::secure::{self, Auth, SecureReadHalf, SecureStream, SecureWriteHalf};
+use std::sync::Arc;
 use std::io;
 use std::pin::Pin;
 use std::task::{Context, Poll};
@@ -53,6 +55,14 @@ impl P2PStream {
 
     pub fn is_secure(&self) -> bool {
         matches!(self, P2PStream::Secure(_))
+    }
+
+    /// Who the other end proved to be (None in clear text).
+    pub fn remote(&self) -> Option<&Remote> {
+        match self {
+            P2PStream::Clear(_) => None,
+            P2PStream::Secure(s) => Some(s.remote()),
+        }
     }
 
     /// The TCP stream underneath.
@@ -116,41 +126,54 @@ delegate_read!(P2PReadHalf);
 delegate_write!(P2PWriteHalf);
 
 /// Hashed into every p2p secure handshake (after `secure::PROLOGUE_LABEL`).
-pub const PROLOGUE: &[u8] = b"pccl p2p v1";
+pub const PROLOGUE: &[u8] = b"pccl p2p v2";
 
 /// How the node's streams are protected: derived once from the node config.
-#[derive(Clone)]
+#[derive(Clone, Debug)]
 pub enum Transport {
-    /// Noise NNpsk0 with this PSK (from the shared secret), or NN without a secret.
-    Secure(Option<[u8; 32]>),
+    /// Noise XX (XXpsk3 with the shared secret's PSK) as the node's identity; every
+    /// other end must be a peer (by certificate, where the node checks them).
+    Secure(Box<Auth>),
     /// Clear text (`insecure`): the peer must be configured the same.
     Clear,
 }
 
-impl std::fmt::Debug for Transport {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            Transport::Secure(psk) => write!(f, "Secure(psk: {})", psk.is_some()),
-            Transport::Clear => write!(f, "Clear"),
-        }
-    }
-}
-
 impl Transport {
-    pub fn new(secret: Option<&[u8]>, insecure: bool) -> Self {
+    pub fn new(secret: Option<&[u8]>, insecure: bool, identity: Arc<Identity>) -> Self {
         if insecure {
             Transport::Clear
         } else {
-            Transport::Secure(secret.map(secure::psk_from_secret))
+            Transport::Secure(Box::new(Auth {
+                identity,
+                psk: secret.map(secure::psk_from_secret),
+                group: GROUP_PEER,
+                expect: None,
+            }))
         }
     }
 
-    /// The dialing side over a connected `tcp` stream.
-    pub async fn dial(&self, tcp: TcpStream, timeout: Duration) -> CoreResult<P2PStream> {
+    pub fn is_secure(&self) -> bool {
+        matches!(self, Transport::Secure(_))
+    }
+
+    /// The dialing side over a connected `tcp` stream; `expect`: the static key the
+    /// other end must prove it holds (the roster's key of the peer dialed).
+    pub async fn dial(
+        &self,
+        tcp: TcpStream,
+        timeout: Duration,
+        expect: Option<PublicKey>,
+    ) -> CoreResult<P2PStream> {
         match self {
-            Transport::Secure(psk) => Ok(P2PStream::Secure(Box::new(
-                secure::secure_dial(tcp, psk.as_ref(), PROLOGUE, timeout).await?,
-            ))),
+            Transport::Secure(auth) => {
+                let auth = Auth {
+                    expect,
+                    ..(**auth).clone()
+                };
+                Ok(P2PStream::Secure(Box::new(
+                    secure::secure_dial_as(tcp, &auth, PROLOGUE, timeout).await?,
+                )))
+            }
             Transport::Clear => {
                 let mut tcp = tcp;
                 let clear = async {
@@ -166,8 +189,9 @@ impl Transport {
                     match buf.as_slice() {
                         [0] => Ok(()),
                         [secure::STATUS_TRANSPORT_MISMATCH] => Err(CoreError::Authentication(
-                            "the peer encrypts its p2p streams and we run in clear text \
-                             (insecure=True); every peer must use the same `insecure` setting"
+                            "the peer, or something on the path, says it encrypts its p2p \
+                             streams and we run in clear text (insecure=True); every peer \
+                             must use the same `insecure` setting"
                                 .into(),
                         )),
                         _ => Err(CoreError::Protocol(
@@ -203,9 +227,8 @@ impl Transport {
         timeout: Duration,
     ) -> CoreResult<P2PStream> {
         match self {
-            Transport::Secure(psk) => Ok(P2PStream::Secure(Box::new(
-                secure::secure_accept_first(tcp, Some(first), psk.as_ref(), PROLOGUE, timeout)
-                    .await?,
+            Transport::Secure(auth) => Ok(P2PStream::Secure(Box::new(
+                secure::secure_accept_first(tcp, Some(first), auth, PROLOGUE, timeout).await?,
             ))),
             Transport::Clear => {
                 let clear = async {

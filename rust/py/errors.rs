@@ -80,6 +80,12 @@ create_exception!(
 );
 create_exception!(
     pccl,
+    IdentityError,
+    AuthenticationError,
+    "A node's identity was refused: its certificate (none, not signed by a trusted run key, expired, revoked, wrong group) or its key (not the one the master's roster names for that peer). The message names the key's fingerprint."
+);
+create_exception!(
+    pccl,
     ProtocolError,
     PCCLError,
     "The remote end sent something that is not valid pccl protocol."
@@ -96,6 +102,7 @@ impl From<CoreError> for PyErr {
                 PeerConnectionError::new_err(msg)
             }
             CoreError::Authentication(_) => AuthenticationError::new_err(msg),
+            CoreError::Identity(_) => IdentityError::new_err(msg),
             CoreError::Protocol(_) => ProtocolError::new_err(msg),
         }
     }
@@ -136,6 +143,7 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
         py.get_type::<RevisionIncrementViolationError>(),
     )?;
     m.add("AuthenticationError", py.get_type::<AuthenticationError>())?;
+    m.add("IdentityError", py.get_type::<IdentityError>())?;
     m.add("ProtocolError", py.get_type::<ProtocolError>())?;
     m.add(
         "CollectiveAbortedError",

@@ -3,6 +3,7 @@
 pub mod errors;
 pub mod fetch;
 pub mod hash;
+pub mod identity;
 pub mod logging;
 pub mod node;
 pub mod ring;

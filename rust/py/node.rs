@@ -3,9 +3,11 @@
 
 use crate::error::{CoreError, CoreResult};
 use crate::net::handshake::Purpose;
+use crate::net::identity::{Identity, PublicKey};
 use crate::net::node::{Inbound, Route};
 use crate::net::{Node, NodeConfig};
 use crate::py::future_into_py;
+use crate::py::identity::PyIdentity;
 use crate::ring::Ring;
 use pyo3::prelude::*;
 use std::net::SocketAddr;
@@ -50,9 +52,10 @@ pub(crate) fn seconds(name: &str, v: f64) -> CoreResult<Duration> {
 #[pymethods]
 impl PyP2PNode {
     /// Binds a listener on `host:port` (port 0: ephemeral) and starts accepting.
-    /// Streams are encrypted unless `insecure` (clear text; every peer must agree).
+    /// Streams are encrypted unless `insecure` (clear text; every peer must agree), the
+    /// handshakes made as `identity` (None: a fresh key that checks no certificates).
     #[staticmethod]
-    #[pyo3(signature = (peer_id, host="127.0.0.1", port=0, secret=None, handshake_timeout=5.0, connect_timeout=5.0, insecure=false))]
+    #[pyo3(signature = (peer_id, host="127.0.0.1", port=0, secret=None, handshake_timeout=5.0, connect_timeout=5.0, insecure=false, identity=None))]
     #[allow(clippy::too_many_arguments)]
     fn bind<'py>(
         py: Python<'py>,
@@ -63,11 +66,13 @@ impl PyP2PNode {
         handshake_timeout: f64,
         connect_timeout: f64,
         insecure: bool,
+        identity: Option<PyRef<'py, PyIdentity>>,
     ) -> PyResult<Bound<'py, PyAny>> {
         crate::runtime::init();
         let cfg = NodeConfig {
             peer_id,
             secret,
+            identity: identity.map_or_else(Identity::ephemeral, |i| i.inner.clone()),
             handshake_timeout: seconds("handshake_timeout", handshake_timeout)?,
             connect_timeout: seconds("connect_timeout", connect_timeout)?,
             insecure,
@@ -104,6 +109,20 @@ impl PyP2PNode {
     /// Sets the id this node answers for (known once the master welcomed the peer).
     fn set_peer_id(&self, peer_id: u64) {
         self.node.set_peer_id(peer_id)
+    }
+
+    /// Learns peers' static keys from the master's roster ({peer id: 32-byte key}): a
+    /// stream to or from peer N must prove it holds N's key.
+    fn set_peer_keys(&self, keys: std::collections::HashMap<u64, Vec<u8>>) -> PyResult<()> {
+        let keys = keys
+            .into_iter()
+            .map(|(id, k)| {
+                PublicKey::try_from(k.as_slice()).map(|k| (id, k)).map_err(|_| {
+                    CoreError::InvalidArgument(format!("peer {id}'s key is not 32 bytes"))
+                })
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(self.node.set_peer_keys(&keys)?)
     }
 
     /// Dials `pool_size` authenticated streams to peer `to` for `epoch`. `route`:

@@ -3,7 +3,11 @@
 //! bytes on the wire are those of the p2p streams (`net/secure.rs`).
 
 use crate::error::CoreError;
-use crate::net::secure::{self, Handshake, HandshakeFailure, MAX_PLAINTEXT, MAX_RECORD, TAG_LEN};
+use crate::net::identity::{GROUP_MASTER, GROUP_PEER};
+use crate::net::secure::{
+    self, Auth, Handshake, HandshakeFailure, MAX_PLAINTEXT, MAX_RECORD, TAG_LEN,
+};
+use crate::py::identity::{remote_info, PyIdentity, RemoteInfo};
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 use snow::StatelessTransportState;
@@ -13,8 +17,9 @@ type Step<'py> = (Option<Bound<'py, PyBytes>>, Option<Py<PyAny>>);
 
 /// One side of a secure handshake, driven frame by frame.
 ///
-/// Dialer: send `hello()`, feed the reply to `on_frame`, send what it returns; done.
-/// Acceptor: feed the hello to `on_frame`, send the reply, feed the confirmation; done.
+/// Dialer: send `hello()`, feed the reply to `on_frame`, send what it returns, feed the
+/// verdict; done. Acceptor: feed the hello to `on_frame`, send the reply, feed the
+/// dialer's identity message, send the verdict it returns; done.
 /// `on_frame` returns `(frame_to_send_or_None, error_or_None)`: on an error, send the
 /// frame first if there is one (it tells the peer why), then raise the error.
 #[pyclass(name = "SecureHandshake", module = "pccl._core")]
@@ -25,13 +30,48 @@ pub struct PySecureHandshake {
 
 #[pymethods]
 impl PySecureHandshake {
-    /// `secret`: the shared secret (Noise NNpsk0), or None (Noise NN: encrypted, not
-    /// authenticated). `prologue`: the context both ends must agree on.
+    /// `secret`: the shared secret (mixed into Noise XXpsk3), or None (Noise XX).
+    /// `prologue`: the context both ends must agree on. `identity`: this node's key,
+    /// certificate and trust (None: a fresh key that trusts anyone). `group`: what the
+    /// other end's certificate must name ("peer" or "master"). `expect`: the static key
+    /// the other end must have.
     #[new]
-    #[pyo3(signature = (dial, secret, prologue))]
-    fn new(dial: bool, secret: Option<&[u8]>, prologue: &[u8]) -> PyResult<Self> {
-        let psk = secret.map(secure::psk_from_secret);
-        let inner = Handshake::new(dial, psk.as_ref(), prologue, secure::SUITE)?;
+    #[pyo3(signature = (dial, secret, prologue, identity=None, group="peer", expect=None))]
+    fn new(
+        dial: bool,
+        secret: Option<&[u8]>,
+        prologue: &[u8],
+        identity: Option<PyRef<'_, PyIdentity>>,
+        group: &str,
+        expect: Option<&[u8]>,
+    ) -> PyResult<Self> {
+        let group = match group {
+            "peer" => GROUP_PEER,
+            "master" => GROUP_MASTER,
+            other => {
+                return Err(CoreError::InvalidArgument(format!(
+                    "group must be \"peer\" or \"master\", not {other:?}"
+                ))
+                .into())
+            }
+        };
+        let expect = expect
+            .map(|k| {
+                k.try_into().map_err(|_| {
+                    PyErr::from(CoreError::InvalidArgument("a static key is 32 bytes".into()))
+                })
+            })
+            .transpose()?;
+        let auth = Auth {
+            identity: match identity {
+                Some(i) => i.inner.clone(),
+                None => crate::net::identity::Identity::ephemeral(),
+            },
+            psk: secret.map(secure::psk_from_secret),
+            group,
+            expect,
+        };
+        let inner = Handshake::new(dial, auth, prologue, secure::SUITE)?;
         Ok(PySecureHandshake {
             inner: Some(inner),
             dial,
@@ -62,6 +102,13 @@ impl PySecureHandshake {
     #[getter]
     fn done(&self) -> bool {
         self.inner.as_ref().is_some_and(Handshake::is_done)
+    }
+
+    /// Who the other end proved to be, once its identity was checked (see
+    /// `pccl._core.Identity.check_remote` for the tuple).
+    #[getter]
+    fn remote(&self) -> Option<RemoteInfo> {
+        self.inner.as_ref().and_then(|h| h.remote()).map(remote_info)
     }
 
     /// The session of a finished handshake (once).

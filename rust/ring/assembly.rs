@@ -141,11 +141,17 @@ async fn loopback_nodes(
         let node_cfg = NodeConfig {
             peer_id: i as u64 + 1,
             secret: None,
+            identity: crate::net::identity::Identity::ephemeral(),
             handshake_timeout: Duration::from_secs(5),
             connect_timeout: Duration::from_secs(5),
             insecure,
         };
         nodes.push(Node::bind(node_cfg, any).await?);
+    }
+    // The roster a master would hand out.
+    let roster: Vec<_> = nodes.iter().map(|n| (n.peer_id(), n.public_key())).collect();
+    for node in &nodes {
+        node.set_peer_keys(&roster)?;
     }
     if k > 1 {
         for (i, node) in nodes.iter().enumerate() {
