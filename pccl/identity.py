@@ -152,16 +152,28 @@ def _read(path: str | os.PathLike[str], label: str) -> bytes:
 
 
 def _require_private(path: str | os.PathLike[str]) -> None:
-    mode = os.stat(path).st_mode
+    try:
+        mode = os.stat(path).st_mode
+    except OSError as e:
+        raise InvalidArgumentError(f"cannot read {str(path)!r}: {e.strerror or e}") from None
     if mode & 0o077:
         raise InvalidArgumentError(
             f"{str(path)!r} holds a secret key but others may read it (mode "
             f"{mode & 0o777:o}); chmod 600 it")
 
 
+def _none_exist(prefix: str | os.PathLike[str], force: bool) -> None:
+    """A key pair is written whole or not at all."""
+    for path in (f"{prefix}.key", f"{prefix}.pub"):
+        if not force and os.path.lexists(path):
+            raise InvalidArgumentError(f"{path!r} exists already; it is not overwritten "
+                                       "(remove it first, or pass --force)")
+
+
 def new_run_key(prefix: str | os.PathLike[str], *, force: bool = False) -> Path:
     """Writes a new run key: ``PREFIX.key`` (0600, keep it offline) and ``PREFIX.pub``
     (the trust anchor for every node). Returns the ``.key`` path."""
+    _none_exist(prefix, force)
     seed = _secrets.token_bytes(32)
     key = _write(f"{prefix}.key", RUN_KEY, seed, private=True, force=force)
     _write(f"{prefix}.pub", RUN_PUB, _core.run_public_key(seed), private=False, force=force)
@@ -171,6 +183,7 @@ def new_run_key(prefix: str | os.PathLike[str], *, force: bool = False) -> Path:
 def new_node_key(prefix: str | os.PathLike[str], *, force: bool = False) -> Path:
     """Writes a node key: ``PREFIX.key`` (0600, stays on the node) and ``PREFIX.pub``
     (what the operator signs). Returns the ``.pub`` path."""
+    _none_exist(prefix, force)
     secret = _secrets.token_bytes(32)
     _write(f"{prefix}.key", NODE_KEY, secret, private=True, force=force)
     return _write(f"{prefix}.pub", NODE_PUB, _core.node_public_key(secret), private=False,
@@ -184,6 +197,7 @@ def sign_node(run_key: str | os.PathLike[str], node_pub: str | os.PathLike[str],
     now for ``days``, for ``groups`` (``peer``, ``master``). Returns ``out``."""
     if not 0 < days <= 3660:
         raise InvalidArgumentError(f"days must be in (0, 3660], got {days}")
+    _require_private(run_key)
     seed = _read(run_key, RUN_KEY)
     now = int(time.time())
     cert = _core.sign_cert(seed, _read(node_pub, NODE_PUB), name, list(groups), now,
@@ -205,6 +219,7 @@ def revoke(run_key: str | os.PathLike[str], fingerprints: Iterable[str],
     signed anew by the run key with the next version. Returns that version. A master
     started with ``--denylist FILE`` picks it up within a second and hands it to every
     peer; the revoked nodes are dropped and refused from then on."""
+    _require_private(run_key)
     seed = _read(run_key, RUN_KEY)
     version, held = 0, set()
     if Path(denylist).exists():
