@@ -17,6 +17,7 @@ from pccl.testing import Cluster, LinkEmulator, free_port
 # Four distinct finite floats: their 16 bytes mark the sender's tensor on the wire.
 PATTERN = np.array([1.5, -2.25, 3.125, 1234.5], np.float32)
 N = 1 << 15
+SECRET = b"5f0c1a9e7d3b42c8a6e1f0b97c2d4e3a"
 
 
 async def _all_reduce_through_recorder(insecure: bool) -> bytes:
@@ -51,7 +52,8 @@ async def test_ring_traffic_is_encrypted_by_default() -> None:
     assert PATTERN.tobytes() not in wire
     assert np.full(4, 7.0, np.float32).tobytes() not in wire
     assert b"PCCLP2P" not in wire  # the p2p hello travels inside the encrypted stream
-    assert b"PCCLSEC\x01" in wire  # the secure transport's hello
+    assert _core.SECURE_HELLO_MAGIC == b"PCCLSEC\x02"
+    assert _core.SECURE_HELLO_MAGIC in wire  # the secure transport's hello (Noise XX)
 
 
 async def test_insecure_on_both_ends_sends_clear_text() -> None:
@@ -66,16 +68,28 @@ async def test_insecure_on_both_ends_sends_clear_text() -> None:
 async def test_insecure_and_encrypting_peers_fail_fast_with_a_typed_error(
         dialer_insecure: bool) -> None:
     # A handshake timeout far beyond what the test allows: the mismatch must be told.
-    a = await _core.P2PNode.bind(1, secret=b"s", handshake_timeout=60.0,
-                                 insecure=dialer_insecure)
-    b = await _core.P2PNode.bind(2, secret=b"s", handshake_timeout=60.0,
-                                 insecure=not dialer_insecure)
+    # (Both know each other's key, as the master's roster would tell them: what fails is
+    # the transport mismatch, not a missing key.)
+    ia, ib = _core.Identity(), _core.Identity()
+    a = await _core.P2PNode.bind(1, secret=SECRET, handshake_timeout=60.0,
+                                 insecure=dialer_insecure, identity=ia)
+    b = await _core.P2PNode.bind(2, secret=SECRET, handshake_timeout=60.0,
+                                 insecure=not dialer_insecure, identity=ib)
+    keys = {1: ia.public_key, 2: ib.public_key}
+    a.set_peer_keys(keys)
+    b.set_peer_keys(keys)
+    # A clear-text dialer is told to drop insecure=True; an encrypting dialer is never
+    # advised to, only told that the other end (or something on the path) says it runs
+    # in clear text.
+    want = "insecure" if dialer_insecure else "says it runs in clear text; we encrypt"
     try:
         started = time.monotonic()
-        with pytest.raises(pccl.AuthenticationError, match="insecure") as info:
+        with pytest.raises(pccl.AuthenticationError, match=want) as info:
             async with asyncio.timeout(10):
                 await a.connect_pool(f"127.0.0.1:{b.port}", 2, 1, 2)
         assert isinstance(info.value, pccl.PCCLError)
+        if not dialer_insecure:
+            assert "insecure=True" not in str(info.value)
         assert time.monotonic() - started < 10
     finally:
         await a.close()
