@@ -24,6 +24,10 @@ import pccl
 import pccl.config
 from pccl import __main__ as cli
 
+# Shared secrets are keys of at least 128 random bits (pccl.identity.check_secret).
+SECRET = "5f0c1a9e7d3b42c8a6e1f0b97c2d4e3a"
+OTHER_SECRET = "c0ffee00d15ea5e5b16b00b5a11ce0de"
+
 
 def clean_env(**pccl_vars: str) -> dict[str, str]:
     """This process's environment without any PCCL_ variable, plus ``pccl_vars``."""
@@ -62,7 +66,14 @@ def test_version() -> None:
     ("no-such-host.invalid:0", ["unknown host 'no-such-host.invalid'"]),
 ])
 def test_a_bad_listen_address_is_one_line(listen: str, words: list[str]) -> None:
-    assert_one_line_error(master("--listen", listen), 2, *words)
+    # (--allow-anonymous: an unknown host is not loopback, and a master off loopback with
+    # nothing to authenticate peers is refused first otherwise.)
+    assert_one_line_error(master("--listen", listen, "--allow-anonymous"), 2, *words)
+
+
+def test_an_anonymous_master_off_loopback_is_one_line() -> None:
+    assert_one_line_error(master("--listen", "0.0.0.0:0"), 1,
+                          "is reachable from other machines", "--allow-anonymous")
 
 
 def test_a_port_in_use_is_one_line() -> None:
@@ -80,6 +91,9 @@ def test_a_missing_or_empty_secret_file_is_one_line(tmp_path: Path) -> None:
     (tmp_path / "empty").write_text("\n")
     assert_one_line_error(master("--listen", "127.0.0.1:0", "--secret-file",
                                  str(tmp_path / "empty")), 2, "is empty")
+    (tmp_path / "weak").write_text("s3cret\n")  # a password, not a key
+    assert_one_line_error(master("--listen", "127.0.0.1:0", "--secret-file",
+                                 str(tmp_path / "weak")), 2, "too weak", "pccl secret new")
 
 
 @pytest.mark.parametrize(("args", "words"), [
@@ -117,7 +131,7 @@ def test_every_master_node_option_is_on_the_command_line() -> None:
 
 
 async def test_the_master_runs_with_options_and_stops_on_sigterm(tmp_path: Path) -> None:
-    (tmp_path / "secret").write_text("s3cret\n")
+    (tmp_path / "secret").write_text(SECRET + "\n")
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "pccl", "master", "--listen", "127.0.0.1:0", "--secret-file",
         str(tmp_path / "secret"), "--no-repair-rings", "--establish-timeout", "7",
@@ -129,7 +143,7 @@ async def test_the_master_runs_with_options_and_stops_on_sigterm(tmp_path: Path)
             line = (await proc.stdout.readline()).decode()  # type: ignore[union-attr]
         assert line.startswith("pccl master listening on 127.0.0.1:"), line
         address = line.split()[-1]
-        async with pccl.Communicator(address, secret=b"s3cret",
+        async with pccl.Communicator(address, secret=SECRET,
                                      p2p_listen_host="127.0.0.1") as comm:
             assert comm.get_attribute(pccl.Attribute.GLOBAL_WORLD_SIZE) == 1
         proc.send_signal(signal.SIGTERM)
@@ -145,7 +159,7 @@ async def test_the_master_runs_with_options_and_stops_on_sigterm(tmp_path: Path)
 
 
 async def test_every_flag_falls_back_to_its_environment_variable(tmp_path: Path) -> None:
-    (tmp_path / "secret").write_text("s3cret-from-env\n")
+    (tmp_path / "secret").write_text(OTHER_SECRET + "\n")
     env = clean_env(PCCL_MASTER_LISTEN="127.0.0.1:0", PCCL_SECRET_FILE=str(tmp_path / "secret"),
                     PCCL_STATUS_LISTEN="off", PCCL_HEARTBEAT_INTERVAL="0.2",
                     PCCL_HEARTBEAT_TIMEOUT="2", PCCL_REPAIR_RINGS="no",
@@ -157,7 +171,7 @@ async def test_every_flag_falls_back_to_its_environment_variable(tmp_path: Path)
         async with asyncio.timeout(30):
             line = (await proc.stdout.readline()).decode()  # type: ignore[union-attr]
         assert line.startswith("pccl master listening on 127.0.0.1:"), line
-        async with pccl.Communicator(line.split()[-1], secret=b"s3cret-from-env",
+        async with pccl.Communicator(line.split()[-1], secret=OTHER_SECRET,
                                      p2p_listen_host="127.0.0.1") as comm:
             assert comm.get_attribute(pccl.Attribute.GLOBAL_WORLD_SIZE) == 1
         proc.send_signal(signal.SIGTERM)
@@ -179,7 +193,7 @@ async def test_every_flag_falls_back_to_its_environment_variable(tmp_path: Path)
                  "status_listen=None (PCCL_STATUS_LISTEN='off')",
                  "establish_timeout=60.0 (default)"]:
         assert part in config_line, part
-    assert "s3cret" not in stderr
+    assert OTHER_SECRET not in stderr
 
 
 @pytest.mark.parametrize(("env", "words"), [
@@ -234,7 +248,7 @@ def parse(*argv: str) -> argparse.Namespace:
 
 
 def test_only_the_flags_given_override(tmp_path: Path) -> None:
-    (tmp_path / "s").write_text("sec\n")
+    (tmp_path / "s").write_text(SECRET + "\n")
     (tmp_path / "t").write_text("tok\n")
     assert cli.master_overrides(parse(), {}) == {"status_listen": "127.0.0.1:48180"}
     args = parse("--listen", "127.0.0.1:0", "--secret-file", str(tmp_path / "s"),
@@ -244,7 +258,7 @@ def test_only_the_flags_given_override(tmp_path: Path) -> None:
                  "--dial-back-timeout", "1", "--max-relayed-streams", "7", "--insecure",
                  "--status", "127.0.0.1:0", "--status-token-file", str(tmp_path / "t"))
     assert cli.master_overrides(args, {}) == {
-        "listen": "127.0.0.1:0", "secret": b"sec", "heartbeat_interval": 0.5,
+        "listen": "127.0.0.1:0", "secret": SECRET.encode(), "heartbeat_interval": 0.5,
         "heartbeat_timeout": 4.0, "handshake_timeout": 3.0, "establish_timeout": 9.0,
         "max_establish_attempts": 2, "recovery_grace": 8.0, "repair_rings": False,
         "dial_back_timeout": 1.0, "max_relayed_streams": 7, "insecure": True,
@@ -260,7 +274,9 @@ def test_only_the_flags_given_override(tmp_path: Path) -> None:
 ])
 def test_the_status_address(argv: list[str], env: dict[str, str],
                             status_listen: str | None) -> None:
-    m = pccl.MasterNode.from_env(env, **cli.master_overrides(parse(*argv), env))
+    # (The default listen address, 0.0.0.0, needs a secret or an explicit opt-out.)
+    m = pccl.MasterNode.from_env(env, **cli.master_overrides(parse(*argv), env),
+                                 allow_anonymous=True)
     assert m.status_listen == status_listen
 
 
@@ -272,7 +288,9 @@ def test_the_status_address(argv: list[str], env: dict[str, str],
 ])
 def test_booleans_can_be_turned_off_by_flag(argv: list[str], env: dict[str, str],
                                             insecure: bool) -> None:
-    m = pccl.MasterNode.from_env(env, **cli.master_overrides(parse(*argv), env))
+    # (The default listen address, 0.0.0.0, needs a secret or an explicit opt-out.)
+    m = pccl.MasterNode.from_env(env, **cli.master_overrides(parse(*argv), env),
+                                 allow_anonymous=True)
     assert m.insecure is insecure
 
 
