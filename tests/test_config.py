@@ -18,6 +18,10 @@ from pccl.config import from_env, local_rank, markdown_table, names, resolve, va
 
 CLASSES = (pccl.Communicator, pccl.MasterNode)
 
+# Shared secrets are keys of at least 128 random bits (pccl.identity.check_secret).
+SECRET = "5f0c1a9e7d3b42c8a6e1f0b97c2d4e3a"
+OTHER_SECRET = "c0ffee00d15ea5e5b16b00b5a11ce0de"
+
 # The contract other code (launchers, manifests, docs) is written against. A new
 # constructor parameter fails test_the_variable_names_are_the_documented_ones until it is
 # added here and to the operations docs (python -m pccl.config prints the table).
@@ -112,7 +116,10 @@ def test_only_parameters_that_mean_the_same_share_a_variable() -> None:
     peer = {v.name: v.param for v in variables(pccl.Communicator)}
     master = {v.name: v.param for v in variables(pccl.MasterNode)}
     shared = set(peer) & set(master)
-    assert shared == {"PCCL_SECRET", "PCCL_INSECURE", "PCCL_MAX_FRAME"}
+    # The node's own key, certificate and trusted run keys, and the opt-out from
+    # authentication, mean the same on a peer and on the master.
+    assert shared == {"PCCL_SECRET", "PCCL_INSECURE", "PCCL_MAX_FRAME", "PCCL_KEY_FILE",
+                      "PCCL_CERT_FILE", "PCCL_TRUST", "PCCL_ALLOW_ANONYMOUS"}
     assert all(peer[name] == master[name] for name in shared)
 
 
@@ -134,8 +141,8 @@ def test_a_new_parameter_gets_a_variable_and_an_unreadable_type_fails_loudly() -
             super().__init__(master)
             self.knob = knob
 
-    t = Tuned2.from_env({"PCCL_KNOB": "7", "PCCL_MASTER": "h:1"})
-    assert (t.knob, t.master) == (7, "h:1")
+    t = Tuned2.from_env({"PCCL_KNOB": "7", "PCCL_MASTER": "localhost:1"})
+    assert (t.knob, t.master) == (7, "localhost:1")
     assert [v.name for v in variables(Tuned2)] == ["PCCL_MASTER", "PCCL_KNOB"]
     with pytest.raises(TypeError, match=r"Knobs\(weights: dict\[str, int\] \| None\): "
                                         r"pccl.config cannot read this type"):
@@ -146,7 +153,7 @@ def test_a_new_parameter_gets_a_variable_and_an_unreadable_type_fails_loudly() -
 
 
 def test_every_communicator_variable_is_read_with_its_type(tmp_path: Path) -> None:
-    (tmp_path / "secret").write_text("  run 7 secret \n\n")
+    (tmp_path / "secret").write_text(f"  {SECRET} \n\n")
     env = {
         "PCCL_MASTER": "pccl-master.train.svc:48148",
         "PCCL_PEER_GROUP": "3",
@@ -173,7 +180,7 @@ def test_every_communicator_variable_is_read_with_its_type(tmp_path: Path) -> No
     kwargs, sources = resolve(pccl.Communicator, env)
     assert kwargs == {
         "master": "pccl-master.train.svc:48148", "peer_group": 3,
-        "p2p_connection_pool_size": 8, "secret": b"run 7 secret",
+        "p2p_connection_pool_size": 8, "secret": SECRET.encode(),
         "p2p_listen_host": "0.0.0.0", "p2p_listen_port": 29600,
         "p2p_advertise_host": "10.1.2.3", "p2p_advertise_address": "203.0.113.9:40000",
         "timeout": 12.5, "p2p_timeout": 7.0, "peer_timeout": 45.0, "piece_bytes": 65536,
@@ -192,7 +199,7 @@ def test_every_master_variable_is_read_with_its_type(tmp_path: Path) -> None:
     (tmp_path / "token").write_text("tok-123\n")
     env = {
         "PCCL_MASTER_LISTEN": "0.0.0.0:48148",
-        "PCCL_SECRET": " s3cret ",
+        "PCCL_SECRET": f" {SECRET} ",
         "PCCL_HEARTBEAT_INTERVAL": "0.5",
         "PCCL_HEARTBEAT_TIMEOUT": "3",
         "PCCL_HANDSHAKE_TIMEOUT": "4",
@@ -209,14 +216,14 @@ def test_every_master_variable_is_read_with_its_type(tmp_path: Path) -> None:
     }
     kwargs, _ = resolve(pccl.MasterNode, env)
     assert kwargs == {
-        "listen": "0.0.0.0:48148", "secret": "s3cret", "heartbeat_interval": 0.5,
+        "listen": "0.0.0.0:48148", "secret": SECRET, "heartbeat_interval": 0.5,
         "heartbeat_timeout": 3.0, "handshake_timeout": 4.0, "max_frame": 1048576,
         "max_establish_attempts": 5, "recovery_grace": 9.0, "establish_timeout": 30.0,
         "repair_rings": False, "insecure": False, "dial_back_timeout": 1.5,
         "max_relayed_streams": 0, "status_listen": "0.0.0.0:48180", "status_token": "tok-123",
     }
     master = pccl.MasterNode.from_env(env)
-    assert master.secret == b"s3cret"
+    assert master.secret == SECRET.encode()
     assert master.state.repair_rings is False
     assert (master.listen, master.heartbeat_timeout, master.max_relayed_streams,
             master.status_listen, master.status_token) == (
@@ -255,16 +262,17 @@ def test_blank_variables_count_as_unset() -> None:
 def test_arguments_win_over_the_environment_which_wins_over_defaults() -> None:
     env = {"PCCL_MASTER": "env-host:1", "PCCL_TIMEOUT": "3", "PCCL_SECRET": "from-env",
            "PCCL_POOL_SIZE": "not a number"}
+    # (secret=None to a master on another machine: allow_anonymous=True says so.)
     comm = pccl.Communicator.from_env(env, master="arg-host:2", secret=None,
-                                      p2p_connection_pool_size=2)
+                                      p2p_connection_pool_size=2, allow_anonymous=True)
     # argument > environment > default; an overridden variable is not even read
     assert (comm.master, comm.timeout, comm.secret, comm.p2p_connection_pool_size,
             comm.peer_timeout) == ("arg-host:2", 3.0, None, 2, 30.0)
     master = pccl.MasterNode.from_env({"PCCL_MASTER_LISTEN": "0.0.0.0:1",
                                        "PCCL_SECRET": "a", "PCCL_SECRET_FILE": "/nope"},
-                                      listen="127.0.0.1:0", secret=b"b")
+                                      listen="127.0.0.1:0", secret=SECRET.encode())
     assert (master.listen, master.secret, master.heartbeat_interval) == (
-        "127.0.0.1:0", b"b", 1.0)
+        "127.0.0.1:0", SECRET.encode(), 1.0)
 
 
 def test_env_defaults_to_os_environ(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -272,17 +280,23 @@ def test_env_defaults_to_os_environ(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("PCCL_MASTER", "from-os-environ:48148")
     monkeypatch.setenv("PCCL_HEARTBEAT_TIMEOUT", "9")
-    assert pccl.Communicator.from_env().master == "from-os-environ:48148"
+    # A remote master and the default 0.0.0.0 listen address, with no secret: read from
+    # os.environ too.
+    monkeypatch.setenv("PCCL_ALLOW_ANONYMOUS", "1")
+    comm = pccl.Communicator.from_env()
+    assert (comm.master, comm.allow_anonymous) == ("from-os-environ:48148", True)
     assert pccl.MasterNode.from_env().heartbeat_timeout == 9.0
     assert from_env(pccl.Communicator).master == "from-os-environ:48148"
 
 
 def test_secret_files_are_stripped_and_token_files_are_text(tmp_path: Path) -> None:
-    (tmp_path / "s").write_bytes(b"\n\t\x00\x01binary\xff \n")
+    # 16 binary bytes (128 bits), between whitespace that is stripped.
+    raw = b"\x00\x01binary\xff\x80\x81\x82\x83\x84\x85\x86"
+    (tmp_path / "s").write_bytes(b"\n\t" + raw + b" \n")
     (tmp_path / "t").write_text("\n  token with inner space  \n")
     master = pccl.MasterNode.from_env({"PCCL_SECRET_FILE": str(tmp_path / "s"),
                                        "PCCL_STATUS_TOKEN_FILE": str(tmp_path / "t")})
-    assert master.secret == b"\x00\x01binary\xff"
+    assert master.secret == raw
     assert master.status_token == "token with inner space"
 
 
@@ -385,6 +399,11 @@ NO_RANK = ("needs the launcher's local rank, but none of LOCAL_RANK (torchrun), 
     (pccl.Communicator, {"PCCL_POOL_SIZE": "0"},
      "p2p_connection_pool_size must be an integer in 1..64, got 0 (from the environment: "
      "PCCL_POOL_SIZE='0')"),
+    (pccl.Communicator, {"PCCL_SECRET": "s3cret"},
+     "the secret is too weak (6 bytes, 6 distinct): a secret is a key, not a password: at "
+     "least 128 random bits, e.g. `pccl secret new --out FILE` (or `openssl rand -hex 16`), "
+     "given to every node as --secret-file / PCCL_SECRET_FILE (from the environment: "
+     "PCCL_SECRET)"),
     (pccl.Communicator, {"PCCL_P2P_PORT": "65535+local_rank", "LOCAL_RANK": "1"},
      "p2p_listen_port must be an integer in 0..65535, got 65536 (from the environment: "
      "PCCL_P2P_PORT='65535+local_rank' with LOCAL_RANK=1)"),
@@ -397,10 +416,12 @@ NO_RANK = ("needs the launcher's local rank, but none of LOCAL_RANK (torchrun), 
     (pccl.MasterNode, {"PCCL_HEARTBEAT_INTERVAL": "2", "PCCL_HEARTBEAT_TIMEOUT": "1"},
      "MasterNode(heartbeat_timeout=1.0) must exceed heartbeat_interval=2.0 (from the "
      "environment: PCCL_HEARTBEAT_INTERVAL='2', PCCL_HEARTBEAT_TIMEOUT='1')"),
-    (pccl.MasterNode, {"PCCL_STATUS_LISTEN": "0.0.0.0:48180"},
+    (pccl.MasterNode, {"PCCL_STATUS_LISTEN": "0.0.0.0:48180",
+                       "PCCL_MASTER_LISTEN": "127.0.0.1:48148"},
      "MasterNode(status_listen='0.0.0.0:48180') is reachable from other machines: give "
      "status_token=... (clients send 'Authorization: Bearer TOKEN'), or listen on 127.0.0.1 "
-     "(from the environment: PCCL_STATUS_LISTEN='0.0.0.0:48180')"),
+     "(from the environment: PCCL_MASTER_LISTEN='127.0.0.1:48148', "
+     "PCCL_STATUS_LISTEN='0.0.0.0:48180')"),
 ], ids=lambda x: x.__name__ if isinstance(x, type) else None)
 def test_bad_values_name_the_variable(cls: type, env: dict[str, str], message: str) -> None:
     with pytest.raises(pccl.InvalidArgumentError) as e:
@@ -410,7 +431,8 @@ def test_bad_values_name_the_variable(cls: type, env: dict[str, str], message: s
 
 def test_empty_or_undecodable_secret_files(tmp_path: Path) -> None:
     (tmp_path / "empty").write_text(" \n\n")
-    (tmp_path / "latin1").write_bytes(b"caf\xe9")
+    latin1 = b"caf\xe9 cr\xe8me br\xfbl\xe9e"  # 16 bytes, not UTF-8
+    (tmp_path / "latin1").write_bytes(latin1)
     with pytest.raises(pccl.InvalidArgumentError) as e:
         pccl.Communicator.from_env({"PCCL_SECRET_FILE": str(tmp_path / "empty")})
     assert str(e.value) == f"the secret file {str(tmp_path / 'empty')!r} is empty"
@@ -423,7 +445,16 @@ def test_empty_or_undecodable_secret_files(tmp_path: Path) -> None:
                             f"(PCCL_STATUS_TOKEN_FILE) is not UTF-8 text")
     # A binary *secret* is fine: it is bytes anyway.
     assert pccl.Communicator.from_env(
-        {"PCCL_SECRET_FILE": str(tmp_path / "latin1")}).secret == b"caf\xe9"
+        {"PCCL_SECRET_FILE": str(tmp_path / "latin1")}).secret == latin1
+
+
+def test_anonymity_off_loopback_is_refused_unless_the_environment_allows_it() -> None:
+    for cls, env in ((pccl.Communicator, {"PCCL_MASTER": "10.0.0.1:48148"}),
+                     (pccl.MasterNode, {"PCCL_MASTER_LISTEN": "0.0.0.0:0"})):
+        with pytest.raises(pccl.InvalidUsageError, match="allow_anonymous=True"):
+            from_env(cls, env)
+        assert from_env(cls, {**env, "PCCL_ALLOW_ANONYMOUS": "1"}).allow_anonymous is True
+        assert from_env(cls, {**env, "PCCL_SECRET": SECRET}).secret == SECRET.encode()
 
 
 def test_a_bad_argument_is_not_blamed_on_the_environment() -> None:
@@ -446,13 +477,13 @@ def test_unknown_keywords_are_a_type_error_before_the_environment_is_read(cls: t
 
 def test_the_configuration_is_logged_at_debug_without_the_secret(
         caplog: pytest.LogCaptureFixture, tmp_path: Path) -> None:
-    (tmp_path / "s").write_text("hunter2-secret")
+    (tmp_path / "s").write_text(SECRET)
     caplog.set_level(logging.DEBUG, logger="pccl.config")
     pccl.MasterNode.from_env({"PCCL_SECRET_FILE": str(tmp_path / "s"),
                               "PCCL_STATUS_LISTEN": "127.0.0.1:0",
                               "PCCL_STATUS_TOKEN": "tok-secret"},
                              listen="127.0.0.1:0")
-    pccl.Communicator.from_env({"PCCL_SECRET": "hunter2-secret", "PCCL_PEER_GROUP": "local_rank",
+    pccl.Communicator.from_env({"PCCL_SECRET": OTHER_SECRET, "PCCL_PEER_GROUP": "local_rank",
                                 "SLURM_LOCALID": "2"})
     records = [r for r in caplog.records if r.name == "pccl.config"]
     assert [r.levelno for r in records] == [logging.DEBUG, logging.DEBUG]
@@ -462,11 +493,14 @@ def test_the_configuration_is_logged_at_debug_without_the_secret(
                                   f"{str(tmp_path / 's')!r}), heartbeat_interval=1.0 "
                                   f"(default), ")
     assert master_line.endswith("status_listen='127.0.0.1:0' (PCCL_STATUS_LISTEN='127.0.0.1:0'), "
-                                "status_token=<hidden> (PCCL_STATUS_TOKEN)")
+                                "status_token=<hidden> (PCCL_STATUS_TOKEN), key_file=None "
+                                "(default), cert_file=None (default), trust=None (default), "
+                                "denylist=None (default), allow_anonymous=False (default)")
     assert "peer_group=2 (PCCL_PEER_GROUP='local_rank' with SLURM_LOCALID=2)" in peer_line
     assert "secret=<hidden> (PCCL_SECRET)" in peer_line
     assert "metrics_listen=None (default)" in peer_line
-    assert not any("hunter2" in r.getMessage() or "tok-secret" in r.getMessage()
+    assert not any(SECRET in r.getMessage() or OTHER_SECRET in r.getMessage()
+                   or "tok-secret" in r.getMessage()
                    for r in caplog.records)
 
 
@@ -480,12 +514,12 @@ def test_read_secret_file_messages(tmp_path: Path) -> None:
 
 
 async def test_peers_from_env_join_a_master_from_env(tmp_path: Path) -> None:
-    (tmp_path / "secret").write_text("run-7 secret\n")
+    (tmp_path / "secret").write_text(SECRET + "\n")
     master = pccl.MasterNode.from_env({
         "PCCL_MASTER_LISTEN": "127.0.0.1:0", "PCCL_SECRET_FILE": str(tmp_path / "secret"),
         "PCCL_STATUS_LISTEN": "off", "PCCL_HEARTBEAT_INTERVAL": "0.5"})
     async with master:
-        node = {"PCCL_MASTER": master.address, "PCCL_SECRET": "run-7 secret",
+        node = {"PCCL_MASTER": master.address, "PCCL_SECRET": SECRET,
                 "PCCL_PEER_GROUP": "local_rank", "PCCL_P2P_LISTEN_HOST": "127.0.0.1",
                 "PCCL_TIMEOUT": "30"}
         a = pccl.Communicator.from_env({**node, "LOCAL_RANK": "0"})
