@@ -12,7 +12,8 @@ import pccl
 from pccl.doctor import FAIL, OK, diagnose
 from pccl.testing import free_port
 
-SECRET = b"doctor's secret"
+SECRET = b"5f0c1a9e7d3b42c8a6e1f0b97c2d4e3a"
+WRONG_SECRET = b"c0ffee00d15ea5e5b16b00b5a11ce0de"  # as strong, but another run's
 
 
 def _levels(report) -> dict[str, str]:
@@ -35,7 +36,7 @@ async def test_a_healthy_setup_is_ready_and_nothing_registers() -> None:
 
 async def test_a_wrong_or_missing_secret_fails_with_advice() -> None:
     async with pccl.MasterNode("127.0.0.1:0", secret=SECRET) as master:
-        for secret in (b"another", None):
+        for secret in (WRONG_SECRET, None):
             report = await diagnose(master.address, secret)
             assert report.failed, report.render()
             assert _levels(report)["handshake"] == FAIL
@@ -59,7 +60,7 @@ async def test_the_command_line_exit_status_follows_the_verdict(tmp_path) -> Non
     secret_file = tmp_path / "secret"
     secret_file.write_bytes(SECRET + b"\n")
     async with pccl.MasterNode("127.0.0.1:0", secret=SECRET) as master:
-        for secret, want in ((SECRET, 0), (b"wrong", 1)):
+        for secret, want in ((SECRET, 0), (WRONG_SECRET, 1)):
             secret_file.write_bytes(secret)
             proc = await asyncio.create_subprocess_exec(
                 sys.executable, "-m", "pccl", "doctor", "--master", master.address,
