@@ -15,6 +15,10 @@ from pccl.protocol import messages as m
 from pccl.testing import Cluster
 from pccl.testing.control import dial_master, write_raw
 
+# Shared secrets are keys of at least 128 random bits (pccl.identity.check_secret).
+SECRET = b"5f0c1a9e7d3b42c8a6e1f0b97c2d4e3a"
+WRONG_SECRET = b"c0ffee00d15ea5e5b16b00b5a11ce0de"  # as strong, but another run's
+
 A = pccl.Attribute
 
 
@@ -132,9 +136,9 @@ async def test_connect_to_a_closed_port_fails_cleanly() -> None:
     await comm.close()
 
 
-@pytest.mark.parametrize("peer_secret", [b"wrong", None])
+@pytest.mark.parametrize("peer_secret", [WRONG_SECRET, None], ids=["wrong", "missing"])
 async def test_wrong_or_missing_secret(peer_secret, caplog) -> None:
-    async with Cluster(1, secret=b"right") as cluster:
+    async with Cluster(1, secret=SECRET) as cluster:
         bad = pccl.Communicator(master=cluster.master.address, secret=peer_secret)
         with pytest.raises(pccl.AuthenticationError):
             await bad.connect(n_attempts=1)
@@ -146,7 +150,7 @@ async def test_wrong_or_missing_secret(peer_secret, caplog) -> None:
 
 async def test_peer_with_secret_refuses_master_without_one() -> None:
     async with pccl.MasterNode(listen="127.0.0.1:0") as master:
-        comm = pccl.Communicator(master=master.address, secret=b"s")
+        comm = pccl.Communicator(master=master.address, secret=SECRET)
         with pytest.raises(pccl.AuthenticationError):
             await comm.connect(n_attempts=1)
 
