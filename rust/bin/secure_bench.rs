@@ -185,7 +185,12 @@ fn main() {
         report("clear TcpStream", pump(a, b, bytes).await);
         for cipher in [Cipher::AesGcm, Cipher::ChaChaPoly] {
             for provider in [Provider::Ring, Provider::RustCrypto] {
-                let (w, r, _rest) = secure_pair(Suite { cipher, provider }).await;
+                let (w, r, _rest) = secure_pair(Suite {
+                    cipher,
+                    provider,
+                    rekey_every: _core::net::secure::REKEY_INTERVAL,
+                })
+                .await;
                 report(
                     &format!("secure {cipher:?}/{provider:?}"),
                     pump(w, r, bytes).await,

@@ -247,7 +247,9 @@ impl Cert {
         }
         if groups.is_empty()
             || groups.len() > MAX_GROUPS
-            || groups.iter().any(|g| g.is_empty() || !valid_text(g, MAX_GROUP))
+            || groups
+                .iter()
+                .any(|g| g.is_empty() || !valid_text(g, MAX_GROUP))
         {
             return Err(CoreError::InvalidArgument(format!(
                 "a certificate names 1 to {MAX_GROUPS} groups of at most {MAX_GROUP} bytes"
@@ -365,11 +367,10 @@ impl Denylist {
         if count > MAX_DENIED || r.0.len() != count * FP_LEN {
             return Err(bad("denylist"));
         }
-        let denied = r
-            .0
-            .chunks_exact(FP_LEN)
-            .map(|c| c.try_into().unwrap())
-            .collect();
+        let denied =
+            r.0.chunks_exact(FP_LEN)
+                .map(|c| c.try_into().unwrap())
+                .collect();
         if !signature_ok(&issuer, body, sig) {
             return Err(CoreError::Identity(
                 "the denylist does not carry a valid signature".into(),
@@ -459,8 +460,7 @@ impl Identity {
         }
         if !anchors.is_empty() && cert.is_none() {
             return Err(CoreError::InvalidArgument(
-                "a node that checks certificates (trusts a run key) needs one of its own"
-                    .into(),
+                "a node that checks certificates (trusts a run key) needs one of its own".into(),
             ));
         }
         Ok(Arc::new(Identity {
@@ -659,7 +659,10 @@ mod tests {
         assert!(!me.install_denylist(&list).unwrap());
         assert!(refused(k.public(), &cert, GROUP_PEER).contains("revoked"));
         let forged = Denylist::sign(&ca(), 9, n, &[]).unwrap();
-        assert!(matches!(me.install_denylist(&forged), Err(CoreError::Identity(_))));
+        assert!(matches!(
+            me.install_denylist(&forged),
+            Err(CoreError::Identity(_))
+        ));
         let empty = Denylist::sign(&seed, 2, n, &[]).unwrap();
         assert!(me.install_denylist(&empty).unwrap());
         assert!(me.check_remote(k.public(), &cert, GROUP_PEER).is_ok());

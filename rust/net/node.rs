@@ -1515,8 +1515,12 @@ mod tests {
     #[tokio::test]
     async fn pools_connect_and_are_filed_on_both_ends() {
         let any: SocketAddr = "127.0.0.1:0".parse().unwrap();
-        let a = crate::testutil::known_node(cfg(1, Some(b"k")), any).await.unwrap();
-        let b = crate::testutil::known_node(cfg(2, Some(b"k")), any).await.unwrap();
+        let a = crate::testutil::known_node(cfg(1, Some(b"k")), any)
+            .await
+            .unwrap();
+        let b = crate::testutil::known_node(cfg(2, Some(b"k")), any)
+            .await
+            .unwrap();
         a.connect_pool(b.local_addr(), 2, 5, 4, Purpose::Ring)
             .await
             .unwrap();
@@ -1542,8 +1546,12 @@ mod tests {
     /// Peers 1 (the fetcher) and 2 (the source), with a shared secret.
     async fn fetcher_and_source() -> (Arc<Node>, Arc<Node>) {
         let any: SocketAddr = "127.0.0.1:0".parse().unwrap();
-        let a = crate::testutil::known_node(cfg(1, Some(b"k")), any).await.unwrap();
-        let b = crate::testutil::known_node(cfg(2, Some(b"k")), any).await.unwrap();
+        let a = crate::testutil::known_node(cfg(1, Some(b"k")), any)
+            .await
+            .unwrap();
+        let b = crate::testutil::known_node(cfg(2, Some(b"k")), any)
+            .await
+            .unwrap();
         (a, b)
     }
 
@@ -1687,8 +1695,12 @@ mod tests {
         crate::py::logging::capture::install();
         let any: SocketAddr = "127.0.0.1:0".parse().unwrap();
         // Peer ids no other test uses: the captured records are process-wide.
-        let a = crate::testutil::known_node(cfg(7101, Some(b"x")), any).await.unwrap();
-        let b = crate::testutil::known_node(cfg(7102, Some(b"y")), any).await.unwrap();
+        let a = crate::testutil::known_node(cfg(7101, Some(b"x")), any)
+            .await
+            .unwrap();
+        let b = crate::testutil::known_node(cfg(7102, Some(b"y")), any)
+            .await
+            .unwrap();
         let err = a
             .connect_pool(b.local_addr(), 7102, 1, 2, Purpose::Ring)
             .await
@@ -1713,8 +1725,12 @@ mod tests {
         use tokio::io::AsyncWriteExt;
         let any: SocketAddr = "127.0.0.1:0".parse().unwrap();
         crate::py::logging::capture::install();
-        let a = crate::testutil::known_node(cfg(7201, None), any).await.unwrap();
-        let b = crate::testutil::known_node(cfg(7202, None), any).await.unwrap();
+        let a = crate::testutil::known_node(cfg(7201, None), any)
+            .await
+            .unwrap();
+        let b = crate::testutil::known_node(cfg(7202, None), any)
+            .await
+            .unwrap();
         let mut s = TcpStream::connect(b.local_addr()).await.unwrap();
         s.write_all(&u32::MAX.to_be_bytes()).await.unwrap();
         let mut s2 = TcpStream::connect(b.local_addr()).await.unwrap();
@@ -1808,7 +1824,9 @@ mod tests {
     #[tokio::test]
     async fn take_inbound_times_out() {
         let any: SocketAddr = "127.0.0.1:0".parse().unwrap();
-        let b = crate::testutil::known_node(cfg(2, None), any).await.unwrap();
+        let b = crate::testutil::known_node(cfg(2, None), any)
+            .await
+            .unwrap();
         let key = PoolKey {
             peer: 7,
             epoch: 1,
@@ -1855,8 +1873,12 @@ mod tests {
     #[tokio::test]
     async fn a_reverse_pool_is_dialed_by_the_receiver_and_filed_as_usual() {
         let any: SocketAddr = "127.0.0.1:0".parse().unwrap();
-        let a = crate::testutil::known_node(cfg(1, Some(b"k")), any).await.unwrap();
-        let b = crate::testutil::known_node(cfg(2, Some(b"k")), any).await.unwrap();
+        let a = crate::testutil::known_node(cfg(1, Some(b"k")), any)
+            .await
+            .unwrap();
+        let b = crate::testutil::known_node(cfg(2, Some(b"k")), any)
+            .await
+            .unwrap();
         let token = [7u8; TOKEN_LEN];
         // The receiver may dial back before the sender asks for the pool: parked.
         let (sent, opened) = tokio::join!(
@@ -1881,7 +1903,9 @@ mod tests {
         c.connect_timeout = Duration::from_millis(200);
         c.handshake_timeout = Duration::from_millis(300);
         let a = crate::testutil::known_node(c, any).await.unwrap();
-        let b = crate::testutil::known_node(cfg(2, Some(b"k")), any).await.unwrap();
+        let b = crate::testutil::known_node(cfg(2, Some(b"k")), any)
+            .await
+            .unwrap();
         let (sent, opened) = tokio::join!(
             a.connect_pool_via(Route::Reverse([1; TOKEN_LEN]), 2, 5, 1, Purpose::Ring),
             b.open_inbound(Inbound::Reverse(a.local_addr(), [2; TOKEN_LEN]), None),
@@ -1898,7 +1922,9 @@ mod tests {
     async fn the_listener_echoes_a_reachability_token() {
         use tokio::io::AsyncWriteExt;
         let any: SocketAddr = "127.0.0.1:0".parse().unwrap();
-        let b = crate::testutil::known_node(cfg(2, Some(b"k")), any).await.unwrap();
+        let b = crate::testutil::known_node(cfg(2, Some(b"k")), any)
+            .await
+            .unwrap();
         let mut tcp = TcpStream::connect(b.local_addr()).await.unwrap();
         let mut probe = REACH_MAGIC.to_vec();
         probe.extend_from_slice(&[9u8; TOKEN_LEN]);
@@ -2062,8 +2088,12 @@ mod tests {
     async fn a_refused_early_dial_back_is_dialed_again_and_taken_once_wanted() {
         crate::py::logging::capture::install();
         let any: SocketAddr = "127.0.0.1:0".parse().unwrap();
-        let a = crate::testutil::known_node(cfg(7301, Some(b"k")), any).await.unwrap();
-        let b = crate::testutil::known_node(cfg(7302, Some(b"k")), any).await.unwrap();
+        let a = crate::testutil::known_node(cfg(7301, Some(b"k")), any)
+            .await
+            .unwrap();
+        let b = crate::testutil::known_node(cfg(7302, Some(b"k")), any)
+            .await
+            .unwrap();
         // Strangers from our address hold all of its share of the early area.
         let flood = strangers(a.local_addr(), 3 * MAX_EARLY_PER_SOURCE).await;
         parked_become(&a, (0, MAX_EARLY_PER_SOURCE)).await;

@@ -119,11 +119,19 @@ pub enum Provider {
 pub struct Suite {
     pub cipher: Cipher,
     pub provider: Provider,
+    /// Records per direction between two REKEYs (only for the suite whose records are
+    /// sealed here: `AesGcm` with `Ring`; the others never rekey).
+    pub rekey_every: u64,
 }
+
+/// Each direction of a stream changes its key every this many records (Noise REKEY):
+/// 2^24 records, at most 1 TiB under one key.
+pub const REKEY_INTERVAL: u64 = 1 << 24;
 
 pub const SUITE: Suite = Suite {
     cipher: CIPHER,
     provider: Provider::Ring,
+    rekey_every: REKEY_INTERVAL,
 };
 
 /// The 32-byte Noise PSK for a shared secret of any length: HKDF-SHA256 (RFC 5869) with
@@ -437,44 +445,86 @@ enum HsState {
     /// The acceptor answered the hello and waits for the dialer's identity (message 3).
     Identity(Box<HandshakeState>),
     /// The dialer sent its identity and waits for the acceptor's verdict.
-    Verdict(StatelessTransportState, Option<RecvKey>),
-    Done(StatelessTransportState, Option<RecvKey>),
+    Verdict(StatelessTransportState, Keys),
+    Done(StatelessTransportState, Keys),
     Failed,
 }
 
-/// The receiving direction's AES-256-GCM key, for suites whose records this module may
-/// open itself with ring (`ReadState` then reads a record's ciphertext straight into the
-/// caller's buffer and decrypts it there, with no copy). The records are the very
-/// Noise transport messages snow would open: nonce `0^32 || n` big-endian, no AD.
-pub struct RecvKey(Box<ring::aead::LessSafeKey>);
+/// One direction's AES-256-GCM key, for suites whose records this module seals and
+/// opens itself with ring (`ReadState` then reads a record's ciphertext straight into
+/// the caller's buffer and decrypts it there, with no copy). The records are the very
+/// Noise transport messages snow would make: nonce `0^32 || n` big-endian, no AD; and
+/// `rekey()` is Noise's REKEY (the first 32 bytes of the encryption of 32 zero bytes
+/// under nonce 2^64 - 1), the same as snow's `rekey_outgoing` / `rekey_incoming`.
+pub struct DirKey(Box<ring::aead::LessSafeKey>);
 
-impl RecvKey {
+/// (sending, receiving) keys of one end, for `Suite { AesGcm, Ring }`.
+type Keys = Option<(DirKey, DirKey)>;
+
+fn ring_nonce(nonce: u64) -> ring::aead::Nonce {
+    let mut n = [0u8; 12];
+    n[4..].copy_from_slice(&nonce.to_be_bytes());
+    ring::aead::Nonce::assume_unique_for_key(n)
+}
+
+impl DirKey {
+    fn new(raw: &[u8]) -> Option<DirKey> {
+        ring::aead::UnboundKey::new(&ring::aead::AES_256_GCM, raw)
+            .ok()
+            .map(|k| DirKey(Box::new(ring::aead::LessSafeKey::new(k))))
+    }
+
     /// From the handshake's split (`k1` protects dialer -> acceptor, `k2` the reverse),
-    /// for `Suite { AesGcm, Ring }` only.
-    fn from_split(hs: &mut HandshakeState, role: Role, suite: Suite) -> Option<RecvKey> {
+    /// for `Suite { AesGcm, Ring }` only: (sending, receiving).
+    fn from_split(hs: &mut HandshakeState, role: Role, suite: Suite) -> Keys {
         if suite.cipher != Cipher::AesGcm || suite.provider != Provider::Ring {
             return None;
         }
         let (mut k1, mut k2) = hs.dangerously_get_raw_split();
-        let key = match role {
-            Role::Dialer => &k2,
-            Role::Acceptor => &k1,
+        let (send, recv) = match role {
+            Role::Dialer => (DirKey::new(&k1), DirKey::new(&k2)),
+            Role::Acceptor => (DirKey::new(&k2), DirKey::new(&k1)),
         };
-        let unbound = ring::aead::UnboundKey::new(&ring::aead::AES_256_GCM, key).ok();
         k1.fill(0);
         k2.fill(0);
-        unbound.map(|k| RecvKey(Box::new(ring::aead::LessSafeKey::new(k))))
+        Some((send?, recv?))
     }
 
     /// Decrypts the record `in_out` (ciphertext and tag) in place; the plaintext length.
     fn open(&self, nonce: u64, in_out: &mut [u8]) -> Option<usize> {
-        let mut n = [0u8; 12];
-        n[4..].copy_from_slice(&nonce.to_be_bytes());
-        let nonce = ring::aead::Nonce::assume_unique_for_key(n);
         self.0
-            .open_in_place(nonce, ring::aead::Aad::empty(), in_out)
+            .open_in_place(ring_nonce(nonce), ring::aead::Aad::empty(), in_out)
             .ok()
             .map(|p| p.len())
+    }
+
+    /// Encrypts `payload` into `out` (which has room for it and the tag); the record's
+    /// length.
+    fn seal(&self, nonce: u64, payload: &[u8], out: &mut [u8]) -> Option<usize> {
+        let n = payload.len();
+        out[..n].copy_from_slice(payload);
+        let tag = self
+            .0
+            .seal_in_place_separate_tag(ring_nonce(nonce), ring::aead::Aad::empty(), &mut out[..n])
+            .ok()?;
+        out[n..n + TAG_LEN].copy_from_slice(tag.as_ref());
+        Some(n + TAG_LEN)
+    }
+
+    /// Noise's REKEY: the next key of this direction.
+    fn rekey(&mut self) {
+        let mut next = [0u8; 32];
+        let sealed = self.0.seal_in_place_separate_tag(
+            ring_nonce(u64::MAX),
+            ring::aead::Aad::empty(),
+            &mut next,
+        );
+        if sealed.is_ok() {
+            if let Some(k) = DirKey::new(&next) {
+                *self = k;
+            }
+        }
+        next.fill(0);
     }
 }
 
@@ -531,7 +581,7 @@ impl Handshake {
 
     /// The session keys, the receiving key for opening records directly and the other
     /// end's identity, once done.
-    fn into_parts(self) -> Option<(StatelessTransportState, Option<RecvKey>, Remote)> {
+    fn into_parts(self) -> Option<(StatelessTransportState, Keys, Remote)> {
         match (self.state, self.remote) {
             (HsState::Done(t, k), Some(r)) => Some((t, k, r)),
             _ => None,
@@ -649,7 +699,7 @@ impl Handshake {
         let n = hs
             .write_message(self.own_cert(), &mut msg)
             .map_err(|e| HandshakeFailure::quiet(noise_err(e)))?;
-        let key = RecvKey::from_split(&mut hs, Role::Dialer, self.suite);
+        let key = DirKey::from_split(&mut hs, Role::Dialer, self.suite);
         let transport = hs
             .into_stateless_transport_mode()
             .map_err(|e| HandshakeFailure::quiet(noise_err(e)))?;
@@ -756,7 +806,7 @@ impl Handshake {
             .auth
             .check(hs.get_remote_static(), &payload[..n])
             .map_err(HandshakeFailure::refused)?;
-        let key = RecvKey::from_split(&mut hs, Role::Acceptor, self.suite);
+        let key = DirKey::from_split(&mut hs, Role::Acceptor, self.suite);
         let transport = hs
             .into_stateless_transport_mode()
             .map_err(|e| HandshakeFailure::quiet(noise_err(e)))?;
@@ -767,7 +817,7 @@ impl Handshake {
 
 fn dialer_verdict(
     transport: StatelessTransportState,
-    key: Option<RecvKey>,
+    key: Keys,
     frame: &[u8],
 ) -> Result<HsState, HandshakeFailure> {
     match frame.first().copied() {
@@ -795,7 +845,7 @@ async fn run_handshake<T: AsyncRead + AsyncWrite + Unpin>(
     prologue: &[u8],
     suite: Suite,
     first: Option<Vec<u8>>,
-) -> CoreResult<(StatelessTransportState, Option<RecvKey>, Remote)> {
+) -> CoreResult<(StatelessTransportState, Keys, Remote)> {
     let mut hs = Handshake::new(role == Role::Dialer, auth.clone(), prologue, suite)?;
     if role == Role::Dialer {
         let hello = hs.hello()?;
@@ -844,9 +894,14 @@ async fn handshake<T: AsyncRead + AsyncWrite + Unpin>(
     })??;
     let cipher = Arc::new(transport);
     let (read_nonce, write_nonce) = first_nonces(role == Role::Dialer);
+    let (send, recv) = match key {
+        Some((s, r)) => (Some(s), Some(r)),
+        None => (None, None),
+    };
+    let every = suite.rekey_every.max(1);
     Ok((
-        ReadState::new(cipher.clone(), read_nonce).with_key(key),
-        WriteState::new(cipher, write_nonce),
+        ReadState::new(cipher.clone(), read_nonce).with_key(recv, every),
+        WriteState::new(cipher, write_nonce).with_key(send, every),
         remote,
     ))
 }
@@ -986,13 +1041,28 @@ struct ReadState {
     /// Authenticated end of stream received.
     closed: bool,
     failed: Option<(io::ErrorKind, String)>,
-    /// Opens records here instead of through snow (see [`RecvKey`]).
-    key: Option<RecvKey>,
+    /// Opens records here instead of through snow (see [`DirKey`]).
+    key: Option<DirKey>,
+    rekey_every: u64,
 }
 
 impl ReadState {
-    fn with_key(self, key: Option<RecvKey>) -> Self {
-        ReadState { key, ..self }
+    fn with_key(self, key: Option<DirKey>, rekey_every: u64) -> Self {
+        ReadState {
+            key,
+            rekey_every,
+            ..self
+        }
+    }
+
+    /// One record opened: the next nonce, and the next key at each rekey boundary.
+    fn advance(&mut self) {
+        self.nonce += 1;
+        if let Some(key) = &mut self.key {
+            if self.nonce % self.rekey_every == 0 {
+                key.rekey();
+            }
+        }
     }
 
     /// The zero-copy path: a record's ciphertext read straight into the caller's
@@ -1034,7 +1104,7 @@ impl ReadState {
                     return Poll::Ready(Err(integrity_error("a record did not authenticate")));
                 }
             }
-            self.nonce += 1;
+            self.advance();
             self.header_got = 0;
             self.record_len = 0;
             buf.advance(len - TAG_LEN);
@@ -1066,6 +1136,7 @@ impl ReadState {
             closed: false,
             failed: None,
             key: None,
+            rekey_every: u64::MAX,
         }
     }
 
@@ -1185,7 +1256,7 @@ impl ReadState {
                     return self.fail(integrity_error("a record did not authenticate"));
                 }
             }
-            self.nonce += 1;
+            self.advance();
             if plain_len == 0 {
                 self.closed = true;
                 return Poll::Ready(Ok(()));
@@ -1212,6 +1283,9 @@ struct WriteState {
     /// The end-of-stream record has been sealed.
     closed: bool,
     failed: Option<(io::ErrorKind, String)>,
+    /// Seals records here instead of through snow (see [`DirKey`]).
+    key: Option<DirKey>,
+    rekey_every: u64,
 }
 
 impl WriteState {
@@ -1225,6 +1299,16 @@ impl WriteState {
             out_len: 0,
             closed: false,
             failed: None,
+            key: None,
+            rekey_every: u64::MAX,
+        }
+    }
+
+    fn with_key(self, key: Option<DirKey>, rekey_every: u64) -> Self {
+        WriteState {
+            key,
+            rekey_every,
+            ..self
         }
     }
 
@@ -1250,11 +1334,21 @@ impl WriteState {
             self.out.resize(4 + MAX_RECORD, 0);
         }
         let payload = payload.unwrap_or(&self.plain);
-        let n = self
-            .cipher
-            .write_message(self.nonce, payload, &mut self.out[4..])
-            .map_err(|e| io::Error::other(format!("secure stream: encryption failed: {e}")))?;
+        let n = match &mut self.key {
+            Some(key) => key
+                .seal(self.nonce, payload, &mut self.out[4..])
+                .ok_or_else(|| io::Error::other("secure stream: encryption failed"))?,
+            None => self
+                .cipher
+                .write_message(self.nonce, payload, &mut self.out[4..])
+                .map_err(|e| io::Error::other(format!("secure stream: encryption failed: {e}")))?,
+        };
         self.nonce += 1;
+        if let Some(key) = &mut self.key {
+            if self.nonce % self.rekey_every == 0 {
+                key.rekey();
+            }
+        }
         self.out[..4].copy_from_slice(&(n as u32).to_be_bytes());
         self.out_pos = 0;
         self.out_len = 4 + n;
@@ -1749,12 +1843,47 @@ mod tests {
         .await
     }
 
+    #[test]
+    fn rekey_is_noises_and_matches_snows() {
+        let mut d = Handshake::new(true, Auth::ephemeral(None), PROLOGUE, SUITE).unwrap();
+        let mut a = Handshake::new(false, Auth::ephemeral(None), PROLOGUE, SUITE).unwrap();
+        let m2 = a.on_frame(&d.hello().unwrap()).unwrap().unwrap();
+        let m3 = d.on_frame(&m2).unwrap().unwrap();
+        let verdict = a.on_frame(&m3).unwrap().unwrap();
+        assert!(d.on_frame(&verdict).unwrap().is_none());
+        let (_, keys, _) = d.into_parts().unwrap();
+        let (mut snow_side, _, _) = a.into_parts().unwrap();
+        let (mut send, _) = keys.unwrap();
+        let mut record = [0u8; 64];
+        let mut out = [0u8; 64];
+        for n in 0..5u64 {
+            let len = send.seal(n, b"records", &mut record).unwrap();
+            let got = snow_side.read_message(n, &record[..len], &mut out).unwrap();
+            assert_eq!(&out[..got], b"records");
+            send.rekey();
+            snow_side.rekey_incoming();
+        }
+        // Without the other end's rekey, the next record does not open.
+        let len = send.seal(5, b"records", &mut record).unwrap();
+        send.rekey();
+        let len2 = send.seal(6, b"records", &mut record[..]).unwrap();
+        assert_eq!(len, len2);
+        assert!(snow_side
+            .read_message(5, &record[..len2], &mut out)
+            .is_err());
+    }
+
     #[tokio::test]
     async fn every_cipher_and_provider_round_trips() {
         within(async {
             for cipher in [Cipher::AesGcm, Cipher::ChaChaPoly] {
                 for provider in [Provider::Ring, Provider::RustCrypto] {
-                    let suite = Suite { cipher, provider };
+                    // (A key change every 3 records, where this module seals them.)
+                    let suite = Suite {
+                        cipher,
+                        provider,
+                        rekey_every: 3,
+                    };
                     let (a, b) = duplex(1 << 16);
                     let ((ar, aw), (br, bw)) = (tokio::io::split(a), tokio::io::split(b));
                     let psk = psk_from_secret(b"s");
@@ -1957,7 +2086,8 @@ mod tests {
             one[0] = 1;
             one
         }] {
-            let mut acceptor = Handshake::new(false, Auth::ephemeral(None), PROLOGUE, SUITE).unwrap();
+            let mut acceptor =
+                Handshake::new(false, Auth::ephemeral(None), PROLOGUE, SUITE).unwrap();
             let mut hello = HELLO_MAGIC.to_vec();
             hello.extend_from_slice(&[0, SUITE.cipher.wire()]);
             hello.extend_from_slice(&point);

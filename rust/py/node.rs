@@ -117,9 +117,11 @@ impl PyP2PNode {
         let keys = keys
             .into_iter()
             .map(|(id, k)| {
-                PublicKey::try_from(k.as_slice()).map(|k| (id, k)).map_err(|_| {
-                    CoreError::InvalidArgument(format!("peer {id}'s key is not 32 bytes"))
-                })
+                PublicKey::try_from(k.as_slice())
+                    .map(|k| (id, k))
+                    .map_err(|_| {
+                        CoreError::InvalidArgument(format!("peer {id}'s key is not 32 bytes"))
+                    })
             })
             .collect::<Result<Vec<_>, _>>()?;
         Ok(self.node.set_peer_keys(&keys)?)

@@ -58,7 +58,9 @@ impl PySecureHandshake {
         let expect = expect
             .map(|k| {
                 k.try_into().map_err(|_| {
-                    PyErr::from(CoreError::InvalidArgument("a static key is 32 bytes".into()))
+                    PyErr::from(CoreError::InvalidArgument(
+                        "a static key is 32 bytes".into(),
+                    ))
                 })
             })
             .transpose()?;
@@ -108,7 +110,10 @@ impl PySecureHandshake {
     /// `pccl._core.Identity.check_remote` for the tuple).
     #[getter]
     fn remote(&self) -> Option<RemoteInfo> {
-        self.inner.as_ref().and_then(|h| h.remote()).map(remote_info)
+        self.inner
+            .as_ref()
+            .and_then(|h| h.remote())
+            .map(remote_info)
     }
 
     /// The session of a finished handshake (once).
@@ -155,7 +160,7 @@ impl SecureSession {
     fn seal<'py>(&mut self, py: Python<'py>, data: &[u8]) -> PyResult<Bound<'py, PyBytes>> {
         let chunks = data.len().div_ceil(MAX_PLAINTEXT).max(1);
         let total = data.len() + chunks * (4 + TAG_LEN);
-        let transport = &self.transport;
+        let transport = &mut self.transport;
         let mut nonce = self.write_nonce;
         let out = PyBytes::new_with(py, total, |buf| {
             let mut at = 0;
@@ -168,6 +173,9 @@ impl SecureSession {
                     .write_message(nonce, piece, &mut buf[at + 4..at + 4 + len])
                     .map_err(|e| CoreError::Protocol(format!("secure session: {e}")))?;
                 nonce += 1;
+                if nonce % secure::REKEY_INTERVAL == 0 {
+                    transport.rekey_outgoing(); // (Noise REKEY, as the p2p streams do)
+                }
                 at += 4 + len;
                 next = pieces.next();
             }
@@ -192,6 +200,9 @@ impl SecureSession {
         {
             Ok(n) => {
                 self.read_nonce += 1;
+                if self.read_nonce % secure::REKEY_INTERVAL == 0 {
+                    self.transport.rekey_incoming();
+                }
                 Ok(PyBytes::new(py, &plain[..n]))
             }
             Err(_) => {

@@ -149,7 +149,10 @@ async fn loopback_nodes(
         nodes.push(Node::bind(node_cfg, any).await?);
     }
     // The roster a master would hand out.
-    let roster: Vec<_> = nodes.iter().map(|n| (n.peer_id(), n.public_key())).collect();
+    let roster: Vec<_> = nodes
+        .iter()
+        .map(|n| (n.peer_id(), n.public_key()))
+        .collect();
     for node in &nodes {
         node.set_peer_keys(&roster)?;
     }
