@@ -66,12 +66,14 @@ async def test_stopped_peer_is_dropped_by_heartbeat(pccl_peer_process) -> None:
 
 
 async def test_process_with_wrong_secret_is_refused(pccl_peer_process) -> None:
-    async with Cluster(1, secret=b"good") as cluster:
-        bad = await pccl_peer_process(cluster.master.address, secret=b"evil",
+    good_secret = b"5f0c1a9e7d3b42c8a6e1f0b97c2d4e3a"
+    evil_secret = b"c0ffee00d15ea5e5b16b00b5a11ce0de"  # as strong, but another run's
+    async with Cluster(1, secret=good_secret) as cluster:
+        bad = await pccl_peer_process(cluster.master.address, secret=evil_secret,
                                       extra_args=["--attempts", "1"])
         with pytest.raises(pccl.AuthenticationError):
             await bad.wait_accepted()
-        good = await pccl_peer_process(cluster.master.address, secret=b"good")
+        good = await pccl_peer_process(cluster.master.address, secret=good_secret)
         await cluster.master.wait_for(lambda s: len(s.pending()) == 1, timeout=60)
         await cluster.comms[0].update_topology()
         await good.wait_accepted()
