@@ -1,10 +1,12 @@
 """A stranger without the shared secret against every open port of a running group: the
 master's control port, and each peer's p2p port (ring, shared-state transfer and probe
 streams all arrive there). Scripted: every control message kind, every p2p stream kind,
-in clear text and through the secure handshake with a wrong key or none. Each attempt
-is refused, and all the stranger ever receives is at most a one-byte status or a
-handshake reply: never a peer id, an address, a revision, a hash or a tensor byte. The
-group is unharmed (an exact all-reduce afterwards)."""
+in clear text and through the secure handshake (Noise XX / XXpsk3) with a wrong key or
+none, up to its hello or all the way through its identity message. Each attempt is
+refused, and all the stranger ever receives is at most a one-byte status, a handshake
+reply (the listener's ephemeral and static public keys) and a one-byte verdict: never a
+peer id, an address, a revision, a hash or a tensor byte. The group is unharmed (an
+exact all-reduce afterwards)."""
 
 from __future__ import annotations
 
@@ -22,10 +24,20 @@ from pccl.protocol import codec
 from pccl.protocol.transport import PROLOGUE
 from pccl.testing import Cluster
 
-SECRET = b"the group's secret"
-# The handshake reply of a listener: a status byte then an ephemeral key (Noise "e, ee"
-# with its empty payload's tag): nothing of the group in it.
-MAX_REPLY = 1 + 32 + 16 + 4
+# Shared secrets are keys of at least 128 random bits (pccl.identity.check_secret).
+SECRET = b"5f0c1a9e7d3b42c8a6e1f0b97c2d4e3a"
+GUESS = b"c0ffee00d15ea5e5b16b00b5a11ce0de"  # a stranger's (strong, but wrong) secret
+# The handshake reply of a listener (Noise XX message 2, "e, ee, s, es"), framed: a
+# status byte, its ephemeral key, its static public key (encrypted, with a tag) and its
+# certificate payload's tag (no certificates here). The static key is public by nature:
+# an active dialer learns it in XX (the shared secret is mixed in only at message 3), and
+# nothing of the group is in it.
+MAX_REPLY = 4 + 1 + 32 + (32 + 16) + 16
+# The listener's verdict on the dialer's identity message (message 3), framed: one
+# status byte.
+VERDICT = 4 + 1
+# The p2p streams' handshake context (rust/net/stream.rs PROLOGUE).
+P2P_PROLOGUE = b"pccl p2p v2"
 
 
 async def _talk(address: str, sends: list[bytes]) -> bytes:
@@ -57,6 +69,46 @@ def _frame(body: bytes) -> bytes:
 
 def _secure_hello(secret: bytes | None, prologue: bytes) -> bytes:
     return _frame(_core.SecureHandshake(True, secret, prologue).hello())
+
+
+async def _read_frame(reader: asyncio.StreamReader) -> bytes:
+    n = struct.unpack(">I", await reader.readexactly(4))[0]
+    assert n <= _core.MAX_HANDSHAKE_FRAME, n
+    return await reader.readexactly(n)
+
+
+async def _secure_stranger(address: str, secret: bytes | None,
+                           prologue: bytes) -> tuple[bytes, BaseException | None]:
+    """A stranger that runs the secure handshake as far as the listener lets it: its
+    hello, then (on an OK reply) its identity message with a fresh key, then the
+    listener's verdict. Returns everything received (framed, as on the wire) and the
+    handshake's error (None if it passed, which it must not)."""
+    host, port = address.rsplit(":", 1)
+    reader, writer = await asyncio.open_connection(host, int(port))
+    hs = _core.SecureHandshake(True, secret, prologue)
+    got = bytearray()
+    error: BaseException | None = None
+    try:
+        async with asyncio.timeout(15):
+            writer.write(_frame(hs.hello()))
+            while not hs.done:
+                frame = await _read_frame(reader)
+                got += _frame(frame)
+                out, error = hs.on_frame(frame)
+                if out is not None:
+                    writer.write(_frame(out))
+                if error is not None:
+                    break
+            # Whatever else the listener sends before it hangs up.
+            while chunk := await reader.read(1 << 16):
+                got += chunk
+    except (ConnectionError, asyncio.IncompleteReadError) as e:
+        error = error or e
+    finally:
+        writer.close()
+        with contextlib.suppress(ConnectionError):
+            await writer.wait_closed()
+    return bytes(got), error
 
 
 def _p2p_hello(purpose: int) -> bytes:
@@ -97,8 +149,8 @@ def _master_scripts() -> dict[str, list[bytes]]:
     scripts["clear-hello-then-register"] = [_frame(_core.CLEAR_HELLO),
                                             *(codec.frame(x) for x in EXAMPLES[:2])]
     scripts["secure-no-secret"] = [_secure_hello(None, PROLOGUE)]
-    scripts["secure-wrong-secret"] = [_secure_hello(b"guess", PROLOGUE)]
-    scripts["secure-p2p-prologue"] = [_secure_hello(b"guess", b"pccl p2p v1")]
+    scripts["secure-wrong-secret"] = [_secure_hello(GUESS, PROLOGUE)]
+    scripts["secure-p2p-prologue"] = [_secure_hello(GUESS, P2P_PROLOGUE)]
     scripts["noise"] = [bytes(range(256)) * 4]
     return scripts
 
@@ -120,9 +172,9 @@ def _p2p_scripts() -> dict[str, list[bytes]]:
     for purpose, name in enumerate(("ring", "transfer", "probe")):
         scripts[f"clear-{name}"] = [_frame(_core.CLEAR_HELLO), _p2p_hello(purpose)]
         scripts[f"raw-{name}"] = [_p2p_hello(purpose)]
-    scripts["secure-no-secret"] = [_secure_hello(None, b"pccl p2p v1")]
-    scripts["secure-wrong-secret"] = [_secure_hello(b"guess", b"pccl p2p v1")]
-    scripts["secure-control-prologue"] = [_secure_hello(b"guess", PROLOGUE)]
+    scripts["secure-no-secret"] = [_secure_hello(None, P2P_PROLOGUE)]
+    scripts["secure-wrong-secret"] = [_secure_hello(GUESS, P2P_PROLOGUE)]
+    scripts["secure-control-prologue"] = [_secure_hello(GUESS, PROLOGUE)]
     scripts["control-messages"] = [codec.frame(x) for x in EXAMPLES]
     return scripts
 
@@ -138,18 +190,54 @@ async def test_a_stranger_at_a_p2p_port_learns_nothing(group: Cluster, script: s
     assert not _leaks(got, group), (script, _leaks(got, group))
 
 
+@pytest.mark.parametrize("where", ["master", "p2p"])
+@pytest.mark.parametrize(("secret", "prologue"), [
+    (GUESS, "own"), (None, "own"), (GUESS, "other"), (SECRET, "other")],
+    ids=["wrong-secret", "no-secret", "wrong-secret-other-prologue",
+         "right-secret-other-prologue"])
+async def test_a_stranger_through_the_whole_handshake_learns_nothing(
+        group: Cluster, where: str, secret: bytes | None, prologue: str) -> None:
+    """The stranger answers the listener's reply with its identity message: the listener
+    refuses it (a missing or wrong secret, another context) with a status byte, and
+    registers or serves nothing."""
+    own, other = ((PROLOGUE, P2P_PROLOGUE) if where == "master"
+                  else (P2P_PROLOGUE, PROLOGUE))
+    address = (group.master.address if where == "master"
+               else f"127.0.0.1:{group.comms[1].p2p_port}")
+    before = (group.master.state.accepted(), group.master.state.pending())
+    got, error = await _secure_stranger(address, secret, own if prologue == "own" else other)
+    assert isinstance(error, pccl.AuthenticationError), repr(error)
+    assert len(got) <= MAX_REPLY + VERDICT, got
+    # The last thing received is the refusal: a one-byte status frame, not OK.
+    assert got[-5:-1] == b"\x00\x00\x00\x01" and got[-1] != 0, got
+    assert not _leaks(got, group), _leaks(got, group)
+    assert (group.master.state.accepted(), group.master.state.pending()) == before
+
+
 async def test_a_stranger_with_the_right_protocol_and_a_wrong_secret_is_told_so() -> None:
     """What a mistaken operator (not an attacker) sees: a typed error naming the secret,
     on the master port and on a p2p port."""
     async with Cluster(2, secret=SECRET) as cluster:
-        comm = pccl.Communicator(master=cluster.master.address, secret=b"other")
-        with pytest.raises(pccl.AuthenticationError):
+        comm = pccl.Communicator(master=cluster.master.address, secret=GUESS)
+        with pytest.raises(pccl.AuthenticationError, match="shared secret"):
             await comm.connect(n_attempts=1)
-        node = await _core.P2PNode.bind(9, secret=b"other", handshake_timeout=10.0)
+        target = cluster.comms[0]
+        address = f"127.0.0.1:{target.p2p_port}"
+        me = _core.Identity()
+        node = await _core.P2PNode.bind(9, secret=GUESS, handshake_timeout=10.0, identity=me)
         try:
-            with pytest.raises(pccl.AuthenticationError):
+            # Without the target's key (the master's roster gives it to members only),
+            # nothing is even dialed.
+            with pytest.raises(pccl.IdentityError, match="roster names no key for peer"):
                 async with asyncio.timeout(15):
-                    await node.connect_pool(f"127.0.0.1:{cluster.comms[0].p2p_port}", 1, 1, 1)
+                    await node.connect_pool(address, target.peer_id, 1, 1)
+            # With it (say, an operator's node started with another run's secret), the
+            # handshake fails on the secret, and says so.
+            node.set_peer_keys({target.peer_id: target.identity.public_key})
+            with pytest.raises(pccl.AuthenticationError, match="shared secret") as info:
+                async with asyncio.timeout(15):
+                    await node.connect_pool(address, target.peer_id, 1, 1)
+            assert not isinstance(info.value, pccl.IdentityError)
         finally:
             await node.close()
 
@@ -157,7 +245,8 @@ async def test_a_stranger_with_the_right_protocol_and_a_wrong_secret_is_told_so(
 async def test_a_replayed_handshake_and_session_are_refused() -> None:
     """Everything a real peer sent to the master (its handshake and its encrypted
     registration), recorded on the wire and replayed on a new connection: the master's
-    fresh ephemeral key makes the replayed key confirmation fail; nobody registers."""
+    fresh ephemeral key makes the replayed identity message (Noise XX message 3) fail
+    to authenticate; the master answers with a one-byte status and nobody registers."""
     from pccl.testing import LinkEmulator
 
     async with Cluster(1, secret=SECRET) as cluster:
@@ -165,10 +254,11 @@ async def test_a_replayed_handshake_and_session_are_refused() -> None:
             late = cluster.new_comm(master=link.address)
             await cluster.admit([late])
             sent = b"".join(v for k, v in link.recorded().items() if "client->server" in k)
-            assert sent[4:12] == b"PCCLSEC\x01"  # the recorded handshake's hello
+            assert sent[4:12] == b"PCCLSEC\x02"  # the recorded handshake's hello
             before = sorted(cluster.master.state.peers)
             got = await _talk(cluster.master.address, [sent])
-            assert len(got) <= MAX_REPLY, got
+            assert len(got) <= MAX_REPLY + VERDICT, got
+            assert not _leaks(got, cluster), _leaks(got, cluster)
             assert sorted(cluster.master.state.peers) == before
 
 
@@ -176,20 +266,26 @@ async def test_the_secret_never_appears_in_logs_or_errors(caplog) -> None:
     import logging
 
     caplog.set_level(logging.DEBUG)
-    secret = "hunter2-and-some-more"
+    secret = SECRET.decode()
     errors: list[str] = []
     async with Cluster(2, secret=secret.encode()) as cluster:
         xs = [np.ones(64, np.float32) for _ in range(2)]
         await asyncio.gather(*(c.all_reduce(x) for c, x in zip(cluster.comms, xs)))
-        for wrong in (secret + "x", secret[:-1]):
-            comm = pccl.Communicator(master=cluster.master.address, secret=wrong)
+        # Two strong but wrong secrets (refused by the master), and a weak one (refused
+        # at construction): no error repeats any of them.
+        for wrong in (secret + "0", secret[:-1] + "0", secret[:12]):
+            try:
+                comm = pccl.Communicator(master=cluster.master.address, secret=wrong)
+            except pccl.InvalidArgumentError as e:
+                errors.append(str(e))
+                continue
             try:
                 await comm.connect(n_attempts=1)
             except pccl.PCCLError as e:
                 errors.append(str(e))
             finally:
                 await comm.close()
-    assert len(errors) == 2
+    assert len(errors) == 3
     texts = [r.getMessage() for r in caplog.records] + errors
     assert not [t for t in texts if secret[:8] in t]
 
