@@ -21,6 +21,22 @@ from pccl.peer import state as ps
 from pccl.protocol import messages as m
 
 RUST = "pccl._core"
+# Shared secrets are keys of at least 128 random bits (pccl.identity.check_secret).
+SECRET = b"5f0c1a9e7d3b42c8a6e1f0b97c2d4e3a"
+OTHER_SECRET = b"c0ffee00d15ea5e5b16b00b5a11ce0de"
+
+
+async def _bind_pair(id_a: int, id_b: int, secret_a: bytes | None = None,
+                     secret_b: bytes | None = None) -> tuple[_core.P2PNode, _core.P2PNode]:
+    """Two p2p nodes, each with its own key and knowing the other's (what the master's
+    roster tells them in a run): every stream proves its node's key."""
+    ia, ib = _core.Identity(), _core.Identity()
+    a = await _core.P2PNode.bind(id_a, secret=secret_a, identity=ia)
+    b = await _core.P2PNode.bind(id_b, secret=secret_b, identity=ib)
+    keys = {id_a: ia.public_key, id_b: ib.public_key}
+    a.set_peer_keys(keys)
+    b.set_peer_keys(keys)
+    return a, b
 
 
 async def _records(caplog: pytest.LogCaptureFixture, needle: str, within: float = 5.0
@@ -41,10 +57,9 @@ async def _records(caplog: pytest.LogCaptureFixture, needle: str, within: float 
 
 async def test_wrong_secret_is_logged_at_warning_as_it_happens(caplog) -> None:
     caplog.set_level(logging.DEBUG, logger="pccl")
-    a = await _core.P2PNode.bind(8101, secret=b"one secret")
-    b = await _core.P2PNode.bind(8102, secret=b"another secret")
+    a, b = await _bind_pair(8101, 8102, SECRET, OTHER_SECRET)
     try:
-        with pytest.raises(pccl.AuthenticationError):
+        with pytest.raises(pccl.AuthenticationError, match="shared secrets"):
             await a.connect_pool(f"127.0.0.1:{b.port}", 8102, 1, 2)
         # No Communicator, no read loop, nothing drains: the records come by themselves.
         # (Of a pool of two, the other stream may just see the dialer hang up: INFO.)
@@ -63,8 +78,7 @@ async def test_wrong_secret_is_logged_at_warning_as_it_happens(caplog) -> None:
 
 async def test_garbage_is_a_warning_and_a_good_stream_a_debug_record(caplog) -> None:
     caplog.set_level(logging.DEBUG, logger="pccl")
-    a = await _core.P2PNode.bind(8201)
-    b = await _core.P2PNode.bind(8202)
+    a, b = await _bind_pair(8201, 8202)
     try:
         _, w = await asyncio.open_connection("127.0.0.1", b.port)
         w.write(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
@@ -86,8 +100,7 @@ async def test_garbage_is_a_warning_and_a_good_stream_a_debug_record(caplog) -> 
 async def test_level_changes_at_run_time_apply_to_rust_records(caplog) -> None:
     """The Rust side caches each logger's level; a later setLevel must still count."""
     caplog.set_level(logging.WARNING, logger="pccl")
-    a = await _core.P2PNode.bind(8301)
-    b = await _core.P2PNode.bind(8302)
+    a, b = await _bind_pair(8301, 8302)
     try:
         await a.connect_pool(f"127.0.0.1:{b.port}", 8302, 1, 1)
         await asyncio.sleep(0.2)  # the debug record, disabled, is dropped (and cached so)
@@ -142,10 +155,16 @@ _REFUSED_SCRIPT = """
 import asyncio, pccl
 from pccl import _core
 async def main():
-    a = await _core.P2PNode.bind(1, secret=b"x")
-    b = await _core.P2PNode.bind(2, secret=b"y")
+    ia, ib = _core.Identity(), _core.Identity()
+    a = await _core.P2PNode.bind(1, secret=b"5f0c1a9e7d3b42c8a6e1f0b97c2d4e3a", identity=ia)
+    b = await _core.P2PNode.bind(2, secret=b"c0ffee00d15ea5e5b16b00b5a11ce0de", identity=ib)
+    keys = {1: ia.public_key, 2: ib.public_key}
+    a.set_peer_keys(keys)
+    b.set_peer_keys(keys)
     try:
         await a.connect_pool(f"127.0.0.1:{b.port}", 2, 1, 1)
+    except pccl.IdentityError:
+        raise
     except pccl.AuthenticationError:
         pass
     await asyncio.sleep(0.5)
@@ -171,9 +190,7 @@ BAD_SECONDS = [-1.0, -1e-9, math.nan, math.inf, -math.inf, 1e300, 1e10]
 
 
 async def _node_pair():
-    a = await _core.P2PNode.bind(8401)
-    b = await _core.P2PNode.bind(8402)
-    return a, b
+    return await _bind_pair(8401, 8402)
 
 
 @pytest.mark.parametrize("bad", BAD_SECONDS)
