@@ -24,7 +24,8 @@ from pccl import _core
 from pccl.testing import Cluster
 from pccl.testing.processes import free_port
 
-SECRET = b"the group's secret"
+# Shared secrets are keys of at least 128 random bits (pccl.identity.check_secret).
+SECRET = b"5f0c1a9e7d3b42c8a6e1f0b97c2d4e3a"
 STRANGERS = 300  # per member (bounded; each a TCP connection kept open)
 REVERSE_MAGIC = b"PCCLREV\x01"
 
@@ -108,8 +109,13 @@ async def test_a_flood_of_strangers_does_not_lock_a_peer_behind_nat_out() -> Non
 
 async def test_a_repeated_token_does_not_replace_the_stream_already_waiting() -> None:
     token = os.urandom(16)
-    sender = await _core.P2PNode.bind(1, secret=SECRET)
-    receiver = await _core.P2PNode.bind(2, secret=SECRET)
+    # Each node proves its own key and knows the other's (the master's roster).
+    ids, idr = _core.Identity(), _core.Identity()
+    sender = await _core.P2PNode.bind(1, secret=SECRET, identity=ids)
+    receiver = await _core.P2PNode.bind(2, secret=SECRET, identity=idr)
+    keys = {1: ids.public_key, 2: idr.public_key}
+    sender.set_peer_keys(keys)
+    receiver.set_peer_keys(keys)
     try:
         # The receiver (behind NAT) dials the sender back before the sender asked for
         # the link: its stream waits in the sender's parking lot.
