@@ -253,6 +253,12 @@ def main(argv: list[str] | None = None) -> None:
     doctor.add_argument("--secret-file", type=Path, default=None, metavar="FILE")
     doctor.add_argument("--insecure", action="store_true",
                         help="check a clear-text setup (Communicator(insecure=True))")
+    doctor.add_argument("--key-file", default=None, metavar="FILE",
+                        help="this node's key (`pccl node new`), to check its certificate")
+    doctor.add_argument("--cert-file", default=None, metavar="FILE",
+                        help="this node's certificate (`pccl ca sign`)")
+    doctor.add_argument("--trust", default=None, metavar="RUN.pub[,...]",
+                        help="run-key files the master's certificate must come from")
     doctor.add_argument("--p2p-port", type=int, default=0, metavar="PORT",
                         help="the p2p port this peer will listen on (0: any)")
     doctor.add_argument("--timeout", type=float, default=10.0, metavar="S")
@@ -270,15 +276,19 @@ def main(argv: list[str] | None = None) -> None:
         logging.basicConfig(level=args.log_level,
                             format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.command == "doctor":
+        from pccl import identity as ident
         from pccl.doctor import diagnose
 
         try:
-            secret = _read_secret(args.secret_file)
-        except _UserError as e:
+            secret = ident.check_secret(_read_secret(args.secret_file))
+            me = (ident.load(args.key_file, args.cert_file, args.trust)
+                  if args.key_file or args.trust else None)
+        except (_UserError, PCCLError) as e:
             print(f"python -m pccl doctor: error: {e}", file=sys.stderr)
             sys.exit(2)
         report = asyncio.run(diagnose(args.master, secret, insecure=args.insecure,
-                                      p2p_port=args.p2p_port, timeout=args.timeout))
+                                      p2p_port=args.p2p_port, timeout=args.timeout,
+                                      identity=me))
         print(report.render(), flush=True)
         sys.exit(1 if report.failed else 0)
     if args.command == "master":

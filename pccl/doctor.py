@@ -28,7 +28,7 @@ import statistics
 import time
 
 from pccl import _core
-from pccl.errors import AuthenticationError, PCCLError, ProtocolError
+from pccl.errors import AuthenticationError, IdentityError, PCCLError, ProtocolError
 from pccl.protocol import PROTOCOL_VERSION
 from pccl.protocol import messages as m
 from pccl.protocol.auth import master_mac, peer_mac, split_host_port
@@ -77,8 +77,10 @@ class Report:
 
 
 async def diagnose(master: str, secret: bytes | None = None, *, insecure: bool = False,
-                   p2p_port: int = 0, timeout: float = 10.0) -> Report:
-    """Runs every check against ``master`` and returns the findings."""
+                   p2p_port: int = 0, timeout: float = 10.0,
+                   identity: _core.Identity | None = None) -> Report:
+    """Runs every check against ``master`` and returns the findings, as ``identity``
+    (this node's key, certificate and trusted run keys; None: a fresh key)."""
     report = Report(master)
     try:
         host, port = split_host_port(master)
@@ -110,8 +112,14 @@ async def diagnose(master: str, secret: bytes | None = None, *, insecure: bool =
     try:
         try:
             async with asyncio.timeout(timeout):
-                await conn.dial(secret, insecure=insecure)
+                await conn.dial(secret, insecure=insecure, identity=identity, group="master")
                 challenge = await conn.recv()
+        except IdentityError as e:
+            report.add(FAIL, "identity", str(e),
+                       "this machine needs a certificate from the run key the master trusts "
+                       "(--key-file, --cert-file), and must trust the run key that signed "
+                       "the master's (--trust); docs/security.md")
+            return report
         except AuthenticationError as e:
             report.add(FAIL, "handshake", str(e),
                        "every node of a run needs the same secret (pccl-master --secret-file "
@@ -132,9 +140,11 @@ async def diagnose(master: str, secret: bytes | None = None, *, insecure: bool =
             return report
         mode = "encrypted (Noise, AES-GCM)" if conn.encrypted else "CLEAR TEXT (insecure)"
         sockname = writer.get_extra_info("sockname")
-        node = await _core.P2PNode.bind(0, sockname[0], p2p_port, secret, insecure=insecure)
+        node = await _core.P2PNode.bind(0, sockname[0], p2p_port, secret, insecure=insecure,
+                                        identity=identity)
         nonce = secrets.token_bytes(16)
-        mac = peer_mac(secret, challenge.nonce, nonce) if secret else b""
+        # (Encrypted, the handshake proved the secret: the MACs are for clear text.)
+        mac = peer_mac(secret, challenge.nonce, nonce) if secret and not conn.encrypted else b""
         async with asyncio.timeout(timeout):
             await conn.send(m.DoctorHello(version=PROTOCOL_VERSION, nonce=nonce, mac=mac,
                                           p2p_port=int(node.port)))
@@ -145,16 +155,22 @@ async def diagnose(master: str, secret: bytes | None = None, *, insecure: bool =
             return report
         if not isinstance(reply, m.DoctorReport):
             raise ProtocolError(f"expected doctor_report, got {reply.TYPE}")
-        if secret is not None and not hmac.compare_digest(
+        if secret is not None and not conn.encrypted and not hmac.compare_digest(
                 reply.mac, master_mac(secret, challenge.nonce, nonce)):
             report.add(FAIL, "secret", "the master could not prove it knows the secret",
                        "someone else may be answering at this address")
             return report
-        report.add(OK if conn.encrypted and secret is not None else WARN, "handshake",
-                   f"{mode}; " + ("the shared secret matches" if secret is not None else
-                                  "no shared secret (anyone who can reach the master may join)"),
-                   "" if conn.encrypted and secret is not None else
-                   "give every node the same secret; keep insecure=False off trusted networks")
+        certified = identity is not None and identity.checks_certs
+        authenticated = secret is not None or certified
+        what = ", ".join(w for w, on in (("the shared secret matches", secret is not None),
+                                         ("the certificates check out both ways", certified))
+                         if on) or "nothing authenticated (anyone who can reach the master " \
+                                   "may join)"
+        report.add(OK if conn.encrypted and authenticated else WARN, "handshake",
+                   f"{mode}; {what}",
+                   "" if conn.encrypted and authenticated else
+                   "give every node the same secret, or certificates; keep insecure=False "
+                   "off trusted networks")
         _nat_findings(report, sockname, reply, int(node.port))
         await _measure(conn, report, timeout)
     except (ConnectionClosed, TimeoutError, PCCLError, OSError) as e:

@@ -433,3 +433,19 @@ async def test_rotating_the_run_key_on_a_running_group(run: Run) -> None:
             await pccl.Communicator(address, trust=both, timeout=5.0,
                                     **run.node("p7", by="run")).connect()
         await masters[-1].stop()
+
+
+async def test_doctor_checks_a_certified_setup(run: Run) -> None:
+    from pccl.doctor import diagnose
+
+    trust = run.trust()
+    async with certified(run, 1, secret=SECRET) as (m, _):
+        p = run.node("checker")
+        me = ident.load(p["key_file"], p["cert_file"], trust)
+        report = await diagnose(m.address, SECRET.encode(), identity=me, timeout=10.0)
+        text = report.render()
+        assert not report.failed, text
+        assert "the shared secret matches, the certificates check out both ways" in text
+        # A fresh key (no certificate): the doctor reports the refusal and its reason.
+        report = await diagnose(m.address, SECRET.encode(), timeout=10.0)
+        assert report.failed and "no certificate" in report.render()

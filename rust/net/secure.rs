@@ -205,6 +205,9 @@ fn noise_params(psk: bool, cipher: Cipher) -> snow::params::NoiseParams {
 struct CheckedDh25519 {
     secret: [u8; 32],
     public: [u8; 32],
+    /// The node's static key pair, known already: `set` with its secret takes its
+    /// public half from here instead of a scalar multiplication per handshake.
+    known: Option<([u8; 32], [u8; 32])>,
 }
 
 impl snow::types::Dh for CheckedDh25519 {
@@ -219,7 +222,10 @@ impl snow::types::Dh for CheckedDh25519 {
     }
     fn set(&mut self, privkey: &[u8]) {
         self.secret.copy_from_slice(&privkey[..32]);
-        self.public = identity::x25519_public(&self.secret);
+        self.public = match self.known {
+            Some((secret, public)) if secret == self.secret => public,
+            _ => identity::x25519_public(&self.secret),
+        };
     }
     fn generate(&mut self, rng: &mut dyn snow::types::Random) -> Result<(), snow::Error> {
         let mut secret = [0u8; 32];
@@ -248,11 +254,21 @@ impl snow::types::Dh for CheckedDh25519 {
 impl Drop for CheckedDh25519 {
     fn drop(&mut self) {
         self.secret.fill(0);
+        if let Some((secret, _)) = &mut self.known {
+            secret.fill(0);
+        }
     }
 }
 
-/// snow's resolver for the suite, with `CheckedDh25519` for the Diffie-Hellman.
-struct Resolver(snow::resolvers::BoxedCryptoResolver);
+/// snow's resolver for the suite, with `CheckedDh25519` for the Diffie-Hellman (told
+/// the node's static key pair).
+struct Resolver(snow::resolvers::BoxedCryptoResolver, ([u8; 32], [u8; 32]));
+
+impl Drop for Resolver {
+    fn drop(&mut self) {
+        self.1 .0.fill(0);
+    }
+}
 
 impl snow::resolvers::CryptoResolver for Resolver {
     fn resolve_rng(&self) -> Option<Box<dyn snow::types::Random>> {
@@ -260,7 +276,10 @@ impl snow::resolvers::CryptoResolver for Resolver {
     }
     fn resolve_dh(&self, choice: &snow::params::DHChoice) -> Option<Box<dyn snow::types::Dh>> {
         match choice {
-            snow::params::DHChoice::Curve25519 => Some(Box::<CheckedDh25519>::default()),
+            snow::params::DHChoice::Curve25519 => Some(Box::new(CheckedDh25519 {
+                known: Some(self.1),
+                ..Default::default()
+            })),
             _ => None,
         }
     }
@@ -293,7 +312,9 @@ fn build_state(
         )),
         Provider::RustCrypto => Box::new(DefaultResolver),
     };
-    let mut builder = snow::Builder::with_resolver(params, Box::new(Resolver(inner)))
+    let key = auth.identity.key();
+    let resolver = Resolver(inner, (*key.secret(), *key.public()));
+    let mut builder = snow::Builder::with_resolver(params, Box::new(resolver))
         .prologue(prologue)
         .map_err(noise_setup)?
         .local_private_key(auth.identity.key().secret())
