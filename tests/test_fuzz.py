@@ -232,7 +232,9 @@ async def test_frames_from_a_stream(stream: bytes, cap: int) -> None:
 
 # --- a live master ----------------------------------------------------------------------
 
-SECRET = b"fuzz-secret"
+# Shared secrets are keys of at least 128 random bits (pccl.identity.check_secret).
+SECRET = b"5f0c1a9e7d3b42c8a6e1f0b97c2d4e3a"
+GUESS = b"c0ffee00d15ea5e5b16b00b5a11ce0de"  # a fake's wrong (strong) secret
 N = 1024  # elements per all-reduce
 
 
@@ -240,7 +242,10 @@ N = 1024  # elements per all-reduce
 class FakePeer:
     """One scripted connection to the master."""
 
-    hello: str  # "none": no handshake; "valid"; or how the hello is wrong
+    # "none": no hello; "valid"; "wrong-secret": the transport handshake with another
+    # secret (refused there); or how the hello is wrong ("bad-mac": encrypted, the
+    # handshake proved the secret and the master ignores the MAC)
+    hello: str
     group: int
     resume: tuple[int, int, int, list[int]]  # resume_peer_id, epoch, revision, peers
     chunks: list[bytes]  # what it sends after the handshake (or instead of it)
@@ -263,7 +268,7 @@ CHUNKS = hs.one_of(
 FAKE_PEERS = hs.builds(
     FakePeer,
     hello=hs.sampled_from(["none", "valid", "valid", "valid", "bad-mac", "bad-version",
-                           "bad-port"]),
+                           "bad-port", "wrong-secret"]),
     group=hs.sampled_from([0, 0, 1, -1, 1 << 62]),
     resume=hs.one_of(
         hs.just((0, 0, -1, [])),
@@ -275,6 +280,10 @@ FAKE_PEERS = hs.builds(
 
 
 async def _run_fake(address: str, fake: FakePeer) -> None:
+    if fake.hello == "wrong-secret":
+        with pytest.raises(pccl.AuthenticationError, match="shared secrets"):
+            await dial_master(address, GUESS)
+        return
     conn = await dial_master(address, SECRET)
     reader, writer = conn.reader, conn.writer
     try:
@@ -288,7 +297,8 @@ async def _run_fake(address: str, fake: FakePeer) -> None:
                 version=PROTOCOL_VERSION + (fake.hello == "bad-version"),
                 peer_group=fake.group, p2p_port=0 if fake.hello == "bad-port" else 9,
                 p2p_host="127.0.0.1", nonce=nonce,
-                mac=peer_mac(SECRET if fake.hello != "bad-mac" else b"x", challenge.nonce, nonce),
+                mac=peer_mac(SECRET if fake.hello != "bad-mac" else GUESS, challenge.nonce,
+                             nonce),
                 resume_peer_id=rid, resume_epoch=epoch, resume_revision=revision,
                 resume_peers=peers)
             conn.send_nowait(hello)
