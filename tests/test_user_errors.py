@@ -84,7 +84,9 @@ def test_master_node_refuses_a_malformed_listen_address(listen: str) -> None:
 
 
 async def test_master_node_with_an_unknown_host_says_so() -> None:
-    master = pccl.MasterNode("no-such-host.invalid:0")
+    # (allow_anonymous: a host name is not loopback, and an anonymous master off
+    # loopback is refused at construction otherwise.)
+    master = pccl.MasterNode("no-such-host.invalid:0", allow_anonymous=True)
     with pytest.raises(pccl.InvalidArgumentError, match="unknown host 'no-such-host.invalid'"):
         await master.start()
 
@@ -199,12 +201,17 @@ async def test_a_bad_per_call_timeout_is_refused_before_anything_is_sent(pccl_cl
 
 
 @pytest.mark.parametrize(("listen", "secret", "warned"), [
-    ("0.0.0.0:0", None, True), ("0.0.0.0:0", b"s3cret", False),
+    ("0.0.0.0:0", None, True), ("0.0.0.0:0", b"5f0c1a9e7d3b42c8a6e1f0b97c2d4e3a", False),
     ("127.0.0.1:0", None, False), ("127.0.0.2:0", None, False)])
 async def test_a_master_open_to_the_network_without_a_secret_warns_loudly(
         caplog: pytest.LogCaptureFixture, listen: str, secret: bytes | None,
         warned: bool) -> None:
-    master = pccl.MasterNode(listen, secret=secret)
+    """Off loopback without a secret, a master must be told allow_anonymous=True (it is
+    refused otherwise), and then warns loudly."""
+    if warned:
+        with pytest.raises(pccl.InvalidUsageError, match="allow_anonymous=True"):
+            pccl.MasterNode(listen, secret=secret)
+    master = pccl.MasterNode(listen, secret=secret, allow_anonymous=warned)
     with caplog.at_level(logging.WARNING, logger="pccl.master.server"):
         await master.start()
         try:
