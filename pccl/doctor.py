@@ -82,6 +82,9 @@ async def diagnose(master: str, secret: bytes | None = None, *, insecure: bool =
     """Runs every check against ``master`` and returns the findings, as ``identity``
     (this node's key, certificate and trusted run keys; None: a fresh key)."""
     report = Report(master)
+    # (One key for the master connection and the p2p listener: the master's dial-back
+    # asks the listener for the key the connection proved.)
+    identity = identity if identity is not None else _core.Identity()
     try:
         host, port = split_host_port(master)
     except PCCLError as e:
@@ -160,7 +163,7 @@ async def diagnose(master: str, secret: bytes | None = None, *, insecure: bool =
             report.add(FAIL, "secret", "the master could not prove it knows the secret",
                        "someone else may be answering at this address")
             return report
-        certified = identity is not None and identity.checks_certs
+        certified = identity.checks_certs
         authenticated = secret is not None or certified
         what = ", ".join(w for w, on in (("the shared secret matches", secret is not None),
                                          ("the certificates check out both ways", certified))

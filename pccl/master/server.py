@@ -26,6 +26,7 @@ from pccl.errors import (
     ErrorKind,
     InvalidArgumentError,
     InvalidUsageError,
+    PCCLError,
     PeerConnectionError,
     ProtocolError,
 )
@@ -43,7 +44,7 @@ from pccl.protocol.auth import (
     split_host_port,
 )
 from pccl.protocol.codec import PRE_HELLO_MAX_FRAME, FrameCache
-from pccl.protocol.transport import ConnectionClosed, FramedConnection
+from pccl.protocol.transport import REACH_PROLOGUE, ConnectionClosed, FramedConnection
 
 if TYPE_CHECKING:
     from pccl.master.status_server import StatusServer
@@ -613,7 +614,8 @@ class MasterNode:
         try:
             host = hello.p2p_host or conn.peername[0]
             p2p_addr = join_host_port(host, hello.p2p_port)
-            reachable = await self._dial_back(host, hello.p2p_port)
+            reachable = await self._dial_back(host, hello.p2p_port,
+                                              conn.remote[0] if conn.remote else None)
             if conn.writer.is_closing() or self._server is None:
                 return None
             self._register(peer_id, conn, hello, server_mac, remote, p2p_addr, reachable,
@@ -695,7 +697,7 @@ class MasterNode:
         conn.max_frame = DOCTOR_MAX_ECHO + 1024
         try:
             reachable = 0 < hello.p2p_port < 65536 and await self._dial_back(
-                host, hello.p2p_port)
+                host, hello.p2p_port, conn.remote[0] if conn.remote else None)
             log.info("doctor from %s: p2p port %d %s", remote, hello.p2p_port,
                      "reachable" if reachable else "not reachable")
             try:
@@ -740,30 +742,40 @@ class MasterNode:
             return None
         return master_mac(self.secret, nonce, hello.nonce)
 
-    async def _dial_back(self, host: str, port: int) -> bool:
+    async def _dial_back(self, host: str, port: int, key: bytes | None) -> bool:
         """Whether a pccl p2p listener answers at host:port (the reachability check:
         it must echo a fresh token). A loopback address cannot be behind NAT: a listener
         there that is only slow to answer (a loaded machine) gets a longer second try
         instead of being taken for NAT."""
-        answered = await self._echo_token(host, port, self.dial_back_timeout)
+        answered = await self._echo_token(host, port, self.dial_back_timeout, key)
         if answered is None and is_loopback_host(host):
             log.info("dial-back of %s:%d timed out on loopback; trying again", host, port)
-            answered = await self._echo_token(host, port, 4 * self.dial_back_timeout)
+            answered = await self._echo_token(host, port, 4 * self.dial_back_timeout, key)
         return bool(answered)
 
-    async def _echo_token(self, host: str, port: int, timeout: float) -> bool | None:
+    async def _echo_token(self, host: str, port: int, timeout: float,
+                          key: bytes | None) -> bool | None:
         """One dial-back: True when the listener echoed the token, False when it failed
-        (refused, closed, a wrong answer), None when it timed out."""
+        (refused, closed, a wrong answer), None when it timed out. ``key``: the static
+        key the peer proved on its control connection; the listener must prove the same
+        key in a secure handshake (as this master, for the group ``master``) and echo
+        the token inside it, so only that peer's own listener passes. None (a clear-text
+        peer): the token is echoed in clear."""
         token = _secrets.token_bytes(16)
         conn: FramedConnection | None = None
         try:
             async with asyncio.timeout(timeout):
                 conn = FramedConnection(*await asyncio.open_connection(host, port))
                 conn.send_handshake_frame(REACH_MAGIC + token)
-                return await conn.handshake_frame() == token
+                if key is None:
+                    return await conn.handshake_frame() == token
+                await conn.dial(self.secret, identity=self.identity, group="peer",
+                                expect=key, prologue=REACH_PROLOGUE)
+                return await conn.recv_exact(len(token)) == token
         except TimeoutError:
             return None
-        except (OSError, ConnectionClosed, ProtocolError):
+        except (OSError, ConnectionClosed, PCCLError) as e:
+            log.debug("dial-back of %s:%d failed: %s", host, port, e)
             return False
         finally:
             if conn is not None:
@@ -975,7 +987,8 @@ class MasterNode:
 
     async def _check_reach(self, cmd: st.CheckReach) -> None:
         host, port = split_host_port(cmd.addr)
-        ok = await self._dial_back(host, port)
+        record = self.state.peers.get(cmd.peer_id)
+        ok = await self._dial_back(host, port, record.key or None if record else None)
         log.info("round %d: peer %d's p2p port %s %s from here", cmd.epoch, cmd.peer_id,
                  cmd.addr, "answers" if ok else "does not answer")
         if self._server is not None:

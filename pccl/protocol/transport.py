@@ -33,6 +33,8 @@ from pccl.protocol.messages import Message
 
 #: Hashed into every control-plane handshake: a p2p handshake cannot be replayed here.
 PROLOGUE = b"pccl control v1"
+#: The master's reachability check of a peer's p2p listener (``rust/net/node.rs``).
+REACH_PROLOGUE = b"pccl reach v1"
 _STATUS_OK = b"\x00"
 _STATUS_TRANSPORT_MISMATCH = bytes([_core.STATUS_TRANSPORT_MISMATCH])
 
@@ -94,10 +96,12 @@ class FramedConnection:
             self.writer.write(len(body).to_bytes(4, "big") + body)
 
     async def dial(self, secret: bytes | None, *, insecure: bool = False,
-                   identity: _core.Identity | None = None, group: str = "master") -> None:
+                   identity: _core.Identity | None = None, group: str = "master",
+                   expect: bytes | None = None, prologue: bytes = PROLOGUE) -> None:
         """The peer's side: opens the connection encrypted (or in clear text when
         ``insecure``) as ``identity`` (None: a fresh key), asking the other end's
-        certificate for ``group`` where ``identity`` checks certificates.
+        certificate for ``group`` where ``identity`` checks certificates, and the static
+        key ``expect`` where given.
         AuthenticationError when the two ends disagree on the secret or on
         ``insecure``; IdentityError when an identity is refused (either way);
         ProtocolError when the other end is not a pccl master; MasterConnectionError
@@ -115,7 +119,7 @@ class FramedConnection:
                     raise MasterConnectionError(
                         "the remote end does not speak the pccl control protocol")
                 return
-            hs = _core.SecureHandshake(True, secret, PROLOGUE, identity, group)
+            hs = _core.SecureHandshake(True, secret, prologue, identity, group, expect)
             self.send_handshake_frame(hs.hello())
             while not hs.done:
                 out, err = hs.on_frame(await self.handshake_frame())
@@ -176,6 +180,14 @@ class FramedConnection:
         out = bytes(self._plain[:n])
         del self._plain[:n]
         return out
+
+    async def recv_exact(self, n: int) -> bytes:
+        """The next ``n`` bytes of the stream, not a message (the reachability echo).
+        ``ConnectionClosed`` on EOF/reset or a failed integrity check."""
+        try:
+            return await self._read(n)
+        except (asyncio.IncompleteReadError, ConnectionError) as e:
+            raise ConnectionClosed(str(e) or "connection closed") from None
 
     async def recv(self) -> Message:
         """Next message. ``ConnectionClosed`` on EOF/reset or a failed integrity check,
@@ -260,4 +272,5 @@ class FramedConnection:
             pass
 
 
-__all__ = ["PROLOGUE", "ConnectionClosed", "FramedConnection", "ProtocolError"]
+__all__ = ["PROLOGUE", "REACH_PROLOGUE", "ConnectionClosed", "FramedConnection",
+           "ProtocolError"]

@@ -16,15 +16,17 @@
 //! reach our listener before any authentication; they wait for their link in a
 //! `ParkingLot` that strangers cannot fill for honest links.
 //!
-//! The listener also answers the master's reachability check (`REACH_MAGIC`).
+//! The listener also answers the master's reachability check (`REACH_MAGIC`), inside a
+//! secure handshake in which it proves its key (`Node::echo_reach`).
 //!
 //! Every task the node spawns is tracked and cancelled by `close()`.
 
 use crate::error::{CoreError, CoreResult};
 use crate::net::frame::write_frame;
 use crate::net::handshake::{self, Purpose, StreamHello};
-use crate::net::identity::{fingerprint_hex, Identity, PublicKey};
-use crate::net::stream::{read_first_frame, P2PStream, Transport};
+use crate::net::identity::{fingerprint_hex, Identity, PublicKey, GROUP_MASTER};
+use crate::net::secure::{secure_accept_first, Auth};
+use crate::net::stream::{read_first_frame, P2PStream, Transport, REACH_PROLOGUE};
 use std::collections::HashMap;
 use std::io;
 use std::net::{IpAddr, SocketAddr};
@@ -697,8 +699,18 @@ impl Node {
             }
         };
         if first.len() == 8 + TOKEN_LEN && first.starts_with(REACH_MAGIC) {
-            // The master checks that our advertised address reaches us: echo its token.
-            let _ = tokio::time::timeout(timeout, write_frame(&mut tcp, &first[8..])).await;
+            // The master checks that our advertised address reaches us.
+            let token = first[8..].to_vec();
+            let echoed = tokio::select! {
+                _ = self.cancel.cancelled() => return,
+                r = tokio::time::timeout(timeout, self.echo_reach(tcp, &token)) => r,
+            };
+            if let Ok(Err(e)) = echoed {
+                log::info!(
+                    "peer {}: reachability check from {remote} failed: {e}",
+                    self.peer_id()
+                );
+            }
             return;
         }
         let slot = if first.len() == 8 + TOKEN_LEN + 2 && first.starts_with(REVERSE_MAGIC) {
@@ -732,6 +744,32 @@ impl Node {
         };
         if let Err(e) = accepted {
             self.log_refused(remote, &e);
+        }
+    }
+
+    /// Answers the master's reachability check: encrypted, a secure handshake in which
+    /// the master proves its identity (a certificate for the group `master`, where
+    /// certificates are checked) and this node proves the key the master saw on its
+    /// control connection, then the token inside it; in clear text, the token echoed.
+    async fn echo_reach(&self, mut tcp: TcpStream, token: &[u8]) -> CoreResult<()> {
+        use tokio::io::AsyncWriteExt;
+        match &self.transport {
+            Transport::Clear => write_frame(&mut tcp, token).await,
+            Transport::Secure(auth) => {
+                let auth = Auth {
+                    group: GROUP_MASTER,
+                    ..(**auth).clone()
+                };
+                let timeout = self.cfg.handshake_timeout;
+                let mut s = secure_accept_first(tcp, None, &auth, REACH_PROLOGUE, timeout).await?;
+                let sent = async {
+                    s.write_all(token).await?;
+                    s.flush().await?;
+                    s.shutdown().await
+                };
+                sent.await
+                    .map_err(|e| CoreError::io("echoing the reachability token", e))
+            }
         }
     }
 
@@ -1920,22 +1958,51 @@ mod tests {
 
     #[tokio::test]
     async fn the_listener_echoes_a_reachability_token() {
-        use tokio::io::AsyncWriteExt;
+        use crate::net::secure::secure_dial_as;
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
         let any: SocketAddr = "127.0.0.1:0".parse().unwrap();
         let b = crate::testutil::known_node(cfg(2, Some(b"k")), any)
             .await
             .unwrap();
-        let mut tcp = TcpStream::connect(b.local_addr()).await.unwrap();
+        // The master asks for the key peer 2 proved on its control connection; a
+        // listener holding another key fails the handshake instead of echoing.
+        for (expect, echoed) in [(b.public_key(), true), ([3u8; 32], false)] {
+            let mut tcp = TcpStream::connect(b.local_addr()).await.unwrap();
+            let mut probe = REACH_MAGIC.to_vec();
+            probe.extend_from_slice(&[9u8; TOKEN_LEN]);
+            write_frame(&mut tcp, &probe).await.unwrap();
+            tcp.flush().await.unwrap();
+            let master = Auth {
+                identity: Identity::ephemeral(),
+                psk: Some(crate::net::secure::psk_from_secret(b"k")),
+                group: crate::net::identity::GROUP_PEER,
+                expect: Some(expect),
+            };
+            let dialed = secure_dial_as(tcp, &master, REACH_PROLOGUE, Duration::from_secs(5)).await;
+            if !echoed {
+                assert!(matches!(dialed, Err(CoreError::Identity(_))), "{dialed:?}");
+                continue;
+            }
+            let mut s = dialed.unwrap();
+            let mut got = [0u8; TOKEN_LEN];
+            s.read_exact(&mut got).await.unwrap();
+            assert_eq!(got, [9u8; TOKEN_LEN]);
+        }
+        b.close().await;
+        // In clear text, the token comes back in clear.
+        let mut c = cfg(3, None);
+        c.insecure = true;
+        let clear = crate::testutil::known_node(c, any).await.unwrap();
+        let mut tcp = TcpStream::connect(clear.local_addr()).await.unwrap();
         let mut probe = REACH_MAGIC.to_vec();
-        probe.extend_from_slice(&[9u8; TOKEN_LEN]);
+        probe.extend_from_slice(&[7u8; TOKEN_LEN]);
         write_frame(&mut tcp, &probe).await.unwrap();
-        tcp.flush().await.unwrap();
         let mut got = Vec::new();
         assert!(crate::net::frame::read_frame(&mut tcp, &mut got, 64)
             .await
             .unwrap());
-        assert_eq!(got, [9u8; TOKEN_LEN]);
-        b.close().await;
+        assert_eq!(got, [7u8; TOKEN_LEN]);
+        clear.close().await;
     }
 
     fn ip(last: u8) -> IpAddr {

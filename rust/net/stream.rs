@@ -127,6 +127,8 @@ delegate_write!(P2PWriteHalf);
 
 /// Hashed into every p2p secure handshake (after `secure::PROLOGUE_LABEL`).
 pub const PROLOGUE: &[u8] = b"pccl p2p v2";
+/// Hashed into the master's reachability check (`node.rs`, `REACH_MAGIC`).
+pub const REACH_PROLOGUE: &[u8] = b"pccl reach v1";
 
 /// How the node's streams are protected: derived once from the node config.
 #[derive(Clone, Debug)]
