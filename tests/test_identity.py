@@ -167,7 +167,7 @@ class Proxy:
 
     async def __aenter__(self) -> Proxy:
         self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
-        self.address = "127.0.0.1:%d" % self.server.sockets[0].getsockname()[1]
+        self.address = f"127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -354,7 +354,7 @@ async def test_an_evil_master_terminating_a_relayed_link_is_detected(run: Run) -
     server = await asyncio.start_server(relay, "127.0.0.1", 0)
     try:
         a.set_peer_keys({2: p2_key})
-        addr = "127.0.0.1:%d" % server.sockets[0].getsockname()[1]
+        addr = f"127.0.0.1:{server.sockets[0].getsockname()[1]}"
         with pytest.raises(pccl.IdentityError, match=evil.fingerprint):
             await a.connect_pool(addr, 2, 1, 1, route="relay", token=b"t" * 16)
         assert terminated and terminated[0].startswith(b"PCCLRLY")
@@ -378,9 +378,8 @@ async def test_revoking_a_node_drops_it_while_the_others_keep_training(run: Run)
         # The master reads the file within a heartbeat, drops the node, tells the rest.
         await m.wait_for(lambda s: victim.peer_id not in s.peers, timeout=20)
         await reduce_exact(comms[:2], tag=2)
-        async with asyncio.timeout(20):
-            while not all(c.identity.denylist_version == 1 for c in comms[:2]):
-                await asyncio.sleep(0.05)
+        # (The master sent the list before anything of the new ring: it is in.)
+        assert all(c.identity.denylist_version == 1 for c in comms[:2])
         assert all(c.identity.is_denied(victim.identity.public_key) for c in comms[:2])
         # It cannot come back: the handshake refuses its key, naming it.
         again = pccl.Communicator(m.address, trust=run.trust(), timeout=5.0,
