@@ -26,6 +26,19 @@ pytestmark = [pytest.mark.netns, pytest.mark.multiprocess,
 
 COUNT = 50_000
 
+# The run's shared secret (a key of at least 128 random bits). The hosts are on a LAN
+# (10.x addresses, not loopback): a master there with nothing to authenticate who joins
+# is refused unless told --allow-anonymous, so the runs here use a secret, which also
+# runs the secure handshake across the namespaces. The master process (``python -m pccl
+# master``, started by pccl.testing.netns) reads it from PCCL_SECRET in the environment it
+# inherits; each peer gets it with --secret-hex.
+SECRET = b"5f0c1a9e7d3b42c8a6e1f0b97c2d4e3a"
+
+
+@pytest.fixture(autouse=True)
+def _run_secret(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PCCL_SECRET", SECRET.decode())
+
 
 class Run:
     def __init__(self, lan: VirtualLan, master: MasterProcess) -> None:
@@ -43,7 +56,7 @@ class Run:
         """Starts a peer; the accepted ones vote it in. Returns it once registered."""
         before = len(self.master.registered)
         proc = await self.lan.spawn_peer(
-            host, self.master.address, reply_timeout=60.0,
+            host, self.master.address, reply_timeout=60.0, secret=SECRET,
             extra_args=["--peer-timeout", "5", "--attempts", "3", *extra])
         await self.master.wait_for(lambda m: len(m.registered) > before)
         if self.peers:
@@ -175,10 +188,14 @@ async def test_a_nat_joiner_fetches_shared_state_from_a_nat_holder_through_the_r
         await run.reduce_exactly("after")
 
 
-async def test_doctor_behind_nat_says_so_and_is_still_ready() -> None:
+async def test_doctor_behind_nat_says_so_and_is_still_ready(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     import subprocess
     import sys
 
+    # This master runs without a secret (the doctor warns of it), explicitly so.
+    monkeypatch.delenv("PCCL_SECRET")
+    monkeypatch.setenv("PCCL_ALLOW_ANONYMOUS", "1")
     async with VirtualLan() as lan:
         run = await Run.start(lan)
         home = await lan.add_nat_host("home")
@@ -192,5 +209,5 @@ async def test_doctor_behind_nat_says_so_and_is_still_ready() -> None:
         assert f"this machine is {home.address}:" in text and "behind NAT" in text
         assert "[warn] reachability: the master could not dial" in text
         # The other warning: this master runs without a secret.
-        assert "no shared secret" in text and "verdict: ready, with 2 warning(s)" in text
+        assert "nothing authenticated" in text and "verdict: ready, with 2 warning(s)" in text
         assert not run.master.registered  # the doctor registered nothing

@@ -25,6 +25,19 @@ HEARTBEAT_INTERVAL = 0.2
 HEARTBEAT_TIMEOUT = 2.0
 SLACK = 2.0  # scheduling headroom on a loaded 2-core machine
 
+# The run's shared secret (a key of at least 128 random bits). The hosts are on a LAN
+# (10.x addresses, not loopback): a master there with nothing to authenticate who joins
+# is refused unless told --allow-anonymous, so the runs here use a secret, which also
+# runs the secure handshake across the namespaces. The master process (``python -m pccl
+# master``, started by pccl.testing.netns) reads it from PCCL_SECRET in the environment it
+# inherits; each peer gets it with --secret-hex.
+SECRET = b"5f0c1a9e7d3b42c8a6e1f0b97c2d4e3a"
+
+
+@pytest.fixture(autouse=True)
+def _run_secret(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PCCL_SECRET", SECRET.decode())
+
 
 class Net:
     """A master host plus peer hosts on one LAN; ``hosts`` maps peer id -> its host."""
@@ -49,7 +62,7 @@ class Net:
         """Starts a peer on ``host``; the accepted peers vote it in (if there are any)."""
         before = len(self.master.registered)
         proc = await self.lan.spawn_peer(
-            host, self.master.address, reply_timeout=30.0,
+            host, self.master.address, reply_timeout=30.0, secret=SECRET,
             extra_args=["--peer-timeout", str(PEER_TIMEOUT), "--attempts", "3"])
         if self.peers:
             await self.master.wait_for(lambda m: len(m.registered) > before)
