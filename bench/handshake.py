@@ -9,8 +9,10 @@ stream, over loopback, in one process (no other load).
    connect, the secure handshake and the stream hello, filed at the listener).
 
 Each is measured per mode the library offers: clear text (``insecure``), anonymous,
-a shared secret and, where this pccl has them, node identities (a certificate signed
-by a run key, checked on every handshake) with and without a secret. Medians and p90
+a shared secret, and node identities (a certificate signed by a run key, checked on
+every handshake) with and without a secret. (The "before" numbers in
+docs/benchmarks.md are this script's first version, at f3308d3, on the build before
+node identities.) Medians and p90
 in milliseconds go to stdout and to --out.
 """
 
@@ -43,10 +45,8 @@ def _modes() -> dict[str, dict[str, Any]]:
         "anonymous": {},
         "secret": {"secret": SECRET},
     }
-    try:
-        from pccl import identity as ident
-    except ImportError:
-        return modes
+    from pccl import identity as ident
+
     tmp = tempfile.mkdtemp(prefix="pccl-hs-bench-")
     run = ident.new_run_key(os.path.join(tmp, "run"))
     for who in ("master", "a", "b"):
@@ -72,17 +72,14 @@ def _identity(mode: dict[str, Any], who: str) -> Any:
 async def control(mode: dict[str, Any], iters: int) -> list[float]:
     secret = mode.get("secret")
     insecure = bool(mode.get("insecure"))
-    new_api = hasattr(core, "Identity")
     accepted: asyncio.Queue[None] = asyncio.Queue()
     master_id, peer_id = _identity(mode, "master"), _identity(mode, "a")
 
     async def serve(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
         conn = FramedConnection(r, w)
         try:
-            if new_api:
-                await conn.accept(secret and secret.encode(), allow_clear=insecure, identity=master_id)
-            else:
-                await conn.accept(secret and secret.encode(), allow_clear=insecure)
+            await conn.accept(secret and secret.encode(), allow_clear=insecure,
+                              identity=master_id)
         finally:
             accepted.put_nowait(None)
             await conn.close()
@@ -95,10 +92,7 @@ async def control(mode: dict[str, Any], iters: int) -> list[float]:
             t0 = time.perf_counter()
             r, w = await asyncio.open_connection("127.0.0.1", port)
             conn = FramedConnection(r, w)
-            if new_api:
-                await conn.dial(secret and secret.encode(), insecure=insecure, identity=peer_id)
-            else:
-                await conn.dial(secret and secret.encode(), insecure=insecure)
+            await conn.dial(secret and secret.encode(), insecure=insecure, identity=peer_id)
             out.append(time.perf_counter() - t0)
             await conn.close()
             await accepted.get()
@@ -112,20 +106,14 @@ async def p2p(mode: dict[str, Any], iters: int) -> list[float]:
     kw: dict[str, Any] = {"insecure": bool(mode.get("insecure"))}
     if mode.get("secret"):
         kw["secret"] = mode["secret"].encode()
-    ia, ib = _identity(mode, "a"), _identity(mode, "b")
-    new_api = hasattr(core, "Identity")
-    if new_api:  # every node has a key now; the master's roster names them
-        ia, ib = ia or core.Identity(), ib or core.Identity()
-        kw_a, kw_b = dict(kw, identity=ia), dict(kw, identity=ib)
-    else:
-        kw_a = kw_b = kw
-    a = await core.P2PNode.bind(1, **kw_a)
-    b = await core.P2PNode.bind(2, **kw_b)
+    # Every node has a key; the master's roster names them.
+    ia, ib = _identity(mode, "a") or core.Identity(), _identity(mode, "b") or core.Identity()
+    a = await core.P2PNode.bind(1, **kw, identity=ia)
+    b = await core.P2PNode.bind(2, **kw, identity=ib)
     try:
-        if new_api:
-            keys = {1: ia.public_key, 2: ib.public_key}
-            a.set_peer_keys(keys)
-            b.set_peer_keys(keys)
+        keys = {1: ia.public_key, 2: ib.public_key}
+        a.set_peer_keys(keys)
+        b.set_peer_keys(keys)
         out = []
         for epoch in range(1, iters + 1):
             t0 = time.perf_counter()

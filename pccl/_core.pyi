@@ -22,6 +22,7 @@ __all__ = [
     "TopologyOptimizationFailedError",
     "RevisionIncrementViolationError",
     "AuthenticationError",
+    "IdentityError",
     "ProtocolError",
     "CollectiveAbortedError",
     "hash_root",
@@ -45,6 +46,16 @@ __all__ = [
     "CLEAR_HELLO",
     "MAX_HANDSHAKE_FRAME",
     "STATUS_TRANSPORT_MISMATCH",
+    "Identity",
+    "node_public_key",
+    "run_public_key",
+    "key_fingerprint",
+    "sign_cert",
+    "parse_cert",
+    "sign_denylist",
+    "parse_denylist",
+    "GROUP_PEER",
+    "GROUP_MASTER",
     "P2PNode",
     "RingOp",
 ]
@@ -123,13 +134,13 @@ class SecureHandshake:
     @property
     def done(self) -> bool: ...
     @property
-    def remote(self) -> RemoteInfo | None: ...
+    def remote(self) -> _RemoteInfo | None: ...
     def session(self) -> SecureSession: ...
 
 
 #: (static key, fingerprint, certificate name, certificate groups, not_after): who the
 #: other end of a handshake proved to be (the last three None/[] without certificates).
-RemoteInfo = tuple[bytes, str, str | None, list[str], int | None]
+_RemoteInfo = tuple[bytes, str, str | None, list[str], int | None]
 
 GROUP_PEER: str
 GROUP_MASTER: str
@@ -157,7 +168,7 @@ class Identity:
     @property
     def denylist_version(self) -> int: ...
     def is_denied(self, key: bytes) -> bool: ...
-    def check_remote(self, key: bytes, cert: bytes, group: str) -> RemoteInfo: ...
+    def check_remote(self, key: bytes, cert: bytes, group: str) -> _RemoteInfo: ...
 
 
 def node_public_key(secret_key: bytes) -> bytes: ...

@@ -1080,7 +1080,7 @@ impl ReadState {
     fn advance(&mut self) {
         self.nonce += 1;
         if let Some(key) = &mut self.key {
-            if self.nonce % self.rekey_every == 0 {
+            if self.nonce.is_multiple_of(self.rekey_every) {
                 key.rekey();
             }
         }
@@ -1366,7 +1366,7 @@ impl WriteState {
         };
         self.nonce += 1;
         if let Some(key) = &mut self.key {
-            if self.nonce % self.rekey_every == 0 {
+            if self.nonce.is_multiple_of(self.rekey_every) {
                 key.rekey();
             }
         }

@@ -182,11 +182,12 @@ fn sign_cert<'py>(
     Ok(PyBytes::new(py, &raw))
 }
 
-/// What a certificate says, its signature checked against its own issuer:
-/// (issuer, node_key, name, groups, not_before, not_after).
+/// (issuer, node_key, name, groups, not_before, not_after) of a certificate.
+type CertInfo = (Vec<u8>, Vec<u8>, String, Vec<String>, u64, u64);
+
+/// What a certificate says, its signature checked against its own issuer.
 #[pyfunction]
-#[allow(clippy::type_complexity)]
-fn parse_cert(raw: &[u8]) -> PyResult<(Vec<u8>, Vec<u8>, String, Vec<String>, u64, u64)> {
+fn parse_cert(raw: &[u8]) -> PyResult<CertInfo> {
     let c = Cert::parse(raw)?;
     Ok((
         c.issuer.to_vec(),
@@ -219,10 +220,12 @@ fn sign_denylist<'py>(
     Ok(PyBytes::new(py, &raw))
 }
 
-/// What a denylist says, its signature checked against its own issuer:
-/// (issuer, version, issued_at, fingerprints).
+/// (issuer, version, issued_at, fingerprints) of a denylist.
+type DenylistInfo = (Vec<u8>, u64, u64, Vec<Vec<u8>>);
+
+/// What a denylist says, its signature checked against its own issuer.
 #[pyfunction]
-fn parse_denylist(raw: &[u8]) -> PyResult<(Vec<u8>, u64, u64, Vec<Vec<u8>>)> {
+fn parse_denylist(raw: &[u8]) -> PyResult<DenylistInfo> {
     let d = Denylist::parse(raw)?;
     let mut fps: Vec<Vec<u8>> = d.denied.iter().map(|f| f.to_vec()).collect();
     fps.sort();

@@ -173,7 +173,7 @@ impl SecureSession {
                     .write_message(nonce, piece, &mut buf[at + 4..at + 4 + len])
                     .map_err(|e| CoreError::Protocol(format!("secure session: {e}")))?;
                 nonce += 1;
-                if nonce % secure::REKEY_INTERVAL == 0 {
+                if nonce.is_multiple_of(secure::REKEY_INTERVAL) {
                     transport.rekey_outgoing(); // (Noise REKEY, as the p2p streams do)
                 }
                 at += 4 + len;
@@ -200,7 +200,7 @@ impl SecureSession {
         {
             Ok(n) => {
                 self.read_nonce += 1;
-                if self.read_nonce % secure::REKEY_INTERVAL == 0 {
+                if self.read_nonce.is_multiple_of(secure::REKEY_INTERVAL) {
                     self.transport.rekey_incoming();
                 }
                 Ok(PyBytes::new(py, &plain[..n]))
