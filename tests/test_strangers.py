@@ -214,6 +214,30 @@ async def test_a_stranger_through_the_whole_handshake_learns_nothing(
     assert (group.master.state.accepted(), group.master.state.pending()) == before
 
 
+async def test_a_strangers_reachability_token_is_not_echoed_in_clear(group: Cluster) -> None:
+    """The master's reachability check of a p2p port is a secure handshake in which the
+    listener proves its key: a stranger sending the check's first frame gets no echo
+    (a listener would otherwise answer anyone whether it is a pccl peer)."""
+    from pccl.master.server import REACH_MAGIC
+
+    token = b"\x07" * 16
+    reader, writer = await asyncio.open_connection("127.0.0.1", group.comms[1].p2p_port)
+    got = b""
+    try:
+        writer.write(_frame(REACH_MAGIC + token))
+        await writer.drain()
+        # (The listener waits for the master's hello until its handshake timeout: a
+        # few seconds of silence are enough to see that nothing is echoed.)
+        with contextlib.suppress(TimeoutError, ConnectionError):
+            async with asyncio.timeout(2):
+                got = await reader.read(1 << 16)
+    finally:
+        writer.close()
+        with contextlib.suppress(ConnectionError):
+            await writer.wait_closed()
+    assert token not in got, got
+
+
 async def test_a_stranger_with_the_right_protocol_and_a_wrong_secret_is_told_so() -> None:
     """What a mistaken operator (not an attacker) sees: a typed error naming the secret,
     on the master port and on a p2p port."""
@@ -319,12 +343,14 @@ async def test_a_slow_loopback_listener_is_dialed_again_not_taken_for_nat() -> N
     port = server.sockets[0].getsockname()[1]
     master = pccl.MasterNode(listen="127.0.0.1:0", dial_back_timeout=0.2)
     try:
-        assert await master._dial_back("127.0.0.1", port)
+        # (key None: a clear-text peer's check, the token echoed in clear, as this
+        # listener does; a peer's encrypted check is a secure handshake, rust/net/node.rs.)
+        assert await master._dial_back("127.0.0.1", port, None)
         assert len(seen) == 2
         server.close()
         await server.wait_closed()
         # Refused: no second try, and not reachable.
-        assert not await master._dial_back("127.0.0.1", port)
+        assert not await master._dial_back("127.0.0.1", port, None)
     finally:
         server.close()
         await server.wait_closed()
