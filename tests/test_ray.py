@@ -32,7 +32,7 @@ STEPS = 20  # training steps the run takes at least
 KILL_AT = 3  # the driver kills a peer once every peer has done this many steps
 VICTIM = 1  # the rank it kills
 NUM_PEERS = 3
-SECRET = "ray-test-secret"
+SECRET = "5f0c1a9e7d3b42c8a6e1f0b97c2d4e3a"  # a key of 128 random bits, not a password
 RESULT_MARK = "PCCL-RAY-RESULT "
 
 
@@ -321,7 +321,7 @@ def test_bad_input_fails_with_typed_errors() -> None:
     with pytest.raises(pccl.InvalidArgumentError, match="p2p_connection_pool_size"):
         launch(train, 2, communicator_options={"p2p_connection_pool_size": 0})
     with pytest.raises(pccl.InvalidArgumentError, match="not in communicator_options"):
-        launch(train, 2, communicator_options={"secret": "x"})
+        launch(train, 2, communicator_options={"secret": SECRET})
     with pytest.raises(pccl.InvalidArgumentError, match="max_restarts"):
         launch(train, 2, peer_actor_options={"max_restarts": 5})
     assert not ray.is_initialized()  # checked before any use of Ray ...

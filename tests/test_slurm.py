@@ -50,7 +50,7 @@ def test_derived_port_range() -> None:
 
 def test_dry_run(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     secret = tmp_path / "secret"
-    secret.write_text("s3cret\n")
+    secret.write_text("5f0c1a9e7d3b42c8a6e1f0b97c2d4e3a\n")  # a key, not a password
     env = {"SLURM_JOB_ID": "12345", "SLURM_NTASKS": "4", "SLURM_CPUS_PER_TASK": "2",
            "SLURM_MEM_PER_NODE": "3000", "SLURM_TASKS_PER_NODE": "2(x2)",
            "SLURM_JOB_NODELIST": "n[1-2]", "PATH": os.environ["PATH"]}
