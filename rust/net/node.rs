@@ -449,7 +449,7 @@ pub struct Node {
     transport: Transport,
     /// The static key of each peer, from the master's roster: a stream from (or to)
     /// peer N must prove it holds N's key. Bounded by `MAX_ROSTER`.
-    keys: Mutex<HashMap<u64, PublicKey>>,
+    keys: Mutex<Roster>,
     /// Known only after the master welcomed us; the listener binds before that.
     peer_id: AtomicU64,
     id_known: Notify,
@@ -480,6 +480,13 @@ pub struct Node {
 
 /// Most peer keys a node keeps from the roster (more than any group has peers).
 pub const MAX_ROSTER: usize = 1 << 16;
+
+/// The peers' static keys the master named, with the order they were learned in.
+#[derive(Default)]
+struct Roster {
+    keys: HashMap<u64, (PublicKey, u64)>,
+    seq: u64,
+}
 
 /// Most idle transfer streams kept per source.
 const MAX_IDLE_TRANSFERS: usize = 16;
@@ -535,7 +542,7 @@ impl Node {
             peer_id: AtomicU64::new(cfg.peer_id),
             id_known: Notify::new(),
             transport: Transport::new(cfg.secret.as_deref(), cfg.insecure, cfg.identity.clone()),
-            keys: Mutex::new(HashMap::new()),
+            keys: Mutex::new(Roster::default()),
             cfg,
             local_addr,
             inbound: Mutex::new(HashMap::new()),
@@ -580,16 +587,25 @@ impl Node {
     }
 
     /// Learns peers' static keys from the master's roster (replacing what it said of
-    /// the same ids before). Refused past `MAX_ROSTER` ids.
+    /// the same ids before). Past `MAX_ROSTER` ids the ones learned longest ago are
+    /// forgotten (ids only grow over a run; a forgotten peer's streams are refused
+    /// until the master names it again).
     pub fn set_peer_keys(&self, keys: &[(u64, PublicKey)]) -> CoreResult<()> {
         let mut held = self.keys.lock().unwrap();
         for (id, key) in keys {
-            if held.len() >= MAX_ROSTER && !held.contains_key(id) {
-                return Err(CoreError::InvalidArgument(format!(
-                    "a roster of more than {MAX_ROSTER} peers"
-                )));
+            held.seq += 1;
+            let seq = held.seq;
+            held.keys.insert(*id, (*key, seq));
+        }
+        while held.keys.len() > MAX_ROSTER {
+            let oldest = held
+                .keys
+                .iter()
+                .min_by_key(|(_, (_, s))| *s)
+                .map(|(id, _)| *id);
+            if let Some(id) = oldest {
+                held.keys.remove(&id);
             }
-            held.insert(*id, *key);
         }
         Ok(())
     }
@@ -604,8 +620,8 @@ impl Node {
         if !self.transport.is_secure() {
             return Ok(None);
         }
-        match self.keys.lock().unwrap().get(&id) {
-            Some(k) => Ok(Some(*k)),
+        match self.keys.lock().unwrap().keys.get(&id) {
+            Some((k, _)) => Ok(Some(*k)),
             None => Err(CoreError::Identity(format!(
                 "the master's roster names no key for peer {id}: its streams cannot be \
                  authenticated"
@@ -619,9 +635,9 @@ impl Node {
         let Some(remote) = stream.remote() else {
             return Ok(());
         };
-        match self.keys.lock().unwrap().get(&id) {
-            Some(k) if *k == remote.key => Ok(()),
-            Some(k) => Err(format!(
+        match self.keys.lock().unwrap().keys.get(&id) {
+            Some((k, _)) if *k == remote.key => Ok(()),
+            Some((k, _)) => Err(format!(
                 "it says it is peer {id} but holds key {}, not peer {id}'s key {}",
                 remote.fingerprint(),
                 fingerprint_hex(k)
@@ -2003,6 +2019,25 @@ mod tests {
             .unwrap());
         assert_eq!(got, [7u8; TOKEN_LEN]);
         clear.close().await;
+    }
+
+    #[tokio::test]
+    async fn the_roster_forgets_the_keys_learned_longest_ago_past_its_bound() {
+        let any: SocketAddr = "127.0.0.1:0".parse().unwrap();
+        let n = crate::testutil::known_node(cfg(2, Some(b"k")), any)
+            .await
+            .unwrap();
+        let many: Vec<_> = (100..100 + MAX_ROSTER as u64 + 10)
+            .map(|id| (id, [id as u8; 32]))
+            .collect();
+        n.set_peer_keys(&many).unwrap();
+        assert_eq!(n.keys.lock().unwrap().keys.len(), MAX_ROSTER);
+        // The first learned are gone (the test roster's ids among them), the last kept.
+        assert!(matches!(n.expected_key(1), Err(CoreError::Identity(_))));
+        assert!(matches!(n.expected_key(100), Err(CoreError::Identity(_))));
+        let last = 100 + MAX_ROSTER as u64 + 9;
+        assert_eq!(n.expected_key(last).unwrap(), Some([last as u8; 32]));
+        n.close().await;
     }
 
     fn ip(last: u8) -> IpAddr {

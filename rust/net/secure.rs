@@ -740,8 +740,8 @@ impl Handshake {
             return Err(HandshakeFailure::status(
                 STATUS_TRANSPORT_MISMATCH,
                 CoreError::Authentication(
-                    "secure handshake failed: the peer dials in clear text (insecure=True) and \
-                     we encrypt; both ends must use the same `insecure` setting"
+                    "secure handshake failed: the peer dials in clear text (insecure=True); \
+                     we encrypt and refuse it (that peer must drop insecure=True)"
                         .into(),
                 ),
             ));
