@@ -2,18 +2,25 @@
 //! (the `snow` crate) followed by a record layer. Every p2p stream runs over it (`stream.rs`).
 //!
 //! ```text
-//! dialer   -> acceptor : HELLO_MAGIC[8] | mode u8 | cipher u8 | noise msg 1   (-> [psk,] e)
-//! acceptor -> dialer   : status u8 | noise msg 2                             (<- e, ee)
-//! dialer   -> acceptor : status u8 | encrypt(CONFIRM_LABEL) with nonce 0
+//! dialer   -> acceptor : HELLO_MAGIC[8] | mode u8 | cipher u8 | noise msg 1   (-> e)
+//! acceptor -> dialer   : status u8 | noise msg 2   (<- e, ee, s, es; its certificate)
+//! dialer   -> acceptor : status u8 | noise msg 3   (-> s, se, [psk]; its certificate)
+//! acceptor -> dialer   : status u8 [| reason]      (the verdict)
 //! then both ways       : records, u32 BE length | Noise transport message
 //! ```
 //! Each handshake message is one frame (`frame.rs`, capped at `MAX_HANDSHAKE_FRAME`).
-//! With a pre-shared key the pattern is `Noise_NNpsk0_25519_<cipher>_SHA256` (mutual
-//! authentication by the key); without one `Noise_NN_25519_<cipher>_SHA256` (encrypted
-//! against passive eavesdroppers only). The prologue (`PROLOGUE_LABEL`, then the
-//! caller's context) is hashed into the handshake, so peers with different contexts fail
-//! it. The third message confirms the keys to the acceptor, so both sides learn of a
-//! mismatch in the handshake, as `CoreError::Authentication`.
+//! The pattern is `Noise_XXpsk3_25519_<cipher>_SHA256` with a pre-shared key (from the
+//! group secret, mixed in last: a captured handshake gives nothing to guess it against),
+//! `Noise_XX_25519_<cipher>_SHA256` without. Each end proves its static key (its node
+//! identity, `identity.rs`) and checks the other's as its `Auth` says: the key it
+//! expects (a dialer that knows whom it dials), and the certificate in the payload when
+//! the node trusts run keys. A refusal is `STATUS_REFUSED` and a reason, raised at the
+//! other end as `CoreError::Identity`. Status bytes are not authenticated: what they say
+//! is reported as "the peer, or something on the path, says ...". A Diffie-Hellman
+//! result of all zeros (a low-order point) fails the handshake (`CheckedDh25519`). The
+//! prologue (`PROLOGUE_LABEL`, then the caller's context) is hashed into the handshake,
+//! so peers with different contexts fail it. Message 3 confirms the keys to the
+//! acceptor; the acceptor's first record confirms them (and the PSK) to the dialer.
 //!
 //! Records carry at most `MAX_PLAINTEXT` bytes; the nonce of each direction is a
 //! counter kept by the half that uses it (no lock between the halves), so a modified,
@@ -33,10 +40,12 @@
 //! complete and the peer should see it.
 //!
 //! Reads with room for a whole record take its ciphertext straight into the caller's
-//! buffer and, with the default suite, open it there with ring (`RecvKey`: the
-//! receiving key from the handshake's split), so a received byte is copied once, by the
-//! kernel. A record that one read does not bring whole is finished in the stream's own
-//! buffer. Either way the records on the wire are snow's Noise transport messages.
+//! buffer and, with the default suite, open it there with ring (`DirKey`: each
+//! direction's key from the handshake's split), so a received byte is copied once, by
+//! the kernel. A record that one read does not bring whole is finished in the stream's
+//! own buffer. The default suite seals with ring too, and each direction changes its
+//! key every `REKEY_INTERVAL` records (Noise REKEY). Either way the records on the wire
+//! are Noise transport messages, as snow would make them.
 
 use crate::error::{CoreError, CoreResult};
 use crate::net::frame::{read_frame, write_frame};
