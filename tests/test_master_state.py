@@ -986,6 +986,7 @@ STRAY: dict[str, m.Message] = {
     "doctor_report": m.DoctorReport(observed="1.2.3.4:5", reachable=False, mac=b"",
                                     master_time=0.0),
     "doctor_echo": m.DoctorEcho(payload=b"", reply_bytes=0),
+    "denylist": m.Denylist(data=b"only the master hands these out"),
 }
 # What the master does act on (or, for pong, deliberately ignores).
 HANDLED = {"update_topology", "p2p_report", "coll_init", "coll_done", "pending_query", "leave",
