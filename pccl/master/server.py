@@ -169,7 +169,7 @@ class MasterNode:
         # it asks of every peer (pccl.identity); without trust, a fresh key.
         self.identity = ident.load(key_file, cert_file, trust, denylist)
         # A signed denylist file, watched: a new version is handed to every peer and
-        # the nodes it names are dropped (see _watch_denylist).
+        # the nodes it names are dropped (see _check_denylist_file).
         self.denylist = denylist
         if not isinstance(allow_anonymous, bool):
             raise InvalidArgumentError(
@@ -988,7 +988,8 @@ class MasterNode:
     async def _check_reach(self, cmd: st.CheckReach) -> None:
         host, port = split_host_port(cmd.addr)
         record = self.state.peers.get(cmd.peer_id)
-        ok = await self._dial_back(host, port, record.key or None if record else None)
+        key = record.key if record is not None and record.key else None
+        ok = await self._dial_back(host, port, key)
         log.info("round %d: peer %d's p2p port %s %s from here", cmd.epoch, cmd.peer_id,
                  cmd.addr, "answers" if ok else "does not answer")
         if self._server is not None:
