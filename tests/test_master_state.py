@@ -2119,6 +2119,8 @@ def test_a_pair_whose_hole_punching_failed_is_relayed_at_once_next_time() -> Non
     token_12 = next(t for t, pair in st.relay_tokens.items() if pair == (1, 2))
     assert st.handle(Relayed(token_12)) == []  # the server saw 1 -> 2 fall back
     assert st.punch_failed == {(1, 2)}
+    # What the status page and /api/status show: the link runs through the relay now.
+    assert st.links_now() == {(1, 2): "relay", (2, 1): "punch"}
     report_all(st)
     st.handle(PeerRegistered(3, 0, addr(3)))  # dialable: the next round rebuilds
     out = vote(st, 1) + vote(st, 2)

@@ -1394,6 +1394,13 @@ class MasterState:
         self.paths[(p, nxt)] = route[0]
         return route
 
+    def links_now(self) -> dict[tuple[int, int], str]:
+        """How each ring link of the current rings runs, as an operator should see it:
+        the route the master chose (``paths``), except that a "punch" link whose hole
+        punching failed runs through the relay (``Relayed``), and says so."""
+        return {pair: "relay" if path == "punch" and pair in self.punch_failed else path
+                for pair, path in self.paths.items()}
+
     def _rings_of(self, members: list[int]) -> dict[int, list[int]]:
         """Rings per group: the optimized order where there is one, join order else;
         started where the mesh's ranks start when the mesh's order is a rotation of the

@@ -307,7 +307,7 @@ class RunMonitor:
         m = self.master
         s = m.state
         now = time.monotonic()
-        paths = dict(s.paths)
+        paths = s.links_now()
         ring_of: dict[int, list[int]] = {g: list(r) for g, r in sorted(s.rings.items())}
         nxt: dict[int, int] = {}
         prv: dict[int, int] = {}
