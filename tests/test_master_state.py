@@ -2430,3 +2430,20 @@ def test_the_mesh_order_goes_with_the_ring_or_starts_it(n, first_region, own_ord
         assert isinstance(c, Send) and isinstance(c.msg, m.EstablishP2P)
         assert c.msg.mesh_ids == [mesh[r] for r in algorithms.mesh_partners(rank[c.peer_id], n)]
     assert st.mesh_limits[0] > 0
+
+
+def test_a_peer_this_master_dropped_registering_again_is_no_master_restart() -> None:
+    """Resuming from a ring this master built is a rejoin (a heartbeat drop, a pause);
+    resuming from an older one, after a restart, is a resume (the master-restart count)."""
+    st = run_with([0, 0, 0])
+    epoch = st.epoch
+    lose(st, 3)
+    st.take_notes()
+    st.handle(PeerRegistered(3, 0, addr(3), Resume(epoch, 0, (1, 2, 3))))
+    kinds = [n.kind for n in st.take_notes()]
+    assert "rejoin" in kinds and "resume" not in kinds
+    # A fresh master (restarted) that never built a ring: the same resume is a restart.
+    fresh = MasterState(mesh_max_bytes=0)
+    fresh.handle(PeerRegistered(3, 0, addr(3), Resume(epoch, 0, (1, 2, 3))))
+    kinds = [n.kind for n in fresh.take_notes()]
+    assert "resume" in kinds and "rejoin" not in kinds

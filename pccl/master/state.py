@@ -255,6 +255,7 @@ TIMELINE_NOTES = frozenset({
     "repair",            # the master rebuilt rings on its own: value = epoch
     "round_failed",      # a round gave up (value = epoch) or retries without the dropped
     "resume",            # a peer came back after a master restart; value = its epoch
+    "rejoin",            # a peer this master dropped registered again; value = its epoch
     "no_quorum",         # a round lacked a majority of a group's previous ring; value =
                          # that ring's epoch; peers: the peers sent to their other masters
     "optimized",         # optimize_topology() chose new ring orders (value = its round)
@@ -551,6 +552,9 @@ class MasterState:
         self.phase = Phase.IDLE
         self.votes: set[int] = set()
         self.epoch = 0
+        # The first epoch this master built (None: none yet). A peer resuming from an
+        # epoch at or after it was dropped by this master, not left by a restart.
+        self.first_own_epoch: int | None = None
         self.round: Round | None = None
         self.attempts = 0
         # True when the accepted set changed (a peer left) since the rings were built.
@@ -727,7 +731,10 @@ class MasterState:
             # Epochs must keep increasing across the restart: peers still hold links
             # keyed by their old epochs.
             self.epoch = max(self.epoch, res.epoch)
-            self._note("resume", f"peer {ev.peer_id} came back after a master restart "
+            own = self.first_own_epoch is not None and res.epoch >= self.first_own_epoch
+            how = ("registered again after this master dropped it" if own
+                   else "came back after a master restart")
+            self._note("rejoin" if own else "resume", f"peer {ev.peer_id} {how} "
                        f"(its ring epoch {res.epoch}, shared-state revision {res.revision}, "
                        f"old ring {list(res.peers)})", (ev.peer_id,), ev.peer_group,
                        res.epoch)
@@ -1230,6 +1237,8 @@ class MasterState:
             self._after_repair(out)
             return
         self.epoch += 1
+        if self.first_own_epoch is None:
+            self.first_own_epoch = self.epoch
         self.phase = Phase.ESTABLISH_P2P
         members = sorted(members)  # join order: peer ids are handed out increasingly
         rnd = self.round = Round(self.epoch, members, repair=repair,
