@@ -65,6 +65,11 @@ async def test_status_metrics_and_timeline_follow_the_run(caplog: pytest.LogCapt
         assert metric(text, "pccl_collective_seconds_count") == 4
         assert metric(text, "pccl_collective_bytes_total") == 4 * 1000 * 4
         assert metric(text, "pccl_peers_admitted_total") == 3
+        # Byte totals are counters, and no counter carries a "_created" twin series.
+        families = {f.name: f.type for f in text_string_to_metric_families(text)}
+        assert families["pccl_peer_p2p_tx_bytes"] == "counter"
+        assert families["pccl_peer_p2p_rx_bytes"] == "counter"
+        assert not [line for line in text.splitlines() if "_created" in line]
 
         # A peer leaves: the timeline, the peer count and the drop counter say so.
         gone = cluster.comms[2]
@@ -203,6 +208,7 @@ async def test_peer_metrics_count_links_collectives_and_retries() -> None:
         assert metric(text, "pccl_peer_link_rx_bytes_total", **{"from": str(other.peer_id)}) \
             == infos[0].rx_bytes
         assert metric(text, "pccl_peer_p2p_tx_bytes_total") == infos[0].tx_bytes
+        assert not [line for line in text.splitlines() if "_created" in line]
 
 
 async def test_a_restarted_master_logs_and_counts_the_recovery(

@@ -429,10 +429,12 @@ def _live_gauges(mon: RunMonitor) -> Iterator[Metric]:
     yield relayed
     yield GaugeMetricFamily("pccl_master_uptime_seconds", "Seconds since this master "
                             "started", value=time.time() - mon.started_at)
-    tx = GaugeMetricFamily("pccl_peer_p2p_tx_bytes", "p2p bytes each peer sent (its "
-                           "last heartbeat report)", labels=["peer", "group"])
-    rx = GaugeMetricFamily("pccl_peer_p2p_rx_bytes", "p2p bytes each peer received (its "
-                           "last heartbeat report)", labels=["peer", "group"])
+    # (Counters: they only grow while the peer lives; a peer's restart is a new series
+    # start, which rate() handles as a counter reset.)
+    tx = CounterMetricFamily("pccl_peer_p2p_tx_bytes", "p2p bytes each peer sent (its "
+                             "last heartbeat report)", labels=["peer", "group"])
+    rx = CounterMetricFamily("pccl_peer_p2p_rx_bytes", "p2p bytes each peer received (its "
+                             "last heartbeat report)", labels=["peer", "group"])
     for pid, view in mon.peers.items():
         rec = s.peers.get(pid)
         if rec is not None:

@@ -29,11 +29,12 @@ import collections
 import hmac
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry
+from prometheus_client.core import Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
 from pccl.protocol.auth import join_host_port, split_host_port
@@ -171,6 +172,26 @@ class _Site(web.BaseSite):
             backlog=128)
 
 
+class _WithoutCreated:
+    """The metrics of ``registry`` without prometheus_client's ``*_created`` samples
+    (a gauge per counter and histogram holding its creation time: as many series again,
+    which nothing reads and which read as counts)."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
+
+    def collect(self) -> Iterator[Metric]:
+        for metric in self.registry.collect():
+            metric.samples = [s for s in metric.samples if not s.name.endswith("_created")]
+            yield metric
+
+
+def _without_created(registry: CollectorRegistry) -> CollectorRegistry:
+    exposed = CollectorRegistry(auto_describe=False)
+    exposed.register(_WithoutCreated(registry))
+    return exposed
+
+
 class MetricsServer:
     """``registry`` at ``/metrics`` and ``ok`` at ``/healthz`` on ``listen``; owned by
     whoever starts it (a peer's communicator: ``connect()`` / ``close()``). Subclasses
@@ -194,6 +215,7 @@ class MetricsServer:
     def __init__(self, registry: CollectorRegistry, listen: str,
                  token: str | None = None) -> None:
         self.registry = registry
+        self._exposed = _without_created(registry)
         self.listen = listen
         self.token = token
         self.address = ""  # "host:port" actually bound, once started
@@ -303,7 +325,7 @@ class MetricsServer:
         return response
 
     async def _metrics(self, request: web.Request) -> web.StreamResponse:
-        return web.Response(body=generate_latest(self.registry),
+        return web.Response(body=generate_latest(self._exposed),
                             headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def _healthz(self, request: web.Request) -> web.StreamResponse:
