@@ -249,8 +249,10 @@ def main(argv: list[str] | None = None) -> None:
     demo.add_argument("--log-level", default="WARNING", type=str.upper,
                       choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     doctor = sub.add_parser("doctor", help="check this machine before it joins a run")
-    doctor.add_argument("--master", required=True, metavar="HOST:PORT")
-    doctor.add_argument("--secret-file", type=Path, default=None, metavar="FILE")
+    doctor.add_argument("--master", required=True, metavar="HOST:PORT",
+                        help="the master this machine will join")
+    doctor.add_argument("--secret-file", type=Path, default=None, metavar="FILE",
+                        help="the run's shared secret (the file the master was started with)")
     doctor.add_argument("--insecure", action="store_true",
                         help="check a clear-text setup (Communicator(insecure=True))")
     doctor.add_argument("--key-file", default=None, metavar="FILE",
@@ -261,9 +263,11 @@ def main(argv: list[str] | None = None) -> None:
                         help="run-key files the master's certificate must come from")
     doctor.add_argument("--p2p-port", type=int, default=0, metavar="PORT",
                         help="the p2p port this peer will listen on (0: any)")
-    doctor.add_argument("--timeout", type=float, default=10.0, metavar="S")
+    doctor.add_argument("--timeout", type=float, default=10.0, metavar="S",
+                        help="seconds for each check (%(default)s)")
     doctor.add_argument("--log-level", default="ERROR", type=str.upper,
-                        choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+                        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+                        help="what pccl logs while checking (%(default)s)")
     from pccl import keys_cli
 
     keys_cli.add_commands(sub)

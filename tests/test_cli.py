@@ -303,3 +303,22 @@ def test_booleans_can_be_turned_off_by_flag(argv: list[str], env: dict[str, str]
 ])
 def test_the_log_level(argv: list[str], env: dict[str, str], level: int) -> None:
     assert cli._log_level(parse(*argv), env) == level
+
+
+def test_every_doctor_option_says_what_it_is_for(capsys: pytest.CaptureFixture[str]) -> None:
+    from pccl.__main__ import main
+
+    with pytest.raises(SystemExit) as done:
+        main(["doctor", "--help"])
+    assert done.value.code == 0
+    text = capsys.readouterr().out
+    options = [line.split()[0] for line in text.splitlines() if line.startswith("  --")]
+    assert "--master" in options and "--trust" in options
+    # argparse puts a documented option's help after its flag (or on the next line):
+    # every option line is followed by words, not straight by the next option.
+    lines = text.splitlines()
+    for i, line in enumerate(lines):
+        if line.startswith("  --") and line.split()[0] != "--help":
+            flag_only = len(line.split()) <= 2
+            nxt = lines[i + 1] if i + 1 < len(lines) else ""
+            assert not flag_only or (nxt.strip() and not nxt.lstrip().startswith("-")), line
