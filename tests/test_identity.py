@@ -448,3 +448,13 @@ async def test_doctor_checks_a_certified_setup(run: Run) -> None:
         # A fresh key (no certificate): the doctor reports the refusal and its reason.
         report = await diagnose(m.address, SECRET.encode(), timeout=10.0)
         assert report.failed and "no certificate" in report.render()
+
+
+async def test_a_peer_logs_its_id_and_key_when_it_registers(
+        run: Run, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="pccl.communicator")
+    async with certified(run, 1) as (m, comms):
+        (comm,) = comms
+        want = (f"peer {comm.peer_id}: registered with the master at {m.address} (group 0, "
+                f"p2p port {comm.p2p_port}, encrypted, key {run.fingerprint('p1')})")
+        assert want in caplog.text

@@ -310,6 +310,10 @@ class Driver:
         self._heartbeat_timeout = reply.heartbeat_timeout
         # The p2p node learns its id now; streams are only dialed after this point.
         self._node.set_peer_id(reply.peer_id)
+        log.info("peer %d: registered with the master at %s (group %d, p2p port %d, %s, key "
+                 "%s)", reply.peer_id, self._master_addr, self.peer_group, self._node.port,
+                 "encrypted" if conn.session is not None else "clear text",
+                 self.identity.fingerprint)
         self._waiters[ps.ACCEPT] = asyncio.get_running_loop().create_future()
         self._feed(ps.Welcomed(reply.peer_id))
         self._reader = asyncio.create_task(self._read_loop(conn), name=f"pccl-peer-{self.peer_id}")
