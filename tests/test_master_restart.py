@@ -208,3 +208,17 @@ async def test_sigkilled_master_process_is_replaced(pccl_peer_process) -> None:
             with contextlib.suppress(ProcessLookupError):
                 proc.kill()
             await proc.wait()
+
+
+async def test_a_stopped_master_is_reported_in_words(
+        pccl_cluster, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level("WARNING", logger="pccl.communicator")
+    cluster = await pccl_cluster(1, master_kwargs=FAST_MASTER)
+    (comm,) = cluster.comms
+    await restart(cluster)
+    async with asyncio.timeout(30):  # (waits until the peer registered again)
+        assert await comm.are_peers_pending() is False
+    assert comm.reconnects == 1
+    assert "lost the connection to the master (the other end closed the connection)" \
+        in caplog.text
+    assert "bytes read on a total" not in caplog.text

@@ -39,6 +39,19 @@ _STATUS_OK = b"\x00"
 _STATUS_TRANSPORT_MISMATCH = bytes([_core.STATUS_TRANSPORT_MISMATCH])
 
 
+def _closed(e: Exception, when: str = "") -> str:
+    """What a failed read means, in words: asyncio says "0 bytes read on a total of 4
+    expected bytes" for a clean close."""
+    where = f" {when}" if when else ""
+    if isinstance(e, asyncio.IncompleteReadError):
+        if not e.partial:
+            return f"the other end closed the connection{where}"
+        return f"the other end closed the connection{where}, in the middle of a message"
+    if isinstance(e, ConnectionResetError):
+        return f"the connection was reset{where}"
+    return f"{e or 'the connection failed'}{where}"
+
+
 class ConnectionClosed(Exception):
     """The remote end closed the connection (cleanly or not), or the connection failed
     its integrity check."""
@@ -88,7 +101,7 @@ class FramedConnection:
             return await self.reader.readexactly(
                 parse_length(prefix, _core.MAX_HANDSHAKE_FRAME))
         except (asyncio.IncompleteReadError, ConnectionError) as e:
-            raise ConnectionClosed(str(e) or "connection closed during the handshake") from None
+            raise ConnectionClosed(_closed(e, "during the handshake")) from None
 
     def send_handshake_frame(self, body: bytes) -> None:
         """Queues one handshake frame (length-prefixed, outside any record layer)."""
@@ -187,7 +200,7 @@ class FramedConnection:
         try:
             return await self._read(n)
         except (asyncio.IncompleteReadError, ConnectionError) as e:
-            raise ConnectionClosed(str(e) or "connection closed") from None
+            raise ConnectionClosed(_closed(e)) from None
 
     async def recv(self) -> Message:
         """Next message. ``ConnectionClosed`` on EOF/reset or a failed integrity check,
@@ -196,7 +209,7 @@ class FramedConnection:
             prefix = await self._read(4)
             body = await self._read(parse_length(prefix, self.max_frame))
         except (asyncio.IncompleteReadError, ConnectionError) as e:
-            raise ConnectionClosed(str(e) or "connection closed") from None
+            raise ConnectionClosed(_closed(e)) from None
         except ProtocolError as e:
             if self.session is None:
                 raise
