@@ -420,6 +420,17 @@ def test_no_early_start_after_a_failure_until_the_ring_is_rebuilt() -> None:
     assert fresh.early_op == m.early_op_id(2, 0, 0) and fresh.epoch == 2
 
 
+def test_a_repaired_ring_not_taken_over_is_routine_news_not_a_warning() -> None:
+    mc = accepted()
+    out = cmds(mc, ps.FromMaster(world([1, 2], 2)),
+               ps.FromMaster(m.TopologyUpdated(epoch=2, repair=True)),
+               ps.RingInstalled(2, 1, "no pool to peer 2 for epoch 2"))
+    logs = [c for c in out if isinstance(c, ps.Log)]
+    assert [log.info for log in logs] == [True]
+    assert "no pool to peer 2 for epoch 2" in logs[0].message
+    assert "repairs again" in logs[0].message
+
+
 def test_an_early_start_waits_while_a_ring_is_being_installed() -> None:
     mc = accepted()
     cmds(mc, ps.FromMaster(world([1, 2], 2)),

@@ -377,7 +377,7 @@ class Driver:
             self._spawn(self._rejoin(), f"pccl-rejoin-{self.peer_id}")
         elif isinstance(c, ps.Log):
             if self.state is not PeerState.CLOSED:
-                log.warning("%s", c.message)
+                log.log(logging.INFO if c.info else logging.WARNING, "%s", c.message)
         else:  # pragma: no cover - the type union is closed
             raise TypeError(c)
 

@@ -355,9 +355,10 @@ class Rejoin:
 
 @dataclasses.dataclass(frozen=True)
 class Log:
-    """Something worth a warning in the driver's log."""
+    """Something for the driver's log: a warning, or (``info``) routine news."""
 
     message: str
+    info: bool = False
 
 
 Command = (Send | Resolve | Fail | Establish | InstallRing | RunRing | AbortRing | ArmRing
@@ -796,7 +797,11 @@ class PeerMachine:
         self.epoch = max(self.epoch, msg.epoch)
         if msg.repair:
             if error:
-                out.append(Log(f"peer {self.peer_id}: {error}"))
+                # Routine: a repair's ring may lose another member before it is taken
+                # over (its pool never comes); the master repairs again.
+                out.append(Log(f"peer {self.peer_id}: the repaired ring of epoch "
+                               f"{msg.epoch} was not taken over ({error}); the master "
+                               "repairs again", info=True))
             return  # the master rebuilt the ring on its own: no call waits for this
         if self.status in (Status.REGISTERED, Status.RECONNECTING):
             if error:
