@@ -458,3 +458,27 @@ async def test_a_peer_logs_its_id_and_key_when_it_registers(
         want = (f"peer {comm.peer_id}: registered with the master at {m.address} (group 0, "
                 f"p2p port {comm.p2p_port}, encrypted, key {run.fingerprint('p1')})")
         assert want in caplog.text
+
+
+async def test_refused_handshakes_are_counted_and_their_warnings_rate_limited(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A stranger with the wrong secret, thirty times: thirty in the metric, one warning
+    in the log (a flood would fill the disk otherwise)."""
+    caplog.set_level(logging.WARNING, logger="pccl.master")
+    async with pccl.MasterNode("127.0.0.1:0", secret=SECRET, status_listen="127.0.0.1:0",
+                               **FAST) as m:
+        host, port = m.address.rsplit(":", 1)
+        for _ in range(30):
+            conn = FramedConnection(*await asyncio.open_connection(host, int(port)))
+            # (The master refuses the identity message and counts it before its
+            # refusal can reach the dialer.)
+            with pytest.raises(pccl.AuthenticationError):
+                await conn.dial(OTHER_SECRET.encode())
+            await conn.close()
+        url = f"http://{m.status_address}/metrics"
+        body = await asyncio.to_thread(lambda: urllib.request.urlopen(url, timeout=10).read())
+        text = body.decode()
+        assert 'pccl_handshakes_refused_total{reason="secret"} 30.0' in text, text
+        refusals = [r for r in caplog.records if "refused" in r.getMessage()]
+        assert len(refusals) == 1, [r.getMessage() for r in refusals]
+        assert "handshakes refused so far: 1 secret" in refusals[0].getMessage()

@@ -7,6 +7,7 @@ timeouts; everything else is decided by :class:`pccl.master.state.MasterState`.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import errno
 import hmac
@@ -24,6 +25,7 @@ from pccl import identity as ident
 from pccl.errors import (
     AuthenticationError,
     ErrorKind,
+    IdentityError,
     InvalidArgumentError,
     InvalidUsageError,
     PCCLError,
@@ -283,6 +285,9 @@ class MasterNode:
         self._pending = Budget(self.max_pending, self.max_pending_per_source)
         self._doctors = Budget(self.max_doctors, 1)
         self._refusals_logged = 0.0
+        # Handshakes this master refused, by reason (pccl_handshakes_refused_total).
+        self.refused_handshakes: collections.Counter[str] = collections.Counter()
+        self._handshakes_logged = 0.0
         self._quorum_warned = False
         self._changed = asyncio.Event()
         self._address = ""
@@ -545,16 +550,30 @@ class MasterNode:
         else:
             log.debug("%s", text)
 
+    def _refuse_handshake(self, reason: str, text: str) -> None:
+        """A handshake refused or dropped: counted by ``reason`` and logged as a warning
+        at most every 10 s, with the counts so far (strangers and scanners make these by
+        the thousand); the others at DEBUG."""
+        self.refused_handshakes[reason] += 1
+        now = time.monotonic()
+        if now - self._handshakes_logged >= 10.0:
+            self._handshakes_logged = now
+            counts = ", ".join(f"{n} {r}" for r, n in sorted(self.refused_handshakes.items()))
+            log.warning("%s (handshakes refused so far: %s; the next 10 s only at DEBUG)",
+                        text, counts)
+        else:
+            log.debug("%s", text)
+
     async def _first_frame(self, conn: FramedConnection) -> bytes | None:
         remote = "{}:{}".format(*conn.peername)
         try:
             async with asyncio.timeout(self.handshake_timeout):
                 return await conn.handshake_frame()
         except TimeoutError:
-            log.warning("connection from %s dropped: no handshake within %.1fs",
-                        remote, self.handshake_timeout)
+            self._refuse_handshake("timeout", f"connection from {remote} dropped: no "
+                                              f"handshake within {self.handshake_timeout}s")
         except ProtocolError as e:
-            log.warning("connection from %s dropped: %s", remote, e)
+            self._refuse_handshake("garbage", f"connection from {remote} dropped: {e}")
         except ConnectionClosed:
             pass
         return None
@@ -572,18 +591,21 @@ class MasterNode:
                                             standby=self.state.standby,
                                             max_frame=self.max_frame))
                 hello = await conn.recv()
+        except IdentityError as e:
+            self._refuse_handshake("identity", f"connection from {remote} refused: {e}")
+            return None
         except AuthenticationError as e:
-            log.warning("connection from %s refused: %s", remote, e)
+            self._refuse_handshake("secret", f"connection from {remote} refused: {e}")
             return None
         except PeerConnectionError as e:
-            log.warning("connection from %s dropped: %s", remote, e)
+            self._refuse_handshake("garbage", f"connection from {remote} dropped: {e}")
             return None
         except TimeoutError:
-            log.warning("connection from %s dropped: no handshake within %.1fs",
-                        remote, self.handshake_timeout)
+            self._refuse_handshake("timeout", f"connection from {remote} dropped: no "
+                                              f"handshake within {self.handshake_timeout}s")
             return None
         except ProtocolError as e:
-            log.warning("connection from %s dropped: %s", remote, e)
+            self._refuse_handshake("garbage", f"connection from {remote} dropped: {e}")
             return None
         except ConnectionClosed:
             return None

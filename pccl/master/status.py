@@ -423,6 +423,12 @@ def _live_gauges(mon: RunMonitor) -> Iterator[Metric]:
                             value=len(s.syncs))
     yield GaugeMetricFamily("pccl_relayed_streams", "Ring-link streams relayed now",
                             value=mon.master.relayed_streams)
+    refused = CounterMetricFamily("pccl_handshakes_refused", "Connections refused or dropped "
+                                  "in the handshake, by reason (secret, identity, timeout, "
+                                  "garbage)", labels=["reason"])
+    for reason in ("secret", "identity", "timeout", "garbage"):
+        refused.add_metric([reason], mon.master.refused_handshakes.get(reason, 0))
+    yield refused
     relayed = CounterMetricFamily("pccl_relayed_bytes", "Bytes relayed so far (both "
                                   "directions)")
     relayed.add_metric([], mon.master.relayed_bytes)
