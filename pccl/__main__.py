@@ -16,6 +16,7 @@ import logging
 import os
 import resource
 import signal
+import socket
 import sys
 from collections.abc import Mapping
 from pathlib import Path
@@ -25,6 +26,7 @@ from pccl import config
 from pccl._logging import parse_level
 from pccl.errors import InvalidArgumentError, PCCLError
 from pccl.master.server import MasterNode
+from pccl.protocol.auth import join_host_port, split_host_port
 
 
 def _version() -> str:
@@ -193,13 +195,23 @@ def _raise_fd_limit() -> None:
             resource.setrlimit(resource.RLIMIT_NOFILE, (min(want, 1 << 20), hard))
 
 
+def status_url(address: str) -> str:
+    """The status page's URL to print: a wildcard listen address (0.0.0.0, ::) is no
+    place to browse to, so this machine's name is shown, and the loopback URL."""
+    host, port = split_host_port(address)
+    if host in ("0.0.0.0", "::", ""):
+        return (f"http://{socket.gethostname()}:{port}/ (every interface; from this machine "
+                f"http://127.0.0.1:{port}/)")
+    return f"http://{join_host_port(host, port)}/"
+
+
 async def _run_master(args: argparse.Namespace) -> None:
     _raise_fd_limit()
     master = MasterNode.from_env(os.environ, **master_overrides(args, os.environ))
     await master.start()
     print(f"pccl master listening on {master.address}", flush=True)
     if master.status_address is not None:
-        print(f"status page on http://{master.status_address}/", flush=True)
+        print(f"status page on {status_url(master.status_address)}", flush=True)
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -322,3 +322,16 @@ def test_every_doctor_option_says_what_it_is_for(capsys: pytest.CaptureFixture[s
             flag_only = len(line.split()) <= 2
             nxt = lines[i + 1] if i + 1 < len(lines) else ""
             assert not flag_only or (nxt.strip() and not nxt.lstrip().startswith("-")), line
+
+
+def test_the_status_url_printed_is_one_to_browse_to() -> None:
+    import socket
+
+    from pccl.__main__ import status_url
+
+    assert status_url("127.0.0.1:48180") == "http://127.0.0.1:48180/"
+    assert status_url("[::1]:48180") == "http://[::1]:48180/"
+    shown = status_url("0.0.0.0:48180")
+    assert "0.0.0.0" not in shown
+    assert shown.startswith(f"http://{socket.gethostname()}:48180/")
+    assert "http://127.0.0.1:48180/" in shown
