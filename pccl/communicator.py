@@ -144,6 +144,7 @@ class Communicator(Driver):
         cert_file: str | None = None,
         trust: str | None = None,
         allow_anonymous: bool = False,
+        name: str | None = None,
     ) -> None:
         check_int(p2p_connection_pool_size, "p2p_connection_pool_size", 1, 64)
         check_int(peer_group, "peer_group", 0, (1 << 32) - 1)
@@ -155,14 +156,14 @@ class Communicator(Driver):
         check_int(via_master_max_bytes, "via_master_max_bytes", 0, 1 << 20)
         masters = master_addresses(master)
         self.collective_timeout = check_deadline(collective_timeout, "collective_timeout")
-        for name, value in (("timeout", timeout), ("p2p_timeout", p2p_timeout),
+        for what, value in (("timeout", timeout), ("p2p_timeout", p2p_timeout),
                             ("peer_timeout", peer_timeout)):
-            check_seconds(value, name)
+            check_seconds(value, what)
         check_seconds(reconnect_timeout, "reconnect_timeout", zero_ok=True)
-        for name, flag in (("insecure", insecure), ("allow_relay", allow_relay),
+        for what, flag in (("insecure", insecure), ("allow_relay", allow_relay),
                            ("allow_anonymous", allow_anonymous)):
             if not isinstance(flag, bool):
-                raise _core.InvalidArgumentError(f"{name} must be a bool, got {flag!r}")
+                raise _core.InvalidArgumentError(f"{what} must be a bool, got {flag!r}")
         self.master = master
         # Where this peer registers, in order of preference (several: it fails over).
         self.masters = masters
@@ -175,6 +176,12 @@ class Communicator(Driver):
         # it asks of the master and of every other peer; without them, a fresh key.
         self.identity = identity.load(key_file, cert_file, trust)
         self.allow_anonymous = allow_anonymous
+        if name is not None and (not isinstance(name, str) or not 0 < len(name) <= 64
+                                 or not name.isprintable()):
+            raise _core.InvalidArgumentError(
+                f"Communicator(name=...) must be 1 to 64 printable characters, got {name!r}")
+        # What the operator calls this peer (status page, the master's log).
+        self.name = name
         if self.secret is None and not self.identity.checks_certs and not allow_anonymous:
             remote = [a for a in masters if not is_loopback_host(split_host_port(a)[0])]
             if remote:

@@ -71,6 +71,7 @@ RENAMED: dict[str, str] = {
     "p2p_connection_pool_size": "PCCL_POOL_SIZE",
     "p2p_listen_port": "PCCL_P2P_PORT",
     "listen": "PCCL_MASTER_LISTEN",
+    "name": "PCCL_PEER_NAME",
 }
 
 #: Parameters that hold a secret: the value is never logged, and it may come from a
@@ -115,6 +116,8 @@ _HELP: dict[str, str] = {
     "allow_relay": "whether ring links may go through the master's relay",
     "metrics_listen": "`host:port` of this peer's Prometheus `/metrics` (none: off)",
     "metrics_token": "bearer token this peer's `/metrics` asks for; needed off loopback",
+    "name": "what the operator calls this peer (status page, the master's log); a "
+            "certificate's name takes precedence",
     # both
     "secret": "shared secret of the run, the same on every node: a key of at least 128 "
               "random bits (`pccl secret new`), not a password",

@@ -51,6 +51,7 @@ COMMUNICATOR_VARIABLES = {
     "cert_file": "PCCL_CERT_FILE",
     "trust": "PCCL_TRUST",
     "allow_anonymous": "PCCL_ALLOW_ANONYMOUS",
+    "name": "PCCL_PEER_NAME",
 }
 MASTER_VARIABLES = {
     "listen": "PCCL_MASTER_LISTEN",

@@ -482,3 +482,31 @@ async def test_refused_handshakes_are_counted_and_their_warnings_rate_limited(
         refusals = [r for r in caplog.records if "refused" in r.getMessage()]
         assert len(refusals) == 1, [r.getMessage() for r in refusals]
         assert "handshakes refused so far: 1 secret" in refusals[0].getMessage()
+
+
+async def test_a_peer_is_shown_by_name_and_a_certificate_name_wins(run: Run) -> None:
+    def names(status: dict[str, Any]) -> dict[int, str | None]:
+        return {p["id"]: p["name"] for p in status["peers"]}
+
+    async def status_of(m: pccl.MasterNode) -> dict[str, Any]:
+        url = f"http://{m.status_address}/api/status"
+        body = await asyncio.to_thread(lambda: urllib.request.urlopen(url, timeout=10).read())
+        return dict(json.loads(body))
+
+    async with pccl.MasterNode("127.0.0.1:0", status_listen="127.0.0.1:0", **FAST) as m:
+        a = pccl.Communicator(m.address, name="alice's laptop")
+        b = pccl.Communicator(m.address)
+        try:
+            await connect_all(m, [a, b])
+            assert names(await status_of(m)) == {a.peer_id: "alice's laptop", b.peer_id: None}
+        finally:
+            await a.close()
+            await b.close()
+    with pytest.raises(pccl.InvalidArgumentError, match="printable"):
+        pccl.Communicator("127.0.0.1:1", name="bad\nname")
+    # With certificates, what a peer says it is called does not matter.
+    async with certified(run, 0, status_listen="127.0.0.1:0") as (m, _):
+        trust = run.trust()
+        async with pccl.Communicator(m.address, trust=trust, name="the master",
+                                     **run.node("p1")) as c:
+            assert names(await status_of(m)) == {c.peer_id: "p1"}

@@ -672,11 +672,16 @@ class MasterNode:
         how = ("registered" if resume is None else
                f"re-registered (was peer {hello.resume_peer_id}, revision "
                f"{hello.resume_revision})")
-        joined = (f"peer {peer_id} {how} from {remote} (group {hello.peer_group}, p2p "
+        name = "".join(c for c in hello.name if c.isprintable())
+        cert_name = conn.remote[2] if conn.remote is not None else None
+        if cert_name is not None:
+            name = cert_name  # (the certificate's, not what the peer says)
+        named = f" {name!r}" if name else ""
+        joined = (f"peer {peer_id}{named} {how} from {remote} (group {hello.peer_group}, p2p "
                   f"{p2p_addr}{'' if reachable else ': not reachable from here, behind NAT?'}"
                   f", {'encrypted' if conn.encrypted else 'clear text'})")
         log.info("%s", joined)
-        self.monitor.connected(peer_id, remote, conn.encrypted, joined)
+        self.monitor.connected(peer_id, remote, conn.encrypted, joined, name or None)
         if hello.masters > 1 and not self.state.quorum_on and not self._quorum_warned:
             self._quorum_warned = True
             log.warning("peer %d fails over between %d masters, but this master counts no "
@@ -687,8 +692,8 @@ class MasterNode:
                             for port in hello.p2p_punch_ports[:16] if 0 < port < 65536)
         key = conn.remote[0] if conn.remote is not None else b""
         if conn.remote is not None:
-            _, fp, name, _, not_after = conn.remote
-            self.monitor.identified(peer_id, fp, name, not_after)
+            _, fp, cert_name, _, not_after = conn.remote
+            self.monitor.identified(peer_id, fp, cert_name, not_after)
         denylist = self.identity.denylist
         if denylist is not None:
             conn.send_nowait(m.Denylist(data=denylist))

@@ -130,6 +130,8 @@ class PeerView:
     # The static key it proved (fingerprint), and its certificate's name and expiry
     # (unix seconds) when the master checks certificates.
     fingerprint: str | None = None
+    # What the operator calls it: its certificate's name, else what it said (name=).
+    name: str | None = None
     cert_name: str | None = None
     cert_not_after: int | None = None
 
@@ -206,9 +208,10 @@ class RunMonitor:
             self.timeline_bytes -= self._sizes.popleft()
         self.changed.set()
 
-    def connected(self, peer_id: int, remote: str, encrypted: bool, text: str) -> None:
+    def connected(self, peer_id: int, remote: str, encrypted: bool, text: str,
+                  name: str | None = None) -> None:
         now = time.monotonic()
-        self.peers[peer_id] = PeerView(remote, encrypted, time.time(), now)
+        self.peers[peer_id] = PeerView(remote, encrypted, time.time(), now, name=name)
         self.add("joined", text, (peer_id,))
 
     def identified(self, peer_id: int, fingerprint: str, name: str | None,
@@ -331,6 +334,7 @@ class RunMonitor:
                 "control_address": view.remote if view else None,
                 "reachable": rec.reachable,
                 "encrypted": view.encrypted if view else None,
+                "name": view.name if view else None,
                 "key_fingerprint": view.fingerprint if view else None,
                 "cert_name": view.cert_name if view else None,
                 "cert_not_after": view.cert_not_after if view else None,

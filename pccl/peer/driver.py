@@ -56,6 +56,7 @@ class Driver:
     p2p_connection_pool_size: int
     secret: bytes | None
     identity: _core.Identity
+    name: str | None
     p2p_listen_host: str | None
     p2p_listen_port: int
     p2p_advertise_host: str | None
@@ -290,7 +291,7 @@ class Driver:
                     p2p_punch_ports=[int(p) for p in self._node.punch_ports],
                     masters=len(self.masters), resume_base_epoch=base_epoch,
                     resume_base_peers=base_peers, resume_more_epochs=[e for e, _ in more],
-                    resume_more_peers=[r for _, r in more])))
+                    resume_more_peers=[r for _, r in more], name=self.name or "")))
                 reply = await conn.recv()
         except TimeoutError:
             raise MasterConnectionError(

@@ -108,6 +108,9 @@ class Hello(Message):
     resume_base_peers: list[int] = dataclasses.field(default_factory=list)
     resume_more_epochs: list[int] = dataclasses.field(default_factory=list)
     resume_more_peers: list[list[int]] = dataclasses.field(default_factory=list)
+    # What the operator calls this peer (Communicator(name=), PCCL_PEER_NAME): shown on
+    # the status page and in the master's log; a certificate's name takes precedence.
+    name: Annotated[str, Bound(64, clip=True)] = ""
 
 
 @message
