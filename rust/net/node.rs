@@ -1566,15 +1566,21 @@ mod tests {
         }
     }
 
+    /// A test node bound on loopback, knowing every test node's key.
+    async fn bound(cfg: NodeConfig) -> Arc<Node> {
+        crate::testutil::known_node(cfg, "127.0.0.1:0".parse().unwrap())
+            .await
+            .unwrap()
+    }
+
+    async fn node(id: u64, secret: Option<&[u8]>) -> Arc<Node> {
+        bound(cfg(id, secret)).await
+    }
+
     #[tokio::test]
     async fn pools_connect_and_are_filed_on_both_ends() {
-        let any: SocketAddr = "127.0.0.1:0".parse().unwrap();
-        let a = crate::testutil::known_node(cfg(1, Some(b"k")), any)
-            .await
-            .unwrap();
-        let b = crate::testutil::known_node(cfg(2, Some(b"k")), any)
-            .await
-            .unwrap();
+        let a = node(1, Some(b"k")).await;
+        let b = node(2, Some(b"k")).await;
         a.connect_pool(b.local_addr(), 2, 5, 4, Purpose::Ring)
             .await
             .unwrap();
@@ -1599,13 +1605,8 @@ mod tests {
 
     /// Peers 1 (the fetcher) and 2 (the source), with a shared secret.
     async fn fetcher_and_source() -> (Arc<Node>, Arc<Node>) {
-        let any: SocketAddr = "127.0.0.1:0".parse().unwrap();
-        let a = crate::testutil::known_node(cfg(1, Some(b"k")), any)
-            .await
-            .unwrap();
-        let b = crate::testutil::known_node(cfg(2, Some(b"k")), any)
-            .await
-            .unwrap();
+        let a = node(1, Some(b"k")).await;
+        let b = node(2, Some(b"k")).await;
         (a, b)
     }
 
@@ -1747,14 +1748,9 @@ mod tests {
     #[tokio::test]
     async fn wrong_secret_is_refused_and_logged() {
         crate::py::logging::capture::install();
-        let any: SocketAddr = "127.0.0.1:0".parse().unwrap();
         // Peer ids no other test uses: the captured records are process-wide.
-        let a = crate::testutil::known_node(cfg(7101, Some(b"x")), any)
-            .await
-            .unwrap();
-        let b = crate::testutil::known_node(cfg(7102, Some(b"y")), any)
-            .await
-            .unwrap();
+        let a = node(7101, Some(b"x")).await;
+        let b = node(7102, Some(b"y")).await;
         let err = a
             .connect_pool(b.local_addr(), 7102, 1, 2, Purpose::Ring)
             .await
@@ -1777,14 +1773,9 @@ mod tests {
     #[tokio::test]
     async fn garbage_and_huge_prefix_do_not_disturb_the_listener() {
         use tokio::io::AsyncWriteExt;
-        let any: SocketAddr = "127.0.0.1:0".parse().unwrap();
         crate::py::logging::capture::install();
-        let a = crate::testutil::known_node(cfg(7201, None), any)
-            .await
-            .unwrap();
-        let b = crate::testutil::known_node(cfg(7202, None), any)
-            .await
-            .unwrap();
+        let a = node(7201, None).await;
+        let b = node(7202, None).await;
         let mut s = TcpStream::connect(b.local_addr()).await.unwrap();
         s.write_all(&u32::MAX.to_be_bytes()).await.unwrap();
         let mut s2 = TcpStream::connect(b.local_addr()).await.unwrap();
@@ -1817,13 +1808,12 @@ mod tests {
 
     #[tokio::test]
     async fn streams_are_encrypted_by_default_and_clear_when_both_opt_out() {
-        let any: SocketAddr = "127.0.0.1:0".parse().unwrap();
         for (insecure, secret) in [(false, Some(&b"k"[..])), (false, None), (true, None)] {
             let mut ca = cfg(1, secret);
             let mut cb = cfg(2, secret);
             (ca.insecure, cb.insecure) = (insecure, insecure);
-            let a = crate::testutil::known_node(ca, any).await.unwrap();
-            let b = crate::testutil::known_node(cb, any).await.unwrap();
+            let a = bound(ca).await;
+            let b = bound(cb).await;
             a.connect_pool(b.local_addr(), 2, 1, 2, Purpose::Ring)
                 .await
                 .unwrap();
@@ -1848,7 +1838,6 @@ mod tests {
 
     #[tokio::test]
     async fn an_insecure_peer_and_an_encrypting_one_fail_at_once_both_ways() {
-        let any: SocketAddr = "127.0.0.1:0".parse().unwrap();
         for dialer_insecure in [true, false] {
             let mut ca = cfg(1, Some(b"k"));
             ca.insecure = dialer_insecure;
@@ -1857,8 +1846,8 @@ mod tests {
             // Far longer than the test waits: the mismatch is told, not timed out.
             ca.handshake_timeout = Duration::from_secs(30);
             cb.handshake_timeout = Duration::from_secs(30);
-            let a = crate::testutil::known_node(ca, any).await.unwrap();
-            let b = crate::testutil::known_node(cb, any).await.unwrap();
+            let a = bound(ca).await;
+            let b = bound(cb).await;
             let err = tokio::time::timeout(
                 Duration::from_secs(5),
                 a.connect_pool(b.local_addr(), 2, 1, 2, Purpose::Ring),
@@ -1877,10 +1866,7 @@ mod tests {
 
     #[tokio::test]
     async fn take_inbound_times_out() {
-        let any: SocketAddr = "127.0.0.1:0".parse().unwrap();
-        let b = crate::testutil::known_node(cfg(2, None), any)
-            .await
-            .unwrap();
+        let b = node(2, None).await;
         let key = PoolKey {
             peer: 7,
             epoch: 1,
@@ -1926,13 +1912,8 @@ mod tests {
 
     #[tokio::test]
     async fn a_reverse_pool_is_dialed_by_the_receiver_and_filed_as_usual() {
-        let any: SocketAddr = "127.0.0.1:0".parse().unwrap();
-        let a = crate::testutil::known_node(cfg(1, Some(b"k")), any)
-            .await
-            .unwrap();
-        let b = crate::testutil::known_node(cfg(2, Some(b"k")), any)
-            .await
-            .unwrap();
+        let a = node(1, Some(b"k")).await;
+        let b = node(2, Some(b"k")).await;
         let token = [7u8; TOKEN_LEN];
         // The receiver may dial back before the sender asks for the pool: parked.
         let (sent, opened) = tokio::join!(
@@ -1952,14 +1933,11 @@ mod tests {
 
     #[tokio::test]
     async fn a_reverse_pool_with_the_wrong_token_times_out_as_a_peer_error() {
-        let any: SocketAddr = "127.0.0.1:0".parse().unwrap();
         let mut c = cfg(1, Some(b"k"));
         c.connect_timeout = Duration::from_millis(200);
         c.handshake_timeout = Duration::from_millis(300);
-        let a = crate::testutil::known_node(c, any).await.unwrap();
-        let b = crate::testutil::known_node(cfg(2, Some(b"k")), any)
-            .await
-            .unwrap();
+        let a = bound(c).await;
+        let b = node(2, Some(b"k")).await;
         let (sent, opened) = tokio::join!(
             a.connect_pool_via(Route::Reverse([1; TOKEN_LEN]), 2, 5, 1, Purpose::Ring),
             b.open_inbound(Inbound::Reverse(a.local_addr(), [2; TOKEN_LEN]), None),
@@ -1972,22 +1950,24 @@ mod tests {
         b.close().await;
     }
 
+    /// A connection to `node`'s listener that opened the master's reachability check.
+    async fn reach_probe(node: &Node, token: [u8; TOKEN_LEN]) -> TcpStream {
+        let mut tcp = TcpStream::connect(node.local_addr()).await.unwrap();
+        let mut probe = REACH_MAGIC.to_vec();
+        probe.extend_from_slice(&token);
+        write_frame(&mut tcp, &probe).await.unwrap();
+        tcp
+    }
+
     #[tokio::test]
     async fn the_listener_echoes_a_reachability_token() {
         use crate::net::secure::secure_dial_as;
-        use tokio::io::{AsyncReadExt, AsyncWriteExt};
-        let any: SocketAddr = "127.0.0.1:0".parse().unwrap();
-        let b = crate::testutil::known_node(cfg(2, Some(b"k")), any)
-            .await
-            .unwrap();
+        use tokio::io::AsyncReadExt;
+        let b = node(2, Some(b"k")).await;
         // The master asks for the key peer 2 proved on its control connection; a
         // listener holding another key fails the handshake instead of echoing.
         for (expect, echoed) in [(b.public_key(), true), ([3u8; 32], false)] {
-            let mut tcp = TcpStream::connect(b.local_addr()).await.unwrap();
-            let mut probe = REACH_MAGIC.to_vec();
-            probe.extend_from_slice(&[9u8; TOKEN_LEN]);
-            write_frame(&mut tcp, &probe).await.unwrap();
-            tcp.flush().await.unwrap();
+            let tcp = reach_probe(&b, [9u8; TOKEN_LEN]).await;
             let master = Auth {
                 identity: Identity::ephemeral(),
                 psk: Some(crate::net::secure::psk_from_secret(b"k")),
@@ -2008,11 +1988,8 @@ mod tests {
         // In clear text, the token comes back in clear.
         let mut c = cfg(3, None);
         c.insecure = true;
-        let clear = crate::testutil::known_node(c, any).await.unwrap();
-        let mut tcp = TcpStream::connect(clear.local_addr()).await.unwrap();
-        let mut probe = REACH_MAGIC.to_vec();
-        probe.extend_from_slice(&[7u8; TOKEN_LEN]);
-        write_frame(&mut tcp, &probe).await.unwrap();
+        let clear = bound(c).await;
+        let mut tcp = reach_probe(&clear, [7u8; TOKEN_LEN]).await;
         let mut got = Vec::new();
         assert!(crate::net::frame::read_frame(&mut tcp, &mut got, 64)
             .await
@@ -2023,10 +2000,7 @@ mod tests {
 
     #[tokio::test]
     async fn the_roster_forgets_the_keys_learned_longest_ago_past_its_bound() {
-        let any: SocketAddr = "127.0.0.1:0".parse().unwrap();
-        let n = crate::testutil::known_node(cfg(2, Some(b"k")), any)
-            .await
-            .unwrap();
+        let n = node(2, Some(b"k")).await;
         let many: Vec<_> = (100..100 + MAX_ROSTER as u64 + 10)
             .map(|id| (id, [id as u8; 32]))
             .collect();
@@ -2189,13 +2163,8 @@ mod tests {
     #[tokio::test]
     async fn a_refused_early_dial_back_is_dialed_again_and_taken_once_wanted() {
         crate::py::logging::capture::install();
-        let any: SocketAddr = "127.0.0.1:0".parse().unwrap();
-        let a = crate::testutil::known_node(cfg(7301, Some(b"k")), any)
-            .await
-            .unwrap();
-        let b = crate::testutil::known_node(cfg(7302, Some(b"k")), any)
-            .await
-            .unwrap();
+        let a = node(7301, Some(b"k")).await;
+        let b = node(7302, Some(b"k")).await;
         // Strangers from our address hold all of its share of the early area.
         let flood = strangers(a.local_addr(), 3 * MAX_EARLY_PER_SOURCE).await;
         parked_become(&a, (0, MAX_EARLY_PER_SOURCE)).await;
