@@ -711,33 +711,50 @@ impl Handshake {
                 ))
             }
         }
-        let mut payload = [0u8; MAX_HANDSHAKE_FRAME];
-        let n = match hs.read_message(&frame[1..], &mut payload) {
-            Ok(n) => n,
-            Err(_) => {
-                return Err(HandshakeFailure::status(
-                    STATUS_AUTH_FAILED,
-                    auth_failed("the peer's handshake reply did not authenticate"),
-                ))
-            }
-        };
-        let remote = self
-            .auth
-            .check(hs.get_remote_static(), &payload[..n])
-            .map_err(HandshakeFailure::refused)?;
+        let remote = self.read_identity(&mut hs, &frame[1..], "handshake reply")?;
         let mut msg = [0u8; MAX_HANDSHAKE_FRAME];
         let n = hs
             .write_message(self.own_cert(), &mut msg)
             .map_err(|e| HandshakeFailure::quiet(noise_err(e)))?;
-        let key = DirKey::from_split(&mut hs, Role::Dialer, self.suite);
-        let transport = hs
-            .into_stateless_transport_mode()
-            .map_err(|e| HandshakeFailure::quiet(noise_err(e)))?;
+        let (transport, key) = self.session_keys(hs)?;
         self.remote = Some(remote);
         let mut out = Vec::with_capacity(1 + n);
         out.push(STATUS_OK);
         out.extend_from_slice(&msg[..n]);
         Ok((HsState::Verdict(transport, key), Some(out)))
+    }
+
+    /// Reads the message in which the other end proves its static key (message 2 for
+    /// the dialer, 3 for the acceptor) and checks that key and the certificate it
+    /// carries, as `auth` says. `what`: the message, for the error.
+    fn read_identity(
+        &self,
+        hs: &mut HandshakeState,
+        body: &[u8],
+        what: &str,
+    ) -> Result<Remote, HandshakeFailure> {
+        let mut payload = [0u8; MAX_HANDSHAKE_FRAME];
+        let n = hs.read_message(body, &mut payload).map_err(|_| {
+            HandshakeFailure::status(
+                STATUS_AUTH_FAILED,
+                auth_failed(&format!("the peer's {what} did not authenticate")),
+            )
+        })?;
+        self.auth
+            .check(hs.get_remote_static(), &payload[..n])
+            .map_err(HandshakeFailure::refused)
+    }
+
+    /// The session keys of a finished Noise exchange (and ring's, for this suite).
+    fn session_keys(
+        &self,
+        mut hs: HandshakeState,
+    ) -> Result<(StatelessTransportState, Keys), HandshakeFailure> {
+        let key = DirKey::from_split(&mut hs, self.role, self.suite);
+        let transport = hs
+            .into_stateless_transport_mode()
+            .map_err(|e| HandshakeFailure::quiet(noise_err(e)))?;
+        Ok((transport, key))
     }
 
     fn acceptor_hello(
@@ -822,24 +839,8 @@ impl Handshake {
                 )))
             }
         }
-        let mut payload = [0u8; MAX_HANDSHAKE_FRAME];
-        let n = match hs.read_message(&frame[1..], &mut payload) {
-            Ok(n) => n,
-            Err(_) => {
-                return Err(HandshakeFailure::status(
-                    STATUS_AUTH_FAILED,
-                    auth_failed("the peer's identity message did not authenticate"),
-                ))
-            }
-        };
-        let remote = self
-            .auth
-            .check(hs.get_remote_static(), &payload[..n])
-            .map_err(HandshakeFailure::refused)?;
-        let key = DirKey::from_split(&mut hs, Role::Acceptor, self.suite);
-        let transport = hs
-            .into_stateless_transport_mode()
-            .map_err(|e| HandshakeFailure::quiet(noise_err(e)))?;
+        let remote = self.read_identity(&mut hs, &frame[1..], "identity message")?;
+        let (transport, key) = self.session_keys(hs)?;
         self.remote = Some(remote);
         Ok((HsState::Done(transport, key), Some(vec![STATUS_OK])))
     }
