@@ -168,6 +168,25 @@ fn bad(what: &str) -> CoreError {
 struct Reader<'a>(&'a [u8], &'static str);
 
 impl<'a> Reader<'a> {
+    /// A signed object of at most `max` bytes: a reader past its magic, the signed
+    /// body (magic included) and the signature.
+    fn signed(
+        raw: &'a [u8],
+        magic: &[u8; 8],
+        max: usize,
+        what: &'static str,
+    ) -> CoreResult<(Reader<'a>, &'a [u8], &'a [u8])> {
+        if raw.len() > max || raw.len() < SIG_LEN {
+            return Err(bad(what));
+        }
+        let (body, sig) = raw.split_at(raw.len() - SIG_LEN);
+        let mut r = Reader(body, what);
+        if r.take(8)? != magic {
+            return Err(bad(what));
+        }
+        Ok((r, body, sig))
+    }
+
     fn take(&mut self, n: usize) -> CoreResult<&'a [u8]> {
         if self.0.len() < n {
             return Err(bad(self.1));
@@ -275,14 +294,7 @@ impl Cert {
 
     /// Parses (bounded) and checks the signature against the issuer it names.
     pub fn parse(raw: &[u8]) -> CoreResult<Cert> {
-        if raw.len() > MAX_CERT || raw.len() < SIG_LEN {
-            return Err(bad("certificate"));
-        }
-        let (body, sig) = raw.split_at(raw.len() - SIG_LEN);
-        let mut r = Reader(body, "certificate");
-        if r.take(8)? != CERT_MAGIC {
-            return Err(bad("certificate"));
-        }
+        let (mut r, body, sig) = Reader::signed(raw, CERT_MAGIC, MAX_CERT, "certificate")?;
         let issuer = r.key()?;
         let node_key = r.key()?;
         let not_before = r.u64()?;
@@ -352,14 +364,8 @@ impl Denylist {
     }
 
     pub fn parse(raw: &[u8]) -> CoreResult<Denylist> {
-        if raw.len() < SIG_LEN || raw.len() > 60 + MAX_DENIED * FP_LEN + SIG_LEN {
-            return Err(bad("denylist"));
-        }
-        let (body, sig) = raw.split_at(raw.len() - SIG_LEN);
-        let mut r = Reader(body, "denylist");
-        if r.take(8)? != DENY_MAGIC {
-            return Err(bad("denylist"));
-        }
+        let max = 60 + MAX_DENIED * FP_LEN + SIG_LEN;
+        let (mut r, body, sig) = Reader::signed(raw, DENY_MAGIC, max, "denylist")?;
         let issuer = r.key()?;
         let version = r.u64()?;
         let issued_at = r.u64()?;
