@@ -49,7 +49,7 @@ from pccl.errors import InvalidArgumentError
 
 __all__ = ["MIN_SECRET_BITS", "check_secret", "describe", "load", "load_denylist",
            "new_node_key", "new_run_key", "new_secret", "parse_fingerprint", "revoke",
-           "sign_node", "trust_paths"]
+           "sign_node", "trust_paths", "write_text"]
 
 Identity = _core.Identity
 
@@ -120,8 +120,10 @@ def new_secret() -> str:
 # --- files ---------------------------------------------------------------------------
 
 
-def _write(path: str | os.PathLike[str], label: str, data: bytes, *, private: bool,
-           force: bool = False) -> Path:
+def write_text(path: str | os.PathLike[str], text: str, *, private: bool,
+               force: bool = False) -> Path:
+    """Writes ``text`` to a new file (0600 when ``private``, also over an existing file
+    with ``force``); InvalidArgumentError when it exists and ``force`` is not given."""
     p = Path(path)
     flags = os.O_WRONLY | os.O_CREAT | (os.O_TRUNC if force else os.O_EXCL)
     try:
@@ -131,9 +133,15 @@ def _write(path: str | os.PathLike[str], label: str, data: bytes, *, private: bo
                                    "(remove it first, or pass --force)") from None
     with os.fdopen(fd, "w") as f:
         if private:
-            os.fchmod(f.fileno(), 0o600)
-        f.write(f"{label} {base64.b64encode(data).decode()}\n")
+            os.fchmod(f.fileno(), 0o600)  # (--force over a file others could read)
+        f.write(text)
     return p
+
+
+def _write(path: str | os.PathLike[str], label: str, data: bytes, *, private: bool,
+           force: bool = False) -> Path:
+    return write_text(path, f"{label} {base64.b64encode(data).decode()}\n",
+                      private=private, force=force)
 
 
 def _read(path: str | os.PathLike[str], label: str) -> bytes:

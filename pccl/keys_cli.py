@@ -139,34 +139,13 @@ def _fingerprint_of(path: str | os.PathLike[str], label: str) -> str:
 
 def _secret_new(args: argparse.Namespace) -> None:
     out: Path = args.out
-    flags = os.O_WRONLY | os.O_CREAT | (os.O_TRUNC if args.force else os.O_EXCL)
-    try:
-        fd = os.open(out, flags, 0o600)
-    except FileExistsError:
-        raise InvalidArgumentError(f"{str(out)!r} exists already; it is not overwritten "
-                                   "(remove it first, or pass --force)") from None
-    with os.fdopen(fd, "w") as f:
-        os.fchmod(f.fileno(), 0o600)  # --force over a file others could read
-        f.write(identity.new_secret() + "\n")
+    identity.write_text(out, identity.new_secret() + "\n", private=True, force=args.force)
     print(f"wrote a new secret to {out} (mode 0600)")
     print(f"give the same file to the master and to every node: --secret-file {out}, "
           f"or PCCL_SECRET_FILE={out}")
 
 
-def _refuse_existing(prefix: str, force: bool) -> None:
-    """Checks both files of a new key pair before writing either: identity's writers
-    check one at a time, and a ``PREFIX.pub`` left from before would otherwise leave a
-    fresh ``PREFIX.key`` behind without its public key."""
-    if force:
-        return
-    for path in (f"{prefix}.key", f"{prefix}.pub"):
-        if os.path.lexists(path):
-            raise InvalidArgumentError(f"{path!r} exists already; it is not overwritten "
-                                       "(remove it first, or pass --force)")
-
-
 def _ca_new(args: argparse.Namespace) -> None:
-    _refuse_existing(args.out, args.force)
     key = identity.new_run_key(args.out, force=args.force)
     pub = Path(f"{args.out}.pub")
     print(f"wrote the run key {key} (mode 0600) and its public key {pub}")
@@ -209,7 +188,6 @@ def _ca_revoke(args: argparse.Namespace) -> None:
 
 
 def _node_new(args: argparse.Namespace) -> None:
-    _refuse_existing(args.out, args.force)
     pub = identity.new_node_key(args.out, force=args.force)
     print(f"wrote the node key {args.out}.key (mode 0600; it stays on this node) and "
           f"its public key {pub}")
