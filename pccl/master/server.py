@@ -284,10 +284,10 @@ class MasterNode:
         self.max_doctors = 4
         self._pending = Budget(self.max_pending, self.max_pending_per_source)
         self._doctors = Budget(self.max_doctors, 1)
-        self._refusals_logged = 0.0
+        # When each kind of refusal was last warned about (_warn_rarely).
+        self._warned: dict[str, float] = {}
         # Handshakes this master refused, by reason (pccl_handshakes_refused_total).
         self.refused_handshakes: collections.Counter[str] = collections.Counter()
-        self._handshakes_logged = 0.0
         self._quorum_warned = False
         self._changed = asyncio.Event()
         self._address = ""
@@ -539,30 +539,29 @@ class MasterNode:
                 self._conns.pop(peer_id, None)
             conn.abort()
 
-    def _log_refusal(self, text: str) -> None:
-        """A refused newcomer: a warning at most every 10 s (a flood is hundreds)."""
+    def _warn_rarely(self, kind: str, text: str, counts: Callable[[], str]) -> None:
+        """A warning about ``kind`` at most every 10 s, with ``counts()`` (a flood is
+        hundreds or thousands); the others at DEBUG."""
         now = time.monotonic()
-        if now - self._refusals_logged >= 10.0:
-            self._refusals_logged = now
-            log.warning("%s (refused so far: %d connections, %d doctors, %d relay "
-                        "streams)", text, self._pending.refused, self._doctors.refused,
-                        self._relay_held.refused)
+        if now - self._warned.get(kind, -10.0) >= 10.0:
+            self._warned[kind] = now
+            log.warning("%s (%s)", text, counts())
         else:
             log.debug("%s", text)
 
+    def _log_refusal(self, text: str) -> None:
+        """A newcomer refused for a full budget."""
+        self._warn_rarely("budget", text, lambda: (
+            f"refused so far: {self._pending.refused} connections, "
+            f"{self._doctors.refused} doctors, {self._relay_held.refused} relay streams"))
+
     def _refuse_handshake(self, reason: str, text: str) -> None:
-        """A handshake refused or dropped: counted by ``reason`` and logged as a warning
-        at most every 10 s, with the counts so far (strangers and scanners make these by
-        the thousand); the others at DEBUG."""
+        """A handshake refused or dropped (strangers and scanners make these by the
+        thousand): counted by ``reason``."""
         self.refused_handshakes[reason] += 1
-        now = time.monotonic()
-        if now - self._handshakes_logged >= 10.0:
-            self._handshakes_logged = now
-            counts = ", ".join(f"{n} {r}" for r, n in sorted(self.refused_handshakes.items()))
-            log.warning("%s (handshakes refused so far: %s; the next 10 s only at DEBUG)",
-                        text, counts)
-        else:
-            log.debug("%s", text)
+        self._warn_rarely("handshake", text, lambda: "handshakes refused so far: " + ", ".join(
+            f"{n} {r}" for r, n in sorted(self.refused_handshakes.items()))
+            + "; the next 10 s only at DEBUG")
 
     async def _first_frame(self, conn: FramedConnection) -> bytes | None:
         remote = "{}:{}".format(*conn.peername)
