@@ -105,6 +105,13 @@ async def certified(run: Run, n: int, trust: str | None = None, *, secret: str |
         await m.stop()
 
 
+async def fetch(master: pccl.MasterNode, path: str) -> str:
+    """``path`` of the master's status server."""
+    url = f"http://{master.status_address}{path}"
+    body = await asyncio.to_thread(lambda: urllib.request.urlopen(url, timeout=10).read())
+    return body.decode()
+
+
 async def reduce_exact(comms: list[pccl.Communicator], tag: int = 1) -> None:
     """One all-reduce over ``comms``, retried through the library's recovery policy (as
     a training loop does), with the exact result on every peer."""
@@ -239,9 +246,7 @@ async def test_a_man_in_the_middle_reads_an_anonymous_run_and_is_caught_otherwis
 async def test_a_certified_run_reduces_and_shows_each_identity(run: Run) -> None:
     async with certified(run, 3, secret=SECRET, status_listen="127.0.0.1:0") as (m, comms):
         await reduce_exact(comms)
-        url = f"http://{m.status_address}/api/status"
-        body = await asyncio.to_thread(lambda: urllib.request.urlopen(url, timeout=10).read())
-        status = json.loads(body)
+        status = json.loads(await fetch(m, "/api/status"))
         assert status["master"]["certificates"] is True
         assert status["master"]["key_fingerprint"] == run.fingerprint("master")
         by_name = {p["cert_name"]: p for p in status["peers"]}
@@ -475,9 +480,7 @@ async def test_refused_handshakes_are_counted_and_their_warnings_rate_limited(
             with pytest.raises(pccl.AuthenticationError):
                 await conn.dial(OTHER_SECRET.encode())
             await conn.close()
-        url = f"http://{m.status_address}/metrics"
-        body = await asyncio.to_thread(lambda: urllib.request.urlopen(url, timeout=10).read())
-        text = body.decode()
+        text = await fetch(m, "/metrics")
         assert 'pccl_handshakes_refused_total{reason="secret"} 30.0' in text, text
         refusals = [r for r in caplog.records if "refused" in r.getMessage()]
         assert len(refusals) == 1, [r.getMessage() for r in refusals]
@@ -489,9 +492,7 @@ async def test_a_peer_is_shown_by_name_and_a_certificate_name_wins(run: Run) -> 
         return {p["id"]: p["name"] for p in status["peers"]}
 
     async def status_of(m: pccl.MasterNode) -> dict[str, Any]:
-        url = f"http://{m.status_address}/api/status"
-        body = await asyncio.to_thread(lambda: urllib.request.urlopen(url, timeout=10).read())
-        return dict(json.loads(body))
+        return dict(json.loads(await fetch(m, "/api/status")))
 
     async with pccl.MasterNode("127.0.0.1:0", status_listen="127.0.0.1:0", **FAST) as m:
         a = pccl.Communicator(m.address, name="alice's laptop")
