@@ -863,11 +863,9 @@ fn dialer_verdict(
     }
 }
 
-/// The first nonce of each direction after the handshake, (read, write): the
-/// handshake itself sends no transport message.
-pub fn first_nonces(_dial: bool) -> (u64, u64) {
-    (0, 0)
-}
+/// The first nonce of either direction after the handshake: the handshake itself
+/// sends no transport message.
+pub const FIRST_NONCE: u64 = 0;
 
 async fn run_handshake<T: AsyncRead + AsyncWrite + Unpin>(
     io: &mut T,
@@ -924,15 +922,14 @@ async fn handshake<T: AsyncRead + AsyncWrite + Unpin>(
         ))
     })??;
     let cipher = Arc::new(transport);
-    let (read_nonce, write_nonce) = first_nonces(role == Role::Dialer);
     let (send, recv) = match key {
         Some((s, r)) => (Some(s), Some(r)),
         None => (None, None),
     };
     let every = suite.rekey_every.max(1);
     Ok((
-        ReadState::new(cipher.clone(), read_nonce).with_key(recv, every),
-        WriteState::new(cipher, write_nonce).with_key(send, every),
+        ReadState::new(cipher.clone(), FIRST_NONCE).with_key(recv, every),
+        WriteState::new(cipher, FIRST_NONCE).with_key(send, every),
         remote,
     ))
 }

@@ -25,7 +25,6 @@ type Step<'py> = (Option<Bound<'py, PyBytes>>, Option<Py<PyAny>>);
 #[pyclass(name = "SecureHandshake", module = "pccl._core")]
 pub struct PySecureHandshake {
     inner: Option<Handshake>,
-    dial: bool,
 }
 
 #[pymethods]
@@ -74,10 +73,7 @@ impl PySecureHandshake {
             expect,
         };
         let inner = Handshake::new(dial, auth, prologue, secure::SUITE)?;
-        Ok(PySecureHandshake {
-            inner: Some(inner),
-            dial,
-        })
+        Ok(PySecureHandshake { inner: Some(inner) })
     }
 
     fn hello<'py>(&mut self, py: Python<'py>) -> PyResult<Bound<'py, PyBytes>> {
@@ -122,11 +118,10 @@ impl PySecureHandshake {
         let Some(transport) = hs.into_transport() else {
             return Err(CoreError::InvalidUsage("the secure handshake is not done".into()).into());
         };
-        let (read_nonce, write_nonce) = secure::first_nonces(self.dial);
         Ok(SecureSession {
             transport,
-            read_nonce,
-            write_nonce,
+            read_nonce: secure::FIRST_NONCE,
+            write_nonce: secure::FIRST_NONCE,
             failed: false,
         })
     }
