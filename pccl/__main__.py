@@ -26,14 +26,19 @@ from pccl import config
 from pccl._logging import parse_level
 from pccl.errors import InvalidArgumentError, PCCLError
 from pccl.master.server import MasterNode
+from pccl.protocol import MIN_PROTOCOL_VERSION, PROTOCOL_VERSION
 from pccl.protocol.auth import join_host_port, split_host_port
 
 
 def _version() -> str:
+    """The release and the control-plane protocol it speaks (with the oldest it still
+    works with: a rolling upgrade needs neighbours within that window)."""
     try:
-        return importlib.metadata.version("pccl")
+        release = importlib.metadata.version("pccl")
     except importlib.metadata.PackageNotFoundError:  # pragma: no cover - a source tree
-        return "unknown"
+        release = "unknown"
+    return (f"{release} (protocol {PROTOCOL_VERSION}, works with {MIN_PROTOCOL_VERSION} to "
+            f"{PROTOCOL_VERSION})")
 
 
 #: Where ``pccl-master`` serves its status page when neither ``--status`` nor

@@ -132,7 +132,7 @@ class Communicator(Driver):
         peer_timeout: float = 30.0,
         piece_bytes: int = 1 << 20,
         max_frame: int = MAX_FRAME,
-        reconnect_timeout: float = 60.0,
+        reconnect_timeout: float = 600.0,
         collective_timeout: float | None = 1800.0,
         insecure: bool = False,
         allow_relay: bool = True,

@@ -111,7 +111,7 @@ _HELP: dict[str, str] = {
     "via_master_max_bytes": "all-reduces up to this size are reduced by the master (0: never)",
     "max_frame": "largest control message accepted, in bytes",
     "reconnect_timeout": "seconds to keep registering again after losing the master "
-                         "(0: never)",
+                         "(0: never); the default outlasts a VM reboot",
     "collective_timeout": "seconds a collective waits for the other peers (none: no limit)",
     "allow_relay": "whether ring links may go through the master's relay",
     "metrics_listen": "`host:port` of this peer's Prometheus `/metrics` (none: off)",

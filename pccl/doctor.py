@@ -29,7 +29,7 @@ import time
 
 from pccl import _core
 from pccl.errors import AuthenticationError, IdentityError, PCCLError, ProtocolError
-from pccl.protocol import PROTOCOL_VERSION
+from pccl.protocol import MIN_PROTOCOL_VERSION, PROTOCOL_VERSION, compatible, version_mismatch
 from pccl.protocol import messages as m
 from pccl.protocol.auth import master_mac, peer_mac, split_host_port
 from pccl.protocol.transport import ConnectionClosed, FramedConnection
@@ -132,10 +132,14 @@ async def diagnose(master: str, secret: bytes | None = None, *, insecure: bool =
             report.add(FAIL, "handshake", f"the master did not complete the handshake ({e})",
                        "is this a pccl master of the same version?")
             return report
-        if not isinstance(challenge, m.Challenge) or challenge.version != PROTOCOL_VERSION:
-            got = getattr(challenge, "version", challenge.TYPE)
-            report.add(FAIL, "handshake", f"the master speaks protocol {got}, this pccl "
-                       f"{PROTOCOL_VERSION}", "run the same pccl version everywhere")
+        if not isinstance(challenge, m.Challenge):
+            report.add(FAIL, "handshake", f"the master sent {challenge.TYPE}, not a challenge",
+                       "is this a pccl master?")
+            return report
+        if not compatible((PROTOCOL_VERSION, MIN_PROTOCOL_VERSION),
+                          (challenge.version, challenge.min_version or challenge.version)):
+            report.add(FAIL, "handshake", version_mismatch(challenge),
+                       "see docs/operations.md, Upgrading")
             return report
         if challenge.auth and secret is None:
             report.add(FAIL, "secret", "the master requires a shared secret and none was given",

@@ -23,6 +23,7 @@ import pytest
 import pccl
 import pccl.config
 from pccl import __main__ as cli
+from pccl.protocol import MIN_PROTOCOL_VERSION, PROTOCOL_VERSION
 
 # Shared secrets are keys of at least 128 random bits (pccl.identity.check_secret).
 SECRET = "5f0c1a9e7d3b42c8a6e1f0b97c2d4e3a"
@@ -57,7 +58,11 @@ def test_version() -> None:
                 [sys.executable, "-c", "from pccl.__main__ import master_main; master_main()",
                  "--version"]):
         run = subprocess.run(cmd, capture_output=True, text=True, timeout=60, check=True)
-        assert run.stdout.split()[-1] == pccl.__version__
+        # The release, and the protocol window a rolling upgrade must stay within.
+        assert run.stdout.split()[1] == pccl.__version__
+        assert run.stdout.split(None, 2)[2].strip() == (
+            f"(protocol {PROTOCOL_VERSION}, works with {MIN_PROTOCOL_VERSION} to "
+            f"{PROTOCOL_VERSION})")
 
 
 @pytest.mark.parametrize(("listen", "words"), [

@@ -183,7 +183,7 @@ def test_the_peers_take_their_configuration(tmp_path: Path) -> None:
     comm = pccl.Communicator.from_env(env)
     assert (comm.master, comm.p2p_listen_port, comm.p2p_advertise_host, comm.peer_group,
             comm.reconnect_timeout, comm.metrics_listen) == (
-        "pccl-master:48148", 48149, POD_IP, 0, 300.0, "0.0.0.0:9400")
+        "pccl-master:48148", 48149, POD_IP, 0, 600.0, "0.0.0.0:9400")
     assert comm.secret == Path(env["PCCL_SECRET_FILE"]).read_bytes()
     assert comm.metrics_token == secrets()["pccl-status-token"]["token"]
 

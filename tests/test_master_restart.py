@@ -13,6 +13,7 @@ import pccl
 from pccl import _core
 from pccl.communicator import PeerState
 from pccl.testing import Cluster, free_port
+from pccl.testing.crash import crash_master
 from pccl.testing.data import deterministic_tensor
 from pccl.testing.processes import master_process
 
@@ -30,10 +31,10 @@ def digest(a: np.ndarray) -> bytes:
 
 
 async def restart(cluster: Cluster, **kwargs) -> None:
-    """Stops the cluster's master (every connection dies) and starts a fresh one, with
-    no state, on the same address."""
+    """Crashes the cluster's master (every connection dies without a word) and starts
+    a fresh one, with no state, on the same address."""
     address = cluster.master.address
-    await cluster.master.stop()
+    await crash_master(cluster.master)
     cluster.master = pccl.MasterNode(listen=address, **{**FAST_MASTER, **kwargs})
     await cluster.master.start()
 

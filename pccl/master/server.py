@@ -35,7 +35,7 @@ from pccl.errors import (
 from pccl.master import state as st
 from pccl.master import status
 from pccl.master.admission import MAX_KEPT_ID, MAX_RESUMED, Budget, hello_problem, source_key
-from pccl.protocol import PROTOCOL_VERSION
+from pccl.protocol import MIN_PROTOCOL_VERSION, PROTOCOL_VERSION
 from pccl.protocol import messages as m
 from pccl.protocol.auth import (
     DEFAULT_PORT,
@@ -390,10 +390,17 @@ class MasterNode:
             raise RuntimeError("the master has not been started")
         return self._address
 
-    async def stop(self) -> None:
-        """Closes every connection and stops listening. Idempotent."""
+    async def stop(self, *, end_run: bool = False,
+                   reason: str = "the master was stopped") -> None:
+        """Tells every registered peer that the master stops on purpose (a ``shutdown``
+        message: a peer then says so instead of blaming a crash), closes every
+        connection and stops listening. Idempotent. ``end_run``: the run is over, and
+        peers stop waiting for a master at once (their calls fail with
+        :class:`MasterConnectionError`); otherwise they register again for up to their
+        ``reconnect_timeout`` (a restart, an upgrade)."""
         if self._server is None:
             return
+        await self._say_shutdown(m.Shutdown(reason=reason, final=end_run))
         listeners, self._server = self._server, None
         for task in self._accepting:
             task.cancel()
@@ -420,6 +427,24 @@ class MasterNode:
         self._conns.clear()
         self._stopped.set()
         log.info("master stopped")
+
+    async def _say_shutdown(self, msg: m.Shutdown) -> None:
+        """Sends ``msg`` to every registered peer, waiting at most a heartbeat interval
+        (a peer that does not read it in time learns of the stop from the closed
+        connection)."""
+        conns = list(self._conns.values())
+        for conn in conns:
+            with contextlib.suppress(ConnectionClosed, OSError, RuntimeError):
+                conn.send_nowait(msg)
+
+        async def drained(conn: FramedConnection) -> None:
+            with contextlib.suppress(ConnectionClosed, OSError, RuntimeError):
+                await conn.writer.drain()
+
+        if conns:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(min(self.heartbeat_interval, 1.0)):
+                    await asyncio.gather(*(drained(c) for c in conns))
 
     async def serve_forever(self) -> None:
         """Runs until :meth:`stop` is called (e.g. from a signal handler)."""
@@ -588,7 +613,8 @@ class MasterNode:
                                             auth=self.secret is not None,
                                             groups=self.state.held_groups(),
                                             standby=self.state.standby,
-                                            max_frame=self.max_frame))
+                                            max_frame=self.max_frame,
+                                            min_version=MIN_PROTOCOL_VERSION))
                 hello = await conn.recv()
         except IdentityError as e:
             self._refuse_handshake("identity", f"connection from {remote} refused: {e}")
@@ -680,7 +706,8 @@ class MasterNode:
                   f"{p2p_addr}{'' if reachable else ': not reachable from here, behind NAT?'}"
                   f", {'encrypted' if conn.encrypted else 'clear text'})")
         log.info("%s", joined)
-        self.monitor.connected(peer_id, remote, conn.encrypted, joined, name or None)
+        self.monitor.connected(peer_id, remote, conn.encrypted, joined, name or None,
+                               version=min(hello.version, 1 << 20))
         if hello.masters > 1 and not self.state.quorum_on and not self._quorum_warned:
             self._quorum_warned = True
             log.warning("peer %d fails over between %d masters, but this master counts no "
@@ -751,11 +778,15 @@ class MasterNode:
                            nonce: bytes, who: str) -> bytes | None:
         """The protocol version and the secret's MAC of a ``hello`` (or a doctor's):
         the master's own MAC to answer with, or None once the dialer was rejected."""
-        if hello.version != PROTOCOL_VERSION:
+        # A newer peer decided from the challenge that it can speak this master's
+        # version; an older one must be at least this master's minimum.
+        if hello.version < MIN_PROTOCOL_VERSION:
             await self._reject(conn, ErrorKind.ProtocolError,
-                               f"protocol version {hello.version} is not supported "
-                               f"(master speaks {PROTOCOL_VERSION})")
-            log.warning("%s rejected: protocol version %d", who, hello.version)
+                               f"protocol version {hello.version} is too old for this master "
+                               f"(it speaks {PROTOCOL_VERSION}, and works with peers of "
+                               f"{MIN_PROTOCOL_VERSION} or newer): upgrade pccl on this peer")
+            log.warning("%s rejected: protocol version %d (this master works with %d to %d)",
+                        who, hello.version, MIN_PROTOCOL_VERSION, PROTOCOL_VERSION)
             return None
         if self.secret is None or conn.encrypted:
             # Encrypted, the handshake proved the secret (and the key); the MACs are for

@@ -39,9 +39,11 @@ from typing import TYPE_CHECKING, Any
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from pccl._core import __version__
 from pccl.errors import InvalidArgumentError
 from pccl.master import state as st
 from pccl.peer.metrics import ScrapeTimeCollector
+from pccl.protocol import MIN_PROTOCOL_VERSION, PROTOCOL_VERSION
 from pccl.protocol.auth import is_loopback_host, split_host_port
 
 if TYPE_CHECKING:
@@ -134,6 +136,8 @@ class PeerView:
     name: str | None = None
     cert_name: str | None = None
     cert_not_after: int | None = None
+    # The control-plane protocol version it speaks (a rolling upgrade shows here).
+    version: int | None = None
 
 
 class RunMonitor:
@@ -209,9 +213,10 @@ class RunMonitor:
         self.changed.set()
 
     def connected(self, peer_id: int, remote: str, encrypted: bool, text: str,
-                  name: str | None = None) -> None:
+                  name: str | None = None, version: int | None = None) -> None:
         now = time.monotonic()
-        self.peers[peer_id] = PeerView(remote, encrypted, time.time(), now, name=name)
+        self.peers[peer_id] = PeerView(remote, encrypted, time.time(), now, name=name,
+                                       version=version)
         self.add("joined", text, (peer_id,))
 
     def identified(self, peer_id: int, fingerprint: str, name: str | None,
@@ -335,6 +340,7 @@ class RunMonitor:
                 "reachable": rec.reachable,
                 "encrypted": view.encrypted if view else None,
                 "name": view.name if view else None,
+                "protocol": view.version if view else None,
                 "key_fingerprint": view.fingerprint if view else None,
                 "cert_name": view.cert_name if view else None,
                 "cert_not_after": view.cert_not_after if view else None,
@@ -380,6 +386,9 @@ class RunMonitor:
             "time": time.time(),
             "master": {
                 "address": m.address,
+                "version": __version__,
+                "protocol": PROTOCOL_VERSION,
+                "min_protocol": MIN_PROTOCOL_VERSION,
                 "started_at": self.started_at,
                 "uptime_s": round(time.time() - self.started_at, 3),
                 "authenticated": m.secret is not None,

@@ -34,7 +34,7 @@ from pccl.peer.fetch import Fetcher, SyncReporter, prefault_all
 from pccl.peer.metrics import PeerMetrics
 from pccl.peer.options import DEFAULT_TIMEOUT, QuantizationOptions, ReduceInfo, check_deadline
 from pccl.peer.state import Status as PeerState
-from pccl.protocol import PROTOCOL_VERSION
+from pccl.protocol import MIN_PROTOCOL_VERSION, PROTOCOL_VERSION, compatible, version_mismatch
 from pccl.protocol import messages as m
 from pccl.protocol.auth import master_mac, peer_mac, split_host_port
 from pccl.protocol.codec import MAX_STR, encode, fit_hello
@@ -131,10 +131,10 @@ class Driver:
         if not isinstance(challenge, m.Challenge):
             await conn.close()
             raise ProtocolError(f"expected a challenge, the master sent {challenge.TYPE}")
-        if challenge.version != PROTOCOL_VERSION:
+        if not compatible((PROTOCOL_VERSION, MIN_PROTOCOL_VERSION),
+                          (challenge.version, challenge.min_version or challenge.version)):
             await conn.close()
-            raise ProtocolError(f"master speaks protocol {challenge.version}, "
-                                f"this peer {PROTOCOL_VERSION}")
+            raise ProtocolError(version_mismatch(challenge))
         if challenge.auth and self.secret is None:
             await conn.close()
             raise AuthenticationError("the master requires a shared secret; "
@@ -411,6 +411,16 @@ class Driver:
         if isinstance(msg, m.Denylist):
             self._install_denylist(msg.data)
             return
+        if isinstance(msg, m.Shutdown):
+            reason = "".join(c for c in msg.reason if c.isprintable())[:200]
+            if msg.final:
+                self._feed(ps.MasterLost(f"the master ended the run ({reason})",
+                                         may_rejoin=False))
+            else:
+                self._feed(ps.MasterLost(f"the master stopped on purpose ({reason}) and is "
+                                         "expected back (a restart or an upgrade, not a "
+                                         "crash)"))
+            return
         if isinstance(msg, (m.EstablishP2P, m.SyncPlan, m.ProbeRequest)) and msg.key_ids:
             self._learn_keys(msg.key_ids, msg.keys)
         if isinstance(msg, m.Reject) and msg.elsewhere:
@@ -477,10 +487,17 @@ class Driver:
             return  # accepted: the machine answered the calls waiting for this
         if self._conn is not None:
             await self._drop_conn(self._conn)
-        why = (f"could not register with {self._where()} again within "
-               f"{self.reconnect_timeout}s ({last})")
+        if isinstance(last, (AuthenticationError, ProtocolError)):
+            # (An answer, not silence: say what it was, as its own kind, not a timeout.)
+            why = (f"{self._where()} refused this peer's registration after "
+                   f"{self.reconnect_timeout - max(deadline - loop.time(), 0.0):.1f}s, and "
+                   f"retrying cannot help: {last}")
+            self._feed(ps.RejoinFailed(why, ErrorKind.of(last)))
+        else:
+            why = (f"could not register with {self._where()} again within "
+                   f"{self.reconnect_timeout}s ({last})")
+            self._feed(ps.RejoinFailed(why))
         log.error("peer %s: %s", self.peer_id, why)
-        self._feed(ps.RejoinFailed(why))
 
     async def _drop_conn(self, conn: FramedConnection) -> None:
         """Forgets a master connection of a failed registration attempt."""
@@ -980,3 +997,4 @@ class Driver:
             if self._node is not None:
                 self._node.unserve_all()
                 self._node.drop_idle_transfers()
+

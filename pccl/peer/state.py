@@ -134,9 +134,11 @@ class MasterLost:
 
 @dataclasses.dataclass(frozen=True)
 class RejoinFailed:
-    """The driver gave up registering again (``reconnect_timeout`` ran out)."""
+    """The driver gave up registering again (``reconnect_timeout`` ran out, or the
+    master refused it in a way a retry cannot change: ``kind``)."""
 
     reason: str
+    kind: ErrorKind = ErrorKind.MasterConnectionError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -529,12 +531,14 @@ class PeerMachine:
         elif isinstance(ev, MasterLost):
             self._lose(ErrorKind.MasterConnectionError, ev.reason, ev.may_rejoin, out)
         elif isinstance(ev, RejoinFailed):
-            self.lost = (ErrorKind.MasterConnectionError, ev.reason)
+            self.lost = (ev.kind, ev.reason)
             self.connected = False
-            self._fail(REJOIN, ErrorKind.MasterConnectionError, ev.reason, out)
+            self._fail(REJOIN, ev.kind, ev.reason, out)
         elif isinstance(ev, Closed):
             self.status = Status.CLOSED
             self.connected = False
+            if self.lost is not None:  # (closed while it waited for a master: say closed)
+                self.lost = (ErrorKind.MasterConnectionError, "the communicator was closed")
             self._fail_all(ErrorKind.MasterConnectionError, "the communicator was closed", out)
         elif isinstance(ev, RingInstalled):
             self._on_installed(ev, out)

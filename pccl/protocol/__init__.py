@@ -5,6 +5,13 @@ See ``docs/protocol.md`` for the message flow.
 """
 
 from pccl.protocol.codec import MAX_FRAME, decode, encode, frame
-from pccl.protocol.messages import PROTOCOL_VERSION, Message
+from pccl.protocol.messages import (
+    MIN_PROTOCOL_VERSION,
+    PROTOCOL_VERSION,
+    Message,
+    compatible,
+    version_mismatch,
+)
 
-__all__ = ["MAX_FRAME", "PROTOCOL_VERSION", "Message", "decode", "encode", "frame"]
+__all__ = ["MAX_FRAME", "MIN_PROTOCOL_VERSION", "PROTOCOL_VERSION", "Message", "compatible",
+           "decode", "encode", "frame", "version_mismatch"]

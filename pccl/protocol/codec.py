@@ -98,6 +98,8 @@ _FIELDS: dict[type[Message], dict[str, _Check]] = {}
 _ENUMS: dict[type[Message], dict[str, type[enum.StrEnum]]] = {}
 # Text fields clipped on decode (message class -> field name -> characters).
 _CLIPS: dict[type[Message], dict[str, int]] = {}
+# Fields without a default, which every version sends (message class -> names).
+_REQUIRED: dict[type[Message], frozenset[str]] = {}
 for _cls in REGISTRY.values():
     _hints = typing.get_type_hints(_cls, include_extras=True)
     _FIELDS[_cls] = {f.name: _checker(_hints[f.name]) for f in dataclasses.fields(_cls)}
@@ -106,6 +108,9 @@ for _cls in REGISTRY.values():
                     and issubclass(_hints[f.name], enum.StrEnum)}
     _CLIPS[_cls] = {f.name: n for f in dataclasses.fields(_cls)
                     if (n := _clip_length(_hints[f.name])) is not None}
+    _REQUIRED[_cls] = frozenset(
+        f.name for f in dataclasses.fields(_cls)
+        if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING)
 
 
 def encode(msg: Message) -> bytes:
@@ -221,17 +226,25 @@ def decode(data: bytes) -> Message:
     if cls is None:
         raise ProtocolError("frame has a missing or unknown message type")
     fields = _FIELDS[cls]
-    if body.keys() != fields.keys():
-        names = sorted(clip_text(repr(k), 40) for k in list(body)[:70])
-        raise ProtocolError(f"{cls.TYPE} frame has fields {names}, expected {sorted(fields)}")
+    # Versions next to each other work together (a rolling upgrade): a field this
+    # version does not know is a newer sender's and is skipped (the map holds at most
+    # 64), and a field with a default may be missing (an older sender's). A field
+    # without a default must be there.
+    for name in [k for k in body if k not in fields]:
+        del body[name]
+    missing = sorted(name for name in _REQUIRED[cls] if name not in body)
+    if missing:
+        raise ProtocolError(f"{cls.TYPE} frame lacks the fields {missing}")
     for name, check in fields.items():
-        if not check(body[name]):
+        if name in body and not check(body[name]):
             raise ProtocolError(f"{cls.TYPE}.{name} has the wrong type, an unknown value or "
                                 "too many items")
     for name, enum_type in _ENUMS[cls].items():
-        body[name] = enum_type(body[name])
+        if name in body:
+            body[name] = enum_type(body[name])
     for name, n in _CLIPS[cls].items():
-        body[name] = clip_text(body[name], n)
+        if name in body:
+            body[name] = clip_text(body[name], n)
     return cls(**body)
 
 

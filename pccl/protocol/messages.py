@@ -31,8 +31,22 @@ PeerText = Annotated[str, Bound(PEER_TEXT, clip=True)]
 #: Free text the master sends (which may quote several peers): clipped on decode.
 MasterText = Annotated[str, Bound(16384, clip=True)]
 
-#: Bumped on every incompatible change; checked in the handshake.
-PROTOCOL_VERSION = 13
+#: The control-plane protocol this release speaks: bumped on every change of the
+#: messages or of what they mean.
+PROTOCOL_VERSION = 14
+#: The oldest version this release still works with (a rolling upgrade: see
+#: docs/operations.md, "Upgrading"). A master and a peer work together when each one's
+#: version is at least the other's minimum; they speak the older of the two versions
+#: (the newer side sends nothing the older one does not know). Frames of a newer
+#: version may carry fields this one skips; an older one's may lack fields that have a
+#: default (:func:`pccl.protocol.codec.decode`). 14 is the first version with this
+#: window: 13 and older must be upgraded all at once.
+MIN_PROTOCOL_VERSION = 14
+
+
+def compatible(mine: tuple[int, int], theirs: tuple[int, int]) -> bool:
+    """Whether two ends of (version, minimum version) work together."""
+    return mine[0] >= theirs[1] and theirs[0] >= mine[1]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -72,6 +86,9 @@ class Challenge(Message):
     # The largest frame the master reads from a registered peer (0: not said): a peer
     # refuses to send more, with a typed error, instead of being dropped (protocol 12).
     max_frame: int = 0
+    # The oldest peer version this master works with (protocol 14; 0 from an older
+    # master, which required its own version exactly).
+    min_version: int = 0
 
 
 @message
@@ -187,6 +204,20 @@ class Reject(Message):
     # This master cannot take the peer's group on (no quorum of its previous ring
     # here): a peer with several masters tries the others first (protocol 9).
     elsewhere: bool = False
+
+
+@message
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Shutdown(Message):
+    """M->P, then the master closes the connection: it stops on purpose (protocol 14),
+    not a crash. ``final``: the run is over, so peers stop waiting for a master at once
+    (their calls fail with :class:`MasterConnectionError` saying so); otherwise it is
+    expected back (a restart, an upgrade) and peers register again for up to their
+    ``reconnect_timeout``."""
+
+    TYPE: ClassVar[str] = "shutdown"
+    reason: MasterText
+    final: bool = False
 
 
 # --- liveness -----------------------------------------------------------------------
@@ -602,3 +633,16 @@ class OptimizeFailed(Message):
 
     TYPE: ClassVar[str] = "optimize_failed"
     message: MasterText
+
+
+def version_mismatch(challenge: Challenge) -> str:
+    """Why this release and the master of ``challenge`` cannot work together."""
+    theirs = challenge.version
+    newest = (f"(it works with peers of protocol {challenge.min_version} to {theirs})"
+              if challenge.min_version else "(it requires exactly its own version)")
+    if theirs < MIN_PROTOCOL_VERSION or not challenge.min_version:
+        return (f"the master speaks protocol {theirs} {newest}, this peer {PROTOCOL_VERSION} "
+                f"(it works with masters of {MIN_PROTOCOL_VERSION} or newer): upgrade the "
+                f"master, or run a pccl release of the master's protocol here")
+    return (f"the master speaks protocol {theirs} {newest}, this peer only "
+            f"{PROTOCOL_VERSION}: upgrade pccl on this peer")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pccl.communicator import Communicator
+from pccl.master.server import MasterNode
 
 
 async def crash(comm: Communicator) -> None:
@@ -17,3 +18,12 @@ async def crash(comm: Communicator) -> None:
     if conn is not None:
         conn.abort()
     await comm.close()
+
+
+async def crash_master(master: MasterNode) -> None:
+    """Makes ``master`` disappear the way a killed process does: every connection
+    drops without the ``shutdown`` message a stop sends, so the peers see a crash (and
+    register again, for up to their ``reconnect_timeout``)."""
+    for conn in list(master._conns.values()):
+        conn.abort()
+    await master.stop()
