@@ -1,0 +1,136 @@
+"""The straggler statistics (pccl.master.stragglers) on events with chosen clocks: exact
+lags, held times, shares, rates and the outlier flag."""
+
+from __future__ import annotations
+
+import pytest
+
+from pccl.master.stragglers import OUTLIER_FLOOR_S, StragglerTracker, quantile
+
+G = 0
+PEERS = {1: G, 2: G, 3: G}
+
+
+def run(t: StragglerTracker, tag: int, calls: dict[int, float], dones: dict[int, float],
+        performed: float, end: float, ok: bool = True, ring: bool = True) -> None:
+    """One collective: calls and dones in time order, the perform, the outcome."""
+    events = [(at, "call", p) for p, at in calls.items()] + \
+        [(at, "done", p) for p, at in dones.items()]
+    for at, what, p in sorted(events):
+        (t.called if what == "call" else t.done)(at, p, G, tag)
+    t.performed(performed, G, tag)
+    t.ended(end, G, tag, tuple(sorted(calls)), ok, ring)
+
+
+def test_quantile_is_nearest_rank() -> None:
+    xs = [0.4, 0.1, 0.3, 0.2]
+    assert quantile(xs, 0.5) == 0.3
+    assert quantile(xs, 0.95) == 0.4
+    assert quantile([7.0], 0.95) == 7.0
+
+
+def test_a_late_caller_holds_the_time_from_the_previous_call() -> None:
+    t = StragglerTracker()
+    # 1 calls at 10, 2 at 10.5, 3 at 12.5; the ring runs 12.5..13; everyone done at 13.
+    run(t, 5, {1: 10.0, 2: 10.5, 3: 12.5}, {1: 13.0, 2: 13.0, 3: 13.0}, 12.5, 13.0)
+    rows = {r.peer: r for r in t.table(PEERS)}
+    assert rows[3].call_p95 == 2.5 and rows[2].call_p95 == 0.5 and rows[1].call_p95 == 0.0
+    assert rows[3].held == 2.0  # from 2's call to its own
+    assert rows[3].wait_share == 2.0 / 3.0  # of the wall time 10..13
+    assert rows[1].held == rows[2].held == 0.0
+    assert [r.peer for r in t.table(PEERS)] == [3, 2, 1]
+    assert rows[1].done_p95 == 0.0
+
+
+def test_the_last_to_finish_holds_from_the_previous_finish() -> None:
+    t = StragglerTracker()
+    # Everyone calls at once; 2 finishes at 1.36, 1 at 1.53, 3 at 1.70 (a slow link into 3).
+    for k in range(4):
+        base = 10.0 * k
+        run(t, 1, {1: base + 1.0, 2: base + 1.0, 3: base + 1.0},
+            {2: base + 1.36, 1: base + 1.53, 3: base + 1.70}, base + 1.0, base + 1.75)
+    rows = t.table(PEERS)
+    assert [r.peer for r in rows] == [3, 1, 2]
+    slow = rows[0]
+    assert slow.collectives == 4
+    assert slow.held == pytest.approx(4 * 0.17)
+    assert slow.wait_share == pytest.approx(0.17 / 0.75)
+    assert slow.done_p95 == pytest.approx(0.34) and slow.call_p95 == 0.0
+    assert slow.straggler
+    assert not rows[1].straggler and not rows[2].straggler
+    assert rows[1].done_p50 == pytest.approx(0.17) and rows[2].done_p50 == 0.0
+
+
+def test_ties_hold_nothing_and_flag_nobody() -> None:
+    t = StragglerTracker()
+    run(t, 1, {1: 0.0, 2: 0.0, 3: 0.0}, {1: 1.0, 2: 1.0, 3: 1.0}, 0.0, 1.0)
+    rows = t.table(PEERS)
+    assert all(r.held == 0.0 and r.wait_share == 0.0 and not r.straggler for r in rows)
+    assert [r.peer for r in rows] == [1, 2, 3]
+
+
+def test_a_small_hold_on_fast_collectives_is_not_flagged() -> None:
+    t = StragglerTracker()
+    # Peer 3 is always 5 ms late on 10 ms collectives: half the time, but under the floor.
+    for k in range(3):
+        run(t, 1, {1: k, 2: k, 3: k + 0.005}, {}, k + 0.005, k + 0.01)
+    rows = t.table(PEERS)
+    assert rows[0].peer == 3 and rows[0].wait_share == pytest.approx(0.5)
+    assert 0.005 < OUTLIER_FLOOR_S and not rows[0].straggler
+    assert rows[0].done_p95 is None  # reduced by the master: no per-member end
+
+
+def test_two_stragglers_against_a_quick_one_are_not_outliers_of_each_other() -> None:
+    t = StragglerTracker()
+    # 2 and 3 alternate being last by 1 s: each holds half the collectives.
+    for k in range(4):
+        late = 2 if k % 2 else 3
+        calls = {1: 10.0 * k, 2: 10.0 * k, 3: 10.0 * k}
+        calls[late] += 1.0
+        run(t, 1, calls, {}, 10.0 * k + 1.0, 10.0 * k + 1.0)
+    rows = {r.peer: r for r in t.table(PEERS)}
+    assert rows[2].wait_share == rows[3].wait_share == 0.5
+    assert not rows[2].straggler and not rows[3].straggler  # 0.5 < 3 x the other's 0.5
+
+
+def test_failed_or_partly_seen_collectives_are_not_recorded() -> None:
+    t = StragglerTracker()
+    run(t, 1, {1: 0.0, 2: 1.0, 3: 2.0}, {}, 2.0, 3.0, ok=False)
+    t.called(0.0, 1, G, 2)  # 2 and 3 called before this tracker saw them
+    t.performed(1.0, G, 2)
+    t.ended(2.0, G, 2, (1, 2, 3), True)
+    assert t.table(PEERS) == []
+
+
+def test_the_window_keeps_the_newest_collectives() -> None:
+    t = StragglerTracker(window=2)
+    run(t, 1, {1: 0.0, 2: 0.0, 3: 5.0}, {}, 5.0, 5.0)
+    run(t, 1, {1: 10.0, 2: 10.0, 3: 10.0}, {}, 10.0, 11.0)
+    run(t, 1, {1: 20.0, 2: 20.0, 3: 20.0}, {}, 20.0, 21.0)
+    row = next(r for r in t.table(PEERS) if r.peer == 3)
+    assert row.collectives == 2 and row.held == 0.0 and row.call_p95 == 0.0
+
+
+def test_ring_rate_is_bytes_over_the_ring_time_between_heartbeats() -> None:
+    t = StragglerTracker()
+    t.heartbeat(0.0, 1, G, 1000)
+    assert t.ring_rate(1) is None  # one sample
+    run(t, 1, {1: 0.125, 2: 0.125, 3: 0.125}, {}, 0.25, 0.75)  # 0.5 s of ring
+    run(t, 2, {1: 0.75, 2: 0.75, 3: 0.75}, {}, 0.75, 0.875, ring=False)  # mesh: not counted
+    t.heartbeat(1.0, 1, G, 1000 + 2_000_000)
+    assert t.ring_rate(1) == 4_000_000.0
+    t.heartbeat(2.0, 1, G, 1000 + 2_000_000)  # idle: no new ring time, same rate
+    assert t.ring_rate(1) == 4_000_000.0
+    t.heartbeat(3.0, 1, G, 5)  # the counter went back: a fresh series
+    assert t.ring_rate(1) is None
+    t.forget(1)
+    assert t.ring_rate(1) is None
+
+
+def test_open_collectives_are_bounded() -> None:
+    from pccl.master import stragglers
+
+    t = StragglerTracker()
+    for tag in range(stragglers.MAX_OPEN + 10):
+        t.called(0.0, 1, G, tag)
+    assert len(t._open) == stragglers.MAX_OPEN
