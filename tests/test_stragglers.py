@@ -3,9 +3,18 @@ lags, held times, shares, rates and the outlier flag."""
 
 from __future__ import annotations
 
-import pytest
+import asyncio
+from typing import Any
 
+import aiohttp
+import numpy as np
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+import pccl
 from pccl.master.stragglers import OUTLIER_FLOOR_S, StragglerTracker, quantile
+from pccl.testing import Cluster, LinkEmulator
+from pccl.testing.data import deterministic_tensor
 
 G = 0
 PEERS = {1: G, 2: G, 3: G}
@@ -134,3 +143,92 @@ def test_open_collectives_are_bounded() -> None:
     for tag in range(stragglers.MAX_OPEN + 10):
         t.called(0.0, 1, G, tag)
     assert len(t._open) == stragglers.MAX_OPEN
+
+
+# --- end to end: a master, three peers, one of them slow ------------------------------
+
+STATUS = {"status_listen": "127.0.0.1:0"}
+# 1 MiB all-reduces take the ring, not the mesh (whose bytes the counters leave out).
+NO_MESH = {**STATUS, "mesh_max_bytes": 0}
+
+
+async def api_status(master: object) -> dict[str, Any]:
+    async with aiohttp.ClientSession() as http, \
+            http.get(f"http://{master.status_address}/api/status") as r:  # type: ignore[attr-defined]
+        assert r.status == 200
+        doc: dict[str, Any] = await r.json()
+        return doc
+
+
+async def metrics_text(master: object) -> str:
+    async with aiohttp.ClientSession() as http, \
+            http.get(f"http://{master.status_address}/metrics") as r:  # type: ignore[attr-defined]
+        return await r.text()
+
+
+def lag_samples(text: str, peer: int) -> dict[tuple[str, str], float]:
+    return {(s.labels["phase"], s.labels["quantile"]): s.value
+            for family in text_string_to_metric_families(text)
+            for s in family.samples
+            if s.name == "pccl_peer_lag_seconds" and s.labels["peer"] == str(peer)}
+
+
+@pytest.mark.timeout(60)
+async def test_a_peer_behind_a_capped_link_is_named_first() -> None:
+    """16 Mbit/s into one peer of three (the link emulator): each peer runs its own loop
+    of 1 MiB all-reduces, as a training loop does; the ring waits for the capped peer to
+    finish, and /api/status names it first, flagged, within four collectives."""
+    async with LinkEmulator(bandwidth=2e6, chunk_size=64 * 1024) as emu, \
+            Cluster(2, master_kwargs=NO_MESH) as cluster:
+        slow = await cluster.admit_behind(emu)
+
+        async def train(comm: pccl.Communicator, seed: int) -> None:
+            x = deterministic_tensor("float32", 256 * 1024, seed=seed)
+            for _ in range(4):
+                await comm.all_reduce(x, tag=1)
+
+        await asyncio.gather(*(train(c, i) for i, c in enumerate(cluster.comms)))
+        doc = await api_status(cluster.master)
+        assert doc["slowest"][0] == slow.peer_id, doc["slowest"]
+        peers = {p["id"]: p for p in doc["peers"]}
+        lag = peers[slow.peer_id]["lag"]
+        assert lag["collectives"] == 4 and lag["straggler"] is True, lag
+        assert lag["wait_share"] >= 0.1 and lag["done_p95_s"] > 0
+        assert not any(peers[c.peer_id]["lag"]["straggler"] for c in cluster.comms
+                       if c is not slow)
+        text = await metrics_text(cluster.master)
+        assert set(lag_samples(text, slow.peer_id)) == {
+            ("call", "0.5"), ("call", "0.95"), ("done", "0.5"), ("done", "0.95")}
+        # The ring rate needs the heartbeat after the last collective's bytes.
+        deadline = asyncio.get_running_loop().time() + 10
+        while lag["ring_bytes_per_s"] is None:
+            assert asyncio.get_running_loop().time() < deadline, lag
+            await asyncio.sleep(0.05)
+            lag = {p["id"]: p for p in (await api_status(cluster.master))["peers"]}[
+                slow.peer_id]["lag"]
+        assert lag["ring_bytes_per_s"] > 0
+        print(f"capped peer: {lag}")
+
+
+@pytest.mark.timeout(60)
+async def test_a_peer_that_calls_late_is_named_first() -> None:
+    """One peer of three calls each all-reduce 0.2 s after the others (its step takes
+    longer): the collectives wait for it, and it leads the table with its call lag."""
+    async with Cluster(3, master_kwargs=STATUS) as cluster:
+        late = cluster.comms[1]
+
+        async def train(comm: pccl.Communicator) -> None:
+            x = np.ones(1000, dtype=np.float32)
+            for _ in range(4):
+                if comm is late:
+                    await asyncio.sleep(0.2)  # its slower step (the scenario, not a wait)
+                await comm.all_reduce(x, tag=1)
+
+        await asyncio.gather(*(train(c) for c in cluster.comms))
+        doc = await api_status(cluster.master)
+        assert doc["slowest"][0] == late.peer_id
+        lag = {p["id"]: p for p in doc["peers"]}[late.peer_id]["lag"]
+        assert lag["straggler"] is True and lag["call_p50_s"] > 0, lag
+        assert lag["done_p50_s"] is None  # reduced by the master: no ring, no done lag
+        text = await metrics_text(cluster.master)
+        assert lag_samples(text, late.peer_id)[("call", "0.5")] == lag["call_p50_s"]
