@@ -232,3 +232,18 @@ async def test_a_peer_that_calls_late_is_named_first() -> None:
         assert lag["done_p50_s"] is None  # reduced by the master: no ring, no done lag
         text = await metrics_text(cluster.master)
         assert lag_samples(text, late.peer_id)[("call", "0.5")] == lag["call_p50_s"]
+
+
+def test_the_outlier_rule_compares_with_the_median_of_the_others() -> None:
+    t = StragglerTracker()
+    peers = {p: G for p in range(1, 6)}
+    # 5 peers; 5 is last by 4 s once, 4 by 1 s twice, 3 by 1 s once (10 s collectives).
+    for k, (late, by) in enumerate([(5, 4.0), (4, 1.0), (4, 1.0), (3, 1.0)]):
+        calls = dict.fromkeys(peers, 20.0 * k)
+        calls[late] += by
+        run(t, 1, calls, {}, 20.0 * k + by, 20.0 * k + 10.0)
+    rows = {r.peer: r for r in t.table(peers)}
+    assert [r.peer for r in t.table(peers)] == [5, 4, 3, 1, 2]
+    assert rows[5].wait_share == 0.1 and rows[4].wait_share == 0.05
+    # 5: others' median (of 0, 0, 0.025, 0.05) is 0.025: 0.1 >= 3 x 0.025, and >= 10 %.
+    assert rows[5].straggler and not rows[4].straggler

@@ -33,6 +33,7 @@ says how fast the ring goes, the wait share says who holds it back.
 
 from __future__ import annotations
 
+import bisect
 import collections
 import dataclasses
 
@@ -210,10 +211,19 @@ class StragglerTracker:
                 quantile(dones, 0.5) if dones else None,
                 quantile(dones, 0.95) if dones else None,
                 held, held / wall if wall > 0 else 0.0, self.ring_rate(peer)))
+        shares: dict[int, list[float]] = {}
+        for row in rows:
+            shares.setdefault(row.group, []).append(row.wait_share)
+        for got in shares.values():
+            got.sort()
         flagged = []
         for row in rows:
-            others = [r.wait_share for r in rows if r.group == row.group and r is not row]
-            median = quantile(others, 0.5) if others else 0.0
+            # The median of the others' shares: the group's sorted shares without one
+            # occurrence of this row's (index arithmetic, not a copy per row).
+            ordered = shares[row.group]
+            k = (len(ordered) - 1) // 2  # quantile(others, 0.5) of len(ordered) - 1 values
+            i = bisect.bisect_left(ordered, row.wait_share)
+            median = 0.0 if len(ordered) < 2 else ordered[k if k < i else k + 1]
             flagged.append(dataclasses.replace(row, straggler=(
                 row.wait_share >= OUTLIER_SHARE
                 and row.wait_share >= OUTLIER_FACTOR * median
