@@ -985,6 +985,9 @@ class MasterNode:
             if isinstance(msg, m.Pong):
                 self.monitor.heartbeat(peer_id, msg.tx_bytes, msg.rx_bytes,
                                        msg.sync_rx_bytes, msg.sync_rx_total)
+            elif isinstance(msg, (m.CollectiveInit, m.CollectiveDone)):
+                # (Before the state sees it: the notes it makes then close the record.)
+                self.monitor.collective_message(peer_id, msg)
             self._feed(st.Received(peer_id, msg))
 
     def _feed(self, event: st.Event) -> None:

@@ -272,7 +272,8 @@ class Note:
     """Something that happened, for the people running the run: not a command (nothing
     has to be done about it), collected in :attr:`MasterState.notes` for the server to
     log and to show on its status page. ``value`` is an epoch, op id or revision (see
-    :data:`TIMELINE_NOTES`); ``nbytes`` a collective's size (elements x element size)."""
+    :data:`TIMELINE_NOTES`); ``nbytes`` a collective's size (elements x element size);
+    ``tag`` a collective's tag (-1: not about a collective)."""
 
     kind: str
     text: str
@@ -280,6 +281,7 @@ class Note:
     group: int = -1
     value: int = 0
     nbytes: int = 0
+    tag: int = -1
 
 # Longest deadline a peer may ask for (a garbage value must not overflow a timer).
 MAX_DEADLINE = 7 * 24 * 3600.0
@@ -646,9 +648,9 @@ class MasterState:
         return notes
 
     def _note(self, kind: str, text: str, peers: Collection[int] = (), group: int = -1,
-              value: int = 0, nbytes: int = 0) -> None:
+              value: int = 0, nbytes: int = 0, tag: int = -1) -> None:
         assert kind in TIMELINE_NOTES or kind in COUNTED_NOTES, kind
-        self.notes.append(Note(kind, text, tuple(peers), group, value, nbytes))
+        self.notes.append(Note(kind, text, tuple(peers), group, value, nbytes, tag))
 
     # --- the one entry point ------------------------------------------------------
 
@@ -1738,7 +1740,7 @@ class MasterState:
         col.participants = list(ring)
         col.participant_set = frozenset(ring)
         self._note("collective_started", "", ring, col.group, col.op_id,
-                   first.count * _ELEMENT_BYTES.get(first.dtype, 0))
+                   first.count * _ELEMENT_BYTES.get(first.dtype, 0), col.tag)
         for rank, p in enumerate(ring):
             out.append(Send(p, m.CollectivePerform(tag=col.tag, op_id=col.op_id,
                                                    epoch=col.epoch, rank=rank,
@@ -1771,8 +1773,8 @@ class MasterState:
         col.op_id = self.next_op_id
         self.next_op_id += 1
         self.collective_paths["via_master"] += 1
-        self._note("collective_started", "", ring, col.group, col.op_id, size)
-        self._note("collective_done", "", ring, col.group, col.op_id)
+        self._note("collective_started", "", ring, col.group, col.op_id, size, col.tag)
+        self._note("collective_done", "", ring, col.group, col.op_id, tag=col.tag)
         for p in ring:
             out.append(Send(p, m.CollectiveOutcome(tag=col.tag, op_id=col.op_id, ok=True,
                                                    kind=ErrorKind.NONE, message="",
@@ -1797,7 +1799,8 @@ class MasterState:
             # Early members ran the ring: its links may hold pieces of the op.
             self._mark_broken(col.group)
         self._note("collective_failed", f"collective tag {col.tag} of group {col.group} "
-                   f"called off before it ran: {why}", sorted(col.inits), col.group, -1)
+                   f"called off before it ran: {why}", sorted(col.inits), col.group, -1,
+                   tag=col.tag)
         for p in col.inits:
             if p == skip:
                 continue
@@ -1849,7 +1852,8 @@ class MasterState:
         del self.collectives[(col.group, col.tag)]
         kind, why = col.error or (ErrorKind.NONE, "")
         if col.error is None:
-            self._note("collective_done", "", col.participants, col.group, col.op_id)
+            self._note("collective_done", "", col.participants, col.group, col.op_id,
+                       tag=col.tag)
             if col.epoch == self.ring_epochs.get(col.group, 0):
                 counted, n = self.early_counts.get((col.group, col.tag), (col.epoch, 0))
                 self.early_counts[(col.group, col.tag)] = (
@@ -1857,7 +1861,7 @@ class MasterState:
         else:
             self._note("collective_failed", f"collective op {col.op_id} (tag {col.tag}) of "
                        f"group {col.group} aborted: {kind}: {why}", col.participants,
-                       col.group, col.op_id)
+                       col.group, col.op_id, tag=col.tag)
         if col.error is not None:
             # Links may hold half-sent pieces: the rings must be rebuilt before reuse.
             self._mark_broken(col.group)

@@ -42,8 +42,10 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from pccl._core import __version__
 from pccl.errors import InvalidArgumentError
 from pccl.master import state as st
+from pccl.master.stragglers import PeerLag, StragglerTracker
 from pccl.peer.metrics import ScrapeTimeCollector
 from pccl.protocol import MIN_PROTOCOL_VERSION, PROTOCOL_VERSION
+from pccl.protocol import messages as msgs
 from pccl.protocol.auth import is_loopback_host, split_host_port
 
 if TYPE_CHECKING:
@@ -187,6 +189,8 @@ class RunMonitor:
             self._m_collectives.labels(outcome)
             self._m_syncs.labels(outcome)
         self._recovering = False
+        # Who holds collectives back (fed with the monotonic clock; see stragglers.py).
+        self.stragglers = StragglerTracker()
 
     def started(self) -> None:
         """The master started listening (again): the uptime counts from now."""
@@ -235,6 +239,21 @@ class RunMonitor:
         if view is not None:
             view.tx_bytes, view.rx_bytes = tx, rx
             view.sync_rx_bytes, view.sync_rx_total = sync_rx, sync_total
+        rec = self.master.state.peers.get(peer_id)
+        if rec is not None:
+            self.stragglers.heartbeat(time.monotonic(), peer_id, rec.peer_group, tx)
+
+    def collective_message(self, peer_id: int, msg: msgs.CollectiveInit | msgs.CollectiveDone
+                           ) -> None:
+        """An accepted peer called a collective or reported its part ended (seen before
+        the state machine handles it)."""
+        rec = self.master.state.peers.get(peer_id)
+        if rec is None or rec.status is not st.PeerStatus.ACCEPTED:
+            return
+        if isinstance(msg, msgs.CollectiveInit):
+            self.stragglers.called(time.monotonic(), peer_id, rec.peer_group, msg.tag)
+        elif msg.op_id >= 0:
+            self.stragglers.done(time.monotonic(), peer_id, rec.peer_group, msg.tag)
 
     def notes(self, notes: list[st.Note]) -> None:
         """The state machine's notes: logged at INFO (what an operator reads), counted."""
@@ -243,11 +262,18 @@ class RunMonitor:
             if note.kind == "collective_started":
                 self._started[note.value] = now
                 self._bytes[note.value] = note.nbytes
+                self.stragglers.performed(now, note.group, note.tag)
                 continue
+            if note.kind == "collective_failed" and note.value < 0:
+                self.stragglers.ended(now, note.group, note.tag, note.peers, False)
             if note.kind == "collective_done" or (note.kind == "collective_failed"
                                                   and note.value >= 0):
                 began = self._started.pop(note.value, None)
                 ok = note.kind == "collective_done"
+                # Small enough for the mesh: its bytes are not in the ring counters.
+                ring = self._bytes.get(note.value, 0) > \
+                    self.master.state.mesh_limits.get(note.group, 0)
+                self.stragglers.ended(now, note.group, note.tag, note.peers, ok, ring)
                 self.collectives["ok" if ok else "failed"] += 1
                 self._m_collectives.labels("ok" if ok else "failed").inc()
                 if began is not None:
@@ -279,6 +305,7 @@ class RunMonitor:
                 self._m_drops.labels(_drop_cause(reason)).inc()
                 for p in note.peers:
                     self.peers.pop(p, None)
+                    self.stragglers.forget(p)
             elif note.kind == "admitted":
                 self._m_admitted.inc(len(note.peers))
             elif note.kind in ("ring", "repair"):
@@ -296,6 +323,11 @@ class RunMonitor:
         self.changed.set()
 
     # --- what the page and the API show -----------------------------------------------
+
+    def lag_table(self) -> list[PeerLag]:
+        """The accepted peers' straggler rows, slowest first (see stragglers.py)."""
+        s = self.master.state
+        return self.stragglers.table({p: s.peers[p].peer_group for p in s.accepted()})
 
     def rate(self) -> tuple[float, float | None, float | None]:
         """Collectives per second over the last RATE_WINDOW seconds, and their median and
@@ -325,6 +357,8 @@ class RunMonitor:
                     nxt[p] = ring[(i + 1) % len(ring)]
                     prv[p] = ring[i - 1]
         syncing = {p: sync for sync in s.syncs.values() for p in sync.participants}
+        slowest = self.lag_table()
+        lags = {row.peer: row for row in slowest}
         peers = []
         for pid, rec in s.peers.items():
             view = self.peers.get(pid)
@@ -355,6 +389,7 @@ class RunMonitor:
                 "syncing": pid in syncing,
                 "sync_rx_bytes": view.sync_rx_bytes if view else 0,
                 "sync_rx_total": view.sync_rx_total if view else 0,
+                "lag": _lag_doc(lags[pid]) if pid in lags else None,
             })
         groups = []
         for g, members in sorted(s._groups().items()):
@@ -403,6 +438,8 @@ class RunMonitor:
             },
             "peers": peers,
             "groups": groups,
+            # Peers by how much their group waited for them, slowest first.
+            "slowest": [row.peer for row in slowest],
             "bandwidth": [{"from": a, "to": b, "bytes_per_s": bw, "round": r}
                           for (a, b), (bw, r) in sorted(s.bandwidth.items())
                           if a in s.peers and b in s.peers],
@@ -417,6 +454,15 @@ class RunMonitor:
                       "running": syncs},
             "timeline": list(self.timeline)[-100:],
         }
+
+
+def _lag_doc(row: PeerLag) -> dict[str, Any]:
+    """``peers[].lag`` of ``/api/status`` (see docs/operations.md, "Who is slow?")."""
+    return {"collectives": row.collectives,
+            "call_p50_s": row.call_p50, "call_p95_s": row.call_p95,
+            "done_p50_s": row.done_p50, "done_p95_s": row.done_p95,
+            "held_s": row.held, "wait_share": row.wait_share,
+            "ring_bytes_per_s": row.ring_bytes_per_s, "straggler": row.straggler}
 
 
 def _live_gauges(mon: RunMonitor) -> Iterator[Metric]:
@@ -461,6 +507,30 @@ def _live_gauges(mon: RunMonitor) -> Iterator[Metric]:
             rx.add_metric([str(pid), str(rec.peer_group)], view.rx_bytes)
     yield tx
     yield rx
+    lag = GaugeMetricFamily("pccl_peer_lag_seconds", "How far behind the first member each "
+                            "peer called (phase=call) and finished (phase=done) its "
+                            "group's collectives, over the last 64", labels=[
+                                "peer", "name", "group", "phase", "quantile"])
+    share = GaugeMetricFamily("pccl_peer_wait_share", "Fraction of its group's collective "
+                              "time spent waiting for this peer alone (last 64 collectives)",
+                              labels=["peer", "name", "group"])
+    rate = GaugeMetricFamily("pccl_peer_ring_bytes_per_second", "Bytes each peer sent per "
+                             "second of its group's ring time, from its heartbeats",
+                             labels=["peer", "name", "group"])
+    for row in mon.lag_table():
+        seen = mon.peers.get(row.peer)
+        who = [str(row.peer), (seen.name if seen else None) or "", str(row.group)]
+        for phase, p50, p95 in (("call", row.call_p50, row.call_p95),
+                                ("done", row.done_p50, row.done_p95)):
+            if p50 is not None and p95 is not None:
+                lag.add_metric([*who, phase, "0.5"], p50)
+                lag.add_metric([*who, phase, "0.95"], p95)
+        share.add_metric(who, row.wait_share)
+        if row.ring_bytes_per_s is not None:
+            rate.add_metric(who, row.ring_bytes_per_s)
+    yield lag
+    yield share
+    yield rate
 
 
 def check_listen(listen: str, token: str | None) -> None:
