@@ -51,7 +51,7 @@ _PLAIN_FLAGS = ("listen", "heartbeat_interval", "heartbeat_timeout", "handshake_
                 "repair_rings", "dial_back_timeout", "max_relayed_streams", "insecure",
                 "max_connections",
                 "mesh_max_bytes", "quorum", "standby", "key_file", "cert_file", "trust",
-                "denylist", "allow_anonymous")
+                "denylist", "allow_anonymous", "run_id", "state_dir")
 
 
 def _add_master_args(p: argparse.ArgumentParser) -> None:
@@ -131,6 +131,12 @@ def _add_master_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--allow-anonymous", action=argparse.BooleanOptionalAction, default=s,
                    help="listen beyond loopback with nothing authenticating the peers (no "
                         f"secret, no certificates) ({d('allow_anonymous', 'off')})")
+    p.add_argument("--run-id", default=s, metavar="NAME",
+                   help=f"the run this master serves: peers must say the same "
+                        f"(Communicator(run_id=)) ({d('run_id', 'none')})")
+    p.add_argument("--state-dir", default=s, metavar="DIR",
+                   help=f"keep the timeline here across restarts (timeline.jsonl) "
+                        f"({d('state_dir', 'none')})")
     p.add_argument("--status", default=s, metavar="HOST:PORT",
                    help=f"serve the read-only status page, /api/status and /metrics here "
                         f"('off': none; {d('status_listen', DEFAULT_STATUS)}); a non-loopback "

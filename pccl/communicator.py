@@ -20,6 +20,7 @@ from typing import Any
 from pccl import _core, identity, recovery
 from pccl.enums import Attribute, QuantizationAlgorithm, ReduceOp, SharedStateSyncStrategy
 from pccl.errors import (
+    InvalidArgumentError,
     InvalidUsageError,
     MasterConnectionError,
 )
@@ -145,6 +146,7 @@ class Communicator(Driver):
         trust: str | None = None,
         allow_anonymous: bool = False,
         name: str | None = None,
+        run_id: str | None = None,
     ) -> None:
         check_int(p2p_connection_pool_size, "p2p_connection_pool_size", 1, 64)
         check_int(peer_group, "peer_group", 0, (1 << 32) - 1)
@@ -182,6 +184,9 @@ class Communicator(Driver):
                 f"Communicator(name=...) must be 1 to 64 printable characters, got {name!r}")
         # What the operator calls this peer (status page, the master's log).
         self.name = name
+        if run_id is not None and (why := m.run_id_problem(run_id)) is not None:
+            raise InvalidArgumentError(f"Communicator(run_id=...) {why}")
+        self.run_id = run_id
         if self.secret is None and not self.identity.checks_certs and not allow_anonymous:
             remote = [a for a in masters if not is_loopback_host(split_host_port(a)[0])]
             if remote:

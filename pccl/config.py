@@ -127,6 +127,10 @@ _HELP: dict[str, str] = {
              "node must present; none: certificates are not checked",
     "allow_anonymous": "run with nothing authenticating the nodes (no secret, no "
                        "certificates) on a non-loopback address",
+    "run_id": "the run this node is for: a master refuses peers that name another run "
+              "(or none when it has one)",
+    "state_dir": "directory where the master keeps its timeline across restarts "
+                 "(`timeline.jsonl`; none: nothing kept)",
     "denylist": "signed denylist file (`pccl ca revoke`), watched: its keys are dropped "
                 "and refused",
     "insecure": "clear-text connections (trusted networks only; the same on every node)",

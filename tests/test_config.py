@@ -52,6 +52,7 @@ COMMUNICATOR_VARIABLES = {
     "trust": "PCCL_TRUST",
     "allow_anonymous": "PCCL_ALLOW_ANONYMOUS",
     "name": "PCCL_PEER_NAME",
+    "run_id": "PCCL_RUN_ID",
 }
 MASTER_VARIABLES = {
     "listen": "PCCL_MASTER_LISTEN",
@@ -78,6 +79,8 @@ MASTER_VARIABLES = {
     "trust": "PCCL_TRUST",
     "denylist": "PCCL_DENYLIST",
     "allow_anonymous": "PCCL_ALLOW_ANONYMOUS",
+    "run_id": "PCCL_RUN_ID",
+    "state_dir": "PCCL_STATE_DIR",
 }
 
 
@@ -118,9 +121,9 @@ def test_only_parameters_that_mean_the_same_share_a_variable() -> None:
     master = {v.name: v.param for v in variables(pccl.MasterNode)}
     shared = set(peer) & set(master)
     # The node's own key, certificate and trusted run keys, and the opt-out from
-    # authentication, mean the same on a peer and on the master.
+    # authentication, and the run's id, mean the same on a peer and on the master.
     assert shared == {"PCCL_SECRET", "PCCL_INSECURE", "PCCL_MAX_FRAME", "PCCL_KEY_FILE",
-                      "PCCL_CERT_FILE", "PCCL_TRUST", "PCCL_ALLOW_ANONYMOUS"}
+                      "PCCL_CERT_FILE", "PCCL_TRUST", "PCCL_ALLOW_ANONYMOUS", "PCCL_RUN_ID"}
     assert all(peer[name] == master[name] for name in shared)
 
 
@@ -496,7 +499,8 @@ def test_the_configuration_is_logged_at_debug_without_the_secret(
     assert master_line.endswith("status_listen='127.0.0.1:0' (PCCL_STATUS_LISTEN='127.0.0.1:0'), "
                                 "status_token=<hidden> (PCCL_STATUS_TOKEN), key_file=None "
                                 "(default), cert_file=None (default), trust=None (default), "
-                                "denylist=None (default), allow_anonymous=False (default)")
+                                "denylist=None (default), allow_anonymous=False (default), "
+                                "run_id=None (default), state_dir=None (default)")
     assert "peer_group=2 (PCCL_PEER_GROUP='local_rank' with SLURM_LOCALID=2)" in peer_line
     assert "secret=<hidden> (PCCL_SECRET)" in peer_line
     assert "metrics_listen=None (default)" in peer_line

@@ -18,6 +18,7 @@ import secrets as _secrets
 import socket
 import time
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
@@ -147,6 +148,8 @@ class MasterNode:
         trust: str | None = None,
         denylist: str | None = None,
         allow_anonymous: bool = False,
+        run_id: str | None = None,
+        state_dir: str | None = None,
     ) -> None:
         for name, value in (("heartbeat_interval", heartbeat_interval),
                             ("heartbeat_timeout", heartbeat_timeout),
@@ -165,6 +168,17 @@ class MasterNode:
                 f"MasterNode(max_establish_attempts=...) must be an integer >= 1, got "
                 f"{max_establish_attempts!r}")
         split_host_port(listen)  # a malformed address fails here, not at start()
+        if run_id is not None and (why := m.run_id_problem(run_id)) is not None:
+            raise InvalidArgumentError(f"MasterNode(run_id=...) {why}")
+        # The run this master serves: a peer must say the same one (both unset is a
+        # match too), or it is refused before it can join a group.
+        self.run_id = run_id
+        # Where the master keeps what should outlive it (the timeline, as JSONL); None:
+        # nothing is kept.
+        if state_dir is not None and (not isinstance(state_dir, str) or not state_dir):
+            raise InvalidArgumentError(
+                f"MasterNode(state_dir=...) must be a directory path, got {state_dir!r}")
+        self.state_dir = state_dir
         self.listen = listen
         self.secret = ident.check_secret(secret)
         # This master's static key and certificate, and the run keys whose certificates
@@ -360,6 +374,13 @@ class MasterNode:
         self._address = join_host_port(shown, sock[1])
         self._heartbeat = asyncio.create_task(self._heartbeat_loop(), name="pccl-master-heartbeat")
         log.info("master listening on %s", self._address)
+        if self.state_dir is not None:
+            try:
+                self.monitor.keep_in(Path(self.state_dir))
+            except OSError as e:
+                await self.stop()
+                raise InvalidUsageError(
+                    f"MasterNode(state_dir={self.state_dir!r}) cannot be used: {e}") from None
         self.monitor.started()
         if self.status_listen is not None:
             from pccl.master.status_server import StatusServer  # aiohttp: only now
@@ -425,6 +446,7 @@ class MasterNode:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._heartbeat
         self._conns.clear()
+        self.monitor.close()
         self._stopped.set()
         log.info("master stopped")
 
@@ -648,6 +670,11 @@ class MasterNode:
             log.warning("peer at %s rejected: %s", remote, problem)
             await self._reject(conn, ErrorKind.ProtocolError, problem)
             return None
+        problem = self._run_id_problem(hello)
+        if problem is not None:
+            self._log_refusal(f"peer at {remote} rejected: {problem}")
+            await self._reject(conn, ErrorKind.InvalidUsageError, problem)
+            return None
         resume: st.Resume | None = None
         if 0 < hello.resume_peer_id < MAX_RESUMED:
             resume = st.Resume(hello.resume_epoch, hello.resume_revision,
@@ -670,6 +697,15 @@ class MasterNode:
         finally:
             self._claimed.discard(peer_id)
         return peer_id
+
+    def _run_id_problem(self, hello: m.Hello) -> str | None:
+        """Why a peer of another run is refused (None: it is for this run)."""
+        if (hello.run_id or None) == self.run_id:
+            return None
+        theirs = repr(hello.run_id) if hello.run_id else "no run id"
+        mine = repr(self.run_id) if self.run_id else "no run id"
+        return (f"this peer is for run {theirs}, this master serves {mine}: check "
+                f"PCCL_MASTER and PCCL_RUN_ID (Communicator(run_id=), pccl-master --run-id)")
 
     def _claim_id(self, wanted: int) -> int:
         """The id of a registration: the one it had before (``wanted``) when nobody

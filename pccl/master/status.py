@@ -28,12 +28,16 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import dataclasses
+import io
 import json
 import logging
 import math
+import os
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -66,6 +70,10 @@ TIMELINE_PEERS = 256
 #: Bytes of JSON the whole timeline may take (the oldest entries are forgotten first);
 #: the documents carry at most this much of it.
 TIMELINE_MAX_BYTES = 128 * 1024
+#: The timeline's file in a master's ``state_dir`` (one JSON entry a line), and the
+#: size at which it is rotated to ``timeline.jsonl.1`` (replacing the previous one).
+TIMELINE_FILE = "timeline.jsonl"
+TIMELINE_FILE_MAX_BYTES = 64 << 20
 #: Seconds of collective completions the rate is computed over.
 RATE_WINDOW = 30.0
 #: Server-sent events: at most this many snapshots a second per client, and one at
@@ -108,6 +116,23 @@ def to_json(doc: Any) -> str:
     """The JSON every route and event sends: compact, ASCII, NaN and infinities as null
     (strict JSON: a browser's ``JSON.parse`` refuses ``NaN``)."""
     return json.dumps(finite(doc), separators=(",", ":"), allow_nan=False)
+
+
+def _timeline_entry(line: bytes) -> dict[str, Any] | None:
+    """One line of a timeline file as an entry, or None when it is not one."""
+    try:
+        e = json.loads(line)
+    except ValueError:
+        return None
+    if not isinstance(e, dict) or set(e) != {"seq", "time", "kind", "text", "peers", "group"}:
+        return None
+    if not (isinstance(e["seq"], int) and isinstance(e["time"], (int, float))
+            and isinstance(e["kind"], str) and isinstance(e["text"], str)
+            and isinstance(e["peers"], list) and isinstance(e["group"], int)):
+        return None
+    e["kind"], e["text"] = cut(e["kind"], 40), cut(e["text"], TIMELINE_TEXT_CHARS)
+    e["peers"] = [p for p in e["peers"][:TIMELINE_PEERS] if isinstance(p, int)]
+    return e
 
 
 def _drop_cause(reason: str) -> str:
@@ -189,6 +214,9 @@ class RunMonitor:
             self._m_collectives.labels(outcome)
             self._m_syncs.labels(outcome)
         self._recovering = False
+        # The timeline's file (MasterNode(state_dir=)): every entry appended as it comes.
+        self._journal: io.TextIOWrapper | None = None
+        self._journal_path: Path | None = None
         # Who holds collectives back (fed with the monotonic clock; see stragglers.py).
         self.stragglers = StragglerTracker()
 
@@ -207,6 +235,11 @@ class RunMonitor:
         entry = {"seq": self._seq, "time": time.time(), "kind": kind,
                  "text": cut(text, TIMELINE_TEXT_CHARS),
                  "peers": list(peers[:TIMELINE_PEERS]), "group": group}
+        self._keep(entry)
+        self._write(entry)
+        self.changed.set()
+
+    def _keep(self, entry: dict[str, Any]) -> None:
         size = len(to_json(entry)) + 1  # (and its comma in the list)
         self.timeline.append(entry)
         self._sizes.append(size)
@@ -214,7 +247,66 @@ class RunMonitor:
         while len(self.timeline) > TIMELINE_LENGTH or self.timeline_bytes > TIMELINE_MAX_BYTES:
             self.timeline.popleft()
             self.timeline_bytes -= self._sizes.popleft()
-        self.changed.set()
+
+    # --- the timeline's file (MasterNode(state_dir=)) -----------------------------------
+
+    def keep_in(self, state_dir: Path) -> None:
+        """Keeps the timeline in ``state_dir/timeline.jsonl`` across restarts: takes
+        back the newest entries of the masters that ran before (a line that does not
+        parse as one, e.g. cut by a crash, is skipped), numbers on after them, and
+        appends every new entry. The file is this master's own (0600 in a 0700
+        directory), not input from the network; it is still read with limits."""
+        state_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        path = state_dir / TIMELINE_FILE
+        old: list[dict[str, Any]] = []
+        if path.exists():
+            with path.open("rb") as f:
+                f.seek(0, io.SEEK_END)
+                start = max(0, f.tell() - 4 * TIMELINE_MAX_BYTES)
+                f.seek(start)
+                lines = f.read().split(b"\n")
+            for line in lines[1 if start else 0:]:
+                entry = _timeline_entry(line)
+                if entry is not None:
+                    old.append(entry)
+        for entry in old[-TIMELINE_LENGTH:]:
+            self._keep(entry)
+        self._seq = max([self._seq, *(e["seq"] for e in old)])
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        self._journal = open(fd, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
+        self._journal_path = path
+        if old or path.stat().st_size:
+            with path.open("rb") as f:
+                f.seek(-1, io.SEEK_END)
+                if f.read(1) != b"\n":  # a line cut by a crash: ours start on a new one
+                    self._journal.write("\n")
+        if old:
+            log.info("timeline: %d entries taken back from %s", len(old[-TIMELINE_LENGTH:]), path)
+
+    def _write(self, entry: dict[str, Any]) -> None:
+        """Appends ``entry`` to the timeline's file, if there is one; a failed write
+        (a full disk) stops the file with one warning, never the master."""
+        if self._journal is None or self._journal_path is None:
+            return
+        try:
+            self._journal.write(to_json(entry) + "\n")
+            self._journal.flush()
+            if self._journal.tell() > TIMELINE_FILE_MAX_BYTES:
+                self._journal.close()
+                os.replace(self._journal_path, str(self._journal_path) + ".1")
+                fd = os.open(self._journal_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+                self._journal = open(fd, "a", encoding="utf-8")  # noqa: SIM115
+        except OSError as e:
+            log.warning("timeline: writing %s failed (%s); the timeline is kept in memory "
+                        "only from now on", self._journal_path, e)
+            self.close()
+
+    def close(self) -> None:
+        """Closes the timeline's file (the master stopped)."""
+        journal, self._journal = self._journal, None
+        if journal is not None:
+            with contextlib.suppress(OSError):
+                journal.close()
 
     def connected(self, peer_id: int, remote: str, encrypted: bool, text: str,
                   name: str | None = None, version: int | None = None) -> None:

@@ -57,6 +57,7 @@ class Driver:
     secret: bytes | None
     identity: _core.Identity
     name: str | None
+    run_id: str | None
     p2p_listen_host: str | None
     p2p_listen_port: int
     p2p_advertise_host: str | None
@@ -291,7 +292,8 @@ class Driver:
                     p2p_punch_ports=[int(p) for p in self._node.punch_ports],
                     masters=len(self.masters), resume_base_epoch=base_epoch,
                     resume_base_peers=base_peers, resume_more_epochs=[e for e, _ in more],
-                    resume_more_peers=[r for _, r in more], name=self.name or "")))
+                    resume_more_peers=[r for _, r in more], name=self.name or "",
+                    run_id=self.run_id or "")))
                 reply = await conn.recv()
         except TimeoutError:
             raise MasterConnectionError(
@@ -469,7 +471,7 @@ class Driver:
                     await self._handshake(conn, challenge)
                 async with asyncio.timeout(max(deadline - loop.time(), 0.0)):
                     await self._waiters[ps.ACCEPT]
-            except (AuthenticationError, ProtocolError) as e:
+            except (AuthenticationError, ProtocolError, InvalidUsageError) as e:
                 last = e  # retrying cannot help
                 break
             except (OSError, TimeoutError, PCCLError) as e:
@@ -487,7 +489,7 @@ class Driver:
             return  # accepted: the machine answered the calls waiting for this
         if self._conn is not None:
             await self._drop_conn(self._conn)
-        if isinstance(last, (AuthenticationError, ProtocolError)):
+        if isinstance(last, (AuthenticationError, ProtocolError, InvalidUsageError)):
             # (An answer, not silence: say what it was, as its own kind, not a timeout.)
             why = (f"{self._where()} refused this peer's registration after "
                    f"{self.reconnect_timeout - max(deadline - loop.time(), 0.0):.1f}s, and "

@@ -31,6 +31,18 @@ PeerText = Annotated[str, Bound(PEER_TEXT, clip=True)]
 #: Free text the master sends (which may quote several peers): clipped on decode.
 MasterText = Annotated[str, Bound(16384, clip=True)]
 
+#: Characters a run id may have (``run_id=``, ``PCCL_RUN_ID``).
+RUN_ID_CHARS = 64
+
+
+def run_id_problem(run_id: object) -> str | None:
+    """Why ``run_id`` is not a run id (None: it is one): 1 to 64 printable characters."""
+    if not isinstance(run_id, str) or not 0 < len(run_id) <= RUN_ID_CHARS \
+            or not run_id.isprintable():
+        return f"must be 1 to {RUN_ID_CHARS} printable characters, got {run_id!r}"
+    return None
+
+
 #: The control-plane protocol this release speaks: bumped on every change of the
 #: messages or of what they mean.
 PROTOCOL_VERSION = 14
@@ -128,6 +140,9 @@ class Hello(Message):
     # What the operator calls this peer (Communicator(name=), PCCL_PEER_NAME): shown on
     # the status page and in the master's log; a certificate's name takes precedence.
     name: Annotated[str, Bound(64, clip=True)] = ""
+    # The run this peer is for (Communicator(run_id=), PCCL_RUN_ID; protocol 14): a
+    # master of another run refuses it, instead of mixing two jobs into one group.
+    run_id: Annotated[str, Bound(RUN_ID_CHARS)] = ""
 
 
 @message
