@@ -168,10 +168,57 @@ async def test_token_guards_everything_but_healthz_and_nothing_writes() -> None:
         code, body = await get(http, base + "/api/status",
                                headers={"Authorization": "Bearer s3cret"})
         assert code == 200 and json.loads(body)["schema"] == 1
-        code, body = await get(http, base + "/?token=s3cret")
-        assert code == 200 and "<title>pccl run status</title>" in body
+        async with http.get(base + "/?token=s3cret", allow_redirects=False) as r:
+            assert r.status == 303  # (what a browser does with it: the test below)
         async with http.post(base + "/api/status?token=s3cret", data=b"{}") as r:
             assert r.status == 405
+
+
+async def test_a_url_token_is_exchanged_for_a_cookie_and_leaves_the_url() -> None:
+    async with pccl.MasterNode(listen="127.0.0.1:0", status_listen="127.0.0.1:0",
+                               status_token="s3cret") as master:
+        assert master.status_address is not None
+        base = f"http://{master.status_address}"
+        name = f"pccl-token-{master.status_address.rsplit(':', 1)[1]}"
+        async with aiohttp.ClientSession() as http:
+            async with http.get(base + "/?token=s3cret&view=peers",
+                                allow_redirects=False) as r:
+                assert r.status == 303
+                assert r.headers["Location"] == "/?view=peers"  # the rest of the query kept
+                assert r.headers["Referrer-Policy"] == "no-referrer"
+                morsel = r.cookies[name]
+                assert (morsel["path"], morsel["httponly"], morsel["samesite"],
+                        morsel["secure"]) == ("/", True, "Strict", "")  # plain http
+                assert "s3cret" not in r.headers["Set-Cookie"]  # a digest, not the token
+            cookie = {"Cookie": f"{name}={morsel.value}"}
+            # The cookie alone opens every route, as the token does.
+            code, body = await get(http, base + "/", headers=cookie)
+            assert code == 200 and "<title>pccl run status</title>" in body
+            for path in ("/api/status", "/metrics"):
+                assert (await get(http, base + path, headers=cookie))[0] == 200, path
+            # A wrong cookie, or the right value under another port's name, does not.
+            for wrong in (f"{name}={'0' * 64}", f"{name}=s3cret",
+                          f"pccl-token-1={morsel.value}"):
+                assert (await get(http, base + "/api/status",
+                                  headers={"Cookie": wrong}))[0] == 401, wrong
+            # A wrong token in the URL gets no cookie.
+            async with http.get(base + "/api/status?token=s3cre",
+                                allow_redirects=False) as r:
+                assert r.status == 401 and "Set-Cookie" not in r.headers
+            # Programs keep the header.
+            code, body = await get(http, base + "/api/status",
+                                   headers={"Authorization": "Bearer s3cret"})
+            assert code == 200 and json.loads(body)["schema"] == 1
+        # A client that keeps cookies, as a browser: one request with the token in the
+        # URL lands on the page without it, and what follows needs no token.
+        async with aiohttp.ClientSession(cookie_jar=aiohttp.CookieJar(unsafe=True)) as browser:
+            async with browser.get(base + "/?token=s3cret") as r:
+                assert r.status == 200 and str(r.url) == base + "/"
+                assert "<title>pccl run status</title>" in await r.text()
+            assert (await get(browser, base + "/api/status"))[0] == 200
+            async with browser.get(base + "/api/events") as stream:
+                assert stream.status == 200
+                assert (await stream.content.readline()).startswith(b"event: status")
 
 
 def test_status_on_another_machines_reach_needs_a_token() -> None:
