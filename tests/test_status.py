@@ -6,6 +6,9 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
+from pathlib import Path
+from typing import Any
 
 import aiohttp
 import numpy as np
@@ -13,6 +16,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 import pccl
+from pccl.__main__ import DEFAULT_STATUS
+from pccl.config import read_secret_file
 from pccl.master.status import KEEPALIVE
 from pccl.testing.cluster import Cluster
 
@@ -323,3 +328,54 @@ def test_import_pccl_leaves_aiohttp_for_those_who_serve() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=60, check=True)
     assert out.stdout.strip() == "False"
+
+
+def documented_scrape_configs() -> list[dict[str, Any]]:
+    """The ``scrape_configs`` of the Prometheus example in docs/operations.md."""
+    yaml = pytest.importorskip("yaml")
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "operations.md").read_text()
+    found = re.search(r"```yaml\n# prometheus.yml\n(.*?)```", doc, re.S)
+    assert found, "no prometheus.yml block in docs/operations.md"
+    jobs: list[dict[str, Any]] = yaml.safe_load(found.group(1))["scrape_configs"]
+    return jobs
+
+
+async def test_the_documented_prometheus_scrape_configs_work(tmp_path: Path) -> None:
+    """Each job of the example, scraped as Prometheus would (scheme, path, and the
+    ``authorization`` header from its credentials file, whitespace trimmed) from a
+    master whose token file is that same file, and a peer likewise."""
+    jobs = {str(j["job_name"]): j for j in documented_scrape_configs()}
+    assert set(jobs) == {"pccl-master", "pccl-peers"}
+    master_target = jobs["pccl-master"]["static_configs"][0]["targets"][0]
+    assert master_target.rsplit(":", 1)[1] == DEFAULT_STATUS.rsplit(":", 1)[1]
+    files: dict[str, Path] = {}
+    for name, token in (("pccl-master", "st4tus-token"), ("pccl-peers", "m3trics-token")):
+        doc_path = Path(jobs[name]["authorization"]["credentials_file"])
+        files[name] = tmp_path / doc_path.name
+        files[name].write_text(token + "\n")  # (as an editor leaves it)
+    # Each server reads its token from the file its scraper reads, as pccl-master does.
+    master_kw = {"status_listen": "127.0.0.1:0",
+                 "status_token": read_secret_file(files["pccl-master"]).decode()}
+    comm_kw = {"metrics_listen": "127.0.0.1:0",
+               "metrics_token": read_secret_file(files["pccl-peers"]).decode()}
+    async with Cluster(1, master_kwargs=master_kw, comm_kwargs=comm_kw) as cluster, \
+            aiohttp.ClientSession() as http:
+        peer_server = cluster.comms[0]._metrics_server
+        assert peer_server is not None
+        where = {"pccl-master": cluster.master.status_address, "pccl-peers": peer_server.address}
+        expect = {"pccl-master": "pccl_master_uptime_seconds",
+                  "pccl-peers": "pccl_peer_collectives_total"}
+        for name, job in jobs.items():
+            auth = job["authorization"]
+            path = job.get("metrics_path", "/metrics")
+            url = f"{job.get('scheme', 'http')}://{where[name]}{path}"
+            # Prometheus: the file's contents with surrounding whitespace trimmed.
+            header = f"{auth.get('type', 'Bearer')} {files[name].read_text().strip()}"
+            async with http.get(url, headers={"Authorization": header},
+                                allow_redirects=False) as r:
+                assert r.status == 200, name
+                assert r.headers["Content-Type"].startswith("text/plain")
+                body = await r.text()
+            assert expect[name] in body, name
+            async with http.get(url, allow_redirects=False) as r:
+                assert r.status == 401, name
