@@ -22,7 +22,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from pccl import config
+from pccl import _logging, config
 from pccl._logging import parse_level
 from pccl.errors import InvalidArgumentError, PCCLError
 from pccl.master.server import MasterNode
@@ -146,6 +146,10 @@ def _add_master_args(p: argparse.ArgumentParser) -> None:
                         "(default: $PCCL_STATUS_TOKEN_FILE or $PCCL_STATUS_TOKEN, else none)")
     p.add_argument("--log-level", default=None, type=str.upper, choices=_LOG_LEVELS,
                    help=f"default: ${config.LOG_LEVEL}, else INFO")
+    p.add_argument("--log-format", default=None, type=str.lower, choices=_logging.FORMATS,
+                   help=f"text: one line per record, UTC timestamps; json: one JSON object "
+                        f"per line (ts, level, logger, msg, exc) (default: "
+                        f"${config.LOG_FORMAT}, else text)")
 
 
 QUORUM_DEFAULT = "on for a standby, else off: give it to every master of a run with several"
@@ -158,6 +162,14 @@ def _log_level(args: argparse.Namespace, env: Mapping[str, str]) -> int:
         return int(logging.getLevelName(args.log_level))
     from_env = parse_level(env.get(config.LOG_LEVEL, ""))
     return logging.INFO if from_env is None else from_env
+
+
+def _log_format(args: argparse.Namespace, env: Mapping[str, str]) -> str:
+    """--log-format, else PCCL_LOG_FORMAT (a bad value was warned about at import and is
+    ignored), else text."""
+    if args.log_format is not None:
+        return str(args.log_format)
+    return _logging.parse_format(env.get(config.LOG_FORMAT, "")) or "text"
 
 
 def master_overrides(args: argparse.Namespace, env: Mapping[str, str]) -> dict[str, Any]:
@@ -231,8 +243,8 @@ async def _run_master(args: argparse.Namespace) -> None:
     await master.stop()
 
 
-def _configure_logging(level: int) -> None:
-    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+def _configure_logging(level: int, kind: str = "text") -> None:
+    _logging.configure_root(level, kind)
     # PCCL_LOG_LEVEL set the pccl logger's own level at import: the flag wins.
     logging.getLogger("pccl").setLevel(level)
 
@@ -257,7 +269,7 @@ def master_main(argv: list[str] | None = None) -> None:
     p.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     _add_master_args(p)
     args = p.parse_args(argv)
-    _configure_logging(_log_level(args, os.environ))
+    _configure_logging(_log_level(args, os.environ), _log_format(args, os.environ))
     sys.exit(_serve(p.prog, args))
 
 
@@ -298,10 +310,10 @@ def main(argv: list[str] | None = None) -> None:
     if args.command in keys_cli.COMMANDS:
         sys.exit(keys_cli.run(args))
     if args.command == "master":
-        _configure_logging(_log_level(args, os.environ))
+        _configure_logging(_log_level(args, os.environ), _log_format(args, os.environ))
     else:
-        logging.basicConfig(level=args.log_level,
-                            format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        _logging.configure_root(int(logging.getLevelName(args.log_level)),
+                                _log_format(argparse.Namespace(log_format=None), os.environ))
     if args.command == "doctor":
         from pccl import identity as ident
         from pccl.doctor import diagnose

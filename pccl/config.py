@@ -52,9 +52,9 @@ from typing import Any, TypeVar
 
 from pccl.errors import InvalidArgumentError
 
-__all__ = ["LOCAL_RANK_VARIABLES", "LOG_LEVEL", "RENAMED", "SECRETS", "Variable", "env_name",
-           "from_env", "is_set", "local_rank", "markdown_table", "names", "read_secret_file",
-           "resolve", "variables"]
+__all__ = ["LOCAL_RANK_VARIABLES", "LOG_FORMAT", "LOG_LEVEL", "RENAMED", "SECRETS", "Variable",
+           "env_name", "from_env", "is_set", "local_rank", "markdown_table", "names",
+           "read_secret_file", "resolve", "variables"]
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +64,7 @@ Env = Mapping[str, str]
 PREFIX = "PCCL_"
 #: Read once, at ``import pccl`` (``pccl/_logging.py``), not by ``from_env()``.
 LOG_LEVEL = "PCCL_LOG_LEVEL"
+LOG_FORMAT = "PCCL_LOG_FORMAT"
 
 #: Parameters whose variable is not ``PCCL_`` + the name in capitals.
 RENAMED: dict[str, str] = {
@@ -419,14 +420,14 @@ def _classes() -> tuple[type, type]:
 
 def names() -> frozenset[str]:
     """Every environment variable pccl reads: those of ``Communicator`` and
-    ``MasterNode`` (secret files included) and ``PCCL_LOG_LEVEL``.
+    ``MasterNode`` (secret files included), ``PCCL_LOG_LEVEL`` and ``PCCL_LOG_FORMAT``.
 
     Example::
 
         from pccl.config import names
         assert {"PCCL_MASTER", "PCCL_SECRET_FILE", "PCCL_STATUS_LISTEN"} <= names()
     """
-    out = {LOG_LEVEL}
+    out = {LOG_LEVEL, LOG_FORMAT}
     for cls in _classes():
         for v in variables(cls):
             out.add(v.name)
@@ -460,6 +461,9 @@ def markdown_table() -> str:
                     f"{_shown_default(v)} | {v.help} |")
     rows.append(f"| `{LOG_LEVEL}` | the `pccl` loggers, at `import pccl` | `debug`, `info`, "
                 f"`warning`, `error`, `critical` or a number | unset | how much pccl logs |")
+    rows.append(f"| `{LOG_FORMAT}` | pccl's own log handler and `pccl-master`, at `import "
+                f"pccl` | `text`, `json` | `text` | one line per record (UTC timestamps), or "
+                f"one JSON object per line |")
     return "\n".join(rows) + "\n"
 
 

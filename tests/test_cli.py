@@ -10,8 +10,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import datetime
+import json
 import logging
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -133,6 +136,7 @@ def test_every_master_node_option_is_on_the_command_line() -> None:
             if v.file_name:
                 assert f"${v.file_name}" in run.stdout, v.file_name
     assert "$PCCL_LOG_LEVEL" in run.stdout
+    assert "$PCCL_LOG_FORMAT" in run.stdout
 
 
 async def test_the_master_runs_with_options_and_stops_on_sigterm(tmp_path: Path) -> None:
@@ -158,6 +162,77 @@ async def test_the_master_runs_with_options_and_stops_on_sigterm(tmp_path: Path)
         with contextlib.suppress(ProcessLookupError):
             proc.kill()
         await proc.wait()
+
+
+UTC_STAMP = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z")
+
+
+async def test_log_format_json_writes_one_json_object_per_line(tmp_path: Path) -> None:
+    # A time zone far from UTC: the timestamps must not follow it.
+    before = datetime.datetime.now(datetime.UTC)
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "pccl", "master", "--listen", "127.0.0.1:0", "--status", "off",
+        "--log-format", "json", "--log-level", "info", env=clean_env(TZ="Asia/Kolkata"),
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    try:
+        async with asyncio.timeout(30):
+            line = (await proc.stdout.readline()).decode()  # type: ignore[union-attr]
+        async with pccl.Communicator(line.split()[-1], p2p_listen_host="127.0.0.1") as comm:
+            me = comm.peer_id
+        proc.send_signal(signal.SIGTERM)
+        async with asyncio.timeout(30):
+            _, err = await proc.communicate()
+        assert proc.returncode == 0
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            proc.kill()
+        await proc.wait()
+    after = datetime.datetime.now(datetime.UTC)
+    records = [json.loads(x) for x in err.decode().splitlines()]  # every line is JSON
+    assert records
+    for r in records:
+        assert set(r) == {"ts", "level", "logger", "msg"}, r
+        assert UTC_STAMP.fullmatch(r["ts"]), r["ts"]
+        when = datetime.datetime.fromisoformat(r["ts"].replace("Z", "+00:00"))
+        # (a bracket around the run, wide enough for any clock step but not a time zone)
+        assert before - datetime.timedelta(minutes=5) <= when \
+            <= after + datetime.timedelta(minutes=5), r["ts"]
+    assert any(r["level"] == "INFO" and r["logger"] == "pccl.master.server"
+               and r["msg"].startswith(f"peer {me} registered") for r in records), records
+
+
+async def test_the_default_log_format_is_text_in_utc() -> None:
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "pccl", "master", "--listen", "127.0.0.1:0", "--status", "off",
+        "--log-level", "debug", env=clean_env(TZ="America/New_York"),
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    try:
+        async with asyncio.timeout(30):
+            await proc.stdout.readline()  # type: ignore[union-attr]
+        proc.send_signal(signal.SIGTERM)
+        async with asyncio.timeout(30):
+            _, err = await proc.communicate()
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            proc.kill()
+        await proc.wait()
+    lines = err.decode().splitlines()
+    assert any(" DEBUG pccl.config: MasterNode.from_env(): " in x for x in lines), lines
+    for x in lines:
+        stamp, level, logger, _ = x.split(" ", 3)
+        assert UTC_STAMP.fullmatch(stamp) and level in ("DEBUG", "INFO") \
+            and logger.endswith(":"), x
+
+
+@pytest.mark.parametrize(("argv", "env", "kind"), [
+    ([], {}, "text"),
+    ([], {"PCCL_LOG_FORMAT": "JSON "}, "json"),
+    ([], {"PCCL_LOG_FORMAT": "xml"}, "text"),  # warned about at import, ignored
+    (["--log-format", "text"], {"PCCL_LOG_FORMAT": "json"}, "text"),
+    (["--log-format", "JSON"], {}, "json"),
+])
+def test_the_log_format(argv: list[str], env: dict[str, str], kind: str) -> None:
+    assert cli._log_format(parse(*argv), env) == kind
 
 
 # --- the environment --------------------------------------------------------------------

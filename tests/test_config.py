@@ -113,7 +113,8 @@ def test_the_variable_names_are_the_documented_ones() -> None:
                      "PCCL_METRICS_TOKEN": "PCCL_METRICS_TOKEN_FILE"}
     assert names() == frozenset({*COMMUNICATOR_VARIABLES.values(), *MASTER_VARIABLES.values(),
                                  "PCCL_SECRET_FILE", "PCCL_STATUS_TOKEN_FILE",
-                                 "PCCL_METRICS_TOKEN_FILE", "PCCL_LOG_LEVEL"})
+                                 "PCCL_METRICS_TOKEN_FILE", "PCCL_LOG_LEVEL",
+                                 "PCCL_LOG_FORMAT"})
 
 
 def test_only_parameters_that_mean_the_same_share_a_variable() -> None:

@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import math
 import os
+import re
 import subprocess
 import sys
 
@@ -119,10 +121,12 @@ async def test_level_changes_at_run_time_apply_to_rust_records(caplog) -> None:
         await b.close()
 
 
-def _python(code: str, level: str | None) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if k != _logging.ENV_VAR}
+def _python(code: str, level: str | None, **extra: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items()
+           if k not in (_logging.ENV_VAR, _logging.FORMAT_ENV_VAR)}
     if level is not None:
         env[_logging.ENV_VAR] = level
+    env.update(extra)
     return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
                           text=True, timeout=60)
 
@@ -182,6 +186,67 @@ def test_pccl_log_level_prints_rust_records_to_stderr() -> None:
     assert quiet.returncode == 0, quiet.stderr
     # Python's last-resort handler still shows warnings, once each, without our format.
     assert "WARNING pccl._core" not in quiet.stderr
+
+
+UTC_STAMP = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z")
+
+
+def _record(created: float, msg: str = "hello %s", args: tuple[object, ...] = ("world",),
+            exc: bool = False) -> logging.LogRecord:
+    exc_info = None
+    if exc:
+        try:
+            raise ValueError("broken \"thing\"\nsecond line")
+        except ValueError:
+            exc_info = sys.exc_info()
+    record = logging.LogRecord("pccl.master.status", logging.WARNING, __file__, 1, msg, args,
+                               exc_info)
+    record.created, record.msecs = created, (created % 1) * 1000
+    return record
+
+
+def test_the_text_format_writes_utc() -> None:
+    # 2025-03-01T12:34:56.789 UTC, whatever the local time zone
+    line = _logging.formatter("text").format(_record(1740832496.789))
+    assert line == "2025-03-01T12:34:56.789Z WARNING pccl.master.status: hello world"
+
+
+def test_the_json_format_is_one_object_per_line_with_the_exception() -> None:
+    fmt = _logging.formatter("json")
+    plain = fmt.format(_record(1740832496.0012))
+    assert json.loads(plain) == {"ts": "2025-03-01T12:34:56.001Z", "level": "WARNING",
+                                 "logger": "pccl.master.status", "msg": "hello world"}
+    failed = fmt.format(_record(0.5, "line one\nline two", (), exc=True))
+    assert "\n" not in failed  # one line, whatever the texts hold
+    doc = json.loads(failed)
+    assert doc["ts"] == "1970-01-01T00:00:00.500Z" and doc["msg"] == "line one\nline two"
+    assert doc["exc"].startswith("Traceback (most recent call last):")
+    assert doc["exc"].endswith('ValueError: broken "thing"\nsecond line')
+    with pytest.raises(ValueError, match="xml"):
+        _logging.formatter("xml")
+
+
+def test_pccl_log_format_json_prints_json_lines_to_stderr() -> None:
+    """A peer's program that configured no logging: PCCL_LOG_FORMAT=json alone prints
+    pccl's warnings as JSON (at the default level), in UTC whatever TZ says."""
+    p = _python(_REFUSED_SCRIPT, None, PCCL_LOG_FORMAT="json", TZ="Asia/Kolkata")
+    assert p.returncode == 0, p.stderr
+    records = [json.loads(x) for x in p.stderr.splitlines()]
+    assert records and all(UTC_STAMP.fullmatch(r["ts"]) for r in records)
+    assert {r["level"] for r in records} == {"WARNING"}
+    assert any(r["logger"] == "pccl._core.net.node"
+               and r["msg"].startswith("peer 2: p2p connection from") for r in records)
+    with_level = _python("import logging, pccl; print(logging.getLogger('pccl').level)",
+                         "info", PCCL_LOG_FORMAT="json")
+    assert with_level.stdout.strip() == "20"
+
+
+def test_a_bogus_pccl_log_format_warns_and_logs_text() -> None:
+    p = _python(_REFUSED_SCRIPT, "warning", PCCL_LOG_FORMAT="xml")
+    assert p.returncode == 0, p.stderr
+    assert "RuntimeWarning" in p.stderr and "PCCL_LOG_FORMAT='xml'" in p.stderr
+    assert re.search(r"^\S+Z WARNING pccl\._core\.net\.node: peer 2: p2p connection from",
+                     p.stderr, re.M), p.stderr
 
 
 # --- timeouts from Python are checked, never a panic -------------------------------------

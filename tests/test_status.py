@@ -6,6 +6,9 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
+from pathlib import Path
+from typing import Any
 
 import aiohttp
 import numpy as np
@@ -13,6 +16,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 import pccl
+from pccl.__main__ import DEFAULT_STATUS
+from pccl.config import read_secret_file
 from pccl.master.status import KEEPALIVE
 from pccl.testing.cluster import Cluster
 
@@ -168,10 +173,57 @@ async def test_token_guards_everything_but_healthz_and_nothing_writes() -> None:
         code, body = await get(http, base + "/api/status",
                                headers={"Authorization": "Bearer s3cret"})
         assert code == 200 and json.loads(body)["schema"] == 1
-        code, body = await get(http, base + "/?token=s3cret")
-        assert code == 200 and "<title>pccl run status</title>" in body
+        async with http.get(base + "/?token=s3cret", allow_redirects=False) as r:
+            assert r.status == 303  # (what a browser does with it: the test below)
         async with http.post(base + "/api/status?token=s3cret", data=b"{}") as r:
             assert r.status == 405
+
+
+async def test_a_url_token_is_exchanged_for_a_cookie_and_leaves_the_url() -> None:
+    async with pccl.MasterNode(listen="127.0.0.1:0", status_listen="127.0.0.1:0",
+                               status_token="s3cret") as master:
+        assert master.status_address is not None
+        base = f"http://{master.status_address}"
+        name = f"pccl-token-{master.status_address.rsplit(':', 1)[1]}"
+        async with aiohttp.ClientSession() as http:
+            async with http.get(base + "/?token=s3cret&view=peers",
+                                allow_redirects=False) as r:
+                assert r.status == 303
+                assert r.headers["Location"] == "/?view=peers"  # the rest of the query kept
+                assert r.headers["Referrer-Policy"] == "no-referrer"
+                morsel = r.cookies[name]
+                assert (morsel["path"], morsel["httponly"], morsel["samesite"],
+                        morsel["secure"]) == ("/", True, "Strict", "")  # plain http
+                assert "s3cret" not in r.headers["Set-Cookie"]  # a digest, not the token
+            cookie = {"Cookie": f"{name}={morsel.value}"}
+            # The cookie alone opens every route, as the token does.
+            code, body = await get(http, base + "/", headers=cookie)
+            assert code == 200 and "<title>pccl run status</title>" in body
+            for path in ("/api/status", "/metrics"):
+                assert (await get(http, base + path, headers=cookie))[0] == 200, path
+            # A wrong cookie, or the right value under another port's name, does not.
+            for wrong in (f"{name}={'0' * 64}", f"{name}=s3cret",
+                          f"pccl-token-1={morsel.value}"):
+                assert (await get(http, base + "/api/status",
+                                  headers={"Cookie": wrong}))[0] == 401, wrong
+            # A wrong token in the URL gets no cookie.
+            async with http.get(base + "/api/status?token=s3cre",
+                                allow_redirects=False) as r:
+                assert r.status == 401 and "Set-Cookie" not in r.headers
+            # Programs keep the header.
+            code, body = await get(http, base + "/api/status",
+                                   headers={"Authorization": "Bearer s3cret"})
+            assert code == 200 and json.loads(body)["schema"] == 1
+        # A client that keeps cookies, as a browser: one request with the token in the
+        # URL lands on the page without it, and what follows needs no token.
+        async with aiohttp.ClientSession(cookie_jar=aiohttp.CookieJar(unsafe=True)) as browser:
+            async with browser.get(base + "/?token=s3cret") as r:
+                assert r.status == 200 and str(r.url) == base + "/"
+                assert "<title>pccl run status</title>" in await r.text()
+            assert (await get(browser, base + "/api/status"))[0] == 200
+            async with browser.get(base + "/api/events") as stream:
+                assert stream.status == 200
+                assert (await stream.content.readline()).startswith(b"event: status")
 
 
 def test_status_on_another_machines_reach_needs_a_token() -> None:
@@ -276,3 +328,54 @@ def test_import_pccl_leaves_aiohttp_for_those_who_serve() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=60, check=True)
     assert out.stdout.strip() == "False"
+
+
+def documented_scrape_configs() -> list[dict[str, Any]]:
+    """The ``scrape_configs`` of the Prometheus example in docs/operations.md."""
+    yaml = pytest.importorskip("yaml")
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "operations.md").read_text()
+    found = re.search(r"```yaml\n# prometheus.yml\n(.*?)```", doc, re.S)
+    assert found, "no prometheus.yml block in docs/operations.md"
+    jobs: list[dict[str, Any]] = yaml.safe_load(found.group(1))["scrape_configs"]
+    return jobs
+
+
+async def test_the_documented_prometheus_scrape_configs_work(tmp_path: Path) -> None:
+    """Each job of the example, scraped as Prometheus would (scheme, path, and the
+    ``authorization`` header from its credentials file, whitespace trimmed) from a
+    master whose token file is that same file, and a peer likewise."""
+    jobs = {str(j["job_name"]): j for j in documented_scrape_configs()}
+    assert set(jobs) == {"pccl-master", "pccl-peers"}
+    master_target = jobs["pccl-master"]["static_configs"][0]["targets"][0]
+    assert master_target.rsplit(":", 1)[1] == DEFAULT_STATUS.rsplit(":", 1)[1]
+    files: dict[str, Path] = {}
+    for name, token in (("pccl-master", "st4tus-token"), ("pccl-peers", "m3trics-token")):
+        doc_path = Path(jobs[name]["authorization"]["credentials_file"])
+        files[name] = tmp_path / doc_path.name
+        files[name].write_text(token + "\n")  # (as an editor leaves it)
+    # Each server reads its token from the file its scraper reads, as pccl-master does.
+    master_kw = {"status_listen": "127.0.0.1:0",
+                 "status_token": read_secret_file(files["pccl-master"]).decode()}
+    comm_kw = {"metrics_listen": "127.0.0.1:0",
+               "metrics_token": read_secret_file(files["pccl-peers"]).decode()}
+    async with Cluster(1, master_kwargs=master_kw, comm_kwargs=comm_kw) as cluster, \
+            aiohttp.ClientSession() as http:
+        peer_server = cluster.comms[0]._metrics_server
+        assert peer_server is not None
+        where = {"pccl-master": cluster.master.status_address, "pccl-peers": peer_server.address}
+        expect = {"pccl-master": "pccl_master_uptime_seconds",
+                  "pccl-peers": "pccl_peer_collectives_total"}
+        for name, job in jobs.items():
+            auth = job["authorization"]
+            path = job.get("metrics_path", "/metrics")
+            url = f"{job.get('scheme', 'http')}://{where[name]}{path}"
+            # Prometheus: the file's contents with surrounding whitespace trimmed.
+            header = f"{auth.get('type', 'Bearer')} {files[name].read_text().strip()}"
+            async with http.get(url, headers={"Authorization": header},
+                                allow_redirects=False) as r:
+                assert r.status == 200, name
+                assert r.headers["Content-Type"].startswith("text/plain")
+                body = await r.text()
+            assert expect[name] in body, name
+            async with http.get(url, allow_redirects=False) as r:
+                assert r.status == 401, name

@@ -160,3 +160,34 @@ async def test_status_page_follows_a_kill_and_a_join_live() -> None:
         for p in peers:
             await p.close()
         await master.stop()
+
+
+async def test_a_token_link_leaves_the_address_bar_and_the_page_works_by_cookie() -> None:
+    """``/?token=TOKEN`` typed into a browser: the page ends at ``/``, reads its API and
+    its event stream with the cookie it was given, and script cannot read that cookie."""
+    master = MasterNode(listen="127.0.0.1:0", status_listen="127.0.0.1:0",
+                        status_token="s3cret-token")
+    await master.start()
+    browser: Any = None
+    try:
+        base = f"http://{master.status_address}"
+        browser = await asyncio.to_thread(start_browser)
+        await asyncio.to_thread(browser.get, base + "/?token=s3cret-token")
+        assert browser.current_url == base + "/"
+
+        def text_of(element_id: str) -> str:
+            return str(browser.find_element("id", element_id).text)
+
+        await until("the master's address from /api/status",
+                    lambda: text_of("master-address") == master.address)
+        await until("the live stream", lambda: text_of("live") == "live")
+        assert await asyncio.to_thread(browser.execute_script,
+                                       "return document.cookie;") == ""  # HttpOnly
+        # Without the cookie the same URL is refused.
+        await asyncio.to_thread(browser.delete_all_cookies)
+        await asyncio.to_thread(browser.get, base + "/api/status")
+        assert "needs its token" in browser.page_source
+    finally:
+        if browser is not None:
+            await asyncio.to_thread(browser.quit)
+        await master.stop()

@@ -10,8 +10,9 @@ Nothing here changes the run: every route is a GET.
 
 Access: a status server bound to a loopback address is open to this machine's users; any
 other address needs a token (``MasterNode(status_token=...)``), sent as
-``Authorization: Bearer TOKEN`` or, for a browser (EventSource cannot set headers), as
-``?token=TOKEN`` in the page's URL. ``/healthz`` is open (for load balancers and
+``Authorization: Bearer TOKEN`` or, by a browser (EventSource cannot set headers), as
+``?token=TOKEN`` in the page's URL once, exchanged for a cookie at once (see
+:mod:`pccl.peer.metrics_server`). ``/healthz`` is open (for load balancers and
 Kubernetes probes) and says only ``ok``. Connections have budgets and deadlines whoever
 opens them (see :mod:`pccl.peer.metrics_server`).
 

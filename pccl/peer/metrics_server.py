@@ -17,15 +17,23 @@ connection arrives):
   one whose response the client does not read;
 - a head is at most aiohttp's line and header limits (8190 bytes a line, 128 headers).
 
-A token (``Authorization: Bearer TOKEN`` or ``?token=TOKEN``) guards every route but
-``/healthz`` when the server has one; a listen address other machines can reach needs one
-(:func:`pccl.peer.options.check_metrics_listen`, ``pccl.master.status.check_listen``).
+A token guards every route but ``/healthz`` when the server has one; a listen address
+other machines can reach needs one (:func:`pccl.peer.options.check_metrics_listen`,
+``pccl.master.status.check_listen``). Programs (Prometheus, curl) send it as
+``Authorization: Bearer TOKEN``. A browser cannot, so it opens ``/?token=TOKEN`` once:
+the server answers ``303 See Other`` to the same URL without the token, setting a cookie
+(HttpOnly, SameSite=Strict, for this port: :meth:`MetricsServer.cookie_name`) that
+stands for the token from then on, so the token leaves the address bar, and with it the
+browser's next requests, referrers and access logs. The cookie holds a digest of the
+token, not the token. A token in the URL is never answered with anything but that
+redirect (or 401 when it is wrong). Every comparison is in constant time.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import hashlib
 import hmac
 import logging
 import time
@@ -305,20 +313,60 @@ class MetricsServer:
 
     # --- the routes -----------------------------------------------------------------------
 
+    @property
+    def cookie_name(self) -> str:
+        """The cookie a browser holds for this server: one per port (a browser sends a
+        host's cookies to every port of it, and two servers on one host may have
+        different tokens)."""
+        return f"pccl-token-{split_host_port(self.address or self.listen)[1]}"
+
+    def _cookie_value(self) -> str:
+        """What the cookie holds: a digest of the token (a stolen cookie opens this
+        server until its token changes, but does not tell the token)."""
+        assert self.token
+        return hmac.new(self.token.encode(), b"pccl status cookie", hashlib.sha256).hexdigest()
+
+    def _unauthorized(self) -> web.HTTPUnauthorized:
+        return web.HTTPUnauthorized(
+            text=f"{self.what} needs its token: 'Authorization: Bearer TOKEN', or in a "
+                 f"browser open /?token=TOKEN once\n",
+            headers={"WWW-Authenticate": 'Bearer realm="pccl"', "Cache-Control": "no-store"})
+
+    def _authorized(self, request: web.Request) -> bool:
+        """Whether ``request`` carries the token (header) or the cookie that stands for
+        it; every comparison in constant time."""
+        assert self.token
+        auth = request.headers.get("Authorization", "")
+        if auth.startswith("Bearer "):
+            return hmac.compare_digest(auth[len("Bearer "):].encode(), self.token.encode())
+        cookie = request.cookies.get(self.cookie_name)
+        return cookie is not None and hmac.compare_digest(cookie.encode(),
+                                                          self._cookie_value().encode())
+
+    def _exchange(self, request: web.Request, given: str) -> web.HTTPSeeOther:
+        """A browser's ``?token=TOKEN``: the same URL without it, and the cookie."""
+        assert self.token
+        if not hmac.compare_digest(given.encode(), self.token.encode()):
+            raise self._unauthorized()
+        url = request.rel_url
+        redirect = web.HTTPSeeOther(
+            str(url.with_query([(k, v) for k, v in url.query.items() if k != "token"])),
+            headers={"Cache-Control": "no-store", "Referrer-Policy": "no-referrer"})
+        # Secure only where this server can tell the browser reached it over https (a
+        # plain-http server's cookie with Secure would never come back).
+        redirect.set_cookie(self.cookie_name, self._cookie_value(), path="/", httponly=True,
+                            samesite="Strict", secure=request.secure)
+        return redirect
+
     @web.middleware
     async def _auth(self, request: web.Request, handler: Handler) -> web.StreamResponse:
         if request.method not in ("GET", "HEAD"):
             raise web.HTTPMethodNotAllowed(request.method, ["GET", "HEAD"])
         if self.token and request.path != "/healthz":
-            given = request.query.get("token", "")
-            auth = request.headers.get("Authorization", "")
-            if auth.startswith("Bearer "):
-                given = auth[len("Bearer "):]
-            if not hmac.compare_digest(given.encode(), self.token.encode()):
-                raise web.HTTPUnauthorized(
-                    text=f"{self.what} needs its token: 'Authorization: Bearer TOKEN' "
-                         "or ?token=TOKEN\n",
-                    headers={"WWW-Authenticate": 'Bearer realm="pccl"'})
+            if "token" in request.query:
+                raise self._exchange(request, request.query["token"])
+            if not self._authorized(request):
+                raise self._unauthorized()
         response = await handler(request)
         response.headers.setdefault("Cache-Control", "no-store")
         response.headers.setdefault("X-Content-Type-Options", "nosniff")
