@@ -221,6 +221,9 @@ async def exec_start_as_dynamic_user(unit: str, bin_dir: Path,
     assert svc["DynamicUser"] == ["yes"]
     uid = dynamic_uid()
     creds = Path(tempfile.mkdtemp(prefix="pccl-unit-creds-"))
+    # StateDirectory=: a directory the service's user owns (systemd makes it).
+    state = Path(tempfile.mkdtemp(prefix="pccl-unit-state-"))
+    os.chown(state, uid, uid)
     proc: asyncio.subprocess.Process | None = None
     try:
         load_credentials(svc, etc, creds, uid)
@@ -228,6 +231,7 @@ async def exec_start_as_dynamic_user(unit: str, bin_dir: Path,
         def expand(text: str) -> str:
             for name in ("${CREDENTIALS_DIRECTORY}", "$CREDENTIALS_DIRECTORY", "%d"):
                 text = text.replace(name, str(creds))
+            text = text.replace("${STATE_DIRECTORY}", str(state))
             return text.replace("/etc/pccl/", f"{etc}/")
 
         env = {"PATH": "/usr/bin:/bin", "CREDENTIALS_DIRECTORY": str(creds),
@@ -245,6 +249,7 @@ async def exec_start_as_dynamic_user(unit: str, bin_dir: Path,
             *argv, user=uid, group=uid, extra_groups=[], cwd="/", env=env,
             stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE)
+        proc.state_dir = state  # type: ignore[attr-defined]  # (for the test to look into)
         yield proc
     finally:
         if proc is not None:
@@ -252,6 +257,7 @@ async def exec_start_as_dynamic_user(unit: str, bin_dir: Path,
                 proc.kill()
             await proc.communicate()
         shutil.rmtree(creds, ignore_errors=True)
+        shutil.rmtree(state, ignore_errors=True)
 
 
 async def addresses(proc: asyncio.subprocess.Process) -> tuple[str, str]:
@@ -300,6 +306,10 @@ async def test_the_master_unit_runs_as_a_dynamic_user(bin_dir: Path, etc_pccl: P
         proc.terminate()  # systemctl stop
         async with asyncio.timeout(30):
             assert await proc.wait() == 0
+        # StateDirectory=: the timeline was kept where the unit says, by its user.
+        kept = proc.state_dir / "timeline.jsonl"  # type: ignore[attr-defined]
+        assert os.stat(kept).st_uid == uid
+        assert '"kind":"joined"' in kept.read_text()
 
 
 @needs_root
