@@ -1,6 +1,11 @@
 """A peer whose process was paused past the master's heartbeat timeout (laptop sleep,
-swap, SIGSTOP) says that it was paused instead of blaming the master.
+swap, SIGSTOP) carries on, says that it was paused instead of blaming the master, and a
+peer stopped with SIGTERM leaves instead of getting lost.
 
+- ``examples/peer.py`` and the README's training loop (its code block, run as written
+  but for a smaller ``STEPS``) as processes: one peer SIGSTOPped for 8 s while a master
+  with a 2 s heartbeat timeout drops it, then SIGCONTed; every peer reaches the target
+  revision with the same weights hash. Then SIGTERM: the master logs a leave.
 - A Communicator whose event loop is blocked past the heartbeat timeout: its error and
   its log say this process was paused.
 - :class:`pccl.peer.pause.PauseWatch` on its own.
@@ -18,6 +23,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 import pccl
@@ -118,6 +124,147 @@ async def start_master(*flags: str) -> tuple[Script, str]:
             re.compile(r"^pccl master listening on (\S+)$").match, lines) if m), None),
         30, "the master's address")
     return master, str(got)
+
+
+def peer_env(address: str) -> dict[str, str]:
+    return {"PCCL_MASTER": address, "PCCL_LOG_LEVEL": "info"}
+
+
+def at_revision(script: Script, revision: int) -> Callable[[list[str]], bool]:
+    return lambda _: any(r >= revision for r, _, _ in script.revisions())
+
+
+def peer_id(script: Script) -> int:
+    ids = [int(m[1]) for m in map(re.compile(r".*peer (\d+): registered with the master")
+                                  .match, script.lines) if m]
+    assert ids, script.output()
+    return ids[0]
+
+
+async def pause_and_finish(master: Script, peers: list[Script], target: int) -> str:
+    """Stops ``peers[0]`` past the heartbeat timeout once every peer trained, lets it go
+    on, waits for every peer to end at ``target``; returns their common hash."""
+    for p in peers:
+        await p.wait_for(at_revision(p, 3), 60, "training")
+    paused = peers[0]
+    paused.signal(signal.SIGSTOP)
+    stopped = time.monotonic()
+    try:
+        ahead = [r for p in peers for r, _, _ in p.revisions() if r >= target]
+        assert not ahead, "the peers finished before the pause began"
+        await master.wait_for(lambda lines: any("(heartbeat timeout)" in x for x in lines),
+                              30, "the master dropping the stopped peer")
+        # The scenario: the process does not run for PAUSE seconds.
+        await asyncio.sleep(max(0.0, stopped + PAUSE - time.monotonic()))
+    finally:
+        paused.signal(signal.SIGCONT)
+    for p in peers:
+        assert await p.wait_exit(120) == 0, p.output()
+    # The same revision and weights on every peer. (Not the world size: a peer that
+    # finished first may have left before another one prints its last line.)
+    finals = {p.revisions()[-1][::2] for p in peers}
+    assert len(finals) == 1, finals
+    ((revision, digest),) = finals
+    assert revision == target
+    # The stopped peer says it was paused, not that the master was lost, and trained on.
+    said = [i for i, x in enumerate(paused.lines) if "this process was paused for" in x]
+    assert said, paused.output()
+    assert "the master dropped it" in paused.lines[said[0]]
+    assert not any("lost the master" in x for x in paused.lines), paused.output()
+    assert any(REVISION.match(x) for x in paused.lines[said[-1]:]), paused.output()
+    assert any("registered again after this master dropped it" in x for x in master.lines)
+    return digest
+
+
+async def leave_with_sigterm(master: Script, peer: Script) -> None:
+    """SIGTERM: the peer exits 0 and the master logs a graceful leave, not a loss."""
+    me = peer_id(peer)
+    peer.signal(signal.SIGTERM)
+    assert await peer.wait_exit(30) == 0, peer.output()
+    await master.wait_for(lambda lines: any(
+        f"peer {me} (accepted, group 0) dropped: left gracefully" in x for x in lines),
+        30, f"the master recording peer {me}'s leave")
+    assert not any(re.search(rf"peer {me}\b( dropped|.*connection lost)", x)
+                   for x in master.lines), master.output()
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(240)
+async def test_example_peer_survives_a_pause_and_leaves_on_sigterm(tmp_path: Path) -> None:
+    master, address = await start_master(*HEARTBEAT)
+    scripts = [master]
+    try:
+        def peer(i: int, *args: str) -> Script:
+            script = Script(sys.executable, str(PEER), "--checkpoint",
+                            str(tmp_path / f"peer{i}.npz"), "--checkpoint-every", "25",
+                            *args, env=peer_env(address))
+            scripts.append(script)
+            return script
+
+        peers = [await peer(i, "--peers", "3", "--steps", "150").start() for i in range(3)]
+        digest = await pause_and_finish(master, peers, 150)
+        for i in range(3):  # the checkpoints hold the final revision and weights
+            with np.load(tmp_path / f"peer{i}.npz") as f:
+                assert int(f["revision"]) == 150
+                assert pccl.content_hash(np.ascontiguousarray(f["weights"]))[:8] == digest
+
+        # A fresh run resumes from the checkpoints; SIGTERM makes a peer leave.
+        peers = [await peer(i, "--peers", "2", "--steps", "100000").start()
+                 for i in range(3)]
+        for p in peers:
+            await p.wait_for(at_revision(p, 153), 60, "training from the checkpoint")
+        assert all(r >= 150 for p in peers for r, _, _ in p.revisions()), \
+            [p.revisions()[:1] for p in peers]
+        await leave_with_sigterm(master, peers[2])
+        assert any("stopped by a signal: left the run" in x for x in peers[2].lines)
+        seen = len(peers[0].lines)
+        await peers[0].wait_for(lambda lines: any(
+            (m := REVISION.match(x)) and m[2] == "2" for x in lines[seen:]), 60,
+            "training on without the peer that left")
+        for p in peers[:2]:
+            await leave_with_sigterm(master, p)
+    finally:
+        for s in reversed(scripts):
+            await s.close()
+
+
+def readme_loop(steps: int) -> str:
+    """The README's training loop as written, with ``STEPS = steps``."""
+    text = (ROOT / "README.md").read_text()
+    code = text.split("## Using it\n\n```python\n", 1)[1].split("\n```\n", 1)[0]
+    assert "Communicator.from_env()" in code and "signal.SIGTERM" in code
+    assert "except pccl.MasterConnectionError" in code
+    code, n = re.subn(r"^PEERS, STEPS = 2, \d+", f"PEERS, STEPS = 2, {steps}", code,
+                      flags=re.M)
+    assert n == 1, "the README loop no longer starts with PEERS, STEPS = 2, ..."
+    return code
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(240)
+async def test_readme_loop_survives_a_pause_and_leaves_on_sigterm(tmp_path: Path) -> None:
+    master, address = await start_master(*HEARTBEAT)
+    scripts = [master]
+    try:
+        def peer(steps: int) -> Script:
+            path = tmp_path / f"readme_{steps}.py"
+            path.write_text(readme_loop(steps))
+            script = Script(sys.executable, str(path), env=peer_env(address))
+            scripts.append(script)
+            return script
+
+        peers = [await peer(40).start() for _ in range(2)]
+        await pause_and_finish(master, peers, 40)
+        assert any("carrying on" in x for x in peers[0].lines)
+
+        peers = [await peer(100000).start() for _ in range(2)]
+        for p in peers:
+            await p.wait_for(at_revision(p, 2), 60, "training")
+        for p in peers:
+            await leave_with_sigterm(master, p)
+    finally:
+        for s in reversed(scripts):
+            await s.close()
 
 
 @pytest.mark.multiprocess
