@@ -39,6 +39,7 @@ from pccl.peer.options import (
     check_seconds,
     master_addresses,
 )
+from pccl.peer.pause import PauseWatch
 from pccl.peer.state import Status as PeerState
 from pccl.protocol import MAX_FRAME
 from pccl.protocol import messages as m
@@ -242,6 +243,8 @@ class Communicator(Driver):
         # The event loop connect() ran in: every call must come from it (see _check_loop).
         self._home_loop: asyncio.AbstractEventLoop | None = None
         self._heartbeat_timeout = 5.0
+        # Ticked while connected: tells a pause of this process from a lost master.
+        self._pauses: PauseWatch | None = None
         # One future per waiting call (pccl.peer.state.Waiter); the machine answers them.
         self._waiters: dict[ps.Waiter, asyncio.Future[Any]] = {}
         self._rings: dict[int, Any] = {}  # tag -> the ring op running it

@@ -33,6 +33,7 @@ from pccl.peer import state as ps
 from pccl.peer.fetch import Fetcher, SyncReporter, prefault_all
 from pccl.peer.metrics import PeerMetrics
 from pccl.peer.options import DEFAULT_TIMEOUT, QuantizationOptions, ReduceInfo, check_deadline
+from pccl.peer.pause import PauseWatch, awake_clock, describe
 from pccl.peer.state import Status as PeerState
 from pccl.protocol import MIN_PROTOCOL_VERSION, PROTOCOL_VERSION, compatible, version_mismatch
 from pccl.protocol import messages as m
@@ -43,6 +44,9 @@ from pccl.shared_state import SharedState, SyncInfo, SyncProgress
 from pccl.tensors import RawTensor, as_raw
 
 log = logging.getLogger("pccl.communicator")
+
+#: Seconds between the ticks that tell a pause of this process from a lost master.
+PAUSE_TICK = 0.5
 
 
 class Driver:
@@ -79,6 +83,7 @@ class Driver:
     _handles: set[asyncio.Task[Any]]
     _home_loop: asyncio.AbstractEventLoop | None
     _heartbeat_timeout: float
+    _pauses: PauseWatch | None
     _waiters: dict[ps.Waiter, asyncio.Future[Any]]
     _rings: dict[int, Any]
     metrics: PeerMetrics
@@ -320,6 +325,24 @@ class Driver:
         self._waiters[ps.ACCEPT] = asyncio.get_running_loop().create_future()
         self._feed(ps.Welcomed(reply.peer_id))
         self._reader = asyncio.create_task(self._read_loop(conn), name=f"pccl-peer-{self.peer_id}")
+        if self._pauses is None:
+            self._pauses = PauseWatch(PAUSE_TICK, awake_clock())
+            self._spawn(self._watch_pauses(self._pauses), f"pccl-pauses-{self.peer_id}")
+
+    async def _watch_pauses(self, watch: PauseWatch) -> None:
+        """Ticks ``watch`` for the communicator's lifetime (see :mod:`pccl.peer.pause`)."""
+        while True:
+            await asyncio.sleep(watch.interval)
+            watch.tick(awake_clock())
+
+    def _paused(self) -> str | None:
+        """What to say instead of "lost the master" when this process itself did not run
+        for a good part of the master's heartbeat timeout just now; None otherwise."""
+        if self._pauses is None:
+            return None
+        hb = self._heartbeat_timeout
+        paused = self._pauses.paused_for(awake_clock(), within=max(hb, 2 * PAUSE_TICK))
+        return describe(paused, hb) if paused > hb / 2 else None
 
     def _feed(self, ev: ps.Event) -> None:
         """Hands ``ev`` to the machine and carries out what it says."""
@@ -396,11 +419,11 @@ class Driver:
                     async with asyncio.timeout(self._heartbeat_timeout):
                         msg = await conn.recv()
                 except TimeoutError:
-                    raise MasterConnectionError(
-                        f"no word from the master for {self._heartbeat_timeout}s") from None
+                    raise MasterConnectionError(self._paused() or (
+                        f"no word from the master for {self._heartbeat_timeout}s")) from None
                 except ConnectionClosed as e:
-                    raise MasterConnectionError(
-                        f"lost the connection to the master ({e})") from None
+                    raise MasterConnectionError(self._paused() or (
+                        f"lost the connection to the master ({e})")) from None
                 self._dispatch(msg)
                 if not self._m.connected:
                     return  # the machine gave this connection up (a Reject, garbage)
@@ -460,8 +483,9 @@ class Driver:
             old.abort()
         delay = 0.05
         last: object = self._m.lost[1] if self._m.lost else None
-        log.warning("peer %s: lost the master (%s); registering again for up to %.1fs",
-                    self.peer_id, last, self.reconnect_timeout)
+        paused = self._paused()
+        log.warning("peer %s: %s; registering again for up to %.1fs", self.peer_id,
+                    paused or f"lost the master ({last})", self.reconnect_timeout)
         while loop.time() < deadline:
             conn: FramedConnection | None = None
             try:
