@@ -297,7 +297,8 @@ class EstablishP2P(Message):
     ring: list[int]
     next_id: int
     next_addr: str
-    # How to get the streams to ``next_id``: "direct" (dial ``next_addr``), "reverse"
+    # How to get the streams to ``next_id``: "direct" (dial ``next_addr``: its p2p
+    # address, or its local address when both are behind one NAT), "reverse"
     # (it is behind NAT: it dials us, presenting ``token``), "punch" (both behind NAT:
     # one simultaneous-open connection to ``next_addr`` from our listening port, else
     # the master's relay with ``token``) or "relay" (the relay only).
