@@ -148,6 +148,25 @@ async def test_two_peers_behind_one_nat_take_their_lan() -> None:
         assert not run.log_has("is hole-punched") and not run.log_has("relaying a stream")
 
 
+async def test_where_their_lan_fails_two_peers_behind_one_nat_go_on_without_it() -> None:
+    # Their dials to each other's private address vanish (two networks behind one NAT):
+    # nobody is dropped, the round runs again over the public address, and the link
+    # ends up relayed (this NAT does not hairpin a punch), bit-identical as ever.
+    async with VirtualLan() as lan:
+        run = await Run.start(lan, status=True)
+        home = await lan.add_nat_host("home")
+        other = await lan.add_nat_host("other", behind=home)
+        for h in (home, other):
+            await lan.isolate_at_home(h)
+        await run.join(home, "--p2p-timeout", "1")
+        await run.join(other, "--p2p-timeout", "1")
+        assert run.log_has("dialed on their LAN") and run.log_has("on a LAN failed")
+        assert not run.master.gone
+        await run.reduce_exactly("x")
+        status = await run.master.api_status()
+        assert [link["path"] for link in status["groups"][0]["links"]] == ["relay", "relay"]
+
+
 async def test_allow_relay_false_fails_with_the_reason() -> None:
     async with VirtualLan() as lan:
         run = await Run.start(lan)

@@ -302,8 +302,10 @@ class VirtualLan:
         self._started = False
         self._homes: list[str] = []  # namespaces of NAT'd homes (behind a router host)
         # Per home LAN (by its router's bridge port): (n of 192.168.<n>.0/24, the
-        # namespace of its bridge, hosts on it so far).
+        # namespace of its bridge, hosts on it so far); per home host, (the namespace
+        # of its LAN's bridge, its port there).
         self._home_lans: dict[str, tuple[int, str, int]] = {}
+        self._home_ports: dict[str, tuple[str, str]] = {}
         self._blocked: dict[str, set[str]] = {}  # bridge port -> source addresses dropped
         self._port_shaped: set[str] = set()  # bridge ports with an ingress shaper
 
@@ -403,6 +405,7 @@ table ip filter {{
         home = Host(label=label, ns=f"{self.prefix}-n{n}h{count}",
                     address=f"192.168.{n}.{count + 2}", port=router_port, index=index)
         self._homes.append(home.ns)
+        self._home_ports[home.ns] = (bridge, f"h{count}")
         _live.add(home.ns)
         await _run("ip", "netns", "add", home.ns)
         await _run("ip", "-n", bridge, "link", "add", f"h{count}", "type", "veth", "peer",
@@ -414,6 +417,15 @@ table ip filter {{
         await _run("ip", "-n", home.ns, "link", "set", "lo", "up")
         await _run("ip", "-n", home.ns, "route", "add", "default", "via", f"192.168.{n}.1")
         return home
+
+    async def isolate_at_home(self, host: Host) -> None:
+        """``host`` (behind NAT) no longer reaches the other isolated hosts of its home
+        LAN (a bridge port flag: their packets to each other vanish), while it still
+        reaches its router and through it everyone else: two networks behind one NAT,
+        as far as its neighbours at home are concerned."""
+        bridge, port = self._home_ports[host.ns]
+        await _run("ip", "-n", bridge, "link", "set", "dev", port, "type", "bridge_slave",
+                   "isolated", "on")
 
     async def shape(self, host: Host, rate_bps: float, *, qdisc: str = "tbf",
                     direction: str = "egress") -> None:
