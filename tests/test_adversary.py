@@ -25,10 +25,11 @@ import pytest
 import pccl
 from pccl.errors import ErrorKind
 from pccl.master import state as st
-from pccl.master.admission import Budget, source_key, valid_host
+from pccl.master.admission import Budget, hello_problem, source_key, valid_host
 from pccl.master.server import RELAY_MAGIC, RELAY_WAITING_PER_TOKEN
 from pccl.protocol import PROTOCOL_VERSION, codec
 from pccl.protocol import messages as m
+from pccl.protocol.auth import is_lan_address
 from pccl.protocol.codec import PRE_HELLO_MAX_FRAME
 from pccl.protocol.transport import ConnectionClosed, FramedConnection
 from pccl.testing import Cluster
@@ -199,6 +200,38 @@ async def test_a_p2p_host_that_is_not_a_host_gets_a_typed_reject() -> None:
             assert "invalid p2p host" in reply.message and len(reply.message) < 300
             conn.abort()
         assert not master.state.peers
+
+
+async def test_local_addresses_that_are_not_private_ip_literals_get_a_typed_reject() -> None:
+    # A neighbour behind the same NAT dials the first of them: nothing but a private
+    # address may be put there (no name, public address, loopback, broadcast).
+    async with _master() as master:
+        for addrs, why in ((["8.8.8.8"], "invalid local address"),
+                           (["192.168.1.2", "localhost"], "invalid local address"),
+                           (["127.0.0.1"], "invalid local address"),
+                           (["255.255.255.255"], "invalid local address"),
+                           (["10.0.0.1"] * 9, "too many items")):
+            conn = await dial_master(master.address)
+            assert isinstance(await conn.recv(), m.Challenge)
+            await conn.send(_hello(local_addrs=addrs))
+            if why == "too many items":  # refused by the codec: the connection ends
+                assert await _closed_by_master(conn)
+                continue
+            reply = await conn.recv()
+            assert isinstance(reply, m.Reject) and reply.kind == ErrorKind.ProtocolError
+            assert why in reply.message and len(reply.message) < 300
+            conn.abort()
+        assert not master.state.peers
+
+
+def test_lan_addresses() -> None:
+    for ok in ("192.168.1.2", "10.0.0.1", "172.16.3.4", "100.64.0.9", "fd00::1"):
+        assert is_lan_address(ok), ok
+    for bad in ("", "8.8.8.8", "2001:4860::8888", "127.0.0.1", "::1", "0.0.0.0", "::",
+                "224.0.0.1", "255.255.255.255", "169.254.1.1", "fe80::1", "fe80::1%eth0",
+                "::ffff:10.0.0.1", "router.lan", "10.0.0.1:80", " 10.0.0.1", "1" * 46):
+        assert not is_lan_address(bad), bad
+    assert hello_problem(_hello(local_addrs=["192.168.1.2", "fd00::2"])) is None
 
 
 def test_valid_hosts() -> None:

@@ -2132,6 +2132,125 @@ def test_a_pair_whose_hole_punching_failed_is_relayed_at_once_next_time() -> Non
     assert st.punch_failed == set()
 
 
+# --- peers behind the same NAT ------------------------------------------------------------
+
+
+def lan_addr(pid: int) -> str:
+    return f"192.168.1.{pid}:{7000 + pid}"
+
+
+def behind_nat(st: MasterState, pid: int, public: str = "203.0.113.7", lan: bool = True,
+               allow_relay: bool = True) -> list[Command]:
+    """``pid`` registers from behind a NAT whose public address is ``public``, saying
+    where it listens on its LAN (``lan``)."""
+    return st.handle(PeerRegistered(pid, 0, addr(pid), reachable=False,
+                                    allow_relay=allow_relay, public_host=public,
+                                    lan_addrs=(lan_addr(pid),) if lan else ()))
+
+
+def nat_pair(public2: str = "203.0.113.7", lan: bool = True, allow_relay: bool = True,
+             **kwargs: object) -> tuple[MasterState, dict[int, m.EstablishP2P]]:
+    """Peer 1 (admitted alone) and peer 2 behind NAT, 1 voted: the round's messages."""
+    st = MasterState(**{"mesh_max_bytes": 0, "token_key": bytes(32), **kwargs})  # type: ignore[arg-type]
+    behind_nat(st, 1, allow_relay=allow_relay)
+    report_all(st)
+    behind_nat(st, 2, public2, lan=lan, allow_relay=allow_relay)
+    return st, establishes(vote(st, 1))
+
+
+def test_two_peers_behind_one_nat_dial_each_other_on_their_lan() -> None:
+    st, sent = nat_pair()
+    assert st.paths == {(1, 2): "lan", (2, 1): "lan"}
+    assert st.links_now() == {(1, 2): "lan", (2, 1): "lan"}
+    # On the wire a plain direct route, to the receiver's private address.
+    assert (sent[1].route, sent[1].next_addr, sent[1].token) == ("direct", lan_addr(2), b"")
+    assert (sent[2].route, sent[2].next_addr, sent[2].token) == ("direct", lan_addr(1), b"")
+    assert (sent[1].prev_route, sent[2].prev_route) == ("direct", "direct")
+    assert st.relay_tokens == {}  # nothing to splice
+    report_all(st)
+    assert st.accepted() == [1, 2] and st.rings == {0: [1, 2]}
+
+
+def test_peers_behind_different_nats_punch_as_before() -> None:
+    st, sent = nat_pair(public2="198.51.100.9")
+    assert st.paths == {(1, 2): "punch", (2, 1): "punch"}
+    assert (sent[1].route, sent[1].next_addr) == ("punch", addr(2))
+    # The same public host but no LAN address said (an older peer): punch too.
+    st, sent = nat_pair(lan=False)
+    assert st.paths == {(1, 2): "punch", (2, 1): "lan"}
+    assert (sent[1].route, sent[2].route) == ("punch", "direct")
+
+
+def test_a_failed_lan_dial_drops_nobody_and_the_round_punches_then_relays() -> None:
+    st, sent = nat_pair()
+    epoch = st.round.epoch
+    report(st, 1, epoch, failed=[2])  # 1 could not dial 2 on the LAN
+    out = report(st, 2, epoch)
+    assert not [c for c in out if isinstance(c, Disconnect)]
+    assert st.lan_failed == {(1, 2)}
+    # Tried again at once, not counted as an attempt, 1 -> 2 over the public addresses.
+    rnd = st.round
+    assert rnd is not None and rnd.epoch == epoch + 1 and rnd.members == [1, 2]
+    assert st.attempts == 0
+    assert st.paths == {(1, 2): "punch", (2, 1): "lan"}
+    again = establishes(out)
+    assert (again[1].route, again[1].next_addr) == ("punch", addr(2))
+    assert again[2].prev_route == "punch"
+    # The punch fails too: the relay takes over (the server sees it), as before.
+    token_12 = next(t for t, pair in st.relay_tokens.items() if pair == (1, 2))
+    st.handle(Relayed(token_12))
+    assert st.links_now() == {(1, 2): "relay", (2, 1): "lan"}
+    report_all(st)
+    assert st.accepted() == [1, 2] and st.phase is Phase.IDLE
+    # A later round goes straight to the relay; the LAN link the other way stays.
+    st.handle(PeerRegistered(3, 0, addr(3)))
+    out = vote(st, 1) + vote(st, 2)
+    assert st.paths[(1, 2)] == "relay" and st.paths[(2, 3)] == "direct"
+    lose(st, 2)
+    assert st.lan_failed == set() and st.punch_failed == set()
+
+
+def test_a_failed_lan_dial_without_a_relay_costs_only_what_a_failed_punch_would() -> None:
+    # max_establish_attempts=1: the LAN's retry does not use up the round's one attempt.
+    st, sent = nat_pair(allow_relay=False, max_establish_attempts=1)
+    epoch = st.round.epoch
+    out = report(st, 1, epoch, failed=[2]) + report(st, 2, epoch, failed=[1])
+    assert not [c for c in out if isinstance(c, Disconnect)]
+    assert st.lan_failed == {(1, 2), (2, 1)}
+    assert st.paths == {(1, 2): "punch", (2, 1): "punch"}
+    assert st.round.blame == {(1, 2): 2, (2, 1): 2}  # (the newcomer, as for any punch)
+    # Only when the punch fails as well does the newcomer go, with the punch's reason.
+    out = report(st, 1, epoch + 1, failed=[2]) + report(st, 2, epoch + 1)
+    assert [(c.peer_id, c.tell) for c in out if isinstance(c, Disconnect)] == [(2, True)]
+    assert st.accepted() == [1]
+
+
+def test_a_mesh_link_on_the_lan_that_failed_is_relayed_next_time() -> None:
+    st = MasterState(token_key=bytes(32), mesh_max_bytes=8192)
+    behind_nat(st, 1)
+    report_all(st)
+    behind_nat(st, 2)
+    behind_nat(st, 3, public="198.51.100.9")  # another home
+    sent = establishes(vote(st, 1))
+    routes = {(p, q): (r, a) for p, msg in sent.items()
+              for q, r, a in zip(msg.mesh_ids, msg.mesh_routes, msg.mesh_addrs)}
+    assert routes[(1, 2)] == ("direct", lan_addr(2)) and routes[(2, 1)] == ("direct", lan_addr(1))
+    assert st.mesh_paths[(1, 2)] == "lan" and st.mesh_paths[(2, 1)] == "lan"
+    assert routes[(1, 3)][0] == "relay"
+    epoch = st.round.epoch
+    tell(st, 1, m.P2PReport(epoch=epoch, failed=[], mesh_failed=[2]))
+    report(st, 2, epoch)
+    out = report(st, 3, epoch)
+    assert not [c for c in out if isinstance(c, Disconnect)]
+    assert mesh_limits(out) == dict.fromkeys([1, 2, 3], 0)  # no mesh this epoch
+    assert st.lan_failed == {(1, 2)}
+    st.handle(PeerRegistered(4, 0, addr(4)))
+    for p in (1, 2, 3):
+        vote(st, p)
+    assert 2 in algorithms.mesh_partners(0, 4)  # (ring 1 2 3 4: 1 and 2 are partners)
+    assert st.mesh_paths[(1, 2)] == "relay" and st.mesh_paths[(2, 1)] == "lan"
+
+
 # --- early start ------------------------------------------------------------------------
 
 

@@ -47,9 +47,9 @@ class Run:
         self.peers: list[PeerProcess] = []
 
     @classmethod
-    async def start(cls, lan: VirtualLan) -> Run:
-        master = await lan.start_master(await lan.add_host("master"),
-                                        heartbeat_interval=0.2, heartbeat_timeout=3.0)
+    async def start(cls, lan: VirtualLan, status: bool = False) -> Run:
+        master = await lan.start_master(await lan.add_host("master"), heartbeat_interval=0.2,
+                                        heartbeat_timeout=3.0, status=status)
         return cls(lan, master)
 
     async def spawn(self, host: Host, *extra: str) -> PeerProcess:
@@ -127,6 +127,44 @@ async def test_behind_a_symmetric_nat_the_link_falls_back_to_the_relay() -> None
         await run.join(await lan.add_host("public"))
         assert run.log_has("is relayed through this master")
         await run.reduce_exactly("yy")
+
+
+async def test_two_peers_behind_one_nat_take_their_lan() -> None:
+    # Before: the master punched (or relayed) a link between two peers of one home LAN.
+    async with VirtualLan() as lan:
+        run = await Run.start(lan, status=True)
+        home = await lan.add_nat_host("home")
+        a = await run.join(home)
+        b = await run.join(await lan.add_nat_host("laptop", behind=home))
+        # One public address (the router's) for both, neither dialable from outside.
+        assert run.master.peer_host(a.peer_id) == run.master.peer_host(b.peer_id)
+        assert run.log_has("not reachable from here, behind NAT?")
+        await run.reduce_exactly("x")
+        status = await run.master.api_status()
+        (group,) = status["groups"]
+        assert [link["path"] for link in group["links"]] == ["lan", "lan"]
+        assert [(p["path_in"], p["path_out"]) for p in status["peers"]] == [("lan", "lan")] * 2
+        assert run.log_has("dialed on their LAN")
+        assert not run.log_has("is hole-punched") and not run.log_has("relaying a stream")
+
+
+async def test_where_their_lan_fails_two_peers_behind_one_nat_go_on_without_it() -> None:
+    # Their dials to each other's private address vanish (two networks behind one NAT):
+    # nobody is dropped, the round runs again over the public address, and the link
+    # ends up relayed (this NAT does not hairpin a punch), bit-identical as ever.
+    async with VirtualLan() as lan:
+        run = await Run.start(lan, status=True)
+        home = await lan.add_nat_host("home")
+        other = await lan.add_nat_host("other", behind=home)
+        for h in (home, other):
+            await lan.isolate_at_home(h)
+        await run.join(home, "--p2p-timeout", "1")
+        await run.join(other, "--p2p-timeout", "1")
+        assert run.log_has("dialed on their LAN") and run.log_has("on a LAN failed")
+        assert not run.master.gone
+        await run.reduce_exactly("x")
+        status = await run.master.api_status()
+        assert [link["path"] for link in status["groups"][0]["links"]] == ["relay", "relay"]
 
 
 async def test_allow_relay_false_fails_with_the_reason() -> None:

@@ -19,6 +19,7 @@ from collections import Counter
 from collections.abc import Hashable
 
 from pccl.protocol import messages as m
+from pccl.protocol.auth import is_lan_address
 
 #: Longest DNS name (RFC 1035); an advertised p2p host longer than this is refused.
 MAX_HOST = 253
@@ -105,6 +106,15 @@ def hello_problem(hello: m.Hello) -> str | None:
         shown = repr(hello.p2p_host[:64]) + ("..." if len(hello.p2p_host) > 64 else "")
         return (f"invalid p2p host {shown}: give an IP address or a DNS name of at most "
                 f"{MAX_HOST} characters (p2p_advertise_address)")
+    # A neighbour behind the same NAT may be sent to dial these: private IP literals
+    # only (never a name to resolve, a public address, loopback or a broadcast).
+    for host in hello.local_addrs[:m.MAX_LOCAL_ADDRS + 1]:
+        if not is_lan_address(host):
+            return (f"invalid local address {host[:64]!r}: hello.local_addrs takes IP "
+                    "addresses of private networks only")
+    if len(hello.local_addrs) > m.MAX_LOCAL_ADDRS:
+        return (f"{len(hello.local_addrs)} local addresses (hello.local_addrs takes at most "
+                f"{m.MAX_LOCAL_ADDRS})")
     # The state adopts a resumed epoch and counts up from it.
     if not 0 <= hello.resume_epoch < MAX_RESUMED:
         return f"invalid resume epoch {hello.resume_epoch}"

@@ -57,6 +57,8 @@ if TYPE_CHECKING:
 REACH_MAGIC = b"PCCLRCH\x01"
 RELAY_MAGIC = b"PCCLRLY\x01"
 _PATHS = {
+    "lan": "dialed on their LAN (both ends are behind the same NAT; over their public "
+           "addresses if that fails)",
     "reverse": "dialed in reverse (the receiver is behind NAT and dials the sender)",
     "relay": "relayed through this master (both ends are behind NAT)",
     "punch": "hole-punched (both ends are behind NAT; through this master's relay if "
@@ -762,7 +764,11 @@ class MasterNode:
         self._feed(st.PeerRegistered(peer_id, hello.peer_group, p2p_addr, resume,
                                      reachable=reachable, allow_relay=hello.allow_relay,
                                      punch_addrs=punch_addrs,
-                                     masters=max(1, min(hello.masters, 64)), key=key))
+                                     masters=max(1, min(hello.masters, 64)), key=key,
+                                     public_host=source_key(conn.peername[0])
+                                     if conn.peername[0] != "?" else "",
+                                     lan_addrs=tuple(join_host_port(a, hello.p2p_port)
+                                                     for a in hello.local_addrs)))
 
     async def _doctor(self, conn: FramedConnection, hello: m.DoctorHello, nonce: bytes,
                       remote: str) -> None:
@@ -1026,6 +1032,15 @@ class MasterNode:
                 self.monitor.collective_message(peer_id, msg)
             self._feed(st.Received(peer_id, msg))
 
+    def _log_route(self, peer_id: int, msg: m.EstablishP2P) -> None:
+        """Logs how a ring link of a round is made, unless plainly dialed."""
+        path = msg.route
+        if msg.epoch == self.state.epoch:  # (the state's paths are of its newest round)
+            path = self.state.paths.get((peer_id, msg.next_id), path)
+        if path != "direct":
+            log.info("round %d: the ring link from peer %d to peer %d is %s", msg.epoch,
+                     peer_id, msg.next_id, _PATHS.get(path, path))
+
     def _feed(self, event: st.Event) -> None:
         commands = self.state.handle(event)
         notes = self.state.take_notes()
@@ -1038,10 +1053,8 @@ class MasterNode:
                 if conn is None:
                     continue
                 conn.send_nowait(cmd.msg, frames.frame(cmd.msg))
-                if isinstance(cmd.msg, m.EstablishP2P) and cmd.msg.route != "direct":
-                    log.info("round %d: the ring link from peer %d to peer %d is %s",
-                             cmd.msg.epoch, cmd.peer_id, cmd.msg.next_id, _PATHS.get(
-                                 cmd.msg.route, cmd.msg.route))
+                if isinstance(cmd.msg, m.EstablishP2P):
+                    self._log_route(cmd.peer_id, cmd.msg)
                 if conn.buffered_bytes() > MAX_WRITE_BACKLOG:
                     log.warning("peer %d dropped: not reading its control messages", cmd.peer_id)
                     conn.reset()

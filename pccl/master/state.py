@@ -98,6 +98,12 @@ class PeerRegistered:
     # The static key the peer proved in its handshake (b"": clear text): handed to the
     # peers that connect to it (``key_ids``/``keys`` of EstablishP2P and the like).
     key: bytes = b""
+    # Where its control connection comes from (admission.source_key: the address, the
+    # /64 of an IPv6 one), and its p2p listener on its private network ("host:port",
+    # from Hello.local_addrs): two peers behind NAT with the same public host try their
+    # ring link over their LAN first (see MasterState._route).
+    public_host: str = ""
+    lan_addrs: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -318,6 +324,9 @@ class PeerRecord:
     dropped_on_its_word: int = 0
     # The static key it proved in its handshake (b"" in clear text).
     key: bytes = b""
+    # PeerRegistered.public_host and lan_addrs.
+    public_host: str = ""
+    lan_addrs: tuple[str, ...] = ()
 
 
 def _rotation_of(a: list[int], b: list[int]) -> bool:
@@ -409,6 +418,9 @@ class Round:
     partners_of: dict[int, frozenset[int]] = dataclasses.field(default_factory=dict)
     # Ring links reported failed: reporter -> the peer it could not reach.
     accused: dict[int, int] = dataclasses.field(default_factory=dict)
+    # Ring links dialed on a LAN that failed (see MasterState.lan_failed): the round is
+    # tried again with them over their public addresses, nobody dropped for them.
+    lan_failed: set[tuple[int, int]] = dataclasses.field(default_factory=set)
     # This master's own dial-back of accused peers: None while it runs.
     reach: dict[int, bool | None] = dataclasses.field(default_factory=dict)
     # A better ring order came in while this round ran (BetterRing): the next
@@ -539,11 +551,18 @@ class MasterState:
         # splices only connections that present one of these.
         self.relay_tokens: dict[bytes, tuple[int, int]] = {}
         # How each ring link of the current round is made: (sender, receiver) -> "direct",
-        # "reverse", "punch" or "relay" (for status pages and logs).
+        # "lan", "reverse", "punch" or "relay" (for status pages and logs).
         self.paths: dict[tuple[int, int], str] = {}
+        # The address a link of the current round routed "lan" (ring or mesh) dials:
+        # the receiver's listener on the LAN the two share (others dial p2p_addr).
+        self.lan_dials: dict[tuple[int, int], str] = {}
         # Ring links whose hole punching failed (symmetric NAT): the next rounds relay
         # them at once instead of trying for PUNCH_TIMEOUT again. Forgotten with a peer.
         self.punch_failed: set[tuple[int, int]] = set()
+        # Links whose dial on the LAN failed (two networks behind one public address, as
+        # with carrier-grade NAT, or a firewall between them): the next rounds take
+        # them over the public addresses (punch, relay). Forgotten with a peer.
+        self.lan_failed: set[tuple[int, int]] = set()
         # Shared-state transfers through the relay: token -> (fetcher, holder). Kept
         # until the next sync plan of either (bounded by the peers' count squared).
         self.transfer_tokens: dict[bytes, tuple[int, int]] = {}
@@ -719,7 +738,8 @@ class MasterState:
                                             reachable=ev.reachable,
                                             allow_relay=ev.allow_relay,
                                             punch_addrs=ev.punch_addrs,
-                                            key=ev.key,
+                                            key=ev.key, public_host=ev.public_host,
+                                            lan_addrs=ev.lan_addrs,
                                             claim=Claim(res.epoch, frozenset(res.peers),
                                                         res.base_epoch, frozenset(res.base),
                                                         tuple((e, frozenset(r))
@@ -833,6 +853,9 @@ class MasterState:
             float(d) for d in msg.dial_seconds[:64] if 0 <= d < 3600)
         if msg.mesh_failed:
             rnd.mesh_ok.discard(group)
+            # (A mesh link on a LAN that failed goes through the relay from now on.)
+            self.lan_failed.update((peer, q) for q in msg.mesh_failed
+                                   if self.mesh_paths.get((peer, q)) == "lan")
         if own in msg.failed:
             rnd.accused[peer] = own
 
@@ -849,6 +872,14 @@ class MasterState:
         it does not answer, r if it does (then r's side is what fails, or r lies). A
         link the master cannot check (t behind NAT) drops t, unless a peer was already
         dropped on r's word since r registered: then r goes."""
+        for r, t in rnd.accused.items():
+            if self.paths.get((r, t)) == "lan":
+                # A dial on the LAN proves nothing against either peer (another network
+                # behind the same public address, a firewall between them, or a lie of
+                # either one): nobody goes for it; the round is tried again with the
+                # link over the public addresses, as if the LAN had never been there.
+                rnd.lan_failed.add((r, t))
+                self.lan_failed.add((r, t))
         checks = [t for r, t in rnd.accused.items() if self._checkable(rnd, r, t)]
         for t in checks:
             if t not in rnd.reach:
@@ -857,8 +888,8 @@ class MasterState:
         if any(rnd.reach[t] is None for t in checks):
             return False
         for r, t in sorted(rnd.accused.items()):
-            if r in rnd.unreachable or t in rnd.unreachable:
-                continue  # decided already (a liar, no path)
+            if r in rnd.unreachable or t in rnd.unreachable or (r, t) in rnd.lan_failed:
+                continue  # decided already (a liar, no path, a LAN dial)
             if (r, t) in rnd.blame:
                 rnd.unreachable.add(rnd.blame[(r, t)])
                 continue
@@ -1056,6 +1087,7 @@ class MasterState:
         self._note("dropped", f"peer {peer} ({rec.status.name.lower()}, group "
                    f"{rec.peer_group}) dropped: {reason}", (peer,), rec.peer_group)
         self.punch_failed = {pair for pair in self.punch_failed if peer not in pair}
+        self.lan_failed = {pair for pair in self.lan_failed if peer not in pair}
         self.votes.discard(peer)
         self.pending_votes.pop(peer, None)
         self.fresh.discard(peer)
@@ -1249,6 +1281,7 @@ class MasterState:
         self.mesh_tokens.clear()
         self.mesh_paths.clear()
         self.paths.clear()
+        self.lan_dials.clear()
         rnd.rings = self._rings_of(members)
         for group, ring in rnd.rings.items():
             n = len(ring)
@@ -1278,12 +1311,12 @@ class MasterState:
                     # only to quorums (several masters): k ids to each of k peers.
                     ring=list(ring) if self.quorum_on else [],
                     next_id=nxt,
-                    next_addr=self.peers[nxt].p2p_addr if nxt >= 0 else "",
+                    next_addr=self._dial_addr(p, nxt) if nxt >= 0 else "",
                     route=route, token=token, prev_id=prv,
                     prev_addr=self._inbound_addr(prv, prev_route),
                     prev_route=prev_route, prev_token=prev_token,
                     mesh_ids=partners,
-                    mesh_addrs=[self.peers[q].p2p_addr for q in partners],
+                    mesh_addrs=[self._dial_addr(p, q) for q in partners],
                     mesh_routes=[r for r, _ in out_routes],
                     mesh_tokens=[t for _, t in out_routes],
                     mesh_in_addrs=[self.peers[q].p2p_addr for q in partners],
@@ -1310,6 +1343,7 @@ class MasterState:
         if self.mesh_max_bytes == 0 or n < 2:
             return None
         routes: dict[tuple[int, int], tuple[str, bytes]] = {}
+        lan: dict[tuple[int, int], str] = {}
         for i, p in enumerate(order):
             for r in algorithms.mesh_partners(i, n):
                 q = order[r]
@@ -1319,12 +1353,18 @@ class MasterState:
                     routes[(p, q)] = ("direct", b"")
                 elif a.reachable:
                     routes[(p, q)] = ("reverse", token)
+                elif lan_addr := self._lan_addr(p, q):
+                    # (A failed one turns the mesh off for the epoch, as any failed mesh
+                    # pool does, and the pair is relayed from the next round on.)
+                    routes[(p, q)] = ("direct", b"")
+                    lan[(p, q)] = lan_addr
                 elif self.relay and a.allow_relay and b.allow_relay:
                     routes[(p, q)] = ("relay", token)
                 else:
                     return None
+        self.lan_dials.update(lan)
         for pair, (route, token) in routes.items():
-            self.mesh_paths[pair] = route
+            self.mesh_paths[pair] = "lan" if pair in lan else route
             if route == "relay":  # the relay splices only what presents a known token
                 self.relay_tokens[token] = pair
                 self.mesh_tokens.add(token)
@@ -1370,15 +1410,25 @@ class MasterState:
 
     def _route(self, p: int, nxt: int, rnd: Round) -> tuple[str, bytes]:
         """How ``p`` gets its streams to ``nxt``: dial it when it is reachable; else be
-        dialed by it when ``p`` is reachable; else punch a hole between the two, with
-        the relay to fall back on if both allow it (if not, a failed punch drops one of
-        them, with the reason)."""
+        dialed by it when ``p`` is reachable; else, both behind the same NAT, dial it on
+        their LAN ("lan": a direct route to its private address); else (or once that
+        failed) punch a hole between the two, with the relay to fall back on if both
+        allow it (if not, a failed punch drops one of them, with the reason)."""
         a, b = self.peers[p], self.peers[nxt]
         token = self._token(f"{self.epoch}:{p}:{nxt}")
         if b.reachable:
             route = ("direct", b"")
         elif a.reachable:
             route = ("reverse", token)
+        elif lan_addr := self._lan_addr(p, nxt):
+            # The peers' own direct dial (a pool, no hole, no relay), to the address the
+            # receiver gave (Hello.local_addrs) and pinned to the key it proved like
+            # any dial: a peer that lies about its address only fails its own link. A
+            # failure drops nobody: the round is tried again over the public addresses
+            # (_settle_disputes, lan_failed).
+            self.lan_dials[(p, nxt)] = lan_addr
+            self.paths[(p, nxt)] = "lan"
+            return ("direct", b"")
         else:
             # Both behind NAT: punch a hole (simultaneous open to each other's public
             # address as seen here); if that fails, the relay, where allowed (at once
@@ -1404,6 +1454,23 @@ class MasterState:
                     "(p2p_listen_port and p2p_advertise_address) or allow relaying")
         self.paths[(p, nxt)] = route[0]
         return route
+
+    def _lan_addr(self, p: int, q: int) -> str:
+        """Where ``p`` dials ``q`` on a LAN the two share ("" if they do not seem to):
+        both came from the same public host (the master saw their control connections
+        from one address: one NAT), ``q`` said where it listens on its private network,
+        and no dial there from ``p`` failed yet. Only asked for two peers that cannot be
+        dialed from outside."""
+        a, b = self.peers[p], self.peers[q]
+        if not a.public_host or a.public_host != b.public_host or not b.lan_addrs \
+                or (p, q) in self.lan_failed:
+            return ""
+        return b.lan_addrs[0]
+
+    def _dial_addr(self, p: int, q: int) -> str:
+        """The address ``p`` dials for its link to ``q`` in this round: the LAN one of a
+        "lan" link, else ``q``'s p2p address."""
+        return self.lan_dials.get((p, q)) or self.peers[q].p2p_addr
 
     def links_now(self) -> dict[tuple[int, int], str]:
         """How each ring link of the current rings runs, as an operator should see it:
@@ -1478,6 +1545,16 @@ class MasterState:
                 out.append(Send(p, m.TopologyUpdateFailed(
                     message=f"p2p rings could not be formed after {self.attempts} attempts")))
             self._admit_if_nobody_accepted(out)
+            return
+        if rnd.lan_failed:
+            # Not an attempt that counts: every retry takes at least one more pair off
+            # the LAN for good (lan_failed), so they end.
+            self._note("round_failed", f"round {rnd.epoch} ({'repair' if rnd.repair else 'vote'}"
+                       f"): ring links dialed on a LAN failed ("
+                       + ", ".join(f"{r} -> {t}" for r, t in sorted(rnd.lan_failed))
+                       + "); trying again over the public addresses",
+                       sorted({x for pair in rnd.lan_failed for x in pair}), value=rnd.epoch)
+            self._start_round(rnd.members, out, repair=rnd.repair)
             return
         if rnd.repair:
             rings = rnd.rings
@@ -2209,8 +2286,8 @@ class MasterState:
         as a ``typical`` measured link, or punched / relayed when i is behind NAT too."""
         if self.peers[j].reachable:
             return self.bandwidth.get((i, j), (0.0, 0))[0]
-        if self.peers[i].reachable:
-            return typical
+        if self.peers[i].reachable or self._lan_addr(i, j):
+            return typical  # (dialed the other way, or on a LAN the two share)
         return typical * self.nat_pair_factor
 
     def _solve_all(self, out: list[Command]) -> None:

@@ -37,7 +37,7 @@ from pccl.peer.pause import PauseWatch, awake_clock, describe
 from pccl.peer.state import Status as PeerState
 from pccl.protocol import MIN_PROTOCOL_VERSION, PROTOCOL_VERSION, compatible, version_mismatch
 from pccl.protocol import messages as m
-from pccl.protocol.auth import master_mac, peer_mac, split_host_port
+from pccl.protocol.auth import is_lan_address, master_mac, peer_mac, split_host_port
 from pccl.protocol.codec import MAX_STR, encode, fit_hello
 from pccl.protocol.transport import ConnectionClosed, FramedConnection
 from pccl.shared_state import SharedState, SyncInfo, SyncProgress
@@ -298,7 +298,8 @@ class Driver:
                     masters=len(self.masters), resume_base_epoch=base_epoch,
                     resume_base_peers=base_peers, resume_more_epochs=[e for e, _ in more],
                     resume_more_peers=[r for _, r in more], name=self.name or "",
-                    run_id=self.run_id or "")))
+                    run_id=self.run_id or "",
+                    local_addrs=self._local_addrs(conn))))
                 reply = await conn.recv()
         except TimeoutError:
             raise MasterConnectionError(
@@ -343,6 +344,17 @@ class Driver:
         hb = self._heartbeat_timeout
         paused = self._pauses.paused_for(awake_clock(), within=max(hb, 2 * PAUSE_TICK))
         return describe(paused, hb) if paused > hb / 2 else None
+
+    def _local_addrs(self, conn: FramedConnection) -> list[str]:
+        """Where a neighbour behind the same NAT can dial this peer's listener: the
+        address it listens on, or, listening on every interface, the local address of
+        the connection to the master (the interface on the way out: behind NAT, the
+        LAN). Only a private address (the master refuses any other): none on loopback
+        or with a public address, where there is no NAT to get around."""
+        host = self.p2p_listen_host or ""
+        if host in ("", "0.0.0.0", "::"):
+            host = str(conn.writer.get_extra_info("sockname")[0])
+        return [host] if is_lan_address(host) else []
 
     def _feed(self, ev: ps.Event) -> None:
         """Hands ``ev`` to the machine and carries out what it says."""

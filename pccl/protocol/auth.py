@@ -46,6 +46,26 @@ def is_loopback_host(host: str) -> bool:
         return False
 
 
+def is_lan_address(host: str) -> bool:
+    """Whether ``host`` may be offered as a local address (``hello.local_addrs``): an
+    IP literal, written plainly (no zone, no IPv4 inside IPv6), of a private network
+    (RFC 1918, carrier-grade NAT's 100.64/10, IPv6 unique-local): never loopback,
+    unspecified, multicast, link-local, reserved or a public address. Behind a NAT
+    (what these addresses are for) the local address is a private one; a neighbour is
+    only ever sent to dial one, never a public address a peer picked for it."""
+    if not isinstance(host, str) or not 0 < len(host) <= 45 or "%" in host:
+        return False
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        return False
+    return not (
+        ip.is_loopback or ip.is_unspecified or ip.is_multicast or ip.is_link_local
+        or ip.is_reserved or ip.is_global)
+
+
 def join_host_port(host: str, port: int) -> str:
     """(host, port) -> "host:port", or "[v6]:port" for an IPv6 host (the inverse of
     :func:`split_host_port`)."""

@@ -143,6 +143,17 @@ class Hello(Message):
     # The run this peer is for (Communicator(run_id=), PCCL_RUN_ID; protocol 14): a
     # master of another run refuses it, instead of mixing two jobs into one group.
     run_id: Annotated[str, Bound(RUN_ID_CHARS)] = ""
+    # Where a neighbour behind the same NAT can dial this peer's p2p listener: IP
+    # literals of private networks (pccl.protocol.auth.is_lan_address; the master
+    # refuses a hello with any other), at most MAX_LOCAL_ADDRS, the port being
+    # ``p2p_port``. Two peers that cannot be dialed from outside and that the master
+    # sees come from the same public address try this before hole punching (protocol 14).
+    local_addrs: Annotated[list[Annotated[str, Bound(45)]], Bound(8)] = dataclasses.field(
+        default_factory=list)
+
+
+#: Most addresses a ``hello`` may list in ``local_addrs`` (a longer list refuses it).
+MAX_LOCAL_ADDRS = 8
 
 
 @message
@@ -286,7 +297,8 @@ class EstablishP2P(Message):
     ring: list[int]
     next_id: int
     next_addr: str
-    # How to get the streams to ``next_id``: "direct" (dial ``next_addr``), "reverse"
+    # How to get the streams to ``next_id``: "direct" (dial ``next_addr``: its p2p
+    # address, or its local address when both are behind one NAT), "reverse"
     # (it is behind NAT: it dials us, presenting ``token``), "punch" (both behind NAT:
     # one simultaneous-open connection to ``next_addr`` from our listening port, else
     # the master's relay with ``token``) or "relay" (the relay only).

@@ -29,10 +29,13 @@ Homes behind NAT (:meth:`VirtualLan.add_nat_host`): a router namespace on the LA
 (a public address) masquerades, with nftables, for a home namespace on a private
 subnet of its own (``192.168.<n>.0/24``) behind it, and its stateful filter drops
 connections from outside into the home (silently, without a reset, as most home routers
-do), while replies to what the home opened come in::
+do), while replies to what the home opened come in. The home's LAN is a bridge in a
+namespace of its own, so more hosts can share it (``add_nat_host(behind=home)``: one
+NAT, one public address, a LAN between them that the router never filters)::
 
     LAN 10.47.0.0/24 -- eth0 [router: nft masquerade, forward: established only] lan0 --
-        -- eth0 192.168.<n>.2 [home]
+        -- [home bridge br0] -- eth0 192.168.<n>.2 [home]
+                             -- eth0 192.168.<n>.3 [a second host behind=home] ...
 
 By default the router keeps a connection's source port when it can (Linux
 masquerade), so two homes can punch a hole to each other: both connect from their p2p
@@ -185,9 +188,12 @@ class MasterProcess:
     _GONE = re.compile(r"peer (\d+) (?:\([^)]*\) )?(dropped|disconnected)\b")
 
     def __init__(self, host: Host, *, port: int = 0, heartbeat_interval: float = 0.2,
-                 heartbeat_timeout: float = 2.0) -> None:
+                 heartbeat_timeout: float = 2.0, status: bool = False) -> None:
         self.host = host
         self.port = port
+        # Whether it serves its status page (on its host's loopback: api_status()).
+        self.status = status
+        self.status_url = ""
         self.heartbeat_interval = heartbeat_interval
         self.heartbeat_timeout = heartbeat_timeout
         self.address = ""
@@ -204,7 +210,7 @@ class MasterProcess:
             "--listen", f"{self.host.address}:{self.port}",
             "--heartbeat-interval", str(self.heartbeat_interval),
             "--heartbeat-timeout", str(self.heartbeat_timeout), "--log-level", "INFO",
-            "--status", "off",
+            "--status", "127.0.0.1:0" if self.status else "off",
             stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE, env={**os.environ, "PYTHONUNBUFFERED": "1"})
         self._reader = asyncio.create_task(self._read_log())
@@ -216,6 +222,24 @@ class MasterProcess:
             raise NetnsError(f"the master on {self.host.label} did not start: {line!r} "
                              f"{self.log[-5:]}")
         self.address = m.group(1)
+        if self.status:
+            async with asyncio.timeout(timeout):
+                line = (await self.proc.stdout.readline()).decode()
+            m = re.search(r"status page on (http://\S+/)", line)
+            if m is None:
+                raise NetnsError(f"the master on {self.host.label} serves no status page: "
+                                 f"{line!r}")
+            self.status_url = m.group(1)
+
+    async def api_status(self) -> Any:
+        """Its ``/api/status`` document, fetched on its own host (its loopback)."""
+        if not self.status_url:
+            raise NetnsError("this master was started without a status page (status=True)")
+        fetch = ("import sys, urllib.request; "
+                 "sys.stdout.write(urllib.request.urlopen(sys.argv[1], timeout=10).read()"
+                 ".decode())")
+        return json.loads(await _run(*self.host.exec_prefix, sys.executable, "-c", fetch,
+                                     self.status_url + "api/status"))
 
     async def _read_log(self) -> None:
         assert self.proc is not None and self.proc.stderr is not None
@@ -277,6 +301,11 @@ class VirtualLan:
         self.peers: list[PeerProcess] = []
         self._started = False
         self._homes: list[str] = []  # namespaces of NAT'd homes (behind a router host)
+        # Per home LAN (by its router's bridge port): (n of 192.168.<n>.0/24, the
+        # namespace of its bridge, hosts on it so far); per home host, (the namespace
+        # of its LAN's bridge, its port there).
+        self._home_lans: dict[str, tuple[int, str, int]] = {}
+        self._home_ports: dict[str, tuple[str, str]] = {}
         self._blocked: dict[str, set[str]] = {}  # bridge port -> source addresses dropped
         self._port_shaped: set[str] = set()  # bridge ports with an ingress shaper
 
@@ -308,28 +337,36 @@ class VirtualLan:
         await _run("ip", "-n", host.ns, "link", "set", "lo", "up")
         return host
 
-    async def add_nat_host(self, label: str, *, random_ports: bool = False) -> Host:
+    async def add_nat_host(self, label: str, *, random_ports: bool = False,
+                           behind: Host | None = None) -> Host:
         """A home namespace behind a NAT router (see the module docstring). The returned
         host's ``address`` is its private one; its ``port`` is the router's bridge port,
-        so :meth:`set_link` unplugs the whole home."""
+        so :meth:`set_link` unplugs the whole home. ``behind``: another host on the LAN
+        of that home (returned by this method), behind its router, instead of a new
+        home."""
+        if behind is not None:
+            if behind.port not in self._home_lans or random_ports:
+                raise NetnsError(f"{behind.label} is not a home of this LAN (or random_ports "
+                                 "was given for a home that has its router already)")
+            return await self._add_home_host(label, behind.port, behind.index)
         router = await self.add_host(f"{label}-router")
-        n = len(self._homes) + 1
+        n = len(self._home_lans) + 1
         if n > 250:
             raise NetnsError("too many NAT'd homes")
-        home = Host(label=label, ns=f"{self.prefix}-n{n}", address=f"192.168.{n}.2",
-                    port=router.port, index=router.index)
-        self._homes.append(home.ns)
-        _live.add(home.ns)
-        await _run("ip", "netns", "add", home.ns)
-        await _run("ip", "-n", router.ns, "link", "add", "lan0", "type", "veth", "peer",
-                   "name", "eth0", "netns", home.ns)
+        bridge = f"{self.prefix}-n{n}b"
+        self._homes.append(bridge)
+        _live.add(bridge)
+        await _run("ip", "netns", "add", bridge)
+        await _run("ip", "-n", bridge, "link", "add", "br0", "type", "bridge")
+        await _run("ip", "-n", bridge, "link", "set", "br0", "up")
+        await _run("ip", "-n", bridge, "link", "add", "r", "type", "veth", "peer", "name",
+                   "lan0", "netns", router.ns)
+        await _run("ip", "-n", bridge, "link", "set", "r", "master", "br0")
+        await _run("ip", "-n", bridge, "link", "set", "r", "up")
         await _run("ip", "-n", router.ns, "addr", "add", f"192.168.{n}.1/24", "dev", "lan0")
         await _run("ip", "-n", router.ns, "link", "set", "lan0", "up")
-        await _run("ip", "-n", home.ns, "addr", "add", f"{home.address}/24", "dev", "eth0")
-        await _run("ip", "-n", home.ns, "link", "set", "eth0", "up")
-        await _run("ip", "-n", home.ns, "link", "set", "lo", "up")
-        await _run("ip", "-n", home.ns, "route", "add", "default", "via", f"192.168.{n}.1")
         await _run(*router.exec_prefix, "sysctl", "-q", "-w", "net.ipv4.ip_forward=1")
+        self._home_lans[router.port] = (n, bridge, 0)
         masquerade = "masquerade random" if random_ports else "masquerade"
         ruleset = f"""
 table ip nat {{
@@ -357,7 +394,38 @@ table ip filter {{
             _, err = await proc.communicate(ruleset.encode())
         if proc.returncode != 0:
             raise NetnsError(f"nft on {router.label} failed: {err.decode().strip()}")
+        return await self._add_home_host(label, router.port, router.index)
+
+    async def _add_home_host(self, label: str, router_port: str, index: int) -> Host:
+        """One more host on the home LAN behind the router at ``router_port``."""
+        n, bridge, count = self._home_lans[router_port]
+        if count >= 200:
+            raise NetnsError("too many hosts in one home")
+        self._home_lans[router_port] = (n, bridge, count + 1)
+        home = Host(label=label, ns=f"{self.prefix}-n{n}h{count}",
+                    address=f"192.168.{n}.{count + 2}", port=router_port, index=index)
+        self._homes.append(home.ns)
+        self._home_ports[home.ns] = (bridge, f"h{count}")
+        _live.add(home.ns)
+        await _run("ip", "netns", "add", home.ns)
+        await _run("ip", "-n", bridge, "link", "add", f"h{count}", "type", "veth", "peer",
+                   "name", "eth0", "netns", home.ns)
+        await _run("ip", "-n", bridge, "link", "set", f"h{count}", "master", "br0")
+        await _run("ip", "-n", bridge, "link", "set", f"h{count}", "up")
+        await _run("ip", "-n", home.ns, "addr", "add", f"{home.address}/24", "dev", "eth0")
+        await _run("ip", "-n", home.ns, "link", "set", "eth0", "up")
+        await _run("ip", "-n", home.ns, "link", "set", "lo", "up")
+        await _run("ip", "-n", home.ns, "route", "add", "default", "via", f"192.168.{n}.1")
         return home
+
+    async def isolate_at_home(self, host: Host) -> None:
+        """``host`` (behind NAT) no longer reaches the other isolated hosts of its home
+        LAN (a bridge port flag: their packets to each other vanish), while it still
+        reaches its router and through it everyone else: two networks behind one NAT,
+        as far as its neighbours at home are concerned."""
+        bridge, port = self._home_ports[host.ns]
+        await _run("ip", "-n", bridge, "link", "set", "dev", port, "type", "bridge_slave",
+                   "isolated", "on")
 
     async def shape(self, host: Host, rate_bps: float, *, qdisc: str = "tbf",
                     direction: str = "egress") -> None:
@@ -442,7 +510,8 @@ table ip filter {{
                        "prio", "1", "u32", "match", "ip", "src", f"{src}/32", "flowid", "1:2")
 
     async def start_master(self, host: Host, **kwargs: Any) -> MasterProcess:
-        """A master process on ``host`` (kwargs: port, heartbeat_interval/_timeout)."""
+        """A master process on ``host`` (kwargs: port, heartbeat_interval/_timeout,
+        status)."""
         master = MasterProcess(host, **kwargs)
         self.masters.append(master)
         await master.start()

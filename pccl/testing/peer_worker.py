@@ -104,7 +104,7 @@ async def _main(args: argparse.Namespace) -> int:
     comm = pccl.Communicator(master=args.master, peer_group=args.group,
                              p2p_connection_pool_size=args.pool,
                              secret=bytes.fromhex(args.secret_hex) if args.secret_hex else None,
-                             peer_timeout=args.peer_timeout,
+                             peer_timeout=args.peer_timeout, p2p_timeout=args.p2p_timeout,
                              p2p_advertise_address=args.p2p_advertise_address or None,
                              p2p_listen_port=args.p2p_port,
                              allow_relay=not args.no_relay)
@@ -146,6 +146,7 @@ def main() -> None:
     parser.add_argument("--attempts", type=int, default=10)
     parser.add_argument("--secret-hex", default="")
     parser.add_argument("--peer-timeout", type=float, default=30.0)
+    parser.add_argument("--p2p-timeout", type=float, default=10.0)
     parser.add_argument("--p2p-advertise-address", default="")
     parser.add_argument("--p2p-port", type=int, default=0)
     parser.add_argument("--no-relay", action="store_true", help="allow_relay=False")
