@@ -966,6 +966,7 @@ STRAY: dict[str, m.Message] = {
     "hello": m.Hello(version=1, peer_group=0, p2p_port=1, p2p_host="", nonce=b"n", mac=b""),
     "welcome": m.Welcome(peer_id=1, mac=b"", heartbeat_interval=1.0, heartbeat_timeout=5.0),
     "reject": m.Reject(kind="ProtocolError", message="no"),
+    "shutdown": m.Shutdown(reason="a peer cannot stop the master"),
     "ping": m.Ping(seq=1),
     "establish_p2p": m.EstablishP2P(epoch=1, ring=[1], next_id=-1, next_addr=""),
     "world": world(1, [1], 1, 1, 1, 1),
