@@ -51,7 +51,7 @@ _PLAIN_FLAGS = ("listen", "heartbeat_interval", "heartbeat_timeout", "handshake_
                 "repair_rings", "dial_back_timeout", "max_relayed_streams", "insecure",
                 "max_connections",
                 "mesh_max_bytes", "quorum", "standby", "key_file", "cert_file", "trust",
-                "denylist", "allow_anonymous", "run_id", "state_dir")
+                "denylist", "allow_anonymous", "run_id", "state_dir", "secret_grace")
 
 
 def _add_master_args(p: argparse.ArgumentParser) -> None:
@@ -70,8 +70,11 @@ def _add_master_args(p: argparse.ArgumentParser) -> None:
                    help=f"address to listen on (port 0: a free one; {d('listen')})")
     p.add_argument("--secret-file", type=Path, default=s, metavar="FILE",
                    help="file holding the shared secret peers must prove they know "
-                        "(surrounding whitespace is ignored; default: $PCCL_SECRET_FILE or "
-                        "$PCCL_SECRET, else none)")
+                        "(surrounding whitespace is ignored; re-read when it changes: a "
+                        "rotation; default: $PCCL_SECRET_FILE or $PCCL_SECRET, else none)")
+    p.add_argument("--secret-grace", type=float, default=s, metavar="S",
+                   help=f"after a rotation, seconds the previous secret is still accepted "
+                        f"({d('secret_grace')})")
     p.add_argument("--heartbeat-interval", type=float, default=s, metavar="S",
                    help=f"seconds between pings to each peer ({d('heartbeat_interval')})")
     p.add_argument("--heartbeat-timeout", type=float, default=s, metavar="S",
@@ -179,7 +182,10 @@ def master_overrides(args: argparse.Namespace, env: Mapping[str, str]) -> dict[s
     given = vars(args)
     out: dict[str, Any] = {name: given[name] for name in _PLAIN_FLAGS if name in given}
     if "secret_file" in given:
-        out["secret"] = config.read_secret_file(given["secret_file"], "secret file")
+        # Read once now (an unreadable file fails at once), then watched by the master:
+        # a changed file rotates the secret.
+        config.read_secret_file(given["secret_file"], "secret file")
+        out["secret"] = Path(given["secret_file"])
     if "status" in given:
         out["status_listen"] = None if given["status"].lower() == "off" else given["status"]
     elif not config.is_set(env, config.env_name("status_listen")):
@@ -192,15 +198,6 @@ def master_overrides(args: argparse.Namespace, env: Mapping[str, str]) -> dict[s
             raise InvalidArgumentError(f"the status token file {str(given['status_token_file'])!r} "
                                        f"is not UTF-8 text") from None
     return out
-
-
-def _read_secret(path: Path | None) -> bytes | None:
-    if path is None:
-        return None
-    try:
-        return config.read_secret_file(path, "secret file")
-    except InvalidArgumentError as e:
-        raise _UserError(str(e)) from None
 
 
 class _UserError(Exception):
@@ -319,7 +316,9 @@ def main(argv: list[str] | None = None) -> None:
         from pccl.doctor import diagnose
 
         try:
-            secret = ident.check_secret(_read_secret(args.secret_file))
+            # (The file's first line: further ones are older secrets of a rotation.)
+            secret = (ident.Secrets(args.secret_file).current
+                      if args.secret_file is not None else None)
             me = (ident.load(args.key_file, args.cert_file, args.trust)
                   if args.key_file or args.trust else None)
         except (_UserError, PCCLError) as e:

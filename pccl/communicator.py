@@ -94,7 +94,10 @@ class Communicator(Driver):
     peer that differs from its neighbour fails the handshake with
     :class:`AuthenticationError` (its ring links are not established). The connection
     to the master is encrypted the same way; a master refuses a clear-text peer unless
-    it was started with ``insecure=True``.
+    it was started with ``insecure=True``. ``secret`` may be a path
+    (``pathlib.Path``, or ``PCCL_SECRET_FILE``): the file is read again when it
+    changes, and its new content becomes the secret (a rotation: the previous secret is
+    still accepted for an hour; see :meth:`rotate_secret`).
 
     Peers behind NAT need no port forwarding: the master checks whether each peer's
     p2p address can be dialed and, for a ring link to a peer that cannot, has that peer
@@ -123,7 +126,7 @@ class Communicator(Driver):
         master: str | Sequence[str] = f"127.0.0.1:{DEFAULT_PORT}",
         peer_group: int = 0,
         p2p_connection_pool_size: int = 4,
-        secret: bytes | str | None = None,
+        secret: identity.SecretSource = None,
         *,
         p2p_listen_host: str | None = None,
         p2p_listen_port: int = 0,
@@ -174,7 +177,9 @@ class Communicator(Driver):
         self._elsewhere: str | None = None  # the last one to send this peer elsewhere
         self.peer_group = peer_group
         self.p2p_connection_pool_size = p2p_connection_pool_size
-        self.secret = identity.check_secret(secret)
+        # (A path: the file is re-read when it changes, a rotation: identity.Secrets.)
+        self.secrets = identity.Secrets(secret)
+        self.secret = self.secrets.current
         # This peer's static key (and certificate), and the run keys whose certificates
         # it asks of the master and of every other peer; without them, a fresh key.
         self.identity = identity.load(key_file, cert_file, trust)
@@ -332,6 +337,15 @@ class Communicator(Driver):
             await self.close()
             raise
 
+
+    def rotate_secret(self, secret: bytes | str) -> None:
+        """Makes ``secret`` the run's secret for this peer from now on: it registers
+        and dials with it, and still accepts (and offers) the previous one for an hour
+        (``pccl.identity.ROTATION_GRACE``), so peers can change secrets one at a time:
+        two nodes agree on any secret both hold. A peer given its secret as a file does
+        this by itself when the file changes (docs/security.md, "Rotating the secret")."""
+        if self.secrets.rotate(secret):
+            self._use_secrets()
 
     async def close(self) -> None:
         """Leaves the run gracefully (the master drops this peer at once). Idempotent."""

@@ -130,6 +130,8 @@ _HELP: dict[str, str] = {
                        "certificates) on a non-loopback address",
     "run_id": "the run this node is for: a master refuses peers that name another run "
               "(or none when it has one)",
+    "secret_grace": "seconds the previous secret is still accepted after a rotation (the "
+                    "secret file changed)",
     "state_dir": "directory where the master keeps its timeline across restarts "
                  "(`timeline.jsonl`; none: nothing kept)",
     "denylist": "signed denylist file (`pccl ca revoke`), watched: its keys are dropped "
@@ -322,8 +324,11 @@ def read_secret_file(path: str | os.PathLike[str], what: str = "secret file") ->
     return secret
 
 
-def _secret(v: Variable, env: Env, want_bytes: bool) -> tuple[bool, Any, str]:
-    """(found, value, source) of a secret and its file variable."""
+def _secret(v: Variable, env: Env, want_bytes: bool,
+            want_path: bool = False) -> tuple[bool, Any, str]:
+    """(found, value, source) of a secret and its file variable. ``want_path``: the
+    parameter takes the file itself (it re-reads it when it changes: a rotation), read
+    once here so that an unreadable or empty file fails now."""
     assert v.file_name is not None
     value_set, file_set = v.name in env, v.file_name in env
     if value_set and file_set:
@@ -342,6 +347,8 @@ def _secret(v: Variable, env: Env, want_bytes: bool) -> tuple[bool, Any, str]:
             raise InvalidArgumentError(f"{v.file_name} is set but empty: give the path of "
                                        f"the {what}, or unset it")
         data = read_secret_file(path, what)
+        if want_path:
+            return True, Path(path), f"{v.file_name}={path!r}"
         if want_bytes:
             return True, data, f"{v.file_name}={path!r}"
         try:
@@ -366,7 +373,8 @@ def _parser(cls: type, param: str, hint: Any) -> tuple[Callable[[str, Env], tupl
     args = set(typing.get_args(hint)) or {hint}
     optional = type(None) in args
     args.discard(type(None))
-    if param in SECRETS and args <= {str, bytes}:
+    if param in SECRETS and all(a in (str, bytes) or typing.get_origin(a) is os.PathLike
+                                for a in args):
         return _str, f"text; `{env_name(param)}_FILE`: a file holding it"
     base: dict[Any, tuple[Callable[[str, Env], tuple[Any, str]], str]] = {
         bool: (_bool, "boolean: `1`/`0`, `true`/`false`, `yes`/`no`, `on`/`off`"),
@@ -494,7 +502,8 @@ def resolve(cls: type, env: Env | None = None,
         if v.param in overrides:
             kwargs[v.param], sources[v.param] = overrides[v.param], "argument"
         elif v.file_name is not None:
-            found, value, source = _secret(v, env, _takes_bytes(cls, v.param))
+            found, value, source = _secret(v, env, _takes_bytes(cls, v.param),
+                                           _takes_path(cls, v.param))
             if found:
                 kwargs[v.param], sources[v.param] = value, source
         elif is_set(env, v.name):
@@ -506,6 +515,11 @@ def resolve(cls: type, env: Env | None = None,
                     f"{v.name}={raw!r} is not valid: expected {e}") from None
             kwargs[v.param], sources[v.param] = value, f"{v.name}={raw!r}{note}"
     return kwargs, sources
+
+
+def _takes_path(cls: type, param: str) -> bool:
+    hint = typing.get_type_hints(cls.__init__).get(param)  # type: ignore[misc]
+    return any(typing.get_origin(a) is os.PathLike for a in typing.get_args(hint))
 
 
 def _takes_bytes(cls: type, param: str) -> bool:

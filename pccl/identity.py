@@ -47,7 +47,8 @@ from pathlib import Path
 from pccl import _core
 from pccl.errors import InvalidArgumentError
 
-__all__ = ["MIN_SECRET_BITS", "check_secret", "describe", "load", "load_denylist",
+__all__ = ["MIN_SECRET_BITS", "ROTATION_GRACE", "Secrets", "check_secret", "describe", "load",
+           "load_denylist",
            "new_node_key", "new_run_key", "new_secret", "parse_fingerprint", "revoke",
            "sign_node", "trust_paths", "write_text"]
 
@@ -115,6 +116,114 @@ def check_secret(secret: bytes | str | None, what: str = "secret") -> bytes | No
 def new_secret() -> str:
     """A fresh shared secret: 256 random bits in hex."""
     return _secrets.token_hex(32)
+
+
+#: Seconds a node still accepts the secret it used before a rotation (the master's is
+#: ``MasterNode(secret_grace=)``).
+ROTATION_GRACE = 3600.0
+#: Older secrets a node holds at most besides its current one (the transport offers
+#: four at most).
+MAX_OLDER_SECRETS = 3
+
+SecretSource = bytes | str | os.PathLike[str] | None
+
+
+class Secrets:
+    """A node's run secret, and the older ones it still accepts during a rotation.
+
+    Given as bytes or text, the secret changes only by :meth:`rotate`. Given as a path
+    (``secret=Path("secret")``, ``PCCL_SECRET_FILE``, ``--secret-file``), the file is
+    read now and again whenever :meth:`reread` finds it changed: its first line becomes
+    the current secret (used to connect from then on) and the previous one is still
+    accepted, and offered, for ``grace`` seconds; further lines (at most three) are
+    older secrets accepted for as long as they are there (a node started during a
+    rotation). So a run's secret is rotated by replacing the file on every node, in any
+    order, without a restart: two nodes agree on any secret both hold (docs/security.md,
+    "Rotating the secret")."""
+
+    def __init__(self, secret: SecretSource, what: str = "secret",
+                 grace: float = ROTATION_GRACE) -> None:
+        self.what = what
+        self.grace = grace
+        self.path: Path | None = None
+        self._stamp: tuple[int, int, int] | None = None
+        self._listed: list[bytes] = []  # further lines of the file
+        if isinstance(secret, os.PathLike):
+            self.path = Path(secret)
+            self._stamp = self._stat()
+            self.current, self._listed = self._read()
+        else:
+            self.current = check_secret(secret, what)
+        self._older: list[tuple[bytes, float]] = []  # (secret, accepted until: monotonic)
+
+    def also(self, now: float | None = None) -> list[bytes]:
+        """The older secrets still accepted (the file's further lines, then those of
+        rotations, newest first), at most :data:`MAX_OLDER_SECRETS`."""
+        now = time.monotonic() if now is None else now
+        self._older = [(s, until) for s, until in self._older if until > now]
+        out: list[bytes] = []
+        for s in [*self._listed, *(s for s, _ in self._older)]:
+            if s != self.current and s not in out:
+                out.append(s)
+        return out[:MAX_OLDER_SECRETS]
+
+    def rotate(self, secret: bytes | str, now: float | None = None) -> bool:
+        """Makes ``secret`` the current one; the previous one is accepted for
+        ``grace`` more seconds. False when it already was the current one."""
+        new = check_secret(secret, self.what)
+        assert new is not None
+        if self.current is None:
+            raise InvalidArgumentError(
+                f"this node runs without a {self.what}: one cannot be added while it runs")
+        if new == self.current:
+            return False
+        now = time.monotonic() if now is None else now
+        older = [(s, u) for s, u in self._older if u > now and s != new]
+        self._older = ([(self.current, now + self.grace), *older])[:MAX_OLDER_SECRETS]
+        self.current = new
+        return True
+
+    def reread(self, now: float | None = None) -> bool:
+        """Reads the file again if it changed since it was last read; True when that
+        changed the secrets. A file that cannot be read, or holds no valid secret, keeps
+        the current secret and raises :class:`~pccl.InvalidArgumentError` once per
+        change of the file."""
+        if self.path is None:
+            return False
+        stamp = self._stat()
+        if stamp is None or stamp == self._stamp:
+            return False
+        self._stamp = stamp
+        listed = self._listed
+        current, self._listed = self._read()
+        assert current is not None
+        return self.rotate(current, now) or self._listed != listed
+
+    def _stat(self) -> tuple[int, int, int] | None:
+        assert self.path is not None
+        try:
+            st = self.path.stat()
+        except OSError:
+            return None
+        return (st.st_mtime_ns, st.st_size, st.st_ino)
+
+    def _read(self) -> tuple[bytes | None, list[bytes]]:
+        """The file's secret (its first line) and the older ones of its further lines."""
+        assert self.path is not None
+        try:
+            lines = [x.strip() for x in self.path.read_bytes().splitlines() if x.strip()]
+        except OSError as e:
+            raise InvalidArgumentError(
+                f"cannot read the {self.what} file {str(self.path)!r}: {e.strerror or e}"
+            ) from None
+        if not lines:
+            raise InvalidArgumentError(f"the {self.what} file {str(self.path)!r} is empty")
+        if len(lines) > 1 + MAX_OLDER_SECRETS:
+            raise InvalidArgumentError(
+                f"the {self.what} file {str(self.path)!r} has {len(lines)} lines: the "
+                f"secret, then at most {MAX_OLDER_SECRETS} older ones still accepted")
+        checked = [check_secret(x, self.what) for x in lines]
+        return checked[0], [x for x in checked[1:] if x is not None]
 
 
 # --- files ---------------------------------------------------------------------------

@@ -338,7 +338,7 @@ def test_only_the_flags_given_override(tmp_path: Path) -> None:
                  "--dial-back-timeout", "1", "--max-relayed-streams", "7", "--insecure",
                  "--status", "127.0.0.1:0", "--status-token-file", str(tmp_path / "t"))
     assert cli.master_overrides(args, {}) == {
-        "listen": "127.0.0.1:0", "secret": SECRET.encode(), "heartbeat_interval": 0.5,
+        "listen": "127.0.0.1:0", "secret": tmp_path / "s", "heartbeat_interval": 0.5,
         "heartbeat_timeout": 4.0, "handshake_timeout": 3.0, "establish_timeout": 9.0,
         "max_establish_attempts": 2, "recovery_grace": 8.0, "repair_rings": False,
         "dial_back_timeout": 1.0, "max_relayed_streams": 7, "insecure": True,

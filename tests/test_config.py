@@ -81,6 +81,7 @@ MASTER_VARIABLES = {
     "allow_anonymous": "PCCL_ALLOW_ANONYMOUS",
     "run_id": "PCCL_RUN_ID",
     "state_dir": "PCCL_STATE_DIR",
+    "secret_grace": "PCCL_SECRET_GRACE",
 }
 
 
@@ -185,7 +186,7 @@ def test_every_communicator_variable_is_read_with_its_type(tmp_path: Path) -> No
     kwargs, sources = resolve(pccl.Communicator, env)
     assert kwargs == {
         "master": "pccl-master.train.svc:48148", "peer_group": 3,
-        "p2p_connection_pool_size": 8, "secret": SECRET.encode(),
+        "p2p_connection_pool_size": 8, "secret": tmp_path / "secret",
         "p2p_listen_host": "0.0.0.0", "p2p_listen_port": 29600,
         "p2p_advertise_host": "10.1.2.3", "p2p_advertise_address": "203.0.113.9:40000",
         "timeout": 12.5, "p2p_timeout": 7.0, "peer_timeout": 45.0, "piece_bytes": 65536,
@@ -197,6 +198,9 @@ def test_every_communicator_variable_is_read_with_its_type(tmp_path: Path) -> No
     assert sources["p2p_connection_pool_size"] == "PCCL_POOL_SIZE='8'"
     comm = pccl.Communicator.from_env(env)
     for name, value in kwargs.items():
+        if name == "secret":  # (the file is kept to be re-read: a rotation)
+            assert comm.secrets.path == value and comm.secret == SECRET.encode()
+            continue
         assert getattr(comm, name) == value, name
 
 
@@ -501,7 +505,8 @@ def test_the_configuration_is_logged_at_debug_without_the_secret(
                                 "status_token=<hidden> (PCCL_STATUS_TOKEN), key_file=None "
                                 "(default), cert_file=None (default), trust=None (default), "
                                 "denylist=None (default), allow_anonymous=False (default), "
-                                "run_id=None (default), state_dir=None (default)")
+                                "run_id=None (default), state_dir=None (default), "
+                                "secret_grace=3600.0 (default)")
     assert "peer_group=2 (PCCL_PEER_GROUP='local_rank' with SLURM_LOCALID=2)" in peer_line
     assert "secret=<hidden> (PCCL_SECRET)" in peer_line
     assert "metrics_listen=None (default)" in peer_line

@@ -153,4 +153,4 @@ async def test_nothing_readable_crosses_the_links() -> None:
             assert all(seen.values()), seen
         else:
             assert not any(seen.values()), seen
-            assert control.count(pccl._core.SECURE_HELLO_MAGIC) >= 1  # PCCLSEC\x02: Noise XX
+            assert control.count(pccl._core.SECURE_HELLO_MAGIC) >= 1  # PCCLSEC\x03: Noise XX

@@ -28,11 +28,12 @@ from pccl.testing import Cluster
 SECRET = b"5f0c1a9e7d3b42c8a6e1f0b97c2d4e3a"
 GUESS = b"c0ffee00d15ea5e5b16b00b5a11ce0de"  # a stranger's (strong, but wrong) secret
 # The handshake reply of a listener (Noise XX message 2, "e, ee, s, es"), framed: a
-# status byte, its ephemeral key, its static public key (encrypted, with a tag) and its
+# status byte, which offered secret it takes, its ephemeral key, its static public key
+# (encrypted, with a tag) and its
 # certificate payload's tag (no certificates here). The static key is public by nature:
 # an active dialer learns it in XX (the shared secret is mixed in only at message 3), and
 # nothing of the group is in it.
-MAX_REPLY = 4 + 1 + 32 + (32 + 16) + 16
+MAX_REPLY = 4 + 1 + 1 + 32 + (32 + 16) + 16
 # The listener's verdict on the dialer's identity message (message 3), framed: one
 # status byte.
 VERDICT = 4 + 1
@@ -278,7 +279,7 @@ async def test_a_replayed_handshake_and_session_are_refused() -> None:
             late = cluster.new_comm(master=link.address)
             await cluster.admit([late])
             sent = b"".join(v for k, v in link.recorded().items() if "client->server" in k)
-            assert sent[4:12] == b"PCCLSEC\x02"  # the recorded handshake's hello
+            assert sent[4:12] == b"PCCLSEC\x03"  # the recorded handshake's hello
             before = sorted(cluster.master.state.peers)
             got = await _talk(cluster.master.address, [sent])
             assert len(got) <= MAX_REPLY + VERDICT, got

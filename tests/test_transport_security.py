@@ -52,7 +52,7 @@ async def test_ring_traffic_is_encrypted_by_default() -> None:
     assert PATTERN.tobytes() not in wire
     assert np.full(4, 7.0, np.float32).tobytes() not in wire
     assert b"PCCLP2P" not in wire  # the p2p hello travels inside the encrypted stream
-    assert _core.SECURE_HELLO_MAGIC == b"PCCLSEC\x02"
+    assert _core.SECURE_HELLO_MAGIC == b"PCCLSEC\x03"
     assert _core.SECURE_HELLO_MAGIC in wire  # the secure transport's hello (Noise XX)
 
 

@@ -126,7 +126,7 @@ class MasterNode:
     def __init__(
         self,
         listen: str = f"0.0.0.0:{DEFAULT_PORT}",
-        secret: bytes | str | None = None,
+        secret: ident.SecretSource = None,
         *,
         heartbeat_interval: float = 1.0,
         heartbeat_timeout: float = 5.0,
@@ -152,6 +152,7 @@ class MasterNode:
         allow_anonymous: bool = False,
         run_id: str | None = None,
         state_dir: str | None = None,
+        secret_grace: float = ident.ROTATION_GRACE,
     ) -> None:
         for name, value in (("heartbeat_interval", heartbeat_interval),
                             ("heartbeat_timeout", heartbeat_timeout),
@@ -182,7 +183,11 @@ class MasterNode:
                 f"MasterNode(state_dir=...) must be a directory path, got {state_dir!r}")
         self.state_dir = state_dir
         self.listen = listen
-        self.secret = ident.check_secret(secret)
+        _positive("secret_grace", secret_grace)
+        # The secret, and older ones still accepted after a rotation (a file given as
+        # the secret is re-read when it changes: _check_secret_file).
+        self.secrets = ident.Secrets(secret, grace=secret_grace)
+        self.secret = self.secrets.current
         # This master's static key and certificate, and the run keys whose certificates
         # it asks of every peer (pccl.identity); without trust, a fresh key.
         self.identity = ident.load(key_file, cert_file, trust, denylist)
@@ -632,6 +637,7 @@ class MasterNode:
         try:
             async with asyncio.timeout(self.handshake_timeout):
                 await conn.accept(self.secret, allow_clear=self.insecure, first=first,
+                                  also=self.secrets.also(),
                                   identity=self.identity, group="peer")
                 await conn.send(m.Challenge(version=PROTOCOL_VERSION, nonce=nonce,
                                             auth=self.secret is not None,
@@ -869,7 +875,7 @@ class MasterNode:
                 if key is None:
                     return await conn.handshake_frame() == token
                 await conn.dial(self.secret, identity=self.identity, group="peer",
-                                expect=key, prologue=REACH_PROLOGUE)
+                                expect=key, prologue=REACH_PROLOGUE, also=self.secrets.also())
                 return await conn.recv_exact(len(token)) == token
         except TimeoutError:
             return None
@@ -1189,6 +1195,31 @@ class MasterNode:
                 conn.abort()  # (its read loop reports the loss)
         return True
 
+    def rotate_secret(self, secret: bytes | str) -> None:
+        """Makes ``secret`` the run's secret from now on: peers that register (or
+        connect) with it are accepted, and so are those with the previous one for
+        ``secret_grace`` seconds, so the peers can be given the new secret one at a time
+        (docs/security.md, "Rotating the secret"). A master started with a secret file
+        does this by itself when the file changes."""
+        if self.secrets.rotate(secret):
+            self._rotated()
+
+    def _rotated(self) -> None:
+        self.secret = self.secrets.current
+        source = f" ({self.secrets.path})" if self.secrets.path else ""
+        text = (f"the shared secret was rotated{source}: new connections must use the new "
+                f"one; the previous one is still accepted for {self.secrets.grace:.0f}s")
+        log.warning("%s", text)
+        self.monitor.add("secret", text)
+
+    def _check_secret_file(self) -> None:
+        """Picks up a new secret from the secret file (a rotation), if it changed."""
+        try:
+            if self.secrets.reread():
+                self._rotated()
+        except InvalidArgumentError as e:
+            log.error("the secret file was changed, but the master keeps its secret: %s", e)
+
     def _check_denylist_file(self) -> None:
         """Picks up a new version of the denylist file (``denylist``), if any."""
         if self.denylist is None:
@@ -1210,6 +1241,7 @@ class MasterNode:
         while True:
             await asyncio.sleep(self.heartbeat_interval)
             self._check_denylist_file()
+            self._check_secret_file()
             seq += 1
             for conn in list(self._conns.values()):
                 conn.send_nowait(m.Ping(seq=seq))

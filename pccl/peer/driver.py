@@ -17,11 +17,12 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from pccl import _core
+from pccl import _core, identity
 from pccl.enums import ReduceOp, SharedStateSyncStrategy
 from pccl.errors import (
     AuthenticationError,
     ErrorKind,
+    InvalidArgumentError,
     InvalidUsageError,
     MasterConnectionError,
     PCCLError,
@@ -59,6 +60,11 @@ class Driver:
     peer_group: int
     p2p_connection_pool_size: int
     secret: bytes | None
+    secrets: identity.Secrets
+    # When the secrets were last looked at (monotonic), and how many older ones the p2p
+    # node holds (see _reread_secret).
+    _secrets_checked: float = 0.0
+    _secrets_held: int = 0
     identity: _core.Identity
     name: str | None
     run_id: str | None
@@ -110,8 +116,9 @@ class Driver:
             async with asyncio.timeout(timeout):
                 reader, writer = await asyncio.open_connection(host, port)
                 conn = FramedConnection(reader, writer, max_frame=self.max_frame)
+                self._reread_secret()  # (a rotated secret file: registered with the new one)
                 await conn.dial(self.secret, insecure=self.insecure, identity=self.identity,
-                                group="master")
+                                group="master", also=self.secrets.also())
                 challenge = await conn.recv()
         except TimeoutError:
             if conn is not None:
@@ -271,6 +278,7 @@ class Driver:
                 0, self.p2p_listen_host or local_host, self.p2p_listen_port, self.secret,
                 handshake_timeout=self.p2p_timeout, connect_timeout=self.p2p_timeout,
                 insecure=self.insecure, identity=self.identity)
+            self._use_secrets()
         await self._handshake(conn, challenge)
 
     async def _handshake(self, conn: FramedConnection, challenge: m.Challenge) -> None:
@@ -439,8 +447,37 @@ class Driver:
                 self._dispatch(msg)
                 if not self._m.connected:
                     return  # the machine gave this connection up (a Reject, garbage)
+                self._reread_secret()
         except PCCLError as e:
             self._feed(ps.MasterLost(str(e)))
+
+    def _reread_secret(self) -> None:
+        """Picks up a rotated secret: a secret file that changed, or older secrets whose
+        grace ran out (at most once a second)."""
+        now = time.monotonic()
+        if now - self._secrets_checked < 1.0:
+            return
+        self._secrets_checked = now
+        try:
+            rotated = self.secrets.reread(now)
+        except InvalidArgumentError as e:
+            log.error("peer %s: the secret file changed, but this peer keeps its secret: %s",
+                      self.peer_id, e)
+            return
+        if rotated:
+            log.warning("peer %s: the shared secret was rotated (%s): connections use the new "
+                        "one from now on; the previous one is still accepted for %.0fs",
+                        self.peer_id, self.secrets.path, self.secrets.grace)
+        if rotated or len(self.secrets.also(now)) != self._secrets_held:
+            self._use_secrets()
+
+    def _use_secrets(self) -> None:
+        """Hands the current secret and the older ones still accepted to the p2p node."""
+        self.secret = self.secrets.current
+        also = self.secrets.also()
+        self._secrets_held = len(also)
+        if self._node is not None and self.secret is not None and not self.insecure:
+            self._node.set_secrets(self.secret, also)
 
     def _dispatch(self, msg: m.Message) -> None:
         """One message from the master into the machine (tests hold some back here:

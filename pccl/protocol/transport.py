@@ -20,6 +20,7 @@ import asyncio
 import contextlib
 import socket
 import struct
+from collections.abc import Sequence
 
 from pccl import _core
 from pccl.errors import (
@@ -110,7 +111,8 @@ class FramedConnection:
 
     async def dial(self, secret: bytes | None, *, insecure: bool = False,
                    identity: _core.Identity | None = None, group: str = "master",
-                   expect: bytes | None = None, prologue: bytes = PROLOGUE) -> None:
+                   expect: bytes | None = None, prologue: bytes = PROLOGUE,
+                   also: Sequence[bytes] = ()) -> None:
         """The peer's side: opens the connection encrypted (or in clear text when
         ``insecure``) as ``identity`` (None: a fresh key), asking the other end's
         certificate for ``group`` where ``identity`` checks certificates, and the static
@@ -132,7 +134,8 @@ class FramedConnection:
                     raise MasterConnectionError(
                         "the remote end does not speak the pccl control protocol")
                 return
-            hs = _core.SecureHandshake(True, secret, prologue, identity, group, expect)
+            hs = _core.SecureHandshake(True, secret, prologue, identity, group, expect,
+                                       list(also))
             self.send_handshake_frame(hs.hello())
             while not hs.done:
                 out, err = hs.on_frame(await self.handshake_frame())
@@ -151,7 +154,7 @@ class FramedConnection:
 
     async def accept(self, secret: bytes | None, *, allow_clear: bool,
                      first: bytes | None = None, identity: _core.Identity | None = None,
-                     group: str = "peer") -> None:
+                     group: str = "peer", also: Sequence[bytes] = ()) -> None:
         """The master's side of ``dial`` (``first``: the dialer's first frame, if read
         already), as ``identity``, asking a certificate for ``group``. Raises
         AuthenticationError (wrong or missing secret, clear text refused), IdentityError
@@ -163,7 +166,7 @@ class FramedConnection:
         if first == _core.CLEAR_HELLO and allow_clear:
             self.send_handshake_frame(_STATUS_OK)
             return
-        hs = _core.SecureHandshake(False, secret, PROLOGUE, identity, group)
+        hs = _core.SecureHandshake(False, secret, PROLOGUE, identity, group, None, list(also))
         frame_in = first
         while True:
             out, err = hs.on_frame(frame_in)

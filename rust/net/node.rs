@@ -445,8 +445,9 @@ impl Pool {
 
 pub struct Node {
     cfg: NodeConfig,
-    /// How streams are protected (the PSK derived once from the secret).
-    transport: Transport,
+    /// How streams are protected (the PSKs derived from the secrets): replaced whole
+    /// when the run's secret is rotated (`set_secrets`); each stream takes a copy.
+    transport: std::sync::RwLock<Transport>,
     /// The static key of each peer, from the master's roster: a stream from (or to)
     /// peer N must prove it holds N's key. Bounded by `MAX_ROSTER`.
     keys: Mutex<Roster>,
@@ -541,7 +542,11 @@ impl Node {
             punch_addrs,
             peer_id: AtomicU64::new(cfg.peer_id),
             id_known: Notify::new(),
-            transport: Transport::new(cfg.secret.as_deref(), cfg.insecure, cfg.identity.clone()),
+            transport: std::sync::RwLock::new(Transport::new(
+                cfg.secret.as_deref(),
+                cfg.insecure,
+                cfg.identity.clone(),
+            )),
             keys: Mutex::new(Roster::default()),
             cfg,
             local_addr,
@@ -590,6 +595,19 @@ impl Node {
     /// the same ids before). Past `MAX_ROSTER` ids the ones learned longest ago are
     /// forgotten (ids only grow over a run; a forgotten peer's streams are refused
     /// until the master names it again).
+    /// A copy of how streams are protected now (a rotation may replace it meanwhile).
+    fn transport(&self) -> Transport {
+        self.transport.read().unwrap().clone()
+    }
+
+    /// The run's secret was rotated: streams are dialed with `secret` from now on, and
+    /// streams keyed by an older secret of `also` are still accepted (and offered).
+    pub fn set_secrets(&self, secret: Option<&[u8]>, also: &[Vec<u8>]) -> CoreResult<()> {
+        let next = self.transport().with_secrets(secret, also)?;
+        *self.transport.write().unwrap() = next;
+        Ok(())
+    }
+
     pub fn set_peer_keys(&self, keys: &[(u64, PublicKey)]) -> CoreResult<()> {
         let mut held = self.keys.lock().unwrap();
         for (id, key) in keys {
@@ -617,7 +635,7 @@ impl Node {
 
     /// The roster's key of peer `id` (None in clear text, where there are no keys).
     fn expected_key(&self, id: u64) -> CoreResult<Option<PublicKey>> {
-        if !self.transport.is_secure() {
+        if !self.transport().is_secure() {
             return Ok(None);
         }
         match self.keys.lock().unwrap().keys.get(&id) {
@@ -769,7 +787,7 @@ impl Node {
     /// control connection, then the token inside it; in clear text, the token echoed.
     async fn echo_reach(&self, mut tcp: TcpStream, token: &[u8]) -> CoreResult<()> {
         use tokio::io::AsyncWriteExt;
-        match &self.transport {
+        match &self.transport() {
             Transport::Clear => write_frame(&mut tcp, token).await,
             Transport::Secure(auth) => {
                 let auth = Auth {
@@ -881,15 +899,15 @@ impl Node {
         let timeout = self.cfg.handshake_timeout;
         // Inside the encrypted transport the hello needs no MAC of its own: the
         // handshake proved the key, and `stream_is` binds the key to the peer id.
-        let secret = if self.transport.is_secure() {
+        let secret = if self.transport().is_secure() {
             None
         } else {
             self.cfg.secret.clone()
         };
         let (hello, stream) = tokio::time::timeout(timeout, async {
             let mut stream = match first {
-                Some(first) => self.transport.accept_first(tcp, first, timeout).await?,
-                None => self.transport.accept(tcp, timeout).await?,
+                Some(first) => self.transport().accept_first(tcp, first, timeout).await?,
+                None => self.transport().accept(tcp, timeout).await?,
             };
             let own = self.known_peer_id().await;
             let hello = handshake::accept(&mut stream, secret.as_deref(), own).await?;
@@ -1465,13 +1483,13 @@ impl Node {
         let expect = self.expected_key(hello.to)?;
         let tcp = self.open_tcp(route, hello.to, slot, hello.epoch).await?;
         let timeout = self.cfg.handshake_timeout;
-        let secret = if self.transport.is_secure() {
+        let secret = if self.transport().is_secure() {
             None
         } else {
             self.cfg.secret.as_deref()
         };
         tokio::time::timeout(timeout, async {
-            let mut stream = self.transport.dial(tcp, timeout, expect).await?;
+            let mut stream = self.transport().dial(tcp, timeout, expect).await?;
             handshake::dial(&mut stream, secret, hello).await?;
             Ok::<_, CoreError>(stream)
         })
@@ -1971,6 +1989,7 @@ mod tests {
             let master = Auth {
                 identity: Identity::ephemeral(),
                 psk: Some(crate::net::secure::psk_from_secret(b"k")),
+                also: Vec::new(),
                 group: crate::net::identity::GROUP_PEER,
                 expect: Some(expect),
             };

@@ -2,15 +2,16 @@
 //! (the `snow` crate) followed by a record layer. Every p2p stream runs over it (`stream.rs`).
 //!
 //! ```text
-//! dialer   -> acceptor : HELLO_MAGIC[8] | mode u8 | cipher u8 | noise msg 1   (-> e)
-//! acceptor -> dialer   : status u8 | noise msg 2   (<- e, ee, s, es; its certificate)
+//! dialer   -> acceptor : HELLO_MAGIC[8] | n u8 | cipher u8 | n x psk id[4] | noise msg 1 (-> e)
+//! acceptor -> dialer   : status u8 | chosen u8 | noise msg 2   (<- e, ee, s, es; its certificate)
 //! dialer   -> acceptor : status u8 | noise msg 3   (-> s, se, [psk]; its certificate)
 //! acceptor -> dialer   : status u8 [| reason]      (the verdict)
 //! then both ways       : records, u32 BE length | Noise transport message
 //! ```
 //! Each handshake message is one frame (`frame.rs`, capped at `MAX_HANDSHAKE_FRAME`).
 //! The pattern is `Noise_XXpsk3_25519_<cipher>_SHA256` with a pre-shared key (from the
-//! group secret, mixed in last: a captured handshake gives nothing to guess it against),
+//! group secret, mixed in last; a captured handshake gives only the 4-byte PSK ids of the
+//! hello to test guesses of a secret against, hence secrets of 128 random bits or more),
 //! `Noise_XX_25519_<cipher>_SHA256` without. Each end proves its static key (its node
 //! identity, `identity.rs`) and checks the other's as its `Auth` says: the key it
 //! expects (a dialer that knows whom it dials), and the certificate in the payload when
@@ -21,6 +22,14 @@
 //! prologue (`PROLOGUE_LABEL`, then the caller's context) is hashed into the handshake,
 //! so peers with different contexts fail it. Message 3 confirms the keys to the
 //! acceptor; the acceptor's first record confirms them (and the PSK) to the dialer.
+//!
+//! A node may hold several secrets while the run's secret is rotated (`Auth::also`):
+//! the dialer offers the ids of all of them (`psk_id`, its current one first), the
+//! acceptor takes the first offered one it holds too and says which (`chosen`), and both
+//! mix that one in at message 3. So a node that already has the new secret and one that
+//! still has only the old one agree on the old one, without a second try. An id is a
+//! hash keyed by the PSK and bound to the hello's ephemeral key (`psk_id`). `n` is 0
+//! without a secret.
 //!
 //! Records carry at most `MAX_PLAINTEXT` bytes; the nonce of each direction is a
 //! counter kept by the half that uses it (no lock between the halves), so a modified,
@@ -61,7 +70,7 @@ use std::time::Duration;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 
 /// First bytes of the dialer's first handshake frame.
-pub const HELLO_MAGIC: &[u8; 8] = b"PCCLSEC\x02";
+pub const HELLO_MAGIC: &[u8; 8] = b"PCCLSEC\x03";
 /// The whole first frame of a dialer that does not encrypt (`insecure`).
 pub const CLEAR_HELLO: &[u8; 8] = b"PCCLCLR\x01";
 /// Hashed into every handshake before the caller's prologue.
@@ -76,6 +85,11 @@ pub const TAG_LEN: usize = 16;
 /// Largest plaintext of one record.
 pub const MAX_PLAINTEXT: usize = MAX_RECORD - TAG_LEN;
 const PSK_SALT: &[u8] = b"pccl secure transport psk v1";
+/// Secrets one node holds at most: its current one and those still accepted while the
+/// run's secret is rotated.
+pub const MAX_PSKS: usize = 4;
+/// Bytes of a PSK's id in the hello.
+pub const PSK_ID_LEN: usize = 4;
 
 const STATUS_OK: u8 = 0;
 const STATUS_AUTH_FAILED: u8 = 1;
@@ -85,6 +99,8 @@ const STATUS_CIPHER_MISMATCH: u8 = 3;
 pub const STATUS_TRANSPORT_MISMATCH: u8 = 4;
 /// The other end's identity was refused; a UTF-8 reason follows the status byte.
 pub const STATUS_REFUSED: u8 = 5;
+/// The acceptor holds none of the secrets the dialer offered.
+const STATUS_NO_COMMON_SECRET: u8 = 6;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Cipher {
@@ -148,6 +164,18 @@ pub const SUITE: Suite = Suite {
 pub fn psk_from_secret(secret: &[u8]) -> [u8; 32] {
     hkdf_sha256_32(PSK_SALT, secret, b"")
 }
+
+/// The id by which a dialer offers a PSK in a hello whose ephemeral key is `e`: keyed
+/// by the PSK and bound to `e`, so ids do not link connections, and none can be
+/// computed ahead. (An id does let whoever sees it test guesses of the secret offline;
+/// that is why secrets must be keys of 128 random bits or more, `check_secret`.)
+pub fn psk_id(psk: &[u8; 32], e: &[u8]) -> [u8; PSK_ID_LEN] {
+    let h = hkdf_sha256_32(b"pccl secure transport psk id v1", psk, e);
+    [h[0], h[1], h[2], h[3]]
+}
+
+/// Length of the dialer's ephemeral key at the front of Noise message 1.
+const EPHEMERAL_LEN: usize = 32;
 
 fn hkdf_sha256_32(salt: &[u8], ikm: &[u8], info: &[u8]) -> [u8; 32] {
     let mut extract = <Hmac<Sha256> as Mac>::new_from_slice(salt).expect("any key length");
@@ -377,6 +405,9 @@ pub struct Auth {
     pub identity: Arc<Identity>,
     /// The pre-shared key from the group secret, mixed in last (`XXpsk3`).
     pub psk: Option<[u8; 32]>,
+    /// More PSKs this node still holds while the secret is rotated (older ones): offered
+    /// after `psk` and accepted like it. Only with `psk`; at most `MAX_PSKS - 1` count.
+    pub also: Vec<[u8; 32]>,
     /// The group the other end's certificate must name (when certificates are checked).
     pub group: &'static str,
     /// The static key the other end must have (a dialer that knows whom it dials).
@@ -388,6 +419,7 @@ impl std::fmt::Debug for Auth {
         f.debug_struct("Auth")
             .field("identity", &self.identity)
             .field("psk", &self.psk.map(|_| "<redacted>"))
+            .field("also", &self.also.len())
             .field("group", &self.group)
             .field("expect", &self.expect.map(|k| fingerprint_hex(&k)))
             .finish()
@@ -400,8 +432,20 @@ impl Auth {
         Auth {
             identity: Identity::ephemeral(),
             psk: psk.copied(),
+            also: Vec::new(),
             group: identity::GROUP_PEER,
             expect: None,
+        }
+    }
+
+    /// The PSKs this node offers and accepts, its current one first (none without one).
+    pub fn psks(&self) -> Vec<[u8; 32]> {
+        match self.psk {
+            None => Vec::new(),
+            Some(k) => std::iter::once(k)
+                .chain(self.also.iter().copied().filter(|o| *o != k))
+                .take(MAX_PSKS)
+                .collect(),
         }
     }
 
@@ -638,10 +682,14 @@ impl Handshake {
         let mut msg = [0u8; MAX_HANDSHAKE_FRAME];
         let n = hs.write_message(&[], &mut msg).map_err(noise_err)?;
         self.hello_sent = true;
-        let mut hello = Vec::with_capacity(10 + n);
+        let offered = self.auth.psks();
+        let mut hello = Vec::with_capacity(10 + PSK_ID_LEN * offered.len() + n);
         hello.extend_from_slice(HELLO_MAGIC);
-        hello.push(self.auth.psk.is_some() as u8);
+        hello.push(offered.len() as u8);
         hello.push(self.suite.cipher.wire());
+        for psk in &offered {
+            hello.extend_from_slice(&psk_id(psk, &msg[..EPHEMERAL_LEN.min(n)]));
+        }
         hello.extend_from_slice(&msg[..n]);
         Ok(hello)
     }
@@ -705,13 +753,36 @@ impl Handshake {
                 ))
             }
             Some(STATUS_REFUSED) => return fail(refusal(frame)),
+            Some(STATUS_NO_COMMON_SECRET) => {
+                return fail(CoreError::Authentication(
+                    "secure handshake failed: the peer, or something on the path, says it \
+                     holds none of the shared secrets we offered (a different secret, or ours \
+                     was rotated out of the run)"
+                        .into(),
+                ))
+            }
             _ => {
                 return fail(CoreError::PeerConnection(
                     "garbage during the secure handshake (bad status)".into(),
                 ))
             }
         }
-        let remote = self.read_identity(&mut hs, &frame[1..], "handshake reply")?;
+        // The PSK the acceptor chose of those offered: mixed in at message 3.
+        let offered = self.auth.psks();
+        let chosen = frame.get(1).map(|&c| c as usize);
+        match (chosen, offered.is_empty()) {
+            (Some(0), true) => {}
+            (Some(c), false) if c < offered.len() => {
+                hs.set_psk(3, &offered[c])
+                    .map_err(|e| HandshakeFailure::quiet(noise_err(e)))?;
+            }
+            _ => {
+                return fail(CoreError::PeerConnection(
+                    "garbage during the secure handshake (no such secret offered)".into(),
+                ))
+            }
+        }
+        let remote = self.read_identity(&mut hs, &frame[2..], "handshake reply")?;
         let mut msg = [0u8; MAX_HANDSHAKE_FRAME];
         let n = hs
             .write_message(self.own_cert(), &mut msg)
@@ -777,7 +848,14 @@ impl Handshake {
                 "garbage during the secure handshake (not a pccl secure hello)".into(),
             )));
         }
-        let (their_psk, their_cipher) = (frame[8] != 0, frame[9]);
+        let (offered, their_cipher) = (frame[8] as usize, frame[9]);
+        let body_at = 10 + PSK_ID_LEN * offered;
+        if offered > MAX_PSKS || frame.len() < body_at + EPHEMERAL_LEN {
+            return Err(HandshakeFailure::quiet(CoreError::PeerConnection(
+                "garbage during the secure handshake (bad secret offer)".into(),
+            )));
+        }
+        let their_psk = offered > 0;
         if their_psk != self.auth.psk.is_some() {
             let m = if self.auth.psk.is_some() {
                 "secure handshake failed: we require a shared secret and the peer has none"
@@ -799,8 +877,32 @@ impl Handshake {
                 )),
             ));
         }
+        // The first secret offered that this node holds too (the dialer's order: its
+        // current one first).
+        let mine = self.auth.psks();
+        let mut chosen = 0u8;
+        if their_psk {
+            let e = &frame[body_at..body_at + EPHEMERAL_LEN];
+            let found = frame[10..body_at]
+                .chunks(PSK_ID_LEN)
+                .enumerate()
+                .find_map(|(i, id)| mine.iter().find(|k| psk_id(k, e) == id).map(|k| (i, k)));
+            let Some((i, psk)) = found else {
+                return Err(HandshakeFailure::status(
+                    STATUS_NO_COMMON_SECRET,
+                    CoreError::Authentication(format!(
+                        "secure handshake failed: none of the {offered} shared secret(s) the \
+                         peer offered is one of ours (different secrets, or one rotated out \
+                         of this run)"
+                    )),
+                ));
+            };
+            hs.set_psk(3, psk)
+                .map_err(|e| HandshakeFailure::quiet(noise_err(e)))?;
+            chosen = i as u8;
+        }
         let mut scratch = [0u8; MAX_HANDSHAKE_FRAME];
-        if hs.read_message(&frame[10..], &mut scratch).is_err() {
+        if hs.read_message(&frame[body_at..], &mut scratch).is_err() {
             // (With a PSK the hello's empty payload is authenticated under the prologue;
             // the PSK itself is mixed in only at message 3, so nothing here can be
             // used to guess it offline.)
@@ -813,8 +915,9 @@ impl Handshake {
         let n = hs
             .write_message(self.own_cert(), &mut msg)
             .map_err(|e| HandshakeFailure::quiet(noise_err(e)))?;
-        let mut reply = Vec::with_capacity(1 + n);
+        let mut reply = Vec::with_capacity(2 + n);
         reply.push(STATUS_OK);
+        reply.push(chosen);
         reply.extend_from_slice(&msg[..n]);
         Ok((HsState::Identity(Box::new(hs)), Some(reply)))
     }
@@ -1990,6 +2093,7 @@ mod tests {
         Auth {
             identity: id.clone(),
             psk: Some(psk_from_secret(b"0123456789abcdef0123456789abcdef")),
+            also: Vec::new(),
             group,
             expect,
         }
@@ -2142,6 +2246,82 @@ mod tests {
             assert_auth(a, "acceptor");
         })
         .await
+    }
+
+    /// A handshake between a dialer holding `dial` secrets and an acceptor holding
+    /// `accept` (each: the current one first, then older ones of a rotation); then one
+    /// message each way over the session.
+    async fn rotation_pair(dial: &[&[u8]], accept: &[&[u8]]) -> (CoreResult<()>, CoreResult<()>) {
+        let auth = |s: &[&[u8]]| Auth {
+            also: s[1..].iter().map(|x| psk_from_secret(x)).collect(),
+            ..Auth::ephemeral(Some(&psk_from_secret(s[0])))
+        };
+        let (a, b) = duplex(1 << 16);
+        let (dial, accept) = (auth(dial), auth(accept));
+        let (d, acc) = tokio::join!(
+            secure_dial_as(a, &dial, PROLOGUE, HS_TIMEOUT),
+            secure_accept_first(b, None, &accept, PROLOGUE, HS_TIMEOUT),
+        );
+        match (d, acc) {
+            (Ok(mut d), Ok(mut acc)) => {
+                d.write_all(b"ping").await.unwrap();
+                d.flush().await.unwrap();
+                let mut got = [0u8; 4];
+                acc.read_exact(&mut got).await.unwrap();
+                assert_eq!(&got, b"ping");
+                (Ok(()), Ok(()))
+            }
+            (d, acc) => (d.map(|_| ()), acc.map(|_| ())),
+        }
+    }
+
+    #[tokio::test]
+    async fn during_a_rotation_any_secret_both_hold_is_agreed_on() {
+        within(async {
+            let (old, new): (&[u8], &[u8]) = (b"the old secret", b"the new secret");
+            for (dial, accept) in [
+                (vec![new, old], vec![old]), // rotated dialer, not yet rotated acceptor
+                (vec![old], vec![new, old]), // the other way round
+                (vec![new, old], vec![new, old]), // both rotated: the new one
+                (vec![new], vec![new, old]), // the old one retired at the dialer
+            ] {
+                let (d, a) = rotation_pair(&dial, &accept).await;
+                assert!(d.is_ok() && a.is_ok(), "{d:?} {a:?}");
+            }
+            // No secret in common: an authentication error at both ends, by name.
+            let (d, a) = rotation_pair(&[new], &[old]).await;
+            match d {
+                Err(CoreError::Authentication(m)) => {
+                    assert!(m.contains("none of the shared secrets we offered"), "{m}")
+                }
+                other => panic!("{other:?}"),
+            }
+            match a {
+                Err(CoreError::Authentication(m)) => {
+                    assert!(m.contains("none of the 1 shared secret(s)"), "{m}")
+                }
+                other => panic!("{other:?}"),
+            }
+        })
+        .await
+    }
+
+    #[test]
+    fn a_hello_offering_more_secrets_than_allowed_is_garbage() {
+        let psk = psk_from_secret(b"k");
+        for count in [MAX_PSKS as u8 + 1, 3] {
+            let mut acceptor =
+                Handshake::new(false, Auth::ephemeral(Some(&psk)), PROLOGUE, SUITE).unwrap();
+            let mut hello = HELLO_MAGIC.to_vec();
+            hello.extend_from_slice(&[count, SUITE.cipher.wire()]);
+            hello.extend_from_slice(&[0u8; PSK_ID_LEN]); // fewer ids than the count says
+            let err = acceptor.on_frame(&hello).unwrap_err();
+            assert!(
+                matches!(err.error, CoreError::PeerConnection(_)),
+                "{:?}",
+                err.error
+            );
+        }
     }
 
     #[tokio::test]

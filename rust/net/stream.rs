@@ -148,9 +148,30 @@ impl Transport {
             Transport::Secure(Box::new(Auth {
                 identity,
                 psk: secret.map(secure::psk_from_secret),
+                also: Vec::new(),
                 group: GROUP_PEER,
                 expect: None,
             }))
+        }
+    }
+
+    /// The same transport with the secrets of a rotation: `secret` dialed with, `also`
+    /// (older ones) still accepted. A secret cannot be added or taken away this way, nor
+    /// clear text changed.
+    pub fn with_secrets(&self, secret: Option<&[u8]>, also: &[Vec<u8>]) -> CoreResult<Self> {
+        match self {
+            Transport::Secure(auth) if auth.psk.is_some() == secret.is_some() => {
+                Ok(Transport::Secure(Box::new(Auth {
+                    psk: secret.map(secure::psk_from_secret),
+                    also: also.iter().map(|s| secure::psk_from_secret(s)).collect(),
+                    ..(**auth).clone()
+                })))
+            }
+            _ => Err(CoreError::InvalidUsage(
+                "the secrets of a running node can be rotated, not added, removed or \
+                 turned into clear text"
+                    .into(),
+            )),
         }
     }
 

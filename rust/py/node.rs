@@ -111,6 +111,15 @@ impl PyP2PNode {
         self.node.set_peer_id(peer_id)
     }
 
+    /// The run's secret was rotated: dial with `secret` from now on, and still accept
+    /// (and offer) the older secrets of `also` (at most 3). A node without a secret, or in
+    /// clear text, cannot be given one this way (`InvalidUsageError`).
+    #[pyo3(signature = (secret, also=Vec::new()))]
+    fn set_secrets(&self, secret: Option<Vec<u8>>, also: Vec<Vec<u8>>) -> PyResult<()> {
+        crate::py::secure::psks_also(secret.is_some(), &also)?;
+        Ok(self.node.set_secrets(secret.as_deref(), &also)?)
+    }
+
     /// Learns peers' static keys from the master's roster ({peer id: 32-byte key}): a
     /// stream to or from peer N must prove it holds N's key.
     fn set_peer_keys(&self, keys: std::collections::HashMap<u64, Vec<u8>>) -> PyResult<()> {

@@ -22,6 +22,21 @@ type Step<'py> = (Option<Bound<'py, PyBytes>>, Option<Py<PyAny>>);
 /// dialer's identity message, send the verdict it returns; done.
 /// `on_frame` returns `(frame_to_send_or_None, error_or_None)`: on an error, send the
 /// frame first if there is one (it tells the peer why), then raise the error.
+/// The PSKs of `also` (older secrets, at most `MAX_PSKS - 1`), only beside a secret.
+pub fn psks_also(has_secret: bool, also: &[Vec<u8>]) -> PyResult<Vec<[u8; 32]>> {
+    if also.is_empty() {
+        return Ok(Vec::new());
+    }
+    if !has_secret || also.len() >= secure::MAX_PSKS {
+        return Err(CoreError::InvalidArgument(format!(
+            "older secrets are accepted only beside a secret, and at most {} of them",
+            secure::MAX_PSKS - 1
+        ))
+        .into());
+    }
+    Ok(also.iter().map(|s| secure::psk_from_secret(s)).collect())
+}
+
 #[pyclass(name = "SecureHandshake", module = "pccl._core")]
 pub struct PySecureHandshake {
     inner: Option<Handshake>,
@@ -30,12 +45,14 @@ pub struct PySecureHandshake {
 #[pymethods]
 impl PySecureHandshake {
     /// `secret`: the shared secret (mixed into Noise XXpsk3), or None (Noise XX).
+    /// `also`: older secrets still accepted (and offered) while the secret is rotated.
     /// `prologue`: the context both ends must agree on. `identity`: this node's key,
     /// certificate and trust (None: a fresh key that trusts anyone). `group`: what the
     /// other end's certificate must name ("peer" or "master"). `expect`: the static key
     /// the other end must have.
     #[new]
-    #[pyo3(signature = (dial, secret, prologue, identity=None, group="peer", expect=None))]
+    #[pyo3(signature = (dial, secret, prologue, identity=None, group="peer", expect=None, also=Vec::new()))]
+    #[allow(clippy::too_many_arguments)]
     fn new(
         dial: bool,
         secret: Option<&[u8]>,
@@ -43,6 +60,7 @@ impl PySecureHandshake {
         identity: Option<PyRef<'_, PyIdentity>>,
         group: &str,
         expect: Option<&[u8]>,
+        also: Vec<Vec<u8>>,
     ) -> PyResult<Self> {
         let group = match group {
             "peer" => GROUP_PEER,
@@ -69,6 +87,7 @@ impl PySecureHandshake {
                 None => crate::net::identity::Identity::ephemeral(),
             },
             psk: secret.map(secure::psk_from_secret),
+            also: psks_also(secret.is_some(), &also)?,
             group,
             expect,
         };
