@@ -81,6 +81,7 @@ MASTER_VARIABLES = {
     "allow_anonymous": "PCCL_ALLOW_ANONYMOUS",
     "run_id": "PCCL_RUN_ID",
     "state_dir": "PCCL_STATE_DIR",
+    "admin_socket": "PCCL_ADMIN_SOCKET",
 }
 
 
@@ -501,7 +502,8 @@ def test_the_configuration_is_logged_at_debug_without_the_secret(
                                 "status_token=<hidden> (PCCL_STATUS_TOKEN), key_file=None "
                                 "(default), cert_file=None (default), trust=None (default), "
                                 "denylist=None (default), allow_anonymous=False (default), "
-                                "run_id=None (default), state_dir=None (default)")
+                                "run_id=None (default), state_dir=None (default), "
+                                "admin_socket=None (default)")
     assert "peer_group=2 (PCCL_PEER_GROUP='local_rank' with SLURM_LOCALID=2)" in peer_line
     assert "secret=<hidden> (PCCL_SECRET)" in peer_line
     assert "metrics_listen=None (default)" in peer_line
