@@ -198,9 +198,9 @@ class Ban:
     time: float
 
     def describe(self) -> str:
-        named = f" ({self.name!r})" if self.name else ""
-        why = f": {self.reason}" if self.reason else ""
-        return f"key {self.fingerprint}{named}{why}"
+        said = ([repr(self.name)] if self.name else []) + (
+            [f"removed for {self.reason!r}"] if self.reason else [])
+        return f"key {self.fingerprint}" + (f" ({', '.join(said)})" if said else "")
 
 
 class BanList:
@@ -536,8 +536,11 @@ def request(path: str, doc: dict[str, Any], timeout: float = 30.0) -> dict[str, 
         except OSError as e:
             raise AdminError(f"cannot reach the admin socket {path!r}: {e}") from None
         buf = bytearray()
-        try:
+        # (A master that refuses a client answers at once and closes, maybe before the
+        # request is sent: what it said is still there to read.)
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):
             s.sendall(line + b"\n")
+        try:
             while b"\n" not in buf and len(buf) <= MAX_REPLY:
                 chunk = s.recv(1 << 16)
                 if not chunk:
