@@ -49,7 +49,7 @@ import re
 import socket
 import stat
 import struct
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -212,7 +212,7 @@ class BanList:
     def __len__(self) -> int:
         return len(self._bans)
 
-    def __iter__(self) -> Any:
+    def __iter__(self) -> Iterator[Ban]:
         return iter(list(self._bans.values()))
 
     def get(self, fingerprint: str) -> Ban | None:
