@@ -51,7 +51,8 @@ _PLAIN_FLAGS = ("listen", "heartbeat_interval", "heartbeat_timeout", "handshake_
                 "repair_rings", "dial_back_timeout", "max_relayed_streams", "insecure",
                 "max_connections",
                 "mesh_max_bytes", "quorum", "standby", "key_file", "cert_file", "trust",
-                "denylist", "allow_anonymous", "run_id", "state_dir", "secret_grace")
+                "denylist", "allow_anonymous", "run_id", "state_dir", "secret_grace",
+                "admin_socket")
 
 
 def _add_master_args(p: argparse.ArgumentParser) -> None:
@@ -138,8 +139,13 @@ def _add_master_args(p: argparse.ArgumentParser) -> None:
                    help=f"the run this master serves: peers must say the same "
                         f"(Communicator(run_id=)) ({d('run_id', 'none')})")
     p.add_argument("--state-dir", default=s, metavar="DIR",
-                   help=f"keep the timeline here across restarts (timeline.jsonl) "
+                   help=f"keep the timeline (timeline.jsonl) and the removed keys (bans.json) here "
+                        f"across restarts "
                         f"({d('state_dir', 'none')})")
+    p.add_argument("--admin-socket", default=s, metavar="PATH",
+                   help=f"serve `pccl admin` (remove a contributor, end the run) on this "
+                        f"Unix socket: 0600, root and this user only "
+                        f"({d('admin_socket', 'none')})")
     p.add_argument("--status", default=s, metavar="HOST:PORT",
                    help=f"serve the read-only status page, /api/status and /metrics here "
                         f"('off': none; {d('status_listen', DEFAULT_STATUS)}); a non-loopback "
@@ -236,8 +242,15 @@ async def _run_master(args: argparse.Namespace) -> None:
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
-    await master.stop()
+    # Until a signal, or until the master stops on its own (`pccl admin end-run`).
+    waits = [asyncio.create_task(stop.wait()), asyncio.create_task(master.serve_forever())]
+    try:
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in waits:
+            task.cancel()
+        await asyncio.gather(*waits, return_exceptions=True)
+        await master.stop()
 
 
 def _configure_logging(level: int, kind: str = "text") -> None:
@@ -268,6 +281,76 @@ def master_main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     _configure_logging(_log_level(args, os.environ), _log_format(args, os.environ))
     sys.exit(_serve(p.prog, args))
+
+
+def _add_admin_command(sub: Any) -> None:
+    adm = sub.add_parser("admin", help="ask a running master, over its admin socket, to "
+                                       "remove a contributor or end the run",
+                         description="Talks to a running master over its admin socket "
+                                     "(pccl-master --admin-socket PATH), as root or the "
+                                     "master's user.")
+    adm.add_argument("--socket", default=None, metavar="PATH",
+                     help=f"the master's admin socket (default: "
+                          f"${config.env_name('admin_socket')})")
+    adm.add_argument("--timeout", type=float, default=30.0, metavar="S",
+                     help="seconds to wait for the master's answer (%(default)s)")
+    acts = adm.add_subparsers(dest="action", required=True)
+    rm = acts.add_parser("remove", help="drop a peer from the run and refuse its key from "
+                                        "then on")
+    rm.add_argument("target", metavar="NAME_OR_ID_OR_FINGERPRINT",
+                    help="the peer's name (as on the status page), its id, or a prefix of "
+                         "its key's fingerprint (12 hex digits at least)")
+    rm.add_argument("--reason", default="", metavar="TEXT",
+                    help="why (logged, and put on the run's timeline)")
+    ub = acts.add_parser("unban", help="lift the ban on a removed key")
+    ub.add_argument("target", metavar="NAME_OR_FINGERPRINT",
+                    help="the name it was removed under, or a fingerprint prefix")
+    end = acts.add_parser("end-run", help="end the run: every peer is told and stops "
+                                          "waiting, and the master stops")
+    end.add_argument("--reason", default="", metavar="TEXT",
+                     help="what the peers are told")
+    acts.add_parser("status", help="the peers (id, name, key fingerprint) and the bans")
+
+
+def _admin(args: argparse.Namespace) -> int:
+    """``pccl admin``: one request; its answer on stdout, or one line on stderr and a
+    non-zero exit status."""
+    from pccl.master import admin
+
+    prog = "pccl admin"
+    path = args.socket or os.environ.get(config.env_name("admin_socket"), "").strip()
+    if not path:
+        print(f"{prog}: error: say where the master's admin socket is: --socket PATH or "
+              f"{config.env_name('admin_socket')}", file=sys.stderr)
+        return 2
+    doc: dict[str, Any] = {"command": args.action}
+    for field in ("target", "reason"):
+        if getattr(args, field, ""):
+            doc[field] = getattr(args, field)
+    try:
+        reply = admin.request(path, doc, args.timeout)
+    except admin.AdminError as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 1
+    if reply.get("ok") is not True:
+        error = " ".join(str(reply.get("error", "the master refused the request")).split())
+        print(f"{prog}: error: {error}", file=sys.stderr)
+        return 1
+    if args.action != "status":
+        print(reply.get("text", "done"))
+        return 0
+    run = f" (run {reply['run_id']!r})" if reply.get("run_id") else ""
+    print(f"master {reply.get('address', '?')}{run}")
+    peers = reply.get("peers") or []
+    print(f"peers: {len(peers)}")
+    for p in peers:
+        print(f"  {p.get('peer_id')}\t{p.get('name') or '-'}\t{p.get('fingerprint') or '-'}"
+              f"\tgroup {p.get('group')}\t{p.get('status')}")
+    bans = reply.get("bans") or []
+    print(f"removed keys: {len(bans)}")
+    for b in bans:
+        print(f"  {b.get('fingerprint')}\t{b.get('name') or '-'}\t{b.get('reason') or '-'}")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -303,9 +386,12 @@ def main(argv: list[str] | None = None) -> None:
     from pccl import keys_cli
 
     keys_cli.add_commands(sub)
+    _add_admin_command(sub)
     args = p.parse_args(argv)
     if args.command in keys_cli.COMMANDS:
         sys.exit(keys_cli.run(args))
+    if args.command == "admin":
+        sys.exit(_admin(args))
     if args.command == "master":
         _configure_logging(_log_level(args, os.environ), _log_format(args, os.environ))
     else:

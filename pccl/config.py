@@ -132,8 +132,9 @@ _HELP: dict[str, str] = {
               "(or none when it has one)",
     "secret_grace": "seconds the previous secret is still accepted after a rotation (the "
                     "secret file changed)",
-    "state_dir": "directory where the master keeps its timeline across restarts "
-                 "(`timeline.jsonl`; none: nothing kept)",
+    "state_dir": "directory where the master keeps what outlives a restart: its timeline "
+                 "(`timeline.jsonl`) and the keys the operator removed (`bans.json`); "
+                 "none: nothing kept",
     "denylist": "signed denylist file (`pccl ca revoke`), watched: its keys are dropped "
                 "and refused",
     "insecure": "clear-text connections (trusted networks only; the same on every node)",
@@ -159,6 +160,9 @@ _HELP: dict[str, str] = {
     "status_listen": "`host:port` of the status page, `/api/status`, `/metrics` and "
                      "`/healthz` (none: off)",
     "status_token": "bearer token the status server asks for; needed off loopback",
+    "admin_socket": "Unix socket of the master's admin channel (`pccl admin`: remove a "
+                    "contributor, end the run), 0600, for root and the master's user only "
+                    "(none: off)",
 }
 
 

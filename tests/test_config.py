@@ -82,6 +82,7 @@ MASTER_VARIABLES = {
     "run_id": "PCCL_RUN_ID",
     "state_dir": "PCCL_STATE_DIR",
     "secret_grace": "PCCL_SECRET_GRACE",
+    "admin_socket": "PCCL_ADMIN_SOCKET",
 }
 
 
@@ -506,7 +507,7 @@ def test_the_configuration_is_logged_at_debug_without_the_secret(
                                 "(default), cert_file=None (default), trust=None (default), "
                                 "denylist=None (default), allow_anonymous=False (default), "
                                 "run_id=None (default), state_dir=None (default), "
-                                "secret_grace=3600.0 (default)")
+                                "secret_grace=3600.0 (default), admin_socket=None (default)")
     assert "peer_group=2 (PCCL_PEER_GROUP='local_rank' with SLURM_LOCALID=2)" in peer_line
     assert "secret=<hidden> (PCCL_SECRET)" in peer_line
     assert "metrics_listen=None (default)" in peer_line

@@ -22,6 +22,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
+from pccl import _core
 from pccl import identity as ident
 from pccl.errors import (
     AuthenticationError,
@@ -33,8 +34,8 @@ from pccl.errors import (
     PeerConnectionError,
     ProtocolError,
 )
+from pccl.master import admin, status
 from pccl.master import state as st
-from pccl.master import status
 from pccl.master.admission import MAX_KEPT_ID, MAX_RESUMED, Budget, hello_problem, source_key
 from pccl.protocol import MIN_PROTOCOL_VERSION, PROTOCOL_VERSION
 from pccl.protocol import messages as m
@@ -153,6 +154,7 @@ class MasterNode:
         run_id: str | None = None,
         state_dir: str | None = None,
         secret_grace: float = ident.ROTATION_GRACE,
+        admin_socket: str | None = None,
     ) -> None:
         for name, value in (("heartbeat_interval", heartbeat_interval),
                             ("heartbeat_timeout", heartbeat_timeout),
@@ -182,6 +184,16 @@ class MasterNode:
             raise InvalidArgumentError(
                 f"MasterNode(state_dir=...) must be a directory path, got {state_dir!r}")
         self.state_dir = state_dir
+        # The local admin channel (pccl.master.admin): a Unix socket path, or None.
+        if admin_socket is not None and (not isinstance(admin_socket, str)
+                                         or not admin_socket):
+            raise InvalidArgumentError(
+                f"MasterNode(admin_socket=...) must be a file path, got {admin_socket!r}")
+        self.admin_socket = admin_socket
+        self._admin: admin.AdminServer | None = None
+        # Keys the operator removed (the admin socket's `remove`), refused at
+        # registration; kept in state_dir when there is one.
+        self.bans = admin.BanList()
         self.listen = listen
         _positive("secret_grace", secret_grace)
         # The secret, and older ones still accepted after a rotation (a file given as
@@ -358,6 +370,15 @@ class MasterNode:
         self._pending = Budget(self.max_pending, self.max_pending_per_source)
         self._doctors = Budget(self.max_doctors, 1)
         self._relay_held = Budget(1 << 30, self.max_relayed_per_peer)
+        if self.state_dir is not None:
+            # (Before listening: a removed key must not slip in while they load.)
+            bans = Path(self.state_dir) / admin.BANS_FILE
+            try:
+                self.bans = admin.BanList.load(bans) if bans.exists() else self.bans
+            except (OSError, ValueError) as e:
+                raise InvalidUsageError(
+                    f"MasterNode(state_dir={self.state_dir!r}): the ban list {str(bans)!r} "
+                    f"cannot be read ({e}); mend it, or remove it to lift every ban") from None
         if self.max_connections is None:
             soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
             self.max_connections = max(64, (soft if soft > 0 else 1024) - 128)
@@ -399,6 +420,17 @@ class MasterNode:
                 self._status = None
                 await self.stop()
                 raise
+        if self.admin_socket is not None:
+            self._admin = admin.AdminServer(self, self.admin_socket)
+            try:
+                await self._admin.start()
+            except BaseException as e:
+                self._admin = None
+                await self.stop()
+                if isinstance(e, InvalidUsageError):
+                    raise InvalidUsageError(f"MasterNode(admin_socket={self.admin_socket!r})"
+                                            f": {e}") from None
+                raise
         if self.anonymous and not is_loopback_host(host):
             log.warning(
                 "master listening on %s WITHOUT AUTHENTICATION (allow_anonymous=True): "
@@ -439,6 +471,9 @@ class MasterNode:
         if self._status is not None:
             status_server, self._status = self._status, None
             await status_server.stop()
+        if self._admin is not None:
+            admin_server, self._admin = self._admin, None
+            await admin_server.stop()
         if self._heartbeat is not None:
             self._heartbeat.cancel()
         for conn in list(self._conns.values()):
@@ -671,7 +706,7 @@ class MasterNode:
             log.warning("connection from %s dropped: expected hello, got %s", remote, hello.TYPE)
             return None
         server_mac = await self._check_hello(conn, hello, nonce, f"peer at {remote}")
-        if server_mac is None:
+        if server_mac is None or await self._refused_as_removed(conn, remote):
             return None
         problem = hello_problem(hello)
         if problem is not None:
@@ -700,11 +735,28 @@ class MasterNode:
                                               conn.remote[0] if conn.remote else None)
             if conn.writer.is_closing() or self._server is None:
                 return None
+            if await self._refused_as_removed(conn, remote):  # (removed meanwhile)
+                return None
             self._register(peer_id, conn, hello, server_mac, remote, p2p_addr, reachable,
                            resume, host)
         finally:
             self._claimed.discard(peer_id)
         return peer_id
+
+    async def _refused_as_removed(self, conn: FramedConnection, remote: str) -> bool:
+        """Whether the key ``conn`` proved is one the operator removed (the dialer has
+        been told so, as an IdentityError: retrying cannot help)."""
+        ban = self.bans.get(conn.remote[1]) if conn.remote is not None else None
+        if ban is None:
+            return False
+        why = f" ({ban.reason})" if ban.reason else ""
+        self._refuse_handshake("identity", f"peer at {remote} refused: its key "
+                                          f"{ban.fingerprint} was removed by the operator{why}")
+        await self._reject(conn, ErrorKind.IdentityError,
+                           f"this peer's key {ban.fingerprint} was removed from the run by "
+                           f"the operator{why}; the master refuses it until the operator "
+                           f"lifts the ban")
+        return True
 
     def _run_id_problem(self, hello: m.Hello) -> str | None:
         """Why a peer of another run is refused (None: it is for this run)."""
@@ -1174,6 +1226,101 @@ class MasterNode:
                 log.info("better ring for group %d found in the background: %s",
                          cmd.group, better)
                 self._feed(st.BetterRing(cmd.round_id, cmd.group, better))
+
+    # --- the operator's admin channel (pccl.master.admin) -------------------------------
+
+    def admin_peers(self) -> list[admin.PeerEntry]:
+        """The registered peers as the operator names them: id, name, key fingerprint."""
+        out = []
+        for peer_id, rec in sorted(self.state.peers.items()):
+            view = self.monitor.peers.get(peer_id)
+            out.append(admin.PeerEntry(
+                peer_id, view.name if view is not None else None,
+                _core.key_fingerprint(rec.key) if rec.key else None, rec.peer_group,
+                rec.status.name.lower()))
+        return out
+
+    def remove_peer(self, target: str, *, reason: str = "") -> str:
+        """Removes a contributor: drops the peer ``target`` names (its id, its name, or
+        a prefix of its key's fingerprint of at least 12 hex digits) from the run, as a
+        loss (its ring is repaired), and refuses its key at registration from then on
+        (until :meth:`unban`; across restarts with ``state_dir``). A whole fingerprint
+        bans that key even when no peer holds it now. Returns what was done, in words;
+        InvalidArgumentError when ``target`` names no peer or several.
+
+        A contributor who holds the shared secret can come back with a fresh key: with
+        secrets alone, rotate the secret too (docs/operations.md).
+
+        Example::
+
+            master.remove_peer("alice", reason="sends garbage gradients")
+        """
+        peers = self.admin_peers()
+        try:
+            peer: admin.PeerEntry | None = admin.find_peer(target, peers)
+        except InvalidArgumentError:
+            if not admin.is_fingerprint(target.strip()):
+                raise
+            peer = None  # a key nobody holds now: banned all the same
+        fp = peer.fingerprint if peer is not None else target.strip().lower()
+        text = admin.removed_text(peer, fp, reason)
+        if fp is not None:
+            self.bans.add(admin.Ban(fp, peer.name if peer is not None else None, reason,
+                                    time.time()))
+        unsaved = self._save_bans()
+        log.warning("%s", text)
+        self.monitor.add("removed", text, (peer.peer_id,) if peer is not None else ())
+        # Every connection of that key goes (one key, one peer; but be sure).
+        for peer_id in [p.peer_id for p in peers if p == peer or
+                        (fp is not None and p.fingerprint == fp)]:
+            self._drop(peer_id, f"removed by the operator{': ' + reason if reason else ''}")
+        if fp is None:
+            text += ("; it has no key (clear text), so nothing stops it from registering "
+                     "again")
+        elif peer is None:
+            text += " (no peer holds that key now; it is refused from now on)"
+        else:
+            text += "; its key is refused from now on"
+        return text + unsaved
+
+    def unban(self, target: str) -> str:
+        """Lifts the ban on a key :meth:`remove_peer` removed (``target``: the name it
+        was removed under, or a fingerprint prefix of at least 12 hex digits). Returns
+        what was done, in words; InvalidArgumentError when ``target`` names no ban or
+        several."""
+        ban = self.bans.find(target)
+        self.bans.remove(ban)
+        unsaved = self._save_bans()
+        text = f"the ban on {ban.describe()} was lifted by the operator"
+        log.warning("%s", text)
+        self.monitor.add("unbanned", text)
+        return text + unsaved
+
+    def _save_bans(self) -> str:
+        """Keeps the ban list in ``state_dir``, if any: "" when kept (or nothing to keep
+        it in), else what went wrong (to append to the operator's answer)."""
+        if self.state_dir is None:
+            return ""
+        path = Path(self.state_dir) / admin.BANS_FILE
+        try:
+            self.bans.save(path)
+        except OSError as e:
+            log.error("the ban list could not be saved to %s (%s): it holds until this "
+                      "master stops", path, e)
+            return (f" (NOT saved to {path}: {e}; it holds until this master stops)")
+        return ""
+
+    def _drop(self, peer_id: int, reason: str) -> None:
+        """Drops a registered peer as a loss (the state repairs its ring) and tells it
+        why before its connection closes."""
+        conn = self._conns.get(peer_id)
+        if conn is not None:
+            conn.send_nowait(m.Reject(kind=ErrorKind.PeerConnectionError,
+                                      message=f"{reason[:300]}"))
+        self._feed(st.PeerLost(peer_id, reason))
+        conn = self._conns.pop(peer_id, None)
+        if conn is not None:  # (the state had no record of it: close it here)
+            conn.writer.close()
 
     def revoke(self, denylist: bytes) -> bool:
         """Installs a denylist signed by a run key this master trusts (``pccl ca

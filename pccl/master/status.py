@@ -91,7 +91,8 @@ _DROP_CAUSES = (("left", "left"),
                 ("connection closed", "connection_closed"),
                 ("heartbeat timeout", "heartbeat_timeout"),
                 ("protocol error", "protocol_error"),
-                ("unreachable", "unreachable"))
+                ("unreachable", "unreachable"),
+                ("removed by the operator", "removed"))
 
 
 def finite(value: Any) -> Any:
