@@ -461,7 +461,8 @@ async def test_a_peer_logs_its_id_and_key_when_it_registers(
     async with certified(run, 1) as (m, comms):
         (comm,) = comms
         want = (f"peer {comm.peer_id}: registered with the master at {m.address} (group 0, "
-                f"p2p port {comm.p2p_port}, encrypted, key {run.fingerprint('p1')})")
+                f"no run id, p2p 127.0.0.1:{comm.p2p_port}, reachable from the master: others "
+                f"dial it; encrypted, key {run.fingerprint('p1')})")
         assert want in caplog.text
 
 

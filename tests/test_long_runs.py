@@ -4,6 +4,7 @@ outlives a master restart (``state_dir``)."""
 from __future__ import annotations
 
 import json
+import logging
 import stat
 from pathlib import Path
 
@@ -13,8 +14,10 @@ import pccl
 from pccl.master import status
 
 
-async def test_a_peer_of_another_run_is_refused_by_name() -> None:
+async def test_a_peer_of_another_run_is_refused_by_name(
+        caplog: pytest.LogCaptureFixture) -> None:
     # Before: two jobs pointed at one master silently shared a group.
+    caplog.set_level(logging.INFO, logger="pccl")
     async with pccl.MasterNode(listen="127.0.0.1:0", run_id="job-a") as master:
         for theirs, said in (("job-b", "'job-b'"), (None, "no run id")):
             comm = pccl.Communicator(master=master.address, run_id=theirs)
@@ -23,8 +26,15 @@ async def test_a_peer_of_another_run_is_refused_by_name() -> None:
                     "PCCL_MASTER and PCCL_RUN_ID")):
                 await comm.connect()
             await comm.close()
-        async with pccl.Communicator(master=master.address, run_id="job-a") as comm:
-            assert comm.peer_id is not None
+        async with pccl.Communicator(master=master.address, run_id="job-a",
+                                     name="alice") as comm:
+            port = comm.p2p_port
+        # Its log says what it got: id, name, master, group, run, p2p address, reachability.
+        said = [r.getMessage() for r in caplog.records if "registered with" in r.getMessage()]
+        assert said == [f"peer {comm.peer_id} 'alice': registered with the master at "
+                        f"{master.address} (group 0, run 'job-a', p2p 127.0.0.1:"
+                        f"{port}, reachable from the master: others dial it; "
+                        f"encrypted, key {comm.identity.fingerprint})"]
     async with pccl.MasterNode(listen="127.0.0.1:0") as master:
         comm = pccl.Communicator(master=master.address, run_id="job-a")
         with pytest.raises(pccl.InvalidUsageError, match="this master serves no run id"):

@@ -789,7 +789,8 @@ class MasterNode:
         self._conns[peer_id] = conn
         conn.send_nowait(m.Welcome(peer_id=peer_id, mac=server_mac,
                                    heartbeat_interval=self.heartbeat_interval,
-                                   heartbeat_timeout=self.heartbeat_timeout))
+                                   heartbeat_timeout=self.heartbeat_timeout,
+                                   reachable=reachable, p2p_address=p2p_addr))
         how = ("registered" if resume is None else
                f"re-registered (was peer {hello.resume_peer_id}, revision "
                f"{hello.resume_revision})")

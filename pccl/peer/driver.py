@@ -327,8 +327,14 @@ class Driver:
         self._heartbeat_timeout = reply.heartbeat_timeout
         # The p2p node learns its id now; streams are only dialed after this point.
         self._node.set_peer_id(reply.peer_id)
-        log.info("peer %d: registered with the master at %s (group %d, p2p port %d, %s, key "
-                 "%s)", reply.peer_id, self._master_addr, self.peer_group, self._node.port,
+        where = "".join(c for c in reply.p2p_address[:80] if c.isprintable())
+        log.info("peer %d%s: registered with the master at %s (group %d, %s, p2p %s, %s; "
+                 "%s, key %s)", reply.peer_id, f" {self.name!r}" if self.name else "",
+                 self._master_addr, self.peer_group, f"run {self.run_id!r}" if self.run_id
+                 else "no run id", where or f"port {self._node.port}",
+                 "reachable from the master: others dial it" if reply.reachable else
+                 "NOT reachable from the master (NAT or a firewall): its ring links come by "
+                 "reverse connection, hole punch, LAN or relay",
                  "encrypted" if conn.session is not None else "clear text",
                  self.identity.fingerprint)
         self._waiters[ps.ACCEPT] = asyncio.get_running_loop().create_future()

@@ -205,6 +205,11 @@ class Welcome(Message):
     mac: bytes
     heartbeat_interval: float
     heartbeat_timeout: float
+    # Whether the master could dial this peer's p2p address back (protocol 14): False,
+    # its ring links come by reverse connections, a hole punch, its LAN or the relay.
+    reachable: bool = True
+    # The p2p address the master gives the others for it ("host:port").
+    p2p_address: str = ""
 
 
 @message
