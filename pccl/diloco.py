@@ -70,12 +70,14 @@ API
 Churn
 -----
 pccl collectives are all-or-nothing, so a failed reduce leaves the pseudo-gradient
-untouched on every survivor. On a retryable :class:`pccl.PCCLError` (a peer died, a link
-broke, peers disagreed about a topology vote) DiLoCo runs ``update_topology()`` (drops
-the dead, admits pending joiners), re-syncs the shared state and retries, at most
-``max_retries`` times per operation; then it raises :class:`OuterStepFailedError`. Usage
-errors and a lost master are raised at once. Between outer steps, joiners that
-``are_peers_pending()`` reports are admitted with ``update_topology()``.
+untouched on every survivor. A failure is handled by the one recovery policy
+(:func:`pccl.recovery.with_retry`): a lost peer is retried at once (the master rebuilt
+the ring without it); a failure that needs a vote (the retry failed too, peers disagreed
+about a topology vote) runs ``update_topology()`` (drops the dead, admits pending
+joiners), re-syncs the shared state and retries; at most ``max_retries`` retries per
+operation, then :class:`OuterStepFailedError`. Usage errors and a lost master are
+raised at once. Between outer steps, joiners that ``are_peers_pending()`` reports are
+admitted with ``update_topology()``.
 
 A joiner's first sync tells it where the group stands (``diloco.meta`` holds the outer
 step, what the group does after this sync, and the run's configuration, which must match
@@ -125,8 +127,8 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import Any, TypeVar
 
 try:
     import numpy as np
@@ -158,6 +160,19 @@ DEFAULT_TAG = 0xD1_10C0
 # What a retry can fix (pccl.recovery, one policy for every layer). DiLoCo always
 # votes before it retries: a joiner must be admitted by that vote to take part in the
 # re-sync that follows, which tells it where the group stands.
+T = TypeVar("T")
+
+
+class _RetriedVote:
+    """The vote a recovery makes (:class:`pccl.recovery.Voter`), itself retried under
+    the policy."""
+
+    def __init__(self, diloco: DiLoCo) -> None:
+        self._diloco = diloco
+
+    async def update_topology(self) -> None:
+        await self._diloco._update_topology()
+
 _RETRYABLE = recovery.RETRYABLE
 
 # What the group does right after a sync, recorded in the shared state so that a peer
@@ -628,38 +643,56 @@ class DiLoCo:
         return w, g
 
     async def _finish(self, r: _Reduce, retry_phase: int) -> tuple[ReduceInfo, ReduceInfo]:
-        """Awaits ``r`` (launching it if needed); on retryable failures recovers (the
-        re-sync tells joiners ``retry_phase``: what follows the reduce) and runs it again."""
-        failures = 0
-        while True:
+        """Awaits ``r`` (launching it if needed); on a failure a retry may fix, does what
+        the recovery policy says and runs it again: at once after a lost peer (the
+        master rebuilt the ring), else after a vote and a re-sync (which tells joiners
+        ``retry_phase``: what follows the reduce)."""
+
+        async def attempt() -> tuple[ReduceInfo, ReduceInfo]:
             if r.task is None:
                 self._launch(r)
             assert r.task is not None
             try:
                 r.infos = await r.task
-                return r.infos
-            except _RETRYABLE as e:
-                r.task = None
-                if not recovery.retryable(e):
-                    raise
-                failures += 1
-                self._retries += 1
-                if failures > self.max_retries:
-                    raise OuterStepFailedError(
-                        f"outer step {self.outer_step + 1}: the pseudo-gradient all-reduce "
-                        f"failed {failures} times (last: {type(e).__name__}: {e}); giving "
-                        f"up after max_retries={self.max_retries}") from e
-                # The message only: a logged exception keeps its traceback (and the failed
-                # ring's sockets) alive for as long as a handler holds the record.
-                log.info("peer %s: outer step %d: reduce failed (%s: %s); updating the "
-                         "topology and retrying (%d/%d)", self.comm.peer_id,
-                         self.outer_step + 1, type(e).__name__, str(e), failures,
-                         self.max_retries)
-                await self._update_topology()
+            finally:
+                if r.infos is None:
+                    r.task = None
+            return r.infos
+
+        async def after_vote(action: recovery.Action) -> None:
+            if action is recovery.Action.UPDATE_TOPOLOGY:
                 await self._sync(retry_phase)
-            except BaseException:
-                r.task = None
+
+        r.infos = None
+        return await self._recovering(
+            attempt, f"outer step {self.outer_step + 1}: the pseudo-gradient all-reduce",
+            before_retry=after_vote, vote=True)
+
+    async def _recovering(self, call: Callable[[], Awaitable[T]], what: str, *,
+                          vote: bool,
+                          before_retry: Callable[[recovery.Action], Awaitable[None]]
+                          | None = None) -> T:
+        """``call()`` under the one recovery policy (:func:`pccl.recovery.with_retry`),
+        at most ``max_retries`` retries; giving up after them is
+        :class:`OuterStepFailedError`. ``vote``: a vote the policy asks for is made
+        here (False: ``call`` is the vote)."""
+
+        def count(e: BaseException, failures: int) -> None:
+            self._retries += 1
+
+        try:
+            return await recovery.with_retry(
+                call, _RetriedVote(self) if vote else None, attempts=self.max_retries + 1,
+                what=f"peer {self.comm.peer_id}: {what}", before_retry=before_retry,
+                on_failure=count)
+        except _RETRYABLE as e:
+            if not recovery.retryable(e):
                 raise
+            # The message only: a logged exception keeps its traceback (and the failed
+            # ring's sockets) alive for as long as a handler holds the record.
+            raise OuterStepFailedError(
+                f"{what} failed {self.max_retries + 1} times (last: {type(e).__name__}: "
+                f"{e}); giving up after max_retries={self.max_retries}") from e
 
     async def _complete(self, r: _Reduce, retry_phase: int) -> tuple[bool, int, int, int, int]:
         await self._finish(r, retry_phase)
@@ -680,40 +713,18 @@ class DiLoCo:
     # --- collectives with recovery ----------------------------------------------------
 
     async def _update_topology(self) -> None:
-        failures = 0
-        while True:
-            try:
-                await self.comm.update_topology()
-                return
-            except _RETRYABLE as e:
-                if not recovery.retryable(e):
-                    raise
-                failures += 1
-                self._retries += 1
-                if failures > self.max_retries:
-                    raise OuterStepFailedError(
-                        f"update_topology() failed {failures} times (last: {e})") from e
+        await self._recovering(self.comm.update_topology, "update_topology()", vote=False)
 
     async def _sync(self, phase: int, strategy: SharedStateSyncStrategy =
                     SharedStateSyncStrategy.ENFORCE_POPULAR) -> SyncInfo:
-        failures = 0
-        while True:
+        async def attempt() -> SyncInfo:
             self._meta[_META_PHASE] = phase
             self._meta[_META_CONFIG] = self._config()
             if self._synced_revision is not None:
                 self._state.revision = self._synced_revision + 1
-            try:
-                info = await self.comm.sync_shared_state(self._state, strategy)
-                break
-            except _RETRYABLE as e:
-                if not recovery.retryable(e):
-                    raise
-                failures += 1
-                self._retries += 1
-                if failures > self.max_retries:
-                    raise OuterStepFailedError(
-                        f"sync_shared_state() failed {failures} times (last: {e})") from e
-                await self._update_topology()
+            return await self.comm.sync_shared_state(self._state, strategy)
+
+        info = await self._recovering(attempt, "sync_shared_state()", vote=True)
         self._synced_revision = self._state.revision
         theirs = [int(x) for x in self._meta[_META_CONFIG]]
         if theirs != self._config():

@@ -32,7 +32,8 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
-from typing import TYPE_CHECKING
+from collections.abc import Awaitable, Callable
+from typing import Any, Protocol, TypeVar
 
 from pccl.errors import (
     CollectiveAbortedError,
@@ -43,12 +44,11 @@ from pccl.errors import (
     TopologyOptimizationFailedError,
     UpdateTopologyFailedError,
 )
-from pccl.peer.options import ReduceDescriptor, ReduceInfo
+from pccl.peer.metrics import PeerMetrics
+from pccl.peer.options import QuantizationOptions, ReduceDescriptor, ReduceInfo
 
-if TYPE_CHECKING:
-    from pccl.communicator import Communicator
-
-__all__ = ["RETRYABLE", "Action", "all_reduce_with_retry", "decide", "retryable"]
+__all__ = ["RETRYABLE", "Action", "Voter", "all_reduce_with_retry", "decide", "retryable",
+           "with_retry"]
 
 log = logging.getLogger("pccl.communicator")
 
@@ -84,7 +84,62 @@ def retryable(error: BaseException) -> bool:
     return decide(error) is not Action.GIVE_UP
 
 
-async def all_reduce_with_retry(comm: Communicator, descriptors: list[ReduceDescriptor],
+T = TypeVar("T")
+
+
+class Voter(Protocol):
+    """What a retry needs of a communicator: the vote (recovery depends on no class)."""
+
+    async def update_topology(self) -> None: ...
+
+
+async def with_retry(call: Callable[[], Awaitable[T]], comm: Voter | None, *, attempts: int,
+                     what: str = "the call",
+                     before_retry: Callable[[Action], Awaitable[None]] | None = None,
+                     on_failure: Callable[[BaseException, int], None] | None = None) -> T:
+    """``await call()``, made again while it fails with an error a retry may fix, doing
+    what :func:`decide` says before each new attempt: nothing (``RETRY``), or
+    ``comm.update_topology()`` (``UPDATE_TOPOLOGY``; ``comm=None`` when ``call`` is the
+    vote itself, or holds one), then ``before_retry(action)`` if given. At most
+    ``attempts`` calls in all; the last failure, or one no retry can fix, is raised as
+    it is. ``on_failure(error, failures)`` sees each failure that is retried. The one
+    retry loop of every layer: every peer of a collective sees the same outcome, so all
+    take the same action and stay in step."""
+    if attempts < 1:
+        raise InvalidArgumentError(f"attempts must be at least 1, got {attempts}")
+    failures = 0
+    while True:
+        try:
+            return await call()
+        except RETRYABLE as e:
+            failures += 1
+            action = decide(e, failures)
+            if action is Action.GIVE_UP or failures >= attempts:
+                raise
+            if on_failure is not None:
+                on_failure(e, failures)
+            log.info("%s failed (%s: %s); %s (attempt %d of %d)", what, type(e).__name__,
+                     str(e), action.value, failures + 1, attempts)
+            if action is Action.UPDATE_TOPOLOGY and comm is not None:
+                await comm.update_topology()
+            if before_retry is not None:
+                await before_retry(action)
+
+
+class _Reducer(Voter, Protocol):
+    """What :func:`all_reduce_with_retry` needs of a communicator."""
+
+    @property
+    def peer_id(self) -> int | None: ...
+    @property
+    def metrics(self) -> PeerMetrics: ...
+
+    def all_reduce_async(self, tensor: Any, out: Any = None, *, op: Any = ..., tag: int = ...,
+                         quantization: QuantizationOptions | None = ...
+                         ) -> Awaitable[ReduceInfo]: ...
+
+
+async def all_reduce_with_retry(comm: _Reducer, descriptors: list[ReduceDescriptor],
                                 max_in_flight: int, max_attempts: int) -> list[ReduceInfo]:
     """:meth:`pccl.Communicator.all_reduce_multiple_with_retry`: the policy above applied
     to a set of all-reduces, ``max_in_flight`` at a time, up to ``max_attempts`` rounds."""

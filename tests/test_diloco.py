@@ -140,11 +140,13 @@ async def start_all(peers: list[Peer]) -> None:
     await asyncio.gather(*(p.d.start() for p in peers))
 
 
-async def cluster_with_slow_peer(pccl_cluster, emu: LinkEmulator, **peer_kw):
+async def cluster_with_slow_peer(pccl_cluster, emu: LinkEmulator, master_kwargs=None,
+                                 **peer_kw):
     """Two peers plus a third whose incoming ring link runs through ``emu``. These tests
     stall that link mid-reduce: the (small) model's reduce must take the ring, not the
     master (which reduces tensors of up to 64 KiB itself by default)."""
-    cluster = await pccl_cluster(2, comm_kwargs={"via_master_max_bytes": 0})
+    cluster = await pccl_cluster(2, comm_kwargs={"via_master_max_bytes": 0},
+                                 master_kwargs=master_kwargs)
     await cluster.admit_behind(emu)
     peers = [Peer(c, i, **peer_kw) for i, c in enumerate(cluster.comms)]
     return cluster, peers
@@ -219,6 +221,7 @@ async def test_peer_crashing_mid_outer_step(pccl_cluster) -> None:
         # Round 2: the victim's incoming link stalls, so the reduce cannot finish; the
         # victim dies while it runs.
         victim, survivors = peers[2], peers[:2]
+        revision = survivors[0].d.shared_state.revision
         emu.blackhole()
         tasks = [asyncio.create_task(p.round()) for p in peers]
         await cluster.master.wait_for(
@@ -229,7 +232,10 @@ async def test_peer_crashing_mid_outer_step(pccl_cluster) -> None:
         assert isinstance(res[2], pccl.MasterConnectionError)
         theta, m = reference_step(theta, m, survivors, [r[0] for r in res[:2]])
         for p, (_, info) in zip(survivors, res[:2]):
-            assert info.retries >= 1 and info.world_size == info.contributors == 2
+            # The recovery policy: a lost peer is retried at once on the ring the master
+            # rebuilt, with no vote and no re-sync (the outer step's one sync only).
+            assert info.retries == 1 and info.world_size == info.contributors == 2
+            assert p.d.shared_state.revision == revision + 1
             assert flat(p.model).tobytes() == theta.tobytes()
             assert momentum_flat(p.d).tobytes() == m.tobytes()
         assert_parity(survivors)
@@ -292,11 +298,14 @@ async def test_joiner_at_an_outer_step_receives_the_state(pccl_cluster) -> None:
 
 
 async def test_joiner_admitted_during_a_retry_contributes_nothing(pccl_cluster) -> None:
-    """A peer dies mid-reduce while a joiner waits: the retry's update_topology() admits
-    the joiner, which joins the retried reduce with weight 0; the update is the mean over
-    the two peers that trained (the AVG over three, times 3/2)."""
+    """A peer dies mid-reduce while a joiner waits, and the master does not repair rings:
+    the retry at once fails on the broken ring, so the policy votes; that
+    update_topology() admits the joiner, which joins the retried reduce with weight 0;
+    the update is the mean over the two peers that trained (the AVG over three, times
+    3/2)."""
     async with LinkEmulator() as emu:
-        cluster, peers = await cluster_with_slow_peer(pccl_cluster, emu)
+        cluster, peers = await cluster_with_slow_peer(
+            pccl_cluster, emu, master_kwargs={"repair_rings": False})
         await start_all(peers)
         theta, m = flat(peers[0].model), np.zeros(flat(peers[0].model).size, np.float32)
         comm = cluster.new_comm()
@@ -318,7 +327,7 @@ async def test_joiner_admitted_during_a_retry_contributes_nothing(pccl_cluster) 
         theta, m = reference_step(theta, m, group, [r[0] for r in res[:2]], zeros=1,
                                   scale=3 / 2)
         for _, info in res[:2]:
-            assert info.world_size == 3 and info.contributors == 2 and info.retries >= 1
+            assert info.world_size == 3 and info.contributors == 2 and info.retries >= 2
         assert joiner.d.last_info is not None and joiner.d.last_info.contributors == 2
         for p in group:
             assert flat(p.model).tobytes() == theta.tobytes()
@@ -435,10 +444,12 @@ async def test_async_joiner_takes_part_in_the_reduce_it_missed(pccl_cluster) -> 
 
 async def test_async_flush_retried_with_a_joiner(pccl_cluster) -> None:
     """Async mode: a peer dies while flush() waits on the last reduce and a joiner is
-    pending; the joiner is admitted by the retry, lands in the flush (not in an outer
-    step) with weight 0, and everyone ends on the survivors' mean update."""
+    pending, and the master does not repair rings (so the policy's retry at once fails
+    and it votes); the joiner is admitted by that vote, lands in the flush (not in an
+    outer step) with weight 0, and everyone ends on the survivors' mean update."""
     async with LinkEmulator() as emu:
-        cluster, peers = await cluster_with_slow_peer(pccl_cluster, emu, async_mode=True)
+        cluster, peers = await cluster_with_slow_peer(
+            pccl_cluster, emu, master_kwargs={"repair_rings": False}, async_mode=True)
         await start_all(peers)
         theta = flat(peers[0].model)
         emu.blackhole()  # the reduce launched at the first outer step stays in flight

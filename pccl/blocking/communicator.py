@@ -388,20 +388,11 @@ class Communicator:
             # PCCL's sync does not fail because a holder died or peers were still in a
             # topology vote, and its programs do not catch that: retry here. Every peer
             # of the sync saw the same outcome, so all retry alike.
-            for attempt in range(_SYNC_ATTEMPTS):
-                try:
-                    return await comm.sync_shared_state(shared_state._state, strategy,
-                                                        progress=progress,
-                                                        progress_interval=progress_interval)
-                except _RETRYABLE as e:
-                    action = recovery.decide(e, attempt + 1)
-                    if attempt + 1 == _SYNC_ATTEMPTS or action is recovery.Action.GIVE_UP:
-                        raise
-                    log.info("peer %s: sync_shared_state() failed (%s); retrying",
-                             comm.peer_id, e)
-                    if action is recovery.Action.UPDATE_TOPOLOGY:
-                        await comm.update_topology()  # the others do the same
-            raise AssertionError("unreachable")
+            return await recovery.with_retry(
+                lambda: comm.sync_shared_state(shared_state._state, strategy,
+                                               progress=progress,
+                                               progress_interval=progress_interval),
+                comm, attempts=_SYNC_ATTEMPTS, what=f"peer {comm.peer_id}: sync_shared_state()")
 
         return self._run(sync)
 

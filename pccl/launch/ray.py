@@ -108,7 +108,7 @@ except ImportError as e:  # an optional extra: say how to get it
 from pccl import recovery
 from pccl.communicator import Communicator
 from pccl.enums import Attribute
-from pccl.errors import InvalidArgumentError, InvalidUsageError, PCCLError
+from pccl.errors import InvalidArgumentError, InvalidUsageError
 from pccl.master import MasterNode
 from pccl.protocol.auth import DEFAULT_PORT
 
@@ -151,16 +151,15 @@ class PeerContext:
         point of its loop, and all take the same branch. A failure that
         :func:`pccl.recovery.retryable` allows (a peer died during the vote) is retried,
         question and vote, up to ``max_attempts`` times. Returns whether a vote ran."""
-        for attempt in range(1, max_attempts + 1):
-            try:
-                if not await self.comm.are_peers_pending():
-                    return False
-                await self.comm.update_topology()
-                return True
-            except PCCLError as e:  # every peer sees the same outcome: all retry alike
-                if not recovery.retryable(e) or attempt == max_attempts:
-                    raise
-        raise AssertionError("unreachable")
+        async def admit() -> bool:
+            if not await self.comm.are_peers_pending():
+                return False
+            await self.comm.update_topology()
+            return True
+
+        # (No separate vote before a retry: the retry asks and votes again.)
+        return await recovery.with_retry(admit, None, attempts=max_attempts,
+                                         what="admitting joiners")
 
     async def wait_for_peers(self, world_size: int | None = None, *, timeout: float = 120.0,
                              poll_interval: float = 0.05) -> int:
