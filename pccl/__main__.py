@@ -358,6 +358,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--version", action="version", version=f"pccl {_version()}")
     sub = p.add_subparsers(dest="command", required=True)
     _add_master_args(sub.add_parser("master", help="run a master node"))
+    sub.add_parser("env", help="print every PCCL_* variable pccl reads, as a Markdown table")
     demo = sub.add_parser("demo", help="run a local demo cluster and narrate it")
     demo.add_argument("--peers", type=int, default=4, choices=range(2, 17), metavar="N",
                       help="peer processes to start, 2..16 (%(default)s)")
@@ -392,6 +393,9 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(keys_cli.run(args))
     if args.command == "admin":
         sys.exit(_admin(args))
+    if args.command == "env":
+        print(config.markdown_table(), end="")
+        return
     if args.command == "master":
         _configure_logging(_log_level(args, os.environ), _log_format(args, os.environ))
     else:

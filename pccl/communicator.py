@@ -17,7 +17,7 @@ from collections.abc import Callable, Mapping, Sequence
 from types import TracebackType
 from typing import Any
 
-from pccl import _core, identity, recovery
+from pccl import _core, config, identity, recovery
 from pccl.enums import Attribute, QuantizationAlgorithm, ReduceOp, SharedStateSyncStrategy
 from pccl.errors import (
     InvalidArgumentError,
@@ -60,6 +60,7 @@ _CANCELLED = "cancelled by the caller"
 LEAVE_LINGER = 2.0
 
 
+@config.register
 class Communicator(Driver):
     """One peer of a pccl run.
 
@@ -274,9 +275,7 @@ class Communicator(Driver):
                                                 "LOCAL_RANK": "1"})
             assert (comm.master, comm.peer_group) == ("10.0.0.5:48148", 1)
         """
-        from pccl.config import from_env
-
-        return from_env(cls, env, **overrides)
+        return config.from_env(cls, env, **overrides)
 
     # --- the machine's state, read-only -------------------------------------------------
 

@@ -27,7 +27,7 @@ Rules, the same for every variable:
 ``PCCL_PEER_GROUP=local_rank`` takes the peer group from the launcher's local rank (see
 :func:`local_rank`), for sharded nodes where local rank ``r`` of every node is a peer of
 group ``r``; ``PCCL_P2P_PORT=BASE+local_rank`` gives the peers of one node consecutive
-fixed p2p ports. ``python -m pccl.config`` prints the table of variables (Markdown).
+fixed p2p ports. ``python -m pccl env`` prints the table of variables (Markdown).
 
 Example::
 
@@ -423,11 +423,21 @@ def variables(cls: type) -> tuple[Variable, ...]:
     return tuple(out)
 
 
-def _classes() -> tuple[type, type]:
-    from pccl.communicator import Communicator
-    from pccl.master.server import MasterNode
+#: The classes configured from the environment (``Communicator``, ``MasterNode``): each
+#: registers itself where it is defined, so this module imports neither.
+_CLASSES: list[type] = []
 
-    return Communicator, MasterNode
+
+def register(cls: type[T]) -> type[T]:
+    """Adds ``cls`` to the classes whose variables :func:`names` and
+    :func:`markdown_table` list (a class decorator)."""
+    if cls not in _CLASSES:
+        _CLASSES.append(cls)
+    return cls
+
+
+def _classes() -> tuple[type, ...]:
+    return tuple(_CLASSES)
 
 
 def names() -> frozenset[str]:
@@ -459,7 +469,7 @@ def _shown_default(v: Variable) -> str:
 
 
 def markdown_table() -> str:
-    """The variables as a Markdown table (``python -m pccl.config`` prints it)."""
+    """The variables as a Markdown table (``python -m pccl env`` prints it)."""
     rows = ["| variable | sets | accepts | default | meaning |", "|---|---|---|---|---|"]
     owners: dict[str, list[str]] = {}
     table: dict[str, Variable] = {}
@@ -564,7 +574,3 @@ def from_env(cls: type[T], env: Env | None = None, **overrides: Any) -> T:
             shown.append(f"{v.param}={text} ({sources.get(v.param, 'default')})")
         log.debug("%s.from_env(): %s", cls.__name__, ", ".join(shown))
     return obj
-
-
-if __name__ == "__main__":  # pragma: no cover - prints the docs' table
-    print(markdown_table(), end="")

@@ -24,7 +24,7 @@ OTHER_SECRET = "c0ffee00d15ea5e5b16b00b5a11ce0de"
 
 # The contract other code (launchers, manifests, docs) is written against. A new
 # constructor parameter fails test_the_variable_names_are_the_documented_ones until it is
-# added here and to the operations docs (python -m pccl.config prints the table).
+# added here and to the operations docs (python -m pccl env prints the table).
 COMMUNICATOR_VARIABLES = {
     "master": "PCCL_MASTER",
     "peer_group": "PCCL_PEER_GROUP",
@@ -554,7 +554,7 @@ async def test_peers_from_env_join_a_master_from_env(tmp_path: Path) -> None:
 
 
 def test_the_documented_table_is_the_generated_one() -> None:
-    """docs/operations.md carries `python -m pccl.config`'s table verbatim: a new or
+    """docs/operations.md carries `python -m pccl env`'s table verbatim: a new or
     changed variable must be documented (regenerate the table and paste it)."""
     from pathlib import Path
 

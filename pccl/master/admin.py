@@ -51,12 +51,9 @@ import stat
 import struct
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from pccl.errors import InvalidArgumentError, InvalidUsageError, PCCLError
-
-if TYPE_CHECKING:
-    from pccl.master.server import MasterNode
 
 log = logging.getLogger(__name__)
 
@@ -351,11 +348,27 @@ def _reply(doc: dict[str, Any]) -> bytes:
     return json.dumps(doc, separators=(",", ":")).encode() + b"\n"
 
 
+class Master(Protocol):
+    """What the admin channel asks of the master (it depends on no server class)."""
+
+    @property
+    def address(self) -> str: ...
+    @property
+    def run_id(self) -> str | None: ...
+    @property
+    def bans(self) -> BanList: ...
+
+    def admin_peers(self) -> list[PeerEntry]: ...
+    def remove_peer(self, target: str, *, reason: str = "") -> str: ...
+    def unban(self, target: str) -> str: ...
+    async def stop(self, *, end_run: bool = False, reason: str = "") -> None: ...
+
+
 class AdminServer:
     """The admin socket of ``master`` at ``path``: it owns the listening socket, the
     file and the connections' tasks."""
 
-    def __init__(self, master: MasterNode, path: str) -> None:
+    def __init__(self, master: Master, path: str) -> None:
         self.master = master
         self.path = Path(path).absolute()
         self._sock: socket.socket | None = None

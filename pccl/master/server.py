@@ -22,7 +22,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
-from pccl import _core
+from pccl import _core, config
 from pccl import identity as ident
 from pccl.errors import (
     AuthenticationError,
@@ -114,6 +114,7 @@ async def _listen(host: str, port: int) -> list[socket.socket]:
     return socks
 
 
+@config.register
 class MasterNode:
     """The run's coordinator. Holds no tensor data; peers only exchange votes with it.
 
@@ -351,9 +352,7 @@ class MasterNode:
                                               listen="127.0.0.1:0")
             assert (master.listen, master.state.repair_rings) == ("127.0.0.1:0", False)
         """
-        from pccl.config import from_env
-
-        return from_env(cls, env, **overrides)
+        return config.from_env(cls, env, **overrides)
 
     # --- lifecycle ------------------------------------------------------------------
 

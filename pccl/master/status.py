@@ -39,11 +39,12 @@ import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from pccl import _core
 from pccl._core import __version__
 from pccl.errors import InvalidArgumentError
 from pccl.master import state as st
@@ -53,10 +54,29 @@ from pccl.protocol import MIN_PROTOCOL_VERSION, PROTOCOL_VERSION
 from pccl.protocol import messages as msgs
 from pccl.protocol.auth import is_loopback_host, split_host_port
 
-if TYPE_CHECKING:
-    from pccl.master.server import MasterNode
-
 log = logging.getLogger(__name__)
+
+
+class Master(Protocol):
+    """What the status model reads of the master (it depends on no server class: the
+    server composes it, not the other way round)."""
+
+    @property
+    def address(self) -> str: ...
+    @property
+    def state(self) -> st.MasterState: ...
+    @property
+    def secret(self) -> bytes | None: ...
+    @property
+    def identity(self) -> _core.Identity: ...
+    @property
+    def insecure(self) -> bool: ...
+    @property
+    def relayed_streams(self) -> int: ...
+    @property
+    def relayed_bytes(self) -> int: ...
+    @property
+    def refused_handshakes(self) -> collections.Counter[str]: ...
 
 SCHEMA_VERSION = 1
 #: Timeline entries kept (the oldest are forgotten first).
@@ -172,7 +192,7 @@ class PeerView:
 class RunMonitor:
     """Keeps what the status page shows and the metrics count. Event-loop only."""
 
-    def __init__(self, master: MasterNode) -> None:
+    def __init__(self, master: Master) -> None:
         self.master = master
         self.started_at = time.time()
         self.peers: dict[int, PeerView] = {}

@@ -7,9 +7,8 @@ use crate::error::CoreError;
 use crate::py::future_into_py;
 use crate::py::node::{seconds, PyP2PNode};
 use crate::ring::allreduce;
-use crate::ring::assembly::{
-    self, dtype_from_code, op_from_code, quant_from_codes, LinkConfig, MeshConfig,
-};
+use crate::ring::assembly::{self, dtype_from_code, op_from_code, quant_from_codes, MeshConfig};
+use crate::ring::links::LinkConfig;
 use crate::ring::ReduceSpec;
 use pyo3::buffer::PyBuffer;
 use pyo3::prelude::*;

@@ -17,7 +17,7 @@ use crate::reduce::{DType, ReduceOp};
 use crate::ring::allreduce::{
     ring_all_reduce, Armed, OpMemory, ReduceSpec, ReduceStats, ScratchPool,
 };
-use crate::ring::links::RingLinks;
+use crate::ring::links::{LinkConfig, RingLinks};
 use crate::ring::mesh::{mesh_all_reduce, Mesh};
 use std::future::Future;
 use std::net::{Ipv4Addr, SocketAddr};
@@ -25,17 +25,6 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio_util::sync::CancellationToken;
-
-/// How the links of a ring are built.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct LinkConfig {
-    /// How long to wait for the previous peer's pool to be complete.
-    pub pool_timeout: Duration,
-    /// Bound on any send, and on silence from the previous peer during an op.
-    pub io_timeout: Duration,
-    /// Largest piece a receiving lane accepts, in bytes.
-    pub max_piece: usize,
-}
 
 /// The ring links of `epoch` from `node`'s pools: the outbound pool dialed to `next`
 /// (it must exist) and the inbound pool that `prev` dials to us (awaited for up to

@@ -25,6 +25,17 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
+/// How the links of a ring are built.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LinkConfig {
+    /// How long to wait for the previous peer's pool to be complete.
+    pub pool_timeout: Duration,
+    /// Bound on any send, and on silence from the previous peer during an op.
+    pub io_timeout: Duration,
+    /// Largest piece a receiving lane accepts, in bytes.
+    pub max_piece: usize,
+}
+
 pub const HEADER_LEN: usize = 28;
 const FRAME_MAGIC: u32 = 0x5043_434C; // "PCCL"
 /// Remember this many finished ops so that their stragglers are dropped, not queued.

@@ -13,6 +13,7 @@ pub mod star;
 mod tests;
 
 pub use allreduce::{ring_all_reduce, ReduceSpec, ReduceStats};
-pub use assembly::{LinkConfig, Ring, RingOp};
+pub use assembly::{Ring, RingOp};
+pub use links::LinkConfig;
 pub use links::RingLinks;
 pub use star::star_all_reduce;

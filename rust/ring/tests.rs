@@ -3,7 +3,8 @@
 //! bit against a scalar reference that folds each chunk in the documented ring order.
 
 use super::allreduce::{OpMemory, Receiver};
-use super::assembly::{loopback_mesh, loopback_ring, LinkConfig, Ring, RingOp};
+use super::assembly::{loopback_mesh, loopback_ring, Ring, RingOp};
+use super::links::LinkConfig;
 use super::links::{Dest, HEADER_LEN, STREAM_BLOCK};
 use super::mesh::{mesh_partners, mesh_rounds};
 use super::{ReduceSpec, ReduceStats};
