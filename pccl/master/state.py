@@ -35,7 +35,8 @@ import hashlib
 import math
 import os
 from collections import Counter, deque
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Callable, Collection, Container, Iterable
+from collections.abc import Set as AbstractSet
 from typing import Any
 
 from pccl import _core, algorithms
@@ -293,6 +294,38 @@ class Note:
 MAX_DEADLINE = 7 * 24 * 3600.0
 
 
+# --- deadlines: what a wait for other peers is for -----------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class CollectiveDeadline:
+    group: int
+    tag: int
+
+
+@dataclasses.dataclass(frozen=True)
+class SyncDeadline:
+    group: int
+
+
+@dataclasses.dataclass(frozen=True)
+class VoteDeadline:
+    pass
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizeDeadline:
+    pass
+
+
+@dataclasses.dataclass(frozen=True)
+class PendingDeadline:
+    pass
+
+
+Deadline = CollectiveDeadline | SyncDeadline | VoteDeadline | OptimizeDeadline | PendingDeadline
+
+
 @dataclasses.dataclass(frozen=True)
 class Claim:
     """What a peer back from another master knows of its group's rings there: the
@@ -367,7 +400,8 @@ class _Roster:
         return isinstance(other, _Roster) and (self.accepted, self.pending, self.groups) \
             == (other.accepted, other.pending, other.groups)
 
-    __hash__ = None  # type: ignore[assignment]
+    def __hash__(self) -> int:  # (mutable: a snapshot is compared, never hashed)
+        raise TypeError("a roster snapshot is not hashable")
 
     def group_set(self, group: int) -> frozenset[int]:
         got = self._sets.get(group)
@@ -590,7 +624,7 @@ class MasterState:
         self.fresh: set[int] = set()
         # Deadlines of waits for other peers: id -> what waits ("collective", group, tag),
         # ("sync", group), ("vote",), ("optimize",), ("pending",). See ArmDeadline.
-        self.deadlines: dict[int, tuple[object, ...]] = {}
+        self.deadlines: dict[int, Deadline] = {}
         self.next_deadline = 1
         self.vote_deadline = 0
         self.opt_deadline = 0
@@ -786,7 +820,7 @@ class MasterState:
                     message="update_topology() is already in progress for this peer")))
             else:
                 if not self.votes:
-                    self.vote_deadline = self._arm(("vote",), msg.timeout, out)
+                    self.vote_deadline = self._arm(VoteDeadline(), msg.timeout, out)
                 self.votes.add(peer)
                 # Peers of this group that wait in a collective would wait forever for
                 # this voter, and it for them: call their collectives off.
@@ -939,7 +973,7 @@ class MasterState:
             self._maybe_answer_pending(out)
             return
         if not self.pending_votes:
-            self.pending_deadline = self._arm(("pending",), msg.timeout, out)
+            self.pending_deadline = self._arm(PendingDeadline(), msg.timeout, out)
         self.pending_votes[peer] = msg.req
         self._maybe_answer_pending(out)
 
@@ -982,7 +1016,7 @@ class MasterState:
         for p, req in sorted(voters.items()):
             out.append(Send(p, m.PendingAnswer(req=req, pending=pending, count=n)))
 
-    def _arm(self, what: tuple[object, ...], timeout: float, out: list[Command]) -> int:
+    def _arm(self, what: Deadline, timeout: float, out: list[Command]) -> int:
         """Starts the deadline of a wait for other peers (0 = none asked for)."""
         if not 0.0 < timeout <= MAX_DEADLINE:  # also refuses NaN
             return 0
@@ -995,8 +1029,8 @@ class MasterState:
     def _disarm(self, did: int) -> None:
         self.deadlines.pop(did, None)
 
-    def _missing(self, members: list[int], present: object) -> list[int]:
-        return [p for p in members if p not in present]  # type: ignore[operator]
+    def _missing(self, members: list[int], present: Container[int]) -> list[int]:
+        return [p for p in members if p not in present]
 
     def _on_deadline(self, did: int, out: list[Command]) -> None:
         what = self.deadlines.pop(did, None)
@@ -1005,22 +1039,21 @@ class MasterState:
         advice = ("nothing was changed; retry (a peer that never makes the same call "
                   "holds everyone up: check that every peer runs the same sequence of "
                   "collective calls)")
-        if what[0] == "collective":
-            _, group, tag = what
-            col = self.collectives.get((group, tag))  # type: ignore[arg-type]
+        if isinstance(what, CollectiveDeadline):
+            col = self.collectives.get((what.group, what.tag))
             if col is not None and col.deadline == did and col.op_id < 0:
                 late = self._missing(self._members(col.group), col.inits)
                 self._fail_unperformed(col, ErrorKind.OperationTimeoutError, (
                     f"collective tag {col.tag}: peers {late} did not join it in time; "
                     f"{advice}"), out)
-        elif what[0] == "sync":
-            sync = self.syncs.get(what[1])  # type: ignore[call-overload]
+        elif isinstance(what, SyncDeadline):
+            sync = self.syncs.get(what.group)
             if sync is not None and sync.deadline == did and not sync.planned:
                 late = self._missing(self._members(sync.group), sync.inits)
                 self._fail_sync(sync, ErrorKind.OperationTimeoutError, (
                     f"sync_shared_state(): peers {late} did not join it in time; {advice}"),
                     out)
-        elif what[0] == "vote":
+        elif isinstance(what, VoteDeadline):
             if did == self.vote_deadline and self.votes and (
                     self.phase is Phase.VOTE_ACCEPT_NEW_PEERS or self._repairing()):
                 late = self._missing(self.accepted(), self.votes)
@@ -1033,13 +1066,13 @@ class MasterState:
                         kind=ErrorKind.OperationTimeoutError,
                         message=f"update_topology(): peers {late} did not vote in time; "
                                 f"{advice}")))
-        elif what[0] == "optimize":
+        elif isinstance(what, OptimizeDeadline):
             if did == self.opt_deadline and self.opt_votes and not self.opt_probers \
                     and not self.opt_solving:
                 late = self._missing(self.accepted(), self.opt_votes)
                 self._fail_optimize(f"optimize_topology(): peers {late} did not vote in "
                                     f"time; {advice}", out)
-        elif what[0] == "pending" and did == self.pending_deadline:
+        elif isinstance(what, PendingDeadline) and did == self.pending_deadline:
             late = self._missing(self.accepted(), self.pending_votes)
             askers, self.pending_votes = self.pending_votes, {}
             for p, req in sorted(askers.items()):
@@ -1713,7 +1746,7 @@ class MasterState:
             return
         if col is None:
             col = self.collectives[key] = Collective(rec.peer_group, msg.tag)
-            col.deadline = self._arm(("collective", col.group, col.tag), msg.timeout, out)
+            col.deadline = self._arm(CollectiveDeadline(col.group, col.tag), msg.timeout, out)
         col.inits[peer] = msg
         self.fresh.discard(peer)
         if msg.early_op >= 0:
@@ -1991,7 +2024,7 @@ class MasterState:
         sync = self.syncs.get(rec.peer_group)
         if sync is None:
             sync = self.syncs[rec.peer_group] = Sync(rec.peer_group)
-            sync.deadline = self._arm(("sync", sync.group), msg.timeout, out)
+            sync.deadline = self._arm(SyncDeadline(sync.group), msg.timeout, out)
         if sync.planned or peer in sync.inits:
             refuse(ErrorKind.InvalidUsageError,
                    "a shared-state sync is already running in this group")
@@ -2091,7 +2124,7 @@ class MasterState:
                      popular: dict[str, bytes], revision: int, out: list[Command], *,
                      holders: dict[str, dict[bytes, list[int]]] | None = None,
                      inits: dict[int, m.SyncInit] | None = None,
-                     fresh: set[int] = frozenset()) -> None:  # type: ignore[assignment]
+                     fresh: AbstractSet[int] = frozenset()) -> None:
         for p, (kind, why) in excluded.items():
             out.append(Send(p, m.SyncOutcome(ok=False, kind=kind, message=why, revision=0)))
         participants = [p for p in members if p not in excluded]
@@ -2218,7 +2251,7 @@ class MasterState:
             return
         self.phase = Phase.OPTIMIZE_TOPOLOGY
         if not self.opt_votes:
-            self.opt_deadline = self._arm(("optimize",), msg.timeout, out)
+            self.opt_deadline = self._arm(OptimizeDeadline(), msg.timeout, out)
         self.opt_votes.add(peer)
         self._call_off_waiting_ops(peer, rec.peer_group, "optimize_topology()", out)
         if not _covers(self.opt_votes, self._roster_now().accepted):
