@@ -308,7 +308,7 @@ class Communicator(Driver):
         try:
             if self.metrics_listen is not None:
                 # aiohttp is imported only by peers that serve metrics.
-                from pccl.peer.metrics_server import MetricsServer
+                from pccl.observe.server import MetricsServer
 
                 self._metrics_server = MetricsServer(self.metrics.registry, self.metrics_listen,
                                                     self.metrics_token)

@@ -22,7 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 import pccl
 from pccl.master import state as st
 from pccl.master.status_server import StatusServer
-from pccl.peer.metrics_server import MetricsServer
+from pccl.observe.server import MetricsServer
 from pccl.protocol import messages as m
 from pccl.testing.cluster import Cluster
 

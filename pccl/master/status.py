@@ -12,9 +12,9 @@ Access: a status server bound to a loopback address is open to this machine's us
 other address needs a token (``MasterNode(status_token=...)``), sent as
 ``Authorization: Bearer TOKEN`` or, by a browser (EventSource cannot set headers), as
 ``?token=TOKEN`` in the page's URL once, exchanged for a cookie at once (see
-:mod:`pccl.peer.metrics_server`). ``/healthz`` is open (for load balancers and
+:mod:`pccl.observe.server`). ``/healthz`` is open (for load balancers and
 Kubernetes probes) and says only ``ok``. Connections have budgets and deadlines whoever
-opens them (see :mod:`pccl.peer.metrics_server`).
+opens them (see :mod:`pccl.observe.server`).
 
 The ``/api/status`` schema (version 1) is documented in ``docs/operations.md``.
 
@@ -49,7 +49,7 @@ from pccl._core import __version__
 from pccl.errors import InvalidArgumentError
 from pccl.master import state as st
 from pccl.master.stragglers import PeerLag, StragglerTracker
-from pccl.peer.metrics import ScrapeTimeCollector
+from pccl.observe.collector import ScrapeTimeCollector
 from pccl.protocol import MIN_PROTOCOL_VERSION, PROTOCOL_VERSION
 from pccl.protocol import messages as msgs
 from pccl.protocol.auth import is_loopback_host, split_host_port

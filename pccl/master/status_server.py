@@ -17,7 +17,7 @@ from pccl.master.status import (
     RunMonitor,
     to_json,
 )
-from pccl.peer.metrics_server import MetricsServer
+from pccl.observe.server import MetricsServer
 
 
 def _page() -> bytes:

@@ -2,7 +2,7 @@
 status page shows each peer's traffic and sync progress) and, when
 ``Communicator(metrics_listen="host:port")`` asks for it, a Prometheus ``/metrics``
 endpoint of the peer itself (behind ``metrics_token`` off loopback; served by
-:mod:`pccl.peer.metrics_server`): bytes per ring link, collectives by outcome, time spent in
+:mod:`pccl.observe.server`): bytes per ring link, collectives by outcome, time spent in
 collectives, syncs, and the retries of the recovery policy (:mod:`pccl.recovery`).
 
 Everything is updated on the event loop by the communicator; nothing here takes a lock.
@@ -14,6 +14,8 @@ from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from pccl.observe.collector import ScrapeTimeCollector
 
 _SECONDS_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
                     2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
@@ -75,17 +77,6 @@ class PeerMetrics:
             nxt, prv = ring[(i + 1) % len(ring)], ring[i - 1]
             self.link_tx[nxt] = self.link_tx.get(nxt, 0) + tx
             self.link_rx[prv] = self.link_rx.get(prv, 0) + rx
-
-
-class ScrapeTimeCollector:
-    """A Prometheus collector whose samples ``collect`` computes at each scrape (read
-    from live state: never stale, nothing to keep up to date)."""
-
-    def __init__(self, collect: Callable[[], Iterator[Metric]]) -> None:
-        self.collect = collect
-
-    def describe(self) -> list[Metric]:
-        return []
 
 
 class _Traffic:
