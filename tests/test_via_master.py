@@ -69,18 +69,7 @@ async def test_quantized_tiny_collectives_take_the_ring() -> None:
         assert via_master(cluster) == 0
 
 
-async def test_a_peer_leaving_before_it_calls_leaves_the_others_to_finish() -> None:
-    async with Cluster(3) as cluster:
-        a, b, gone = cluster.comms
-        xa, xb = np.full(10, 1.0), np.full(10, 2.0)
-        ha, hb = a.all_reduce_async(xa), b.all_reduce_async(xb)
-        await cluster.master.wait_for(
-            lambda s: sum(len(c.inits) for c in s.collectives.values()) == 2)
-        await gone.close()
-        infos = await asyncio.gather(ha, hb)
-        assert [i.world_size for i in infos] == [2, 2]
-        assert (xa == 3.0).all() and (xb == 3.0).all()
-        assert via_master(cluster) == 1
+# (A peer leaving before it calls: tests/test_early_start.py, one test for every path.)
 
 
 async def test_cancel_before_the_others_call_withdraws_and_loses_nothing() -> None:
