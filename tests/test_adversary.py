@@ -25,7 +25,14 @@ import pytest
 import pccl
 from pccl.errors import ErrorKind
 from pccl.master import state as st
-from pccl.master.admission import Budget, hello_problem, source_key, valid_host
+from pccl.master.admission import (
+    Budget,
+    Registration,
+    admit,
+    hello_problem,
+    source_key,
+    valid_host,
+)
 from pccl.master.server import RELAY_MAGIC, RELAY_WAITING_PER_TOKEN
 from pccl.protocol import PROTOCOL_VERSION, codec
 from pccl.protocol import messages as m
@@ -222,6 +229,27 @@ async def test_local_addresses_that_are_not_private_ip_literals_get_a_typed_reje
             assert why in reply.message and len(reply.message) < 300
             conn.abort()
         assert not master.state.peers
+
+
+def test_a_hello_is_admitted_checked_bounded_and_cleaned() -> None:
+    # The server reads no field of a hello but through admit(): what a peer chose itself
+    # is bounded and cleaned there, or refused with the kind the peer is told.
+    reg = admit(_hello(name="bob\x1b[31m\n", p2p_punch_ports=[0, 5, 70000, *range(1, 40)],
+                       masters=10**6, resume_peer_id=3, resume_epoch=7,
+                       resume_peers=list(range(10_000)), resume_more_epochs=[1] * 100,
+                       resume_more_peers=[[1]] * 100, local_addrs=["10.0.0.2"],
+                       version=PROTOCOL_VERSION), None)
+    assert isinstance(reg, Registration)
+    assert reg.name == "bob[31m" and reg.masters == 64
+    assert reg.punch_ports == (5, *range(1, 14))  # (the first 16, the invalid ones out)
+    assert reg.resume is not None and reg.resume.peer_id == 3
+    assert len(reg.resume.peers) == 4096 and len(reg.resume.more) == 64
+    assert reg.lan_addrs() == ("10.0.0.2:9",)
+    assert admit(_hello(resume_peer_id=1 << 60), None).resume is None  # type: ignore[union-attr]
+    assert admit(_hello(peer_group=-1), None) == (ErrorKind.ProtocolError,
+                                                  "invalid peer group -1")
+    assert admit(_hello(run_id="a"), "b")[0] is ErrorKind.InvalidUsageError  # type: ignore[index]
+    assert isinstance(admit(_hello(run_id="b"), "b"), Registration)
 
 
 def test_lan_addresses() -> None:

@@ -7,19 +7,23 @@ send whatever it likes. Two tools keep that from costing the run anything:
   (connections that have not registered yet, ``pccl doctor`` sessions, relay streams),
   in all and per key (a source address, a peer). A full budget refuses the newcomer; it
   never takes a slot from whoever holds one.
-- :func:`hello_problem`: the fields of a ``hello`` a peer chose itself, checked before
-  any of them is used (its address is dialed back and shown to every other peer).
+- :func:`admit`: a ``hello``, every field of which the peer chose itself, turned into a
+  :class:`Registration` the master may use as it is (checked, bounded, cleaned), or the
+  reason it is refused. The server reads no field of a hello but through it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import ipaddress
 import re
 from collections import Counter
 from collections.abc import Hashable
 
+from pccl.errors import ErrorKind
+from pccl.master import state as st
 from pccl.protocol import messages as m
-from pccl.protocol.auth import is_lan_address
+from pccl.protocol.auth import is_lan_address, join_host_port
 
 #: Longest DNS name (RFC 1035); an advertised p2p host longer than this is refused.
 MAX_HOST = 253
@@ -102,6 +106,8 @@ def hello_problem(hello: m.Hello) -> str | None:
     """Why the master refuses ``hello`` (the reason it tells the peer), or None."""
     if not 0 < hello.p2p_port < 65536:
         return f"invalid p2p port {hello.p2p_port}"
+    if not 0 <= hello.peer_group < 1 << 32:
+        return f"invalid peer group {hello.peer_group}"
     if hello.p2p_host and not valid_host(hello.p2p_host):
         shown = repr(hello.p2p_host[:64]) + ("..." if len(hello.p2p_host) > 64 else "")
         return (f"invalid p2p host {shown}: give an IP address or a DNS name of at most "
@@ -119,3 +125,64 @@ def hello_problem(hello: m.Hello) -> str | None:
     if not 0 <= hello.resume_epoch < MAX_RESUMED:
         return f"invalid resume epoch {hello.resume_epoch}"
     return None
+
+
+#: Punch ports, ring members and resumed rings a hello may name that the master uses.
+MAX_PUNCH_PORTS = 16
+MAX_RESUMED_RING = 4096
+MAX_RESUMED_RINGS = 64
+#: Masters a peer may say it fails over between (more is taken as this many).
+MAX_MASTERS = 64
+
+
+@dataclasses.dataclass(frozen=True)
+class Registration:
+    """A hello as the master uses it: every field checked, bounded and cleaned."""
+
+    peer_group: int
+    p2p_host: str  # "" = the address the connection comes from
+    p2p_port: int
+    resume: st.Resume | None
+    name: str  # printable characters only ("": none)
+    punch_ports: tuple[int, ...]
+    masters: int
+    allow_relay: bool
+    local_addrs: tuple[str, ...]  # private IP literals
+    version: int
+
+    def punch_addrs(self, host: str) -> tuple[str, ...]:
+        return tuple(join_host_port(host, port) for port in self.punch_ports)
+
+    def lan_addrs(self) -> tuple[str, ...]:
+        return tuple(join_host_port(a, self.p2p_port) for a in self.local_addrs)
+
+
+def admit(hello: m.Hello, run_id: str | None) -> Registration | tuple[ErrorKind, str]:
+    """``hello`` as a :class:`Registration`, or why the master refuses it (the error
+    kind and the text the peer is told). ``run_id``: the run this master serves."""
+    problem = hello_problem(hello)
+    if problem is not None:
+        return ErrorKind.ProtocolError, problem
+    if (hello.run_id or None) != run_id:
+        theirs = repr(hello.run_id) if hello.run_id else "no run id"
+        mine = repr(run_id) if run_id else "no run id"
+        return ErrorKind.InvalidUsageError, (
+            f"this peer is for run {theirs}, this master serves {mine}: check PCCL_MASTER "
+            f"and PCCL_RUN_ID (Communicator(run_id=), pccl-master --run-id)")
+    resume: st.Resume | None = None
+    if 0 < hello.resume_peer_id < MAX_RESUMED:
+        resume = st.Resume(
+            hello.resume_epoch, hello.resume_revision,
+            tuple(hello.resume_peers[:MAX_RESUMED_RING]), hello.resume_peer_id,
+            min(max(hello.resume_base_epoch, 0), MAX_RESUMED),
+            tuple(hello.resume_base_peers[:MAX_RESUMED_RING]),
+            tuple((e, tuple(r[:MAX_RESUMED_RING])) for e, r in zip(
+                hello.resume_more_epochs[:MAX_RESUMED_RINGS],
+                hello.resume_more_peers[:MAX_RESUMED_RINGS])))
+    return Registration(
+        peer_group=hello.peer_group, p2p_host=hello.p2p_host, p2p_port=hello.p2p_port,
+        resume=resume, name="".join(c for c in hello.name if c.isprintable()),
+        punch_ports=tuple(p for p in hello.p2p_punch_ports[:MAX_PUNCH_PORTS]
+                          if 0 < p < 65536),
+        masters=max(1, min(hello.masters, MAX_MASTERS)), allow_relay=hello.allow_relay,
+        local_addrs=tuple(hello.local_addrs), version=min(hello.version, 1 << 20))

@@ -36,7 +36,7 @@ from pccl.errors import (
 )
 from pccl.master import admin, status
 from pccl.master import state as st
-from pccl.master.admission import MAX_KEPT_ID, MAX_RESUMED, Budget, hello_problem, source_key
+from pccl.master.admission import MAX_KEPT_ID, Budget, Registration, admit, source_key
 from pccl.protocol import MIN_PROTOCOL_VERSION, PROTOCOL_VERSION
 from pccl.protocol import messages as m
 from pccl.protocol.auth import (
@@ -707,37 +707,28 @@ class MasterNode:
         server_mac = await self._check_hello(conn, hello, nonce, f"peer at {remote}")
         if server_mac is None or await self._refused_as_removed(conn, remote):
             return None
-        problem = hello_problem(hello)
-        if problem is not None:
-            log.warning("peer at %s rejected: %s", remote, problem)
-            await self._reject(conn, ErrorKind.ProtocolError, problem)
+        reg = admit(hello, self.run_id)  # (every field checked there, none here)
+        if not isinstance(reg, Registration):
+            kind, problem = reg
+            if kind is ErrorKind.ProtocolError:
+                log.warning("peer at %s rejected: %s", remote, problem)
+            else:
+                self._log_refusal(f"peer at {remote} rejected: {problem}")
+            await self._reject(conn, kind, problem)
             return None
-        problem = self._run_id_problem(hello)
-        if problem is not None:
-            self._log_refusal(f"peer at {remote} rejected: {problem}")
-            await self._reject(conn, ErrorKind.InvalidUsageError, problem)
-            return None
-        resume: st.Resume | None = None
-        if 0 < hello.resume_peer_id < MAX_RESUMED:
-            resume = st.Resume(hello.resume_epoch, hello.resume_revision,
-                               tuple(hello.resume_peers[:4096]), hello.resume_peer_id,
-                               min(max(hello.resume_base_epoch, 0), MAX_RESUMED),
-                               tuple(hello.resume_base_peers[:4096]),
-                               tuple((e, tuple(r[:4096])) for e, r in zip(
-                                   hello.resume_more_epochs[:64], hello.resume_more_peers[:64])))
         # Claimed before the first await below: two registrations never share an id.
-        peer_id = self._claim_id(hello.resume_peer_id if resume is not None else 0)
+        peer_id = self._claim_id(reg.resume.peer_id if reg.resume is not None else 0)
         try:
-            host = hello.p2p_host or conn.peername[0]
-            p2p_addr = join_host_port(host, hello.p2p_port)
-            reachable = await self._dial_back(host, hello.p2p_port,
+            host = reg.p2p_host or conn.peername[0]
+            p2p_addr = join_host_port(host, reg.p2p_port)
+            reachable = await self._dial_back(host, reg.p2p_port,
                                               conn.remote[0] if conn.remote else None)
             if conn.writer.is_closing() or self._server is None:
                 return None
             if await self._refused_as_removed(conn, remote):  # (removed meanwhile)
                 return None
-            self._register(peer_id, conn, hello, server_mac, remote, p2p_addr, reachable,
-                           resume, host)
+            self._register(peer_id, conn, reg, server_mac, remote, p2p_addr, reachable,
+                           host)
         finally:
             self._claimed.discard(peer_id)
         return peer_id
@@ -757,15 +748,6 @@ class MasterNode:
                            f"lifts the ban")
         return True
 
-    def _run_id_problem(self, hello: m.Hello) -> str | None:
-        """Why a peer of another run is refused (None: it is for this run)."""
-        if (hello.run_id or None) == self.run_id:
-            return None
-        theirs = repr(hello.run_id) if hello.run_id else "no run id"
-        mine = repr(self.run_id) if self.run_id else "no run id"
-        return (f"this peer is for run {theirs}, this master serves {mine}: check "
-                f"PCCL_MASTER and PCCL_RUN_ID (Communicator(run_id=), pccl-master --run-id)")
-
     def _claim_id(self, wanted: int) -> int:
         """The id of a registration: the one it had before (``wanted``) when nobody
         holds or claims it (ring order and tie-breaks follow ids), else a new one."""
@@ -780,9 +762,9 @@ class MasterNode:
         self._claimed.add(peer_id)
         return peer_id
 
-    def _register(self, peer_id: int, conn: FramedConnection, hello: m.Hello,
+    def _register(self, peer_id: int, conn: FramedConnection, reg: Registration,
                   server_mac: bytes, remote: str, p2p_addr: str, reachable: bool,
-                  resume: st.Resume | None, host: str) -> None:
+                  host: str) -> None:
         """Welcomes a peer whose hello passed every check (no await: atomic)."""
         conn.max_frame = self.max_frame
         self._conns[peer_id] = conn
@@ -790,28 +772,26 @@ class MasterNode:
                                    heartbeat_interval=self.heartbeat_interval,
                                    heartbeat_timeout=self.heartbeat_timeout,
                                    reachable=reachable, p2p_address=p2p_addr))
+        resume = reg.resume
         how = ("registered" if resume is None else
-               f"re-registered (was peer {hello.resume_peer_id}, revision "
-               f"{hello.resume_revision})")
-        name = "".join(c for c in hello.name if c.isprintable())
+               f"re-registered (was peer {resume.peer_id}, revision {resume.revision})")
+        name = reg.name
         cert_name = conn.remote[2] if conn.remote is not None else None
         if cert_name is not None:
             name = cert_name  # (the certificate's, not what the peer says)
         named = f" {name!r}" if name else ""
-        joined = (f"peer {peer_id}{named} {how} from {remote} (group {hello.peer_group}, p2p "
+        joined = (f"peer {peer_id}{named} {how} from {remote} (group {reg.peer_group}, p2p "
                   f"{p2p_addr}{'' if reachable else ': not reachable from here, behind NAT?'}"
                   f", {'encrypted' if conn.encrypted else 'clear text'})")
         log.info("%s", joined)
         self.monitor.connected(peer_id, remote, conn.encrypted, joined, name or None,
-                               version=min(hello.version, 1 << 20))
-        if hello.masters > 1 and not self.state.quorum_on and not self._quorum_warned:
+                               version=reg.version)
+        if reg.masters > 1 and not self.state.quorum_on and not self._quorum_warned:
             self._quorum_warned = True
             log.warning("peer %d fails over between %d masters, but this master counts no "
                         "quorums: two masters could each run its group. Start every master "
                         "of a run with several with --quorum (MasterNode(quorum=True)); a "
-                        "standby always counts them", peer_id, min(hello.masters, 64))
-        punch_addrs = tuple(join_host_port(host, port)
-                            for port in hello.p2p_punch_ports[:16] if 0 < port < 65536)
+                        "standby always counts them", peer_id, reg.masters)
         key = conn.remote[0] if conn.remote is not None else b""
         if conn.remote is not None:
             _, fp, cert_name, _, not_after = conn.remote
@@ -819,14 +799,13 @@ class MasterNode:
         denylist = self.identity.denylist
         if denylist is not None:
             conn.send_nowait(m.Denylist(data=denylist))
-        self._feed(st.PeerRegistered(peer_id, hello.peer_group, p2p_addr, resume,
-                                     reachable=reachable, allow_relay=hello.allow_relay,
-                                     punch_addrs=punch_addrs,
-                                     masters=max(1, min(hello.masters, 64)), key=key,
+        self._feed(st.PeerRegistered(peer_id, reg.peer_group, p2p_addr, resume,
+                                     reachable=reachable, allow_relay=reg.allow_relay,
+                                     punch_addrs=reg.punch_addrs(host),
+                                     masters=reg.masters, key=key,
                                      public_host=source_key(conn.peername[0])
                                      if conn.peername[0] != "?" else "",
-                                     lan_addrs=tuple(join_host_port(a, hello.p2p_port)
-                                                     for a in hello.local_addrs)))
+                                     lan_addrs=reg.lan_addrs()))
 
     async def _doctor(self, conn: FramedConnection, hello: m.DoctorHello, nonce: bytes,
                       remote: str) -> None:
