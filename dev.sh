@@ -4,6 +4,8 @@
 #   ./dev.sh test   set everything up, run the static checks (below), then every test
 #                   (cargo + pytest), then the wheel (below), then build the documentation
 #                   strictly (what CI runs)
+#   ./dev.sh test quick   the quick loop: the unit and integration tiers of pytest only
+#                   (tests/conftest.py TIERS; minutes, not the full run's quarter hour)
 #   ./dev.sh check  only the static checks, on an existing setup: ruff, mypy --strict over
 #                   pccl/, stubtest of pccl/_core.pyi against the built extension, cargo
 #                   clippy (-D warnings) and cargo fmt --check
@@ -186,8 +188,16 @@ case "${1:-}" in
         "$VENV/bin/python" -m pccl demo "$@"
         ;;
     test)
-        setup
         shift
+        if [ "${1:-}" = quick ]; then
+            # The quick loop: the unit and integration tiers only (tests/conftest.py),
+            # on the setup there is (set up first on a fresh machine).
+            shift
+            "$VENV/bin/python" -c "import pccl._core" 2>/dev/null || setup
+            "$VENV/bin/python" -m pytest -q -m "unit or integration" "$@"
+            exit
+        fi
+        setup
         check
         cargo test --locked
         "$VENV/bin/python" -m pytest "$@"
