@@ -45,6 +45,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from pccl import _core
+from pccl.config import read_secret_file
 from pccl.errors import InvalidArgumentError
 
 __all__ = ["MIN_SECRET_BITS", "ROTATION_GRACE", "Secrets", "check_secret", "describe", "load",
@@ -210,14 +211,8 @@ class Secrets:
     def _read(self) -> tuple[bytes | None, list[bytes]]:
         """The file's secret (its first line) and the older ones of its further lines."""
         assert self.path is not None
-        try:
-            lines = [x.strip() for x in self.path.read_bytes().splitlines() if x.strip()]
-        except OSError as e:
-            raise InvalidArgumentError(
-                f"cannot read the {self.what} file {str(self.path)!r}: {e.strerror or e}"
-            ) from None
-        if not lines:
-            raise InvalidArgumentError(f"the {self.what} file {str(self.path)!r} is empty")
+        data = read_secret_file(self.path, f"{self.what} file")  # (unreadable, empty: refused)
+        lines = [x.strip() for x in data.splitlines() if x.strip()]
         if len(lines) > 1 + MAX_OLDER_SECRETS:
             raise InvalidArgumentError(
                 f"the {self.what} file {str(self.path)!r} has {len(lines)} lines: the "
