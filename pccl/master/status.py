@@ -140,6 +140,12 @@ def to_json(doc: Any) -> str:
     return json.dumps(finite(doc), separators=(",", ":"), allow_nan=False)
 
 
+def _append_only(path: Path) -> io.TextIOWrapper:
+    """``path`` opened to append text, created 0600 (closed by ``RunMonitor.close``)."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+    return open(fd, "a", encoding="utf-8")  # noqa: SIM115
+
+
 def _timeline_entry(line: bytes) -> dict[str, Any] | None:
     """One line of a timeline file as an entry, or None when it is not one."""
     try:
@@ -281,12 +287,15 @@ class RunMonitor:
         state_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         path = state_dir / TIMELINE_FILE
         old: list[dict[str, Any]] = []
+        cut = False  # the file ends inside a line (a crash mid-write)
         if path.exists():
             with path.open("rb") as f:
                 f.seek(0, io.SEEK_END)
                 start = max(0, f.tell() - 4 * TIMELINE_MAX_BYTES)
                 f.seek(start)
-                lines = f.read().split(b"\n")
+                data = f.read()
+            cut = bool(data) and not data.endswith(b"\n")
+            lines = data.split(b"\n")
             for line in lines[1 if start else 0:]:
                 entry = _timeline_entry(line)
                 if entry is not None:
@@ -294,14 +303,9 @@ class RunMonitor:
         for entry in old[-TIMELINE_LENGTH:]:
             self._keep(entry)
         self._seq = max([self._seq, *(e["seq"] for e in old)])
-        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
-        self._journal = open(fd, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
-        self._journal_path = path
-        if old or path.stat().st_size:
-            with path.open("rb") as f:
-                f.seek(-1, io.SEEK_END)
-                if f.read(1) != b"\n":  # a line cut by a crash: ours start on a new one
-                    self._journal.write("\n")
+        self._journal, self._journal_path = _append_only(path), path
+        if cut:  # ours start on a new line
+            self._journal.write("\n")
         if old:
             log.info("timeline: %d entries taken back from %s", len(old[-TIMELINE_LENGTH:]), path)
 
@@ -316,8 +320,7 @@ class RunMonitor:
             if self._journal.tell() > TIMELINE_FILE_MAX_BYTES:
                 self._journal.close()
                 os.replace(self._journal_path, str(self._journal_path) + ".1")
-                fd = os.open(self._journal_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
-                self._journal = open(fd, "a", encoding="utf-8")  # noqa: SIM115
+                self._journal = _append_only(self._journal_path)
         except OSError as e:
             log.warning("timeline: writing %s failed (%s); the timeline is kept in memory "
                         "only from now on", self._journal_path, e)
