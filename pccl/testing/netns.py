@@ -214,22 +214,21 @@ class MasterProcess:
             stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE, env={**os.environ, "PYTHONUNBUFFERED": "1"})
         self._reader = asyncio.create_task(self._read_log())
-        assert self.proc.stdout is not None
+        self.address = await self._next_line(r"listening on (\S+)", "did not start", timeout)
+        if self.status:
+            self.status_url = await self._next_line(r"status page on (http://\S+/)",
+                                                    "serves no status page", timeout)
+
+    async def _next_line(self, pattern: str, failure: str, timeout: float) -> str:
+        """The first group of ``pattern`` in the master's next line of output."""
+        assert self.proc is not None and self.proc.stdout is not None
         async with asyncio.timeout(timeout):
             line = (await self.proc.stdout.readline()).decode()
-        m = re.search(r"listening on (\S+)", line)
+        m = re.search(pattern, line)
         if m is None:
-            raise NetnsError(f"the master on {self.host.label} did not start: {line!r} "
+            raise NetnsError(f"the master on {self.host.label} {failure}: {line!r} "
                              f"{self.log[-5:]}")
-        self.address = m.group(1)
-        if self.status:
-            async with asyncio.timeout(timeout):
-                line = (await self.proc.stdout.readline()).decode()
-            m = re.search(r"status page on (http://\S+/)", line)
-            if m is None:
-                raise NetnsError(f"the master on {self.host.label} serves no status page: "
-                                 f"{line!r}")
-            self.status_url = m.group(1)
+        return m.group(1)
 
     async def api_status(self) -> Any:
         """Its ``/api/status`` document, fetched on its own host (its loopback)."""
