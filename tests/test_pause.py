@@ -28,6 +28,7 @@ import pytest
 
 import pccl
 from pccl.peer.pause import PauseWatch, describe
+from pccl.testing.processes import kill_and_reap
 
 ROOT = Path(__file__).resolve().parent.parent
 PEER = ROOT / "examples" / "peer.py"
@@ -105,12 +106,7 @@ class Script:
     async def close(self) -> None:
         if self.proc is None:
             return
-        if self.proc.returncode is None:
-            self.proc.send_signal(signal.SIGCONT)
-            self.proc.kill()
-        await self.proc.wait()
-        if self._reader is not None:
-            await asyncio.gather(self._reader, return_exceptions=True)
+        await kill_and_reap(self.proc, self._reader)
         transport = getattr(self.proc, "_transport", None)
         if transport is not None:
             transport.close()

@@ -69,6 +69,21 @@ async def master_process(port: int, *flags: str, log: Any = None
         stderr=asyncio.subprocess.DEVNULL if log is None else asyncio.subprocess.STDOUT)
 
 
+async def kill_and_reap(proc: asyncio.subprocess.Process,
+                        reader: asyncio.Task[None] | None) -> None:
+    """SIGKILLs ``proc`` if it still runs (a stopped one too), reaps it, and waits out
+    ``reader``, the task reading its output: EOF comes once every holder of the pipe
+    is gone, so bounded (a command prefix may leave a grandchild holding it)."""
+    if proc.returncode is None:
+        proc.send_signal(signal.SIGCONT)
+        proc.kill()
+    await proc.wait()
+    if reader is not None:
+        await asyncio.wait({reader}, timeout=10)
+        reader.cancel()
+        await asyncio.gather(reader, return_exceptions=True)
+
+
 async def stop_process(proc: asyncio.subprocess.Process, timeout: float = 10.0) -> None:
     """SIGTERM (a graceful stop), SIGKILL if it is still running after ``timeout``
     seconds; returns once the process is reaped."""
@@ -192,16 +207,7 @@ class PeerProcess:
         """Kills the process if it still runs and reaps it."""
         if self.proc is None:
             return
-        if self.proc.returncode is None:
-            self.proc.send_signal(signal.SIGCONT)
-            self.proc.kill()
-        await self.proc.wait()
-        if self._reader is not None:
-            # EOF comes once every holder of the pipe is gone: bounded, in case a
-            # command prefix left a grandchild holding it.
-            await asyncio.wait({self._reader}, timeout=10)
-            self._reader.cancel()
-            await asyncio.gather(self._reader, return_exceptions=True)
+        await kill_and_reap(self.proc, self._reader)
         if self.proc.stdin is not None:
             self.proc.stdin.close()
             with contextlib.suppress(Exception):
