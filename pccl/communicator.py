@@ -25,7 +25,7 @@ from pccl.errors import (
     MasterConnectionError,
 )
 from pccl.peer import state as ps
-from pccl.peer.driver import Driver
+from pccl.peer.driver import Driver, ReduceRun, SyncRun
 from pccl.peer.metrics import PeerMetrics
 from pccl.peer.options import (
     DEFAULT_TIMEOUT,
@@ -253,7 +253,10 @@ class Communicator(Driver):
         self._pauses: PauseWatch | None = None
         # One future per waiting call (pccl.peer.state.Waiter); the machine answers them.
         self._waiters: dict[ps.Waiter, asyncio.Future[Any]] = {}
-        self._rings: dict[int, Any] = {}  # tag -> the ring op running it
+        # What the data plane's commands act on: each running all-reduce's tensors and
+        # ring op by tag, and the running sync's (pccl.peer.driver).
+        self._reduces: dict[int, ReduceRun] = {}
+        self._sync_run: SyncRun | None = None
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> Communicator:
@@ -555,11 +558,12 @@ class Communicator(Driver):
             raise _core.InvalidArgumentError("tag must be a non-negative integer")
         tiny = src.nbytes <= self.via_master_max_bytes and q.algorithm == QuantizationAlgorithm.NONE
         data = bytes(src.data) if tiny else b""
-        self._feed(ps.StartCollective(m.CollectiveInit(
+        run = self._start_all_reduce(m.CollectiveInit(
             tag=tag, kind="all_reduce", dtype=int(src.dtype), count=src.count, op=int(op),
             quant_algorithm=int(q.algorithm), quant_dtype=int(q.dtype), timeout=wire,
-            shape=list(src.shape), data=data), early=src.nbytes <= self.early_start_max_bytes))
-        handle = asyncio.create_task(self._run_all_reduce(tag, q, src, dst, op),
+            shape=list(src.shape), data=data), src.nbytes <= self.early_start_max_bytes,
+            q, src, dst, op)
+        handle = asyncio.create_task(self._run_all_reduce(tag, run),
                                      name=f"pccl-all-reduce-{self.peer_id}-{tag}")
         self._handles.add(handle)
         handle.add_done_callback(self._handles.discard)

@@ -11,6 +11,7 @@ from reference import in_ring_order, ring_reference
 
 import pccl
 from pccl.peer import state as ps
+from pccl.protocol import messages as m
 from pccl.testing import Cluster, LinkEmulator
 from pccl.testing.crash import crash
 from pccl.testing.data import deterministic_tensor, digest
@@ -97,16 +98,16 @@ async def test_ring_done_here_but_failed_for_the_group_puts_the_tensor_back(
         xs = [deterministic_tensor("float32", n, seed=20 + i) for i in range(3)]
         before = [x.copy() for x in xs]
         ring_done = asyncio.Event()
-        feed = c._feed
+        do = c._do
 
-        def swallow_ring_done(ev: ps.Event) -> None:
-            if isinstance(ev, ps.RingDone):
-                assert ev.ok, ev
+        def swallow_ring_done(cmd: ps.Command) -> None:
+            if isinstance(cmd, ps.Send) and isinstance(cmd.msg, m.CollectiveDone):
+                assert cmd.msg.ok, cmd
                 ring_done.set()  # c's ring finished; the master never hears it
                 return
-            feed(ev)
+            do(cmd)
 
-        c._feed = swallow_ring_done  # type: ignore[method-assign]
+        c._do = swallow_ring_done  # type: ignore[method-assign]
         handles = [comm.all_reduce_async(x, quantization=q)
                    for comm, x in zip(cluster.comms, xs)]
         async with asyncio.timeout(60):

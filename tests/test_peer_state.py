@@ -94,16 +94,41 @@ def test_an_all_reduce_runs_reports_and_hears_one_outcome() -> None:
     assert sent(mc.handle(ps.StartCollective(init()))) == [init()]
     out = mc.handle(perform())
     p = m.CollectivePerform(tag=0, op_id=7, epoch=1, rank=1, world=3)
-    assert out == [ps.Resolve(ps.perform_of(0), (p, True)), ps.RunRing(0, p)]
+    assert out == [ps.RunRing(0, p, armed=True)]
     assert mc.collectives[0].phase is ps.CollectivePhase.RUNNING
     assert sent(mc.handle(ps.RingDone(0, True))) == [
         m.CollectiveDone(tag=0, op_id=7, ok=True, kind=ErrorKind.NONE, message="")]
     outcome = m.CollectiveOutcome(tag=0, op_id=7, ok=True, kind=ErrorKind.NONE, message="")
-    assert mc.handle(ps.FromMaster(outcome)) == [ps.Resolve(ps.outcome_of(0), outcome)]
-    # A duplicate outcome answers nothing: every waiter is answered once.
+    # The group's success: the ring's result is committed, then the call answered.
+    assert mc.handle(ps.FromMaster(outcome)) == [
+        ps.Commit(0), ps.Resolve(ps.reduce_of(0), ps.Reduced(3, "ring"))]
+    # A duplicate outcome answers nothing: every call is answered once.
     assert mc.handle(ps.FromMaster(outcome)) == []
-    mc.handle(ps.EndCollective(0))
     assert not mc.collectives and not mc.waiting
+
+
+def test_a_failed_outcome_rolls_the_input_back_before_failing_the_call() -> None:
+    mc = accepted()
+    cmds(mc, ps.StartCollective(init()), perform(), ps.RingDone(0, True))
+    out = mc.handle(ps.FromMaster(m.CollectiveOutcome(
+        tag=0, op_id=7, ok=False, kind=ErrorKind.PeerConnectionError, message="peer 3 died")))
+    assert out == [ps.Rollback(0), ps.Fail(ps.reduce_of(0), ErrorKind.PeerConnectionError,
+                                           "peer 3 died")]
+    assert not mc.collectives and not mc.waiting
+
+
+def test_an_outcome_while_the_ring_runs_settles_once_the_op_ended() -> None:
+    """Called off while its ring op runs: the op is stopped, and only once it has ended is
+    the input put back and the call failed (never while the ring still writes)."""
+    mc = accepted()
+    cmds(mc, ps.StartCollective(init()), perform())
+    out = mc.handle(ps.FromMaster(m.CollectiveOutcome(
+        tag=0, op_id=-1, ok=False, kind=ErrorKind.OperationTimeoutError, message="late")))
+    assert out == [ps.AbortRing(0)]
+    assert ps.reduce_of(0) in mc.waiting
+    out = mc.handle(ps.RingDone(0, False, ErrorKind.CollectiveAbortedError, "aborted"))
+    assert out == [ps.Rollback(0), ps.Fail(ps.reduce_of(0), ErrorKind.OperationTimeoutError,
+                                           "late")]
 
 
 def test_an_outcome_before_the_perform_fails_both_waiters_with_its_kind() -> None:
@@ -111,9 +136,7 @@ def test_an_outcome_before_the_perform_fails_both_waiters_with_its_kind() -> Non
     mc.handle(ps.StartCollective(init(3)))
     out = mc.handle(ps.FromMaster(m.CollectiveOutcome(
         tag=3, op_id=-1, ok=False, kind=ErrorKind.InvalidUsageError, message="mismatch")))
-    assert {(c.waiter, c.kind) for c in out if isinstance(c, ps.Fail)} == {
-        (ps.perform_of(3), ErrorKind.InvalidUsageError),
-        (ps.outcome_of(3), ErrorKind.InvalidUsageError)}
+    assert out == [ps.Fail(ps.reduce_of(3), ErrorKind.InvalidUsageError, "mismatch")]
 
 
 def test_a_perform_on_a_ring_being_installed_waits_for_the_install() -> None:
@@ -125,7 +148,7 @@ def test_a_perform_on_a_ring_being_installed_waits_for_the_install() -> None:
     assert mc.handle(perform(epoch=2, world_=2)) == []
     assert mc.collectives[0].phase is ps.CollectivePhase.WAIT_INSTALL
     out = mc.handle(ps.RingInstalled(2, 1))
-    assert [type(c) for c in out] == [ps.Resolve, ps.RunRing]
+    assert [type(c) for c in out] == [ps.RunRing]
 
 
 def test_a_round_of_an_epoch_being_installed_waits_for_that_install() -> None:
@@ -157,7 +180,7 @@ def test_a_perform_on_a_ring_that_is_not_here_fails_this_peers_part() -> None:
     (done,) = sent(out)
     assert isinstance(done, m.CollectiveDone) and not done.ok
     assert done.kind is ErrorKind.PeerConnectionError and "epoch 9" in done.message
-    assert ps.Resolve(ps.perform_of(0), (perform(epoch=9).msg, False)) in out
+    assert not any(isinstance(c, ps.RunRing) for c in out)
 
 
 def test_a_ring_of_one_reports_done_without_a_ring() -> None:
@@ -166,6 +189,9 @@ def test_a_ring_of_one_reports_done_without_a_ring() -> None:
     out = mc.handle(perform(world_=1))
     assert not any(isinstance(c, ps.RunRing) for c in out)
     assert sent(out)[0].ok  # type: ignore[attr-defined]
+    out = mc.handle(ps.FromMaster(m.CollectiveOutcome(tag=0, op_id=7, ok=True,
+                                                      kind=ErrorKind.NONE, message="")))
+    assert out == [ps.Commit(0, local=True), ps.Resolve(ps.reduce_of(0), ps.Reduced(1, "local"))]
 
 
 def test_the_master_calling_a_running_collective_off_aborts_its_ring() -> None:
@@ -182,14 +208,48 @@ def test_a_cancelled_collective_withdraws(performed: bool) -> None:
     mc.handle(ps.StartCollective(init()))
     if performed:
         mc.handle(perform())
-    out = mc.handle(ps.CancelCollective(0))
+    out = mc.handle(ps.Cancelled(ps.reduce_of(0)))
     (done,) = sent(out)
     assert isinstance(done, m.CollectiveDone) and not done.ok
     assert done.kind is ErrorKind.CollectiveAbortedError
     assert done.op_id == (7 if performed else -1)
     assert (ps.AbortRing(0) in out) is performed
-    # After the perform the outcome still comes (the driver waits for it, bounded).
-    assert (ps.outcome_of(0) in mc.waiting) is True
+    cancelled = ps.Fail(ps.reduce_of(0), ErrorKind.CollectiveAbortedError,
+                        "cancelled by the caller")
+    if not performed:
+        assert cancelled in out and not mc.waiting  # ended at once
+        return
+    # Running: it ends once its ring op stopped, with the input put back.
+    assert ps.reduce_of(0) in mc.waiting
+    out = mc.handle(ps.RingDone(0, False, ErrorKind.CollectiveAbortedError, "aborted"))
+    assert out == [ps.Rollback(0), cancelled]
+
+
+@pytest.mark.parametrize("decided_ok", [True, False])
+def test_a_caller_giving_up_after_reporting_still_applies_what_the_group_decided(
+        decided_ok: bool) -> None:
+    """Cancelled after this peer reported its part done: the group may have decided
+    already. A success decided before the withdrawal is committed here too (the group
+    must not differ), yet the call still ends as cancelled."""
+    mc = accepted()
+    cmds(mc, ps.StartCollective(init()), perform(), ps.RingDone(0, True))
+    out = mc.handle(ps.Cancelled(ps.reduce_of(0)))
+    assert [type(c) for c in out] == [ps.Send] and ps.reduce_of(0) in mc.waiting
+    out = mc.handle(ps.FromMaster(m.CollectiveOutcome(
+        tag=0, op_id=7, ok=decided_ok, kind=ErrorKind.NONE if decided_ok
+        else ErrorKind.CollectiveAbortedError, message="")))
+    applied = ps.Commit(0) if decided_ok else ps.Rollback(0)
+    assert out == [applied, ps.Fail(ps.reduce_of(0), ErrorKind.CollectiveAbortedError,
+                                    "cancelled by the caller")]
+
+
+def test_a_cancelled_call_whose_outcome_never_comes_expires_leaving_the_input() -> None:
+    mc = accepted()
+    cmds(mc, ps.StartCollective(init()), perform(), ps.RingDone(0, True),
+         ps.Cancelled(ps.reduce_of(0)))
+    out = mc.handle(ps.CallExpired(ps.reduce_of(0)))
+    assert [type(c) for c in out] == [ps.Log, ps.Rollback, ps.Fail]
+    assert not mc.collectives and not mc.waiting
 
 
 def test_calls_the_protocol_forbids_are_refused_with_their_kind() -> None:
@@ -201,7 +261,7 @@ def test_calls_the_protocol_forbids_are_refused_with_their_kind() -> None:
     with pytest.raises(ps.ProtocolViolation) as e:
         mc.handle(ps.StartTopology(0.0))
     assert e.value.kind is ErrorKind.PendingAsyncOpsError
-    mc.handle(ps.EndCollective(1))
+    mc.handle(ps.Cancelled(ps.reduce_of(1)))
     mc.handle(ps.StartTopology(0.0))
     with pytest.raises(ps.ProtocolViolation) as e:
         mc.handle(ps.StartTopology(0.0, optimize=True))
@@ -237,14 +297,15 @@ def test_losing_the_master_fails_every_waiter_and_rejoins_keeping_the_calls_wait
     mc.handle(ps.AskPending(req, True, 0.0))
     out = mc.handle(ps.MasterLost("no word from the master for 5s"))
     fails = {c.waiter for c in out if isinstance(c, ps.Fail)}
-    assert fails == {ps.perform_of(0), ps.outcome_of(0), ps.query_of(req)} - {ps.perform_of(0)}
+    assert fails == {ps.query_of(req)}  # the all-reduce: once its ring op stopped
     assert all(c.kind is ErrorKind.MasterConnectionError for c in out if isinstance(c, ps.Fail))
     assert ps.AbortRing(0) in out and ps.Rejoin() in out
     assert mc.status is ps.Status.RECONNECTING and ps.REJOIN in mc.waiting
     assert mc.usable() is not None
-    # Nothing is sent while the master is lost.
-    mc.handle(ps.EndCollective(0))
-    assert mc.handle(ps.RingDone(0, True)) == []
+    # Nothing is sent while the master is lost; the call ends with its input put back.
+    out = mc.handle(ps.RingDone(0, True))
+    assert out == [ps.Rollback(0), ps.Fail(ps.reduce_of(0), ErrorKind.MasterConnectionError,
+                                           "no word from the master for 5s")]
     # Registering again: the resume says what this peer held.
     assert mc.resume() == (2, 1, -1, [1, 2, 3])
     out = cmds(mc, ps.Welcomed(2), ps.FromMaster(world([1, 2, 3], 1)),
@@ -295,14 +356,63 @@ def test_a_sync_plans_fetches_reports_and_commits() -> None:
         mc.handle(ps.StartSync(sync_init))
     plan = m.SyncPlan(revision=3, fetch_keys=["w"], fetch_hashes=[b"x"], fetch_sources=[[1]],
                       source_ids=[1], source_addrs=["h:1"])
-    assert mc.handle(ps.FromMaster(plan)) == [ps.Resolve(ps.PLAN, plan)]
+    assert mc.handle(ps.FromMaster(plan)) == [ps.Fetch(plan)]
+    assert sent(mc.handle(ps.Fetched(True))) == [
+        m.SyncDone(ok=True, kind=ErrorKind.NONE, message="")]
+    outcome = m.SyncOutcome(ok=True, kind=ErrorKind.NONE, message="", revision=3)
+    assert mc.handle(ps.FromMaster(outcome)) == [ps.CommitSync(3), ps.Resolve(ps.SYNC, outcome)]
+    assert mc.sync is None and not mc.waiting and mc.last_revision == 3
+
+
+def test_a_sync_whose_fetch_failed_commits_nothing() -> None:
+    mc = accepted()
+    mc.handle(ps.StartSync(m.SyncInit(revision=3, strategy=0, keys=["w"], dtypes=[4],
+                                      counts=[1], hashes=[b"h"], unequal=[False])))
+    plan = m.SyncPlan(revision=3, fetch_keys=["w"], fetch_hashes=[b"x"], fetch_sources=[[1]],
+                      source_ids=[1], source_addrs=["h:1"])
+    mc.handle(ps.FromMaster(plan))
     assert sent(mc.handle(ps.Fetched(False, ErrorKind.PeerConnectionError, "holder died"))) == [
         m.SyncDone(ok=False, kind=ErrorKind.PeerConnectionError, message="holder died")]
-    outcome = m.SyncOutcome(ok=False, kind=ErrorKind.PeerConnectionError, message="x",
-                            revision=0)
-    assert mc.handle(ps.FromMaster(outcome)) == [ps.Resolve(ps.SYNC, outcome)]
-    mc.handle(ps.EndSync())
-    assert mc.sync is None and not mc.waiting
+    # (Even an ok outcome commits nothing this peer did not fetch.)
+    out = mc.handle(ps.FromMaster(m.SyncOutcome(ok=True, kind=ErrorKind.NONE, message="",
+                                                revision=3)))
+    assert not any(isinstance(c, ps.CommitSync) for c in out)
+    assert [type(c) for c in out] == [ps.Fail] and mc.last_revision == -1
+
+
+def test_an_outcome_while_fetching_stops_the_fetch_and_settles_after_it() -> None:
+    mc = accepted()
+    mc.handle(ps.StartSync(m.SyncInit(revision=3, strategy=0, keys=["w"], dtypes=[4],
+                                      counts=[1], hashes=[b"h"], unequal=[False])))
+    mc.handle(ps.FromMaster(m.SyncPlan(revision=3, fetch_keys=["w"], fetch_hashes=[b"x"],
+                                       fetch_sources=[[1]], source_ids=[1],
+                                       source_addrs=["h:1"])))
+    out = mc.handle(ps.FromMaster(m.SyncOutcome(
+        ok=False, kind=ErrorKind.PeerConnectionError, message="peer 1 lost", revision=0)))
+    assert out == [ps.AbortFetch()] and ps.SYNC in mc.waiting
+    out = mc.handle(ps.Fetched(False, ErrorKind.CollectiveAbortedError, "stopped"))
+    assert out == [ps.Fail(ps.SYNC, ErrorKind.PeerConnectionError, "peer 1 lost")]
+
+
+@pytest.mark.parametrize("fetched", [True, False])
+def test_a_withdrawn_sync_commits_only_what_the_group_decided_before(fetched: bool) -> None:
+    mc = accepted()
+    mc.handle(ps.StartSync(m.SyncInit(revision=3, strategy=0, keys=["w"], dtypes=[4],
+                                      counts=[1], hashes=[b"h"], unequal=[False])))
+    mc.handle(ps.FromMaster(m.SyncPlan(revision=3, fetch_keys=["w"], fetch_hashes=[b"x"],
+                                       fetch_sources=[[1]], source_ids=[1],
+                                       source_addrs=["h:1"])))
+    if fetched:
+        mc.handle(ps.Fetched(True))
+    out = mc.handle(ps.Cancelled(ps.SYNC))
+    assert sent(out) == [m.SyncWithdraw()]
+    assert (ps.AbortFetch() in out) is not fetched
+    if not fetched:
+        mc.handle(ps.Fetched(False, ErrorKind.CollectiveAbortedError, "stopped"))
+    out = mc.handle(ps.FromMaster(m.SyncOutcome(ok=True, kind=ErrorKind.NONE, message="",
+                                                revision=3)))
+    assert (ps.CommitSync(3) in out) is fetched
+    assert out[-1] == ps.Fail(ps.SYNC, ErrorKind.CollectiveAbortedError, "cancelled by the caller")
 
 
 def test_a_refused_sync_fails_the_plan_and_the_outcome() -> None:
@@ -311,17 +421,16 @@ def test_a_refused_sync_fails_the_plan_and_the_outcome() -> None:
                                       hashes=[], unequal=[])))
     out = mc.handle(ps.FromMaster(m.SyncOutcome(
         ok=False, kind=ErrorKind.CollectiveAbortedError, message="in update", revision=0)))
-    assert {c.waiter for c in out if isinstance(c, ps.Fail)} == {ps.PLAN, ps.SYNC}
-    # Withdrawing after the outcome sends the withdrawal (the master ignores it).
-    assert sent(mc.handle(ps.WithdrawSync())) == [m.SyncWithdraw()]
+    assert out == [ps.Fail(ps.SYNC, ErrorKind.CollectiveAbortedError, "in update")]
+    # The call is over: a late cancellation sends nothing.
+    assert mc.handle(ps.Cancelled(ps.SYNC)) == []
 
 
 def test_closing_fails_everything_once() -> None:
     mc = accepted()
     mc.handle(ps.StartCollective(init()))
     out = mc.handle(ps.Closed())
-    assert {c.waiter for c in out if isinstance(c, ps.Fail)} == {ps.perform_of(0),
-                                                                  ps.outcome_of(0)}
+    assert {c.waiter for c in out if isinstance(c, ps.Fail)} == {ps.reduce_of(0)}
     assert mc.handle(ps.Closed()) == []
     assert mc.handle(ps.MasterLost("late")) == []
 
@@ -355,14 +464,15 @@ def test_an_early_start_runs_the_ring_at_once_and_the_perform_only_arms_it() -> 
     p = m.CollectivePerform(tag=5, op_id=s0, epoch=1, rank=1, world=3)
     (sent_init,) = sent(out)
     assert (sent_init.early_op, sent_init.epoch) == (s0, 1)
-    assert ps.Resolve(ps.perform_of(5), (p, True)) in out and ps.RunRing(5, p) in out
+    # Not armed: until the master says every member called, a silent neighbour is no stall.
+    assert ps.RunRing(5, p, armed=False) in out
     assert mc.collectives[5].early
     # The master's perform under the same id: every member called; arm the stall timer.
     assert mc.handle(perform(tag=5, op_id=s0)) == [ps.ArmRing(5)]
     assert not mc.collectives[5].early
     assert sent(mc.handle(ps.RingDone(5, True)))[0].op_id == s0
-    assert mc.handle(_ok(5, s0)) == [ps.Resolve(ps.outcome_of(5), _ok(5, s0).msg)]
-    mc.handle(ps.EndCollective(5))
+    assert mc.handle(_ok(5, s0)) == [ps.Commit(5), ps.Resolve(ps.reduce_of(5),
+                                                              ps.Reduced(3, "ring"))]
     # The next collective of the tag derives the next id; another tag starts at 0.
     (nxt,) = sent(mc.handle(ps.StartCollective(init(5), early=True)))
     assert nxt.early_op == m.early_op_id(1, 5, 1) != s0
@@ -379,10 +489,11 @@ def test_a_voided_early_start_runs_again_under_the_masters_op_id() -> None:
     out = mc.handle(ps.RingDone(0, False, ErrorKind.CollectiveAbortedError, "aborted"))
     p = m.CollectivePerform(tag=0, op_id=42, epoch=1, rank=1, world=3)
     assert sent(out) == []
-    assert out[:3] == [ps.Resolve(ps.outcome_of(0), ps.REDO),
-                       ps.Resolve(ps.perform_of(0), (p, True)), ps.RunRing(0, p)]
+    # The input goes back, and the collective runs again from it, armed.
+    assert out == [ps.Rollback(0), ps.RunRing(0, p, armed=True)]
     assert sent(mc.handle(ps.RingDone(0, True)))[0].op_id == 42
-    assert mc.handle(_ok(0, 42)) == [ps.Resolve(ps.outcome_of(0), _ok(0, 42).msg)]
+    assert mc.handle(_ok(0, 42)) == [ps.Commit(0), ps.Resolve(ps.reduce_of(0),
+                                                              ps.Reduced(3, "ring"))]
     assert s0 != 42
 
 
@@ -394,8 +505,8 @@ def test_a_voided_early_start_that_already_reported_runs_again_at_once() -> None
         == [m.CollectiveDone(tag=0, op_id=s0, ok=False, kind=ErrorKind.PeerConnectionError,
                              message="reset")]
     out = mc.handle(perform(op_id=43))
-    assert [type(c) for c in out] == [ps.Resolve, ps.Resolve, ps.RunRing]
-    assert out[0] == ps.Resolve(ps.outcome_of(0), ps.REDO)
+    assert [type(c) for c in out] == [ps.Rollback, ps.RunRing]
+    assert out[1].perform.op_id == 43  # type: ignore[union-attr]
 
 
 def test_no_early_start_after_a_failure_until_the_ring_is_rebuilt() -> None:
@@ -406,13 +517,11 @@ def test_no_early_start_after_a_failure_until_the_ring_is_rebuilt() -> None:
     mc.handle(ps.FromMaster(m.CollectiveOutcome(tag=0, op_id=s0, ok=False,
                                                 kind=ErrorKind.PeerConnectionError,
                                                 message="reset")))
-    mc.handle(ps.EndCollective(0))
     (again,) = sent(mc.handle(ps.StartCollective(init(), early=True)))
     assert again.early_op == -1  # waits for the master's perform
     mc.handle(ps.FromMaster(m.CollectiveOutcome(tag=0, op_id=-1, ok=False,
                                                 kind=ErrorKind.PeerConnectionError,
                                                 message="x")))
-    mc.handle(ps.EndCollective(0))
     # The repaired ring (a new epoch) allows early starts again, counted from 0.
     cmds(mc, ps.FromMaster(world([1, 2], 2)),
          ps.FromMaster(m.TopologyUpdated(epoch=2, repair=True)), ps.RingInstalled(2, 1))
@@ -442,7 +551,7 @@ def test_an_early_start_waits_while_a_ring_is_being_installed() -> None:
 def test_cancelling_an_unconfirmed_early_start_withdraws_it() -> None:
     mc = accepted()
     mc.handle(ps.StartCollective(init(), early=True))
-    out = mc.handle(ps.CancelCollective(0))
+    out = mc.handle(ps.Cancelled(ps.reduce_of(0)))
     assert ps.AbortRing(0) in out
     (done,) = sent(out)
     assert done.op_id == -1 and done.kind is ErrorKind.CollectiveAbortedError
@@ -453,8 +562,10 @@ def test_a_called_off_early_start_stops_its_ring_and_fails_the_call() -> None:
     mc.handle(ps.StartCollective(init(), early=True))
     out = mc.handle(ps.FromMaster(m.CollectiveOutcome(
         tag=0, op_id=-1, ok=False, kind=ErrorKind.InvalidUsageError, message="disagree")))
-    assert ps.AbortRing(0) in out
-    assert ps.Fail(ps.outcome_of(0), ErrorKind.InvalidUsageError, "disagree") in out
+    assert out == [ps.AbortRing(0)]
+    out = mc.handle(ps.RingDone(0, False, ErrorKind.CollectiveAbortedError, "aborted"))
+    assert out == [ps.Rollback(0), ps.Fail(ps.reduce_of(0), ErrorKind.InvalidUsageError,
+                                           "disagree")]
 
 
 def test_an_abort_of_the_run_again_that_comes_before_it_starts_is_kept() -> None:

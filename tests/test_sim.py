@@ -7,13 +7,17 @@ e.g. 100000)."""
 
 from __future__ import annotations
 
+import ast
+import dataclasses
 import os
+from pathlib import Path
 
 import pytest
 
 from pccl.errors import ErrorKind
 from pccl.peer import state as ps
 from pccl.protocol import messages as m
+from pccl.testing import sim
 from pccl.testing.sim import Sim
 
 SCHEDULES = int(os.environ.get("PCCL_SIM_SCHEDULES", "2000"))
@@ -76,14 +80,45 @@ def test_the_invariants_catch_a_peer_that_reports_a_failed_ring_as_done(
     """The simulation can fail: with a peer that always reports its ring part done, the
     group applies results of rings that broke, and the checks say so."""
 
+    honest = ps.PeerMachine._ring_done
+
     def lying(self: ps.PeerMachine, ev: ps.RingDone, out: list[ps.Command]) -> None:
-        col = self.collectives.get(ev.tag)
-        if col is None or col.perform is None or col.phase is not ps.CollectivePhase.RUNNING:
-            return
-        col.phase = ps.CollectivePhase.WAIT_OUTCOME
-        self._send(m.CollectiveDone(tag=ev.tag, op_id=col.perform.op_id, ok=True,
-                                    kind=ErrorKind.NONE, message=""), out)
+        honest(self, dataclasses.replace(ev, ok=True, kind=ErrorKind.NONE, message=""), out)
 
     monkeypatch.setattr(ps.PeerMachine, "_ring_done", lying)
     bad, _ = _violations(0, 100)
     assert any("whose ring failed" in v for v in bad)
+
+
+def test_a_bug_planted_in_the_machines_commit_rule_is_caught(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The simulation runs the machine's own commit rule (what the driver runs): with the
+    rule's condition dropped, so that a failed outcome commits the ring's result too,
+    peers apply results the group did not decide, and the checks say so."""
+    rule = ps.PeerMachine._settle
+
+    def careless(self: ps.PeerMachine, col: ps.Collective, out: list[ps.Command]) -> None:
+        if isinstance(col.decided, m.CollectiveOutcome) and col.held:
+            col.decided = dataclasses.replace(col.decided, ok=True)
+            col.ring_ok = True
+        rule(self, col, out)
+
+    monkeypatch.setattr(ps.PeerMachine, "_settle", careless)
+    bad, _ = _violations(0, 100)
+    assert any("without the master's ok outcome" in v for v in bad), bad[:5]
+    # And the rule as it is keeps every seed clean (the same seeds).
+    monkeypatch.setattr(ps.PeerMachine, "_settle", rule)
+    assert _violations(0, 100)[0] == []
+
+
+def test_the_simulator_carries_out_commands_and_decides_nothing() -> None:
+    """pccl/testing/sim.py holds no copy of the peer's rules: it never reads a call's
+    state out of the machine (only its public queries: waiting, status, ring, resume),
+    and never dispatches on a waiter's shape by hand."""
+    source = (Path(sim.__file__)).read_text()
+    tree = ast.parse(source)
+    internals = {"collectives", "early", "redo", "aborted", "redo_aborted", "phase", "held",
+                 "decided", "cancelled_calls", "installs", "proposed"}
+    read = {node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute)}
+    assert not read & internals, read & internals
+    assert "w[0]" not in source and "waiter[0]" not in source

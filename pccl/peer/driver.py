@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hmac
 import logging
 import math
@@ -48,6 +49,38 @@ log = logging.getLogger("pccl.communicator")
 
 #: Seconds between the ticks that tell a pause of this process from a lost master.
 PAUSE_TICK = 0.5
+
+
+@dataclasses.dataclass
+class ReduceRun:
+    """What the data-plane commands of one all-reduce act on: the call's tensors, and
+    its ring op while there is one (``tx``/``rx``: what that op moved)."""
+
+    q: QuantizationOptions
+    src: RawTensor
+    dst: RawTensor
+    op: ReduceOp
+    ring: Any = None
+    algorithm: str = "local"
+    tx: int = 0
+    rx: int = 0
+
+
+@dataclasses.dataclass
+class SyncRun:
+    """What the data-plane commands of the running sync act on."""
+
+    state: SharedState
+    by_key: dict[str, RawTensor]
+    in_place: bool
+    progress: Callable[[SyncProgress], object] | None
+    progress_interval: float
+    served_before: int
+    fetched: dict[str, Any] = dataclasses.field(default_factory=dict)
+    fetch: asyncio.Task[None] | None = None
+    error: BaseException | None = None  # not a PCCLError: a bug, raised to the caller
+    # Set when the call ends: progress reports (what this peer served) go on until then.
+    ended: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
 
 
 class Driver:
@@ -91,7 +124,8 @@ class Driver:
     _heartbeat_timeout: float
     _pauses: PauseWatch | None
     _waiters: dict[ps.Waiter, asyncio.Future[Any]]
-    _rings: dict[int, Any]
+    _reduces: dict[int, ReduceRun]
+    _sync_run: SyncRun | None
     metrics: PeerMetrics
 
     @property
@@ -391,6 +425,26 @@ class Driver:
             self._waiters.pop(w, None)
         self._feed(ev)
 
+    async def _answer(self, call: ps.ReduceCall | ps.SyncCall, fut: asyncio.Future[Any]) -> Any:
+        """The machine's answer to ``call``. A caller that gives up withdraws the call
+        (:class:`pccl.peer.state.Cancelled`) and waits, at most ``timeout``, until the
+        machine has ended it (a success the group decided before is applied then);
+        ``CancelledError`` goes on after that."""
+        try:
+            return await asyncio.shield(fut)
+        except asyncio.CancelledError:
+            if not fut.done():
+                self._feed(ps.Cancelled(call))
+                try:
+                    if not fut.done():
+                        with contextlib.suppress(TimeoutError):
+                            async with asyncio.timeout(self.timeout):
+                                await asyncio.wait([fut])
+                finally:
+                    if not fut.done():
+                        self._feed(ps.CallExpired(call))
+            raise
+
     def _do(self, c: ps.Command) -> None:
         if isinstance(c, ps.Send):
             if self._conn is not None:
@@ -398,24 +452,21 @@ class Driver:
         elif isinstance(c, (ps.Resolve, ps.Fail)):
             fut = self._future(c.waiter)
             if fut.done():
-                # Answered again: the machine waits anew (a voided early start runs the
-                # collective again); the caller picks the new future up.
+                # Answered again (an admission per registration): the caller picks the
+                # new future up.
                 fut = self._waiters[c.waiter] = asyncio.get_running_loop().create_future()
             if isinstance(c, ps.Resolve):
                 fut.set_result(c.value)
             else:
                 fut.set_exception(c.kind.error(c.message))
                 fut.exception()  # nobody may be awaiting it (e.g. after connect())
-        elif isinstance(c, ps.RunRing):
-            pass  # the all-reduce call awaiting the perform runs it (_run_all_reduce)
-        elif isinstance(c, ps.AbortRing):
-            ring = self._rings.get(c.tag)
-            if ring is not None:
-                ring.abort()
-        elif isinstance(c, ps.ArmRing):
-            ring = self._rings.get(c.tag)
-            if ring is not None:
-                ring.arm()
+            if isinstance(c.waiter, ps.ReduceCall):
+                self._reduces.pop(c.waiter.tag, None)  # its last command
+        elif isinstance(c, (ps.RunRing, ps.AbortRing, ps.ArmRing, ps.Rollback, ps.Commit,
+                            ps.ApplyResult)):
+            self._reduce_command(c)
+        elif isinstance(c, (ps.Fetch, ps.AbortFetch, ps.CommitSync)):
+            self._sync_command(c)
         elif isinstance(c, ps.InstallRing):
             self._spawn(self._install(c), f"pccl-topology-{self.peer_id}-{c.epoch}")
         elif isinstance(c, ps.Establish):
@@ -432,6 +483,140 @@ class Driver:
                 log.log(logging.INFO if c.info else logging.WARNING, "%s", c.message)
         else:  # pragma: no cover - the type union is closed
             raise TypeError(c)
+
+    # --- the data plane: what the machine's commands do to a call's tensors ------------
+
+    def _reduce_command(self, c: ps.RunRing | ps.AbortRing | ps.ArmRing | ps.Rollback
+                        | ps.Commit | ps.ApplyResult) -> None:
+        run = self._reduces[c.tag]  # (registered before the call's StartCollective)
+        if isinstance(c, ps.RunRing):
+            self._start_ring(c, run)
+        elif isinstance(c, ps.AbortRing):
+            if run.ring is not None:
+                run.ring.abort()
+        elif isinstance(c, ps.ArmRing):
+            if run.ring is not None:
+                run.ring.arm()
+        elif isinstance(c, ps.Rollback):
+            # In place, the ring wrote the caller's tensor as it went: the original
+            # bytes go back. Out of place only `out` was written.
+            ring, run.ring = run.ring, None
+            if ring is not None:
+                ring.rollback()
+        elif isinstance(c, ps.Commit):
+            if c.local:
+                if run.dst.data is not run.src.data:
+                    _core.copy_into(run.dst.data, run.src.data)
+            else:
+                ring, run.ring = run.ring, None
+                ring.commit(run.dst.data)
+        else:
+            _core.copy_into(run.dst.data, c.data)  # reduced by the master
+
+    def _start_ring(self, c: ps.RunRing, run: ReduceRun) -> None:
+        """Starts the ring op; a task waits for its end and feeds RingDone."""
+        p = c.perform
+        try:
+            if self._node is None:
+                raise MasterConnectionError("the communicator was closed")
+            # The results land in `dst` as the ring computes them: no copy after the
+            # outcome. Out of place `src` is never written, so a failed collective loses
+            # nothing; in place the original bytes move to a backup as the ring goes,
+            # and a Rollback puts them back.
+            in_place = run.dst.data is run.src.data
+            ring = self._node.start_all_reduce(
+                p.op_id, p.rank, p.world, run.src.data, int(run.src.dtype), int(run.op),
+                piece_bytes=self.piece_bytes, quant_algorithm=int(run.q.algorithm),
+                quant_dtype=int(run.q.dtype), out=None if in_place else run.dst.data,
+                armed=c.armed, in_place=in_place)
+        except PCCLError as e:
+            asyncio.get_running_loop().call_soon(
+                self._feed, ps.RingDone(c.tag, False, ErrorKind.of(e), str(e)))
+            return
+        run.ring, run.algorithm = ring, str(ring.algorithm)
+        self._spawn(self._ring_op(c.tag, run, ring), f"pccl-ring-{self.peer_id}-{c.tag}")
+
+    async def _ring_op(self, tag: int, run: ReduceRun, ring: Any) -> None:
+        running = ring.run()
+        try:
+            # Shielded: a cancelled task (close()) stops the op through its token and
+            # waits for it instead of dropping it mid-frame.
+            run.tx, run.rx = await asyncio.shield(running)
+        except asyncio.CancelledError:
+            ring.abort()
+            with contextlib.suppress(Exception):
+                await running
+            self._feed(ps.RingDone(tag, False, ErrorKind.CollectiveAbortedError,
+                                   "the communicator was closed"))
+            raise
+        except PCCLError as e:
+            self._feed(ps.RingDone(tag, False, ErrorKind.of(e), str(e)))
+            return
+        self._feed(ps.RingDone(tag, True))
+
+    def _sync_command(self, c: ps.Fetch | ps.AbortFetch | ps.CommitSync) -> None:
+        run = self._sync_run
+        assert run is not None  # (set before the sync's StartSync)
+        if isinstance(c, ps.Fetch):
+            run.fetch = asyncio.create_task(self._fetch(run, c.plan),
+                                            name=f"pccl-fetch-{self.peer_id}")
+            self._tasks.add(run.fetch)
+            run.fetch.add_done_callback(self._tasks.discard)
+        elif isinstance(c, ps.AbortFetch):
+            if run.fetch is not None:
+                run.fetch.cancel()
+        else:
+            # Not awaited on purpose: the commit must not be interrupted halfway. The
+            # copy releases the GIL and runs on all cores.
+            for key, scratch in run.fetched.items():
+                if scratch is not run.by_key[key].data:
+                    _core.copy_into(run.by_key[key].data, scratch)
+            run.state.revision = c.revision
+
+    async def _fetch(self, run: SyncRun, plan: m.SyncPlan) -> None:
+        """This peer's fetches of a sync plan; feeds Fetched."""
+        assert self._node is not None
+        prefault: asyncio.Task[None] | None = None
+        try:
+            if not run.in_place and plan.fetch_keys:
+                # Back the tensors the commit will write with pages while the bytes
+                # travel (contents untouched), so the commit is a plain copy.
+                prefault = asyncio.create_task(asyncio.to_thread(
+                    prefault_all, [run.by_key[k].data for k in plan.fetch_keys]))
+            fetcher = Fetcher(self._node, self.peer_id, self.p2p_connection_pool_size,
+                              self.peer_timeout, self._master_addr)
+            report = SyncReporter(lambda: self._node, self.peer_id, run.progress,
+                                  run.progress_interval, run.served_before, fetcher,
+                                  run.fetched,
+                                  [run.by_key[k].nbytes for k in plan.fetch_keys])
+
+            def sync_progress(report: SyncReporter = report) -> tuple[int, int]:
+                snap = report.snapshot()
+                return snap.rx_bytes, snap.rx_total
+
+            self.metrics.sync_progress = sync_progress
+            async with report:
+                errors = await fetcher.fetch_planned(plan, run.by_key, run.in_place,
+                                                     run.fetched)
+                bugs = [r for r in errors if not isinstance(r, PCCLError)]
+                if bugs:
+                    run.error = bugs[0]
+                    self._feed(ps.Fetched(False, ErrorKind.PCCLError, repr(bugs[0])))
+                elif errors:
+                    self._feed(ps.Fetched(False, ErrorKind.of(errors[0]), str(errors[0])))
+                else:
+                    if prefault is not None:
+                        await prefault
+                    self._feed(ps.Fetched(True))
+                await run.ended.wait()  # (the others may still fetch from this peer)
+        except asyncio.CancelledError:
+            self._feed(ps.Fetched(False, ErrorKind.CollectiveAbortedError, "stopped"))
+            raise
+        except PCCLError as e:
+            self._feed(ps.Fetched(False, ErrorKind.of(e), str(e)))
+        finally:
+            if prefault is not None and not prefault.done():
+                prefault.cancel()  # the thread finishes on its own; nothing is written
 
     def _spawn(self, coro: Any, name: str) -> None:
         task = asyncio.create_task(coro, name=name)
@@ -781,195 +966,48 @@ class Driver:
             raise ErrorKind.parse(answer.kind).error(answer.message)
         return answer
 
-    async def _run_all_reduce(self, tag: int, q: QuantizationOptions, src: RawTensor,
-                              dst: RawTensor, op: ReduceOp) -> ReduceInfo:
-        """One all-reduce, counted in :attr:`metrics` (outcome, time, bytes per link)."""
+    def _start_all_reduce(self, init: m.CollectiveInit, early: bool, q: QuantizationOptions,
+                          src: RawTensor, dst: RawTensor, op: ReduceOp) -> ReduceRun:
+        """Hands a new all-reduce to the machine (its ring may start at once: the
+        tensors are registered first)."""
+        before = self._reduces.get(init.tag)  # (a call with this tag in flight: refused)
+        run = self._reduces[init.tag] = ReduceRun(q, src, dst, op)
+        try:
+            self._feed(ps.StartCollective(init, early))
+        except BaseException:
+            if before is None:
+                del self._reduces[init.tag]
+            else:
+                self._reduces[init.tag] = before
+            raise
+        return run
+
+    async def _run_all_reduce(self, tag: int, run: ReduceRun) -> ReduceInfo:
+        """One all-reduce started by :meth:`_start_all_reduce`, counted in
+        :attr:`metrics` (outcome, time, bytes per link)."""
         started = time.perf_counter()
         ring = list(self._m.ring)
+        call = ps.reduce_of(tag)
         try:
-            info, via_master = await self._all_reduce_on_ring(tag, q, src, dst, op)
+            done: ps.Reduced = await self._answer(call, self._future(call))
         except BaseException:
             self.metrics.collectives.labels("failed").inc()
             raise
+        finally:
+            self._waiters.pop(call, None)
         self.metrics.collectives.labels("ok").inc()
         self.metrics.collective_seconds.observe(time.perf_counter() - started)
-        if not via_master and info.algorithm == "ring":
-            # (The master's bytes are not a ring link's; the mesh's go to its partners.)
-            self.metrics.ring_traffic(list(self._m.ring) or ring, self.peer_id,
-                                      info.tx_bytes, info.rx_bytes)
-        return info
-
-    async def _all_reduce_on_ring(self, tag: int, q: QuantizationOptions, src: RawTensor,
-                                  dst: RawTensor, op: ReduceOp) -> tuple[ReduceInfo, bool]:
-        """-> (the info, whether the master reduced it)"""
-        perform_w, outcome_w = ps.perform_of(tag), ps.outcome_of(tag)
-        # In place, the ring writes the caller's tensor as it goes: unless the group's
-        # outcome is applied, `finally` puts the original bytes back (ring.rollback()).
-        ring: Any = None
-        applied = False
-        try:
-            while True:
-                perform_fut, outcome_fut = self._future(perform_w), self._future(outcome_w)
-                try:
-                    perform, run = await perform_fut
-                except asyncio.CancelledError:
-                    col = self._m.collectives.get(tag)
-                    if col is not None and col.init.data:
-                        # Sent to the master with its tensor: the init was this peer's
-                        # report, and the master may have decided already (then the
-                        # result is applied here too before CancelledError propagates).
-                        decided = await self._withdraw_collective(tag, outcome_fut)
-                        if isinstance(decided, m.CollectiveOutcome) and decided.ok:
-                            self._apply_reduce(decided.world, None, src, dst, decided)
-                        raise
-                    # Others would wait for us in the ring: call the collective off.
-                    self._feed(ps.CancelCollective(tag))
-                    raise
-                tx = rx = 0
-                ok = True
-                if run:
-                    ok, ring, tx, rx = await self._run_ring(tag, perform, q, src, dst, op)
-                try:
-                    outcome = await asyncio.shield(outcome_fut)
-                except asyncio.CancelledError:
-                    # The others must not apply a result this peer drops: call it off, and
-                    # apply it after all if the master had already decided (the outcome
-                    # says).
-                    decided = await self._withdraw_collective(tag, outcome_fut)
-                    if isinstance(decided, m.CollectiveOutcome) and decided.ok and ok:
-                        self._apply_reduce(perform.world, ring, src, dst, decided)
-                        applied = True
-                    raise
-                if outcome is not ps.REDO:
-                    break
-                # The master voided this early start: forget the answered futures and run
-                # the collective again as it was performed, from the original bytes.
-                if ring is not None:
-                    ring.rollback()
-                    ring = None
-                for w, fut in ((perform_w, perform_fut), (outcome_w, outcome_fut)):
-                    if self._waiters.get(w) is fut:
-                        del self._waiters[w]
-            if not outcome.ok:
-                raise ErrorKind.parse(outcome.kind).error(outcome.message)
-            self._apply_reduce(perform.world, ring, src, dst, outcome)
-            applied = True
-            algorithm = "local" if ring is None else str(ring.algorithm)
-            if outcome.data:  # reduced by the master: the bytes went there and back
-                tx, rx = src.nbytes, len(outcome.data)
-                algorithm = "master"
-            return (ReduceInfo(tx_bytes=int(tx), rx_bytes=int(rx), world_size=perform.world,
-                               algorithm=algorithm),
-                    bool(outcome.data))
-        finally:
-            if ring is not None and not applied:
-                ring.rollback()
-            self._rings.pop(tag, None)
-            if self._m.collectives.get(tag) is not None:
-                self._end(ps.EndCollective(tag), perform_w, outcome_w)
-
-    async def _run_ring(self, tag: int, perform: m.CollectivePerform, q: QuantizationOptions,
-                        src: RawTensor, dst: RawTensor, op: ReduceOp
-                        ) -> tuple[bool, Any, int, int]:
-        """This peer's part of the ring; reports it to the machine. -> (ok, ring op,
-        tx bytes, rx bytes)."""
-        assert self._node is not None
-        tx = rx = 0
-        ring: Any = None
-        col = self._m.collectives.get(tag)
-        try:
-            # The results land in `dst` as the ring computes them: no copy after the
-            # outcome. Out of place `src` is never written, so a failed collective loses
-            # nothing (`dst` holds unspecified bytes then); in place the original bytes
-            # move to a backup as the ring goes, and a failure puts them back. An early
-            # start is not armed: until the master says every member called, the
-            # previous peer may not have started yet, which is no stall.
-            in_place = dst.data is src.data
-            ring = self._node.start_all_reduce(
-                perform.op_id, perform.rank, perform.world, src.data, int(src.dtype),
-                int(op), piece_bytes=self.piece_bytes, quant_algorithm=int(q.algorithm),
-                quant_dtype=int(q.dtype), out=None if in_place else dst.data,
-                armed=col is None or not col.early, in_place=in_place)
-            self._rings[tag] = ring
-            if col is None or col.aborted or col.redo is not None:
-                ring.abort()
-            running = ring.run()
-            try:
-                # Shielded: a cancelled caller aborts the ring through its token instead
-                # of dropping it mid-frame.
-                tx, rx = await asyncio.shield(running)
-            except asyncio.CancelledError:
-                ring.abort()
-                with contextlib.suppress(Exception):
-                    await running
-                ring.rollback()  # (it may have finished just before the abort)
-                self._feed(ps.CancelCollective(tag))
-                raise
-        except PCCLError as e:
-            self._rings.pop(tag, None)
-            self._feed(ps.RingDone(tag, False, ErrorKind.of(e), str(e)))
-            return False, ring, 0, 0
-        self._rings.pop(tag, None)
-        self._feed(ps.RingDone(tag, True))
-        return True, ring, tx, rx
-
-    @staticmethod
-    def _apply_reduce(world: int, ring: Any, src: RawTensor, dst: RawTensor,
-                      outcome: m.CollectiveOutcome) -> None:
-        if outcome.data:
-            if ring is not None:
-                ring.rollback()  # (not run: the master reduced it)
-            _core.copy_into(dst.data, outcome.data)  # reduced by the master
-        elif world == 1 or ring is None:
-            if dst.data is not src.data:
-                _core.copy_into(dst.data, src.data)
+        if done.via == "master":  # the bytes went to the master and back
+            tx, rx, algorithm = run.src.nbytes, run.dst.nbytes, "master"
+        elif done.via == "local":
+            tx, rx, algorithm = 0, 0, "local"
         else:
-            ring.commit(dst.data)
-
-    async def _withdraw_collective(self, tag: int, outcome: asyncio.Future[Any]
-                                   ) -> m.CollectiveOutcome | None:
-        """After the caller cancelled a collective this peer reported done: fails it for
-        the group unless its outcome was already decided, and waits (bounded) for that
-        outcome."""
-        try:
-            self._feed(ps.CancelCollective(tag))
-            async with asyncio.timeout(self.timeout):
-                decided: m.CollectiveOutcome = await outcome
-                return decided
-        except PCCLError as e:
-            if isinstance(e, MasterConnectionError):
-                log.warning("peer %s: cancelled all_reduce(tag=%d); no outcome from the "
-                            "master (%s): output left as it was", self.peer_id, tag, e)
-        except TimeoutError:
-            log.warning("peer %s: cancelled all_reduce(tag=%d); no outcome from the master "
-                        "in %ss: output left as it was", self.peer_id, tag, self.timeout)
-        return None
-
-    def _commit_sync(self, state: SharedState, fetched: dict[str, Any],
-                     by_key: dict[str, RawTensor], outcome: m.SyncOutcome) -> None:
-        # Not awaited on purpose: the commit must not be interrupted halfway. The copy
-        # releases the GIL and runs on all cores.
-        for key, scratch in fetched.items():
-            if scratch is not by_key[key].data:
-                _core.copy_into(by_key[key].data, scratch)
-        state.revision = outcome.revision
-        self._m.committed(outcome.revision)
-
-    async def _withdraw_sync(self, plan: asyncio.Future[Any],
-                             outcome: asyncio.Future[Any]) -> m.SyncOutcome | None:
-        """After the caller cancelled a sync whose init went out: tells the master, and
-        waits (bounded) for the one outcome this peer gets for that sync. ``ok`` there
-        means the group had decided to commit before the withdrawal arrived."""
-        try:
-            self._feed(ps.WithdrawSync())
-            async with asyncio.timeout(self.timeout):
-                await plan  # raises if the outcome came first (refused or called off)
-                decided: m.SyncOutcome = await outcome
-                return decided
-        except (PCCLError, TimeoutError) as e:
-            log.warning("peer %s: cancelled sync_shared_state(); no outcome from the master "
-                        "(%s): nothing committed here", self.peer_id, e or "timed out")
-        return None
+            tx, rx, algorithm = run.tx, run.rx, run.algorithm
+            if algorithm == "ring":
+                # (The master's bytes are not a ring link's; the mesh's go to its partners.)
+                self.metrics.ring_traffic(list(self._m.ring) or ring, self.peer_id, tx, rx)
+        return ReduceInfo(tx_bytes=int(tx), rx_bytes=int(rx), world_size=done.world,
+                          algorithm=algorithm)
 
     async def _run_sync(self, state: SharedState, strategy: SharedStateSyncStrategy,
                         in_place: bool, progress: Callable[[SyncProgress], object] | None,
@@ -1011,71 +1049,33 @@ class Driver:
         node = self._node
         assert node is not None
         by_key = {i.name: r for i, r in zip(state.infos, raws)}
-        loop = asyncio.get_running_loop()
-        served_before = node.bytes_served()
-        prefault: asyncio.Task[None] | None = None
-        fetched: dict[str, Any] = {}
-        reported_ok = False
         init = m.SyncInit(
             revision=int(state.revision), strategy=int(strategy),
             keys=[i.name for i in state.infos], dtypes=[int(r.dtype) for r in raws],
             counts=[r.count for r in raws], hashes=list(hashes),
             unequal=[bool(i.allow_content_inequality) for i in state.infos], timeout=wire)
         self._check_fits(init, f"the shared state's description ({len(raws)} tensors)")
+        self._feed(ps.StartSync(init))  # (refused while another sync runs)
+        run = self._sync_run = SyncRun(state, by_key, in_place, progress, progress_interval,
+                                       node.bytes_served())
         for info, raw in zip(state.infos, raws):
             node.serve(info.name, raw.data)
         try:
-            self._feed(ps.StartSync(init))
-            plan_fut, outcome_fut = self._future(ps.PLAN), self._future(ps.SYNC)
             try:
-                # Shielded (here and for the outcome): a cancelled caller still needs them.
-                plan: m.SyncPlan = await asyncio.shield(plan_fut)
-                if not in_place and plan.fetch_keys:
-                    # Back the tensors the commit will write with pages while the bytes
-                    # travel (contents untouched), so the commit is a plain copy.
-                    prefault = loop.create_task(asyncio.to_thread(
-                        prefault_all, [by_key[k].data for k in plan.fetch_keys]))
-                fetcher = Fetcher(node, self.peer_id, self.p2p_connection_pool_size,
-                                  self.peer_timeout, self._master_addr)
-                report = SyncReporter(lambda: self._node, self.peer_id, progress,
-                                      progress_interval, served_before, fetcher, fetched,
-                                      [by_key[k].nbytes for k in plan.fetch_keys])
-
-                def sync_progress(report: SyncReporter = report) -> tuple[int, int]:
-                    snap = report.snapshot()
-                    return snap.rx_bytes, snap.rx_total
-
-                self.metrics.sync_progress = sync_progress
-                async with report:
-                    errors = await fetcher.fetch_planned(plan, by_key, in_place, fetched)
-                    for r in errors:
-                        if not isinstance(r, PCCLError):
-                            raise r
-                    if errors:
-                        self._feed(ps.Fetched(False, ErrorKind.of(errors[0]), str(errors[0])))
-                    else:
-                        self._feed(ps.Fetched(True))
-                        reported_ok = True
-                    if prefault is not None:
-                        await prefault
-                    outcome: m.SyncOutcome = await asyncio.shield(outcome_fut)
-            except asyncio.CancelledError:
-                # The group must not commit what this peer will not: withdraw, and commit
-                # after all if the group had already decided to (the outcome says which).
-                decided = await self._withdraw_sync(plan_fut, outcome_fut)
-                if decided is not None and decided.ok and reported_ok:
-                    self._commit_sync(state, fetched, by_key, decided)
+                await self._answer(ps.SYNC, self._future(ps.SYNC))
+            except PCCLError:
+                if run.error is not None:
+                    raise run.error from None  # a bug in a fetch, not the network's doing
                 raise
-            if not outcome.ok:
-                raise ErrorKind.parse(outcome.kind).error(outcome.message)
-            self._commit_sync(state, fetched, by_key, outcome)
-            rx = sum(int(a.nbytes) for a in fetched.values())
-            return SyncInfo(tx_bytes=int(node.bytes_served() - served_before), rx_bytes=rx)
+            rx = sum(int(a.nbytes) for a in run.fetched.values())
+            return SyncInfo(tx_bytes=int(node.bytes_served() - run.served_before), rx_bytes=rx)
         finally:
-            if prefault is not None and not prefault.done():
-                prefault.cancel()  # the thread finishes on its own; nothing is written
-            self._end(ps.EndSync(), ps.PLAN, ps.SYNC)
+            self._waiters.pop(ps.SYNC, None)
+            run.ended.set()
+            if run.fetch is not None:
+                # (Done fetching: the machine stopped a fetch before ending the call.)
+                await asyncio.wait([run.fetch])
+            self._sync_run = None
             if self._node is not None:
                 self._node.unserve_all()
                 self._node.drop_idle_transfers()
-

@@ -21,26 +21,40 @@ Sub-machines, one per kind of call that waits on the master:
 * an ``are_peers_pending`` question per request id;
 * one collective per tag (:class:`CollectivePhase`)::
 
-      WAIT_PERFORM ──Perform──▶ (WAIT_INSTALL) ──▶ RUNNING ──RingDone──▶ WAIT_OUTCOME ──▶ gone
-            └──────────── Outcome before Perform: refused / called off ──────────────▶ gone
+      WAIT_PERFORM ──Perform──▶ (WAIT_INSTALL) ──▶ RUNNING ──RingDone──▶ WAIT_OUTCOME ──▶ settled
+            └──────────── Outcome before Perform: refused / called off ──────────────▶ settled
+
+  The machine owns the call's whole life; the driver carries out its data-plane commands
+  on the call's tensors: :class:`RunRing` (feed :class:`RingDone`), :class:`AbortRing`,
+  :class:`ArmRing`, then exactly one of :class:`Commit` / :class:`ApplyResult` (the
+  group's success goes into the output) or :class:`Rollback` (the input is put back), and
+  last the call's answer (:class:`Resolve` with :class:`Reduced`, or :class:`Fail`). A
+  call is settled only after its ring op has ended (:meth:`PeerMachine._settle` is the
+  commit rule). A caller that gives up feeds :class:`Cancelled`: before this peer
+  reported, the collective fails for everyone at once; after, the call ends with the
+  master's outcome (a success decided before the withdrawal is still applied), or with
+  :class:`CallExpired` when the driver's bounded wait for it runs out.
 
   An *early start* skips the first wait: on a ring that carried this peer's last
   collectives without a failure, the call derives the op id the master would confirm
   (:func:`pccl.protocol.messages.early_op_id`) and goes straight to RUNNING, its init
   telling the master so. The master's Perform with that id then only arms the ring's
   stall timer; a Perform with another id means the master voided the early start (a
-  peer died, the ring changed, the peers disagreed): the early ring op is stopped and
-  the collective runs again as performed (the outcome waiter gets :data:`REDO`).
+  peer died, the ring changed, the peers disagreed): the early ring op is stopped, rolled
+  back, and the collective runs again as performed.
 
   A tiny collective's init carries its tensor (``data``); when the master reduced it
-  itself, the outcome carries the result and answers both waiters at once (no ring).
+  itself, the outcome carries the result (:class:`ApplyResult`; no ring).
 
-* one shared-state sync (:class:`SyncPhase`): WAIT_PLAN ─Plan─▶ FETCHING ─Fetched─▶
-  WAIT_OUTCOME.
+* one shared-state sync (:class:`SyncPhase`): WAIT_PLAN ─Plan─▶ FETCHING (:class:`Fetch`)
+  ─Fetched─▶ WAIT_OUTCOME ─Outcome─▶ :class:`CommitSync` and the answer. An outcome while
+  fetching stops the fetch (:class:`AbortFetch`) and settles once it ended.
 
-A waiting call is a :data:`Waiter` key. The machine answers each key at most once with
-:class:`Resolve` or :class:`Fail` (an error *kind*, not an exception object: see
-:class:`pccl.errors.ErrorKind`), and only while the key is in :attr:`PeerMachine.waiting`.
+A waiting call is a :data:`Waiter` (a frozen dataclass per kind of call). The machine
+answers each at most once with :class:`Resolve` or :class:`Fail` (an error *kind*, not an
+exception object: see :class:`pccl.errors.ErrorKind`), and only while it is in
+:attr:`PeerMachine.waiting`. The deterministic simulation (:mod:`pccl.testing.sim`)
+carries out the very same commands, so what it checks is what the driver runs.
 """
 
 from __future__ import annotations
@@ -53,39 +67,70 @@ from typing import Any
 from pccl.errors import ErrorKind
 from pccl.protocol import messages as m
 
-#: A call waiting on the master: ``("accept",)``, ``("rejoin",)``, ``("update",)``,
-#: ``("query", req)``, ``("perform", tag)``, ``("outcome", tag)``, ``("plan",)``,
-#: ``("sync",)``.
-Waiter = tuple[Any, ...]
-
-ACCEPT: Waiter = ("accept",)
-REJOIN: Waiter = ("rejoin",)
-UPDATE: Waiter = ("update",)
-PLAN: Waiter = ("plan",)
-SYNC: Waiter = ("sync",)
+# --- the calls that wait on the machine ---------------------------------------------
+# Each user call the machine answers is one of these keys: the driver keeps one future per
+# key, and the machine answers each key at most once, with :class:`Resolve` or :class:`Fail`.
 
 
-class Redo:
-    """What an outcome waiter gets when the master voided an early start: the
-    collective runs again, as performed (wait for the perform waiter anew)."""
-
-    def __repr__(self) -> str:
-        return "REDO"
+@dataclasses.dataclass(frozen=True)
+class Admission:
+    """``connect()``: admitted to the run (or registered again, while reconnecting)."""
 
 
-REDO = Redo()
+@dataclasses.dataclass(frozen=True)
+class Reregistration:
+    """Calls waiting out a re-registration after the master was lost."""
 
 
-def perform_of(tag: int) -> Waiter:
-    return ("perform", tag)
+@dataclasses.dataclass(frozen=True)
+class TopologyCall:
+    """``update_topology()`` or ``optimize_topology()``."""
 
 
-def outcome_of(tag: int) -> Waiter:
-    return ("outcome", tag)
+@dataclasses.dataclass(frozen=True)
+class PendingCall:
+    """``are_peers_pending()`` / ``pending_peer_count()``, by request id."""
+
+    req: int
 
 
-def query_of(req: int) -> Waiter:
-    return ("query", req)
+@dataclasses.dataclass(frozen=True)
+class ReduceCall:
+    """One all-reduce, by tag: resolved with :class:`Reduced` once its result was
+    committed (or applied), failed once its input was rolled back."""
+
+    tag: int
+
+
+@dataclasses.dataclass(frozen=True)
+class SyncCall:
+    """``sync_shared_state()``: resolved with the master's outcome once committed."""
+
+
+Waiter = Admission | Reregistration | TopologyCall | PendingCall | ReduceCall | SyncCall
+
+ACCEPT = Admission()
+REJOIN = Reregistration()
+UPDATE = TopologyCall()
+SYNC = SyncCall()
+
+
+def query_of(req: int) -> PendingCall:
+    return PendingCall(req)
+
+
+def reduce_of(tag: int) -> ReduceCall:
+    return ReduceCall(tag)
+
+
+@dataclasses.dataclass(frozen=True)
+class Reduced:
+    """What a finished all-reduce resolves with: how many peers took part, and where the
+    result came from: ``"ring"`` (this peer's ring op), ``"local"`` (a group of one: the
+    input itself) or ``"master"`` (the master reduced the tensors it was sent)."""
+
+    world: int
+    via: str
 
 
 class Status(enum.IntEnum):
@@ -226,16 +271,21 @@ class RingDone:
 
 
 @dataclasses.dataclass(frozen=True)
-class CancelCollective:
-    """The caller gave up on collective ``tag``: this peer withdraws (the others see it
-    fail, unless the master already decided the outcome)."""
+class Cancelled:
+    """The caller gave up on ``call`` (its task was cancelled): this peer withdraws. The
+    others see the call fail, unless the master decided its outcome already; then a
+    decided success is still applied here (the group must not differ). The machine ends
+    the call once that is settled: the driver waits for it, a bounded time."""
 
-    tag: int
+    call: ReduceCall | SyncCall
 
 
 @dataclasses.dataclass(frozen=True)
-class EndCollective:
-    tag: int
+class CallExpired:
+    """A cancelled call's bounded wait for its outcome ran out: it ends as it stands
+    (nothing applied here)."""
+
+    call: ReduceCall | SyncCall
 
 
 @dataclasses.dataclass(frozen=True)
@@ -252,20 +302,9 @@ class Fetched:
     message: str = ""
 
 
-@dataclasses.dataclass(frozen=True)
-class WithdrawSync:
-    """The caller gave up on the sync after its init went out."""
-
-
-@dataclasses.dataclass(frozen=True)
-class EndSync:
-    pass
-
-
 Event = (Welcomed | FromMaster | MasterLost | RejoinFailed | Closed | RingInstalled
          | PoolsEstablished | Probed | StartTopology | EndTopology | AskPending | EndQuery
-         | StartCollective | RingDone | CancelCollective | EndCollective | StartSync
-         | Fetched | WithdrawSync | EndSync)
+         | StartCollective | RingDone | StartSync | Fetched | Cancelled | CallExpired)
 
 
 # --- commands -----------------------------------------------------------------------
@@ -313,10 +352,14 @@ class InstallRing:
 
 @dataclasses.dataclass(frozen=True)
 class RunRing:
-    """Run this peer's part of collective ``tag`` (feed :class:`RingDone`)."""
+    """Start this peer's part of collective ``tag`` as ``perform`` says, on the call's
+    tensors (feed :class:`RingDone` when it ends). ``armed``: it may time out waiting
+    for the previous peer (an unconfirmed early start may not: that peer may not have
+    called yet)."""
 
     tag: int
     perform: m.CollectivePerform
+    armed: bool = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -324,6 +367,52 @@ class AbortRing:
     """Stop collective ``tag``'s ring op (it ends with :class:`RingDone`, failed)."""
 
     tag: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Rollback:
+    """Collective ``tag``'s ring op ended and its result is not taken: put the caller's
+    input back as it was (in place, the ring wrote into it) and drop the op."""
+
+    tag: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Commit:
+    """Collective ``tag`` succeeded for the group: its ring op's result goes into the
+    output; ``local`` (a group of one): the input is the result (copied to an ``out``)."""
+
+    tag: int
+    local: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class ApplyResult:
+    """Collective ``tag`` was reduced by the master: ``data`` goes into the output (a
+    ring op of the call, if any, is rolled back first)."""
+
+    tag: int
+    data: bytes
+
+
+@dataclasses.dataclass(frozen=True)
+class Fetch:
+    """Fetch what the sync plan says from the peers named there (feed :class:`Fetched`)."""
+
+    plan: m.SyncPlan
+
+
+@dataclasses.dataclass(frozen=True)
+class AbortFetch:
+    """Stop the running fetch (it ends with :class:`Fetched`, failed)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class CommitSync:
+    """The group committed the sync: the fetched tensors replace the state's, and the
+    state's revision becomes ``revision``."""
+
+    revision: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -364,7 +453,8 @@ class Log:
 
 
 Command = (Send | Resolve | Fail | Establish | InstallRing | RunRing | AbortRing | ArmRing
-           | Probe | OpenRelay | Rejoin | Log)
+           | Rollback | Commit | ApplyResult | Fetch | AbortFetch | CommitSync | Probe
+           | OpenRelay | Rejoin | Log)
 
 
 class ProtocolViolation(Exception):
@@ -385,6 +475,13 @@ class Collective:
     early: bool = False  # runs as an early start the master has not confirmed yet
     redo: m.CollectivePerform | None = None  # the master voided the early start
     redo_aborted: bool = False  # ... and called the run under the new id off already
+    running: bool = False  # a ring op runs (RunRing sent, RingDone not yet here)
+    held: bool = False  # a ring op's result is neither committed nor rolled back
+    ring_ok: bool = False  # this peer's ring op (or its part) succeeded
+    cancelled: bool = False  # the caller gave up
+    # How the call ends once its ring op has ended: the master's outcome, or a failure
+    # of this peer's own (kind, message).
+    decided: m.CollectiveOutcome | tuple[ErrorKind, str] | None = None
 
 
 @dataclasses.dataclass
@@ -392,6 +489,9 @@ class Sync:
     init: m.SyncInit
     phase: SyncPhase = SyncPhase.WAIT_PLAN
     plan: m.SyncPlan | None = None
+    cancelled: bool = False  # the caller gave up (a withdrawal went to the master)
+    reported_ok: bool = False  # this peer fetched everything and said so
+    decided: m.SyncOutcome | None = None  # the outcome, once the fetch has ended
 
 
 _CANCELLED = "cancelled by the caller"
@@ -567,26 +667,17 @@ class PeerMachine:
             self._start_collective(ev.init, ev.early, out)
         elif isinstance(ev, RingDone):
             self._ring_done(ev, out)
-        elif isinstance(ev, CancelCollective):
-            self._cancel_collective(ev.tag, out)
-        elif isinstance(ev, EndCollective):
-            self.collectives.pop(ev.tag, None)
-            self.waiting.discard(perform_of(ev.tag))
-            self.waiting.discard(outcome_of(ev.tag))
         elif isinstance(ev, StartSync):
             self._start_sync(ev.init, out)
         elif isinstance(ev, Fetched):
-            sync = self.sync
-            if sync is not None and sync.phase is SyncPhase.FETCHING:
-                sync.phase = SyncPhase.WAIT_OUTCOME
-                self._send(m.SyncDone(ok=ev.ok, kind=ev.kind, message=ev.message), out)
-        elif isinstance(ev, WithdrawSync):
-            if self.sync is not None:
-                self._send(m.SyncWithdraw(), out)
-        elif isinstance(ev, EndSync):
-            self.sync = None
-            self.waiting.discard(PLAN)
-            self.waiting.discard(SYNC)
+            self._fetched(ev, out)
+        elif isinstance(ev, Cancelled):
+            if isinstance(ev.call, ReduceCall):
+                self._cancel_collective(ev.call.tag, out)
+            else:
+                self._cancel_sync(out)
+        elif isinstance(ev, CallExpired):
+            self._expired(ev.call, out)
         else:  # pragma: no cover - the type union is closed
             raise TypeError(ev)
         return out
@@ -611,11 +702,17 @@ class PeerMachine:
 
     def _fail_all(self, kind: ErrorKind, message: str, out: list[Command],
                   keep: Waiter | None = None) -> None:
-        for tag, col in self.collectives.items():
-            if col.phase is CollectivePhase.RUNNING:
-                out.append(AbortRing(tag))
+        """Every waiting call fails; a collective whose ring op runs is stopped and fails
+        once the op has ended (its input is put back then)."""
+        for col in list(self.collectives.values()):
+            self._end_collective(col, (kind, message), out)
+        sync = self.sync
+        if sync is not None:
+            if sync.phase is SyncPhase.FETCHING:
+                out.append(AbortFetch())
+            self.sync = None
         for w in sorted(self.waiting, key=repr):
-            if w != keep:
+            if w != keep and not (isinstance(w, ReduceCall) and w.tag in self.collectives):
                 self._fail(w, kind, message, out)
 
     def _check_usable(self) -> None:
@@ -669,14 +766,18 @@ class PeerMachine:
             elif col.early and col.perform is not None and msg.op_id == col.perform.op_id:
                 # Every member called: the early start stands.
                 col.early = False
-                if col.phase is CollectivePhase.RUNNING:
+                if col.running:
                     out.append(ArmRing(msg.tag))
-            elif col.early:
-                # The master voided the early start: run again once its ring op ended.
+            elif col.early and not col.cancelled:
+                # The master voided the early start: run again once its ring op ended,
+                # from the input as it was.
                 col.redo = msg
-                if col.phase is CollectivePhase.RUNNING:
+                if col.running:
                     out.append(AbortRing(msg.tag))
                 else:
+                    if col.held:
+                        out.append(Rollback(col.tag))
+                        col.held = False
                     self._run_again(col, out)
         elif isinstance(msg, m.CollectiveAbort):
             col = self.collectives.get(msg.tag)
@@ -684,7 +785,7 @@ class PeerMachine:
                 col.redo_aborted = True  # the run again fails at once
             elif col is not None and (col.perform is None or msg.op_id == col.perform.op_id):
                 col.aborted = True
-                if col.phase is CollectivePhase.RUNNING:
+                if col.running:
                     out.append(AbortRing(msg.tag))
         elif isinstance(msg, m.CollectiveOutcome):
             col = self.collectives.get(msg.tag)
@@ -695,24 +796,20 @@ class PeerMachine:
                 col.perform = m.CollectivePerform(tag=col.tag, op_id=msg.op_id, epoch=-1,
                                                   rank=-1, world=msg.world)
                 col.phase = CollectivePhase.WAIT_OUTCOME
-                self._resolve(perform_of(msg.tag), (col.perform, False), out)
-                self._resolve(outcome_of(msg.tag), msg, out)
+                self._end_collective(col, msg, out)
             elif col.perform is not None and msg.op_id == col.perform.op_id:
                 if msg.ok and col.perform.epoch == self.ring_epoch:
                     self.early_counts[col.tag] = self.early_counts.get(col.tag, 0) + 1
                 elif not msg.ok:
                     self.early_off_epoch = self.ring_epoch
-                self._resolve(outcome_of(msg.tag), msg, out)
+                self._end_collective(col, msg, out)
             else:
                 # Refused or called off before it ran (an early start included: stop it).
                 if col.perform is not None:
                     self.early_off_epoch = self.ring_epoch
-                if col.phase is CollectivePhase.RUNNING:
+                if col.running:
                     col.aborted = True
-                    out.append(AbortRing(msg.tag))
-                kind = ErrorKind.parse(msg.kind)
-                self._fail(perform_of(msg.tag), kind, msg.message, out)
-                self._fail(outcome_of(msg.tag), kind, msg.message, out)
+                self._end_collective(col, (ErrorKind.parse(msg.kind), msg.message), out)
         elif isinstance(msg, (m.TopologyUpdateFailed, m.OptimizeFailed, m.ErrorReply)):
             if isinstance(msg, m.OptimizeFailed):
                 kind = ErrorKind.TopologyOptimizationFailedError
@@ -730,18 +827,21 @@ class PeerMachine:
         elif isinstance(msg, m.SyncPlan):
             sync = self.sync
             if sync is not None and sync.phase is SyncPhase.WAIT_PLAN:
-                sync.phase, sync.plan = SyncPhase.FETCHING, msg
-                self._resolve(PLAN, msg, out)
+                sync.plan = msg
+                if sync.cancelled:  # withdrawn already: nothing to fetch; the outcome comes
+                    sync.phase = SyncPhase.WAIT_OUTCOME
+                else:
+                    sync.phase = SyncPhase.FETCHING
+                    out.append(Fetch(msg))
         elif isinstance(msg, m.SyncOutcome):
             sync = self.sync
             if sync is None:
                 return
-            if sync.phase is SyncPhase.WAIT_PLAN:
-                kind = ErrorKind.parse(msg.kind)
-                self._fail(PLAN, kind, msg.message, out)
-                self._fail(SYNC, kind, msg.message, out)
+            sync.decided = msg
+            if sync.phase is SyncPhase.FETCHING:
+                out.append(AbortFetch())  # called off while fetching: ends once it stopped
             else:
-                self._resolve(SYNC, msg, out)
+                self._settle_sync(sync, out)
         elif isinstance(msg, m.RelayOpen):
             out.append(OpenRelay(msg.token, msg.stream))
         elif isinstance(msg, m.Reject):
@@ -865,7 +965,7 @@ class PeerMachine:
             raise ProtocolViolation(ErrorKind.InvalidUsageError,
                                     f"tag {init.tag} is already in flight on this peer")
         col = self.collectives[init.tag] = Collective(init.tag, init)
-        self.waiting |= {perform_of(init.tag), outcome_of(init.tag)}
+        self.waiting.add(ReduceCall(init.tag))
         perform = self._early_perform(init.tag) if early and not init.data else None
         if perform is None:
             self._send(init, out)
@@ -887,27 +987,25 @@ class PeerMachine:
                                    rank=self.ring.index(self.peer_id), world=len(self.ring))
 
     def _run_again(self, col: Collective, out: list[Command]) -> None:
-        """The voided early start ended here: the collective runs as performed."""
+        """The voided early start ended here (its input is back): the collective runs
+        as performed."""
         assert col.redo is not None
         col.perform, col.redo, col.early = col.redo, None, False
         col.aborted, col.redo_aborted = col.redo_aborted, False
         col.phase = CollectivePhase.WAIT_PERFORM
-        self._resolve(outcome_of(col.tag), REDO, out)
-        self.waiting |= {perform_of(col.tag), outcome_of(col.tag)}
         self._perform(col, out)
 
     def _perform(self, col: Collective, out: list[Command]) -> None:
         p = col.perform
         assert p is not None
         if p.world <= 1:
-            col.phase = CollectivePhase.WAIT_OUTCOME
+            col.phase, col.ring_ok = CollectivePhase.WAIT_OUTCOME, True
             self._send(m.CollectiveDone(tag=col.tag, op_id=p.op_id, ok=True, kind=ErrorKind.NONE,
                                         message=""), out)
-            self._resolve(perform_of(col.tag), (p, False), out)
         elif p.epoch == self.ring_epoch:
             col.phase = CollectivePhase.RUNNING
-            self._resolve(perform_of(col.tag), (p, True), out)
-            out.append(RunRing(col.tag, p))
+            col.running = col.held = True
+            out.append(RunRing(col.tag, p, armed=not col.early))
             if col.aborted:
                 out.append(AbortRing(col.tag))
         elif col.phase is CollectivePhase.WAIT_PERFORM and \
@@ -921,39 +1019,120 @@ class PeerMachine:
                 tag=col.tag, op_id=p.op_id, ok=False, kind=ErrorKind.PeerConnectionError,
                 message=f"ring epoch {p.epoch} is not installed here ({self.ring_epoch}); "
                         "call update_topology()"), out)
-            self._resolve(perform_of(col.tag), (p, False), out)
 
     def _ring_done(self, ev: RingDone, out: list[Command]) -> None:
         col = self.collectives.get(ev.tag)
-        if col is None or col.phase is not CollectivePhase.RUNNING or col.perform is None:
+        if col is None or not col.running:
             return
-        col.phase = CollectivePhase.WAIT_OUTCOME
-        if col.redo is not None:
-            self._run_again(col, out)  # the master knows: nothing to report
+        col.running, col.ring_ok = False, ev.ok
+        if col.decided is not None:
+            self._settle(col, out)  # its end was known already; it waited for the op
+        elif col.redo is not None:
+            # The master voided this early start and knows: put the input back and run
+            # the collective again, as performed (nothing to report).
+            out.append(Rollback(col.tag))
+            col.held = False
+            self._run_again(col, out)
+        else:
+            col.phase = CollectivePhase.WAIT_OUTCOME
+            assert col.perform is not None
+            self._send(m.CollectiveDone(tag=ev.tag, op_id=col.perform.op_id, ok=ev.ok,
+                                        kind=ev.kind, message=ev.message), out)
+
+    def _end_collective(self, col: Collective,
+                        decided: m.CollectiveOutcome | tuple[ErrorKind, str],
+                        out: list[Command]) -> None:
+        """How the call ends is known (the first word counts): it ends now, or, while its
+        ring op runs, once the op has stopped."""
+        if col.decided is None:
+            col.decided = decided
+        if col.running:
+            if not (isinstance(col.decided, m.CollectiveOutcome) and col.decided.ok):
+                out.append(AbortRing(col.tag))
             return
-        self._send(m.CollectiveDone(tag=ev.tag, op_id=col.perform.op_id, ok=ev.ok,
-                                    kind=ev.kind, message=ev.message), out)
+        self._settle(col, out)
+
+    def _settle(self, col: Collective, out: list[Command]) -> None:
+        """The commit rule. The call's ring op (if any) has ended. A success the group
+        decided is applied here (also for a caller that gave up meanwhile: the group
+        must not differ); anything else puts the input back. Then the call ends."""
+        self.collectives.pop(col.tag, None)
+        call, d, p = ReduceCall(col.tag), col.decided, col.perform
+        assert d is not None
+        if isinstance(d, m.CollectiveOutcome) and d.ok and p is not None \
+                and (d.data or col.ring_ok):
+            if d.data:
+                if col.held:
+                    out.append(Rollback(col.tag))
+                out.append(ApplyResult(col.tag, d.data))
+                via = "master"
+            elif p.world <= 1:
+                out.append(Commit(col.tag, local=True))
+                via = "local"
+            else:
+                out.append(Commit(col.tag))
+                via = "ring"
+            col.held = False
+            if col.cancelled:
+                self._fail(call, ErrorKind.CollectiveAbortedError, _CANCELLED, out)
+            else:
+                self._resolve(call, Reduced(p.world, via), out)
+            return
+        if col.held:
+            out.append(Rollback(col.tag))
+            col.held = False
+        if col.cancelled:
+            kind, message = ErrorKind.CollectiveAbortedError, _CANCELLED
+        elif isinstance(d, m.CollectiveOutcome):
+            kind, message = ErrorKind.parse(d.kind), d.message
+            if d.ok:  # (a success this peer has no part of: cannot be applied here)
+                kind, message = ErrorKind.PCCLError, "the group succeeded without this peer"
+        else:
+            kind, message = d
+        self._fail(call, kind, message, out)
 
     def _cancel_collective(self, tag: int, out: list[Command]) -> None:
-        """The caller gave up. Before this peer reported, its part fails the collective for
-        everyone; after, the master may already have decided (the outcome still comes to
-        the driver, which waits for it a bounded time)."""
+        """The caller gave up. Before this peer reported, its part fails the collective
+        for everyone and the call ends now (once its ring op stopped); after, the master
+        may already have decided: the call ends with that outcome (or when its bounded
+        wait runs out: :class:`CallExpired`)."""
         col = self.collectives.get(tag)
-        if col is None:
+        if col is None or col.cancelled:
             return
-        if col.phase is CollectivePhase.RUNNING:
-            out.append(AbortRing(tag))
+        col.cancelled = True
         if col.perform is not None and col.perform.epoch >= 0:
             self.early_off_epoch = self.ring_epoch  # its ring op may leave pieces behind
         # An unconfirmed early start withdraws like a collective not yet performed.
         op_id = col.perform.op_id if col.perform is not None and not col.early else -1
-        if col.phase is not CollectivePhase.WAIT_OUTCOME:
-            col.phase = CollectivePhase.WAIT_OUTCOME
-        self.waiting.discard(perform_of(tag))
+        reported = (col.phase is CollectivePhase.WAIT_OUTCOME and not col.running) or \
+            (col.perform is None and bool(col.init.data))  # the init carried its part
         self._send(m.CollectiveDone(tag=tag, op_id=op_id, ok=False,
                                     kind=ErrorKind.CollectiveAbortedError,
                                     message=_CANCELLED),
                    out)
+        if reported:
+            col.phase = CollectivePhase.WAIT_OUTCOME
+        else:
+            self._end_collective(col, (ErrorKind.CollectiveAbortedError, _CANCELLED), out)
+
+    def _expired(self, call: ReduceCall | SyncCall, out: list[Command]) -> None:
+        if isinstance(call, ReduceCall):
+            col = self.collectives.get(call.tag)
+            if col is None:
+                return
+            out.append(Log(f"peer {self.peer_id}: cancelled all_reduce(tag={call.tag}); no "
+                           "outcome from the master in time: output left as it was"))
+            self._end_collective(col, (ErrorKind.CollectiveAbortedError, _CANCELLED), out)
+            return
+        sync = self.sync
+        if sync is None:
+            return
+        out.append(Log(f"peer {self.peer_id}: cancelled sync_shared_state(); no outcome from "
+                       "the master in time: nothing committed here"))
+        if sync.phase is SyncPhase.FETCHING:
+            out.append(AbortFetch())
+        self.sync = None
+        self._fail(SYNC, ErrorKind.CollectiveAbortedError, _CANCELLED, out)
 
     def _start_sync(self, init: m.SyncInit, out: list[Command]) -> None:
         self._check_usable()
@@ -961,9 +1140,49 @@ class PeerMachine:
             raise ProtocolViolation(ErrorKind.InvalidUsageError,
                                     "sync_shared_state() is already running on this peer")
         self.sync = Sync(init)
-        self.waiting |= {PLAN, SYNC}
+        self.waiting.add(SYNC)
         self._send(init, out)
 
-    def committed(self, revision: int) -> None:
-        """The driver committed a sync at ``revision``."""
-        self.last_revision = int(revision)
+    def _fetched(self, ev: Fetched, out: list[Command]) -> None:
+        sync = self.sync
+        if sync is None or sync.phase is not SyncPhase.FETCHING:
+            return
+        sync.phase = SyncPhase.WAIT_OUTCOME
+        if sync.decided is not None:
+            self._settle_sync(sync, out)
+        elif not sync.cancelled:  # (a withdrawal was this peer's report)
+            sync.reported_ok = ev.ok
+            self._send(m.SyncDone(ok=ev.ok, kind=ev.kind, message=ev.message), out)
+
+    def _cancel_sync(self, out: list[Command]) -> None:
+        """The caller gave up on the sync after its init went out: withdraw. The call
+        ends with the outcome, committed after all if the group decided so before the
+        withdrawal and this peer had fetched everything."""
+        sync = self.sync
+        if sync is None or sync.cancelled:
+            return
+        sync.cancelled = True
+        self._send(m.SyncWithdraw(), out)
+        if sync.phase is SyncPhase.FETCHING:
+            out.append(AbortFetch())
+
+    def _settle_sync(self, sync: Sync, out: list[Command]) -> None:
+        """The sync's commit rule: the fetch (if any) has ended and the outcome is here."""
+        d = sync.decided
+        assert d is not None
+        self.sync = None
+        if d.ok and sync.reported_ok:
+            self.last_revision = d.revision
+            out.append(CommitSync(d.revision))
+            if sync.cancelled:
+                self._fail(SYNC, ErrorKind.CollectiveAbortedError, _CANCELLED, out)
+            else:
+                self._resolve(SYNC, d, out)
+            return
+        if sync.cancelled:
+            kind, message = ErrorKind.CollectiveAbortedError, _CANCELLED
+        elif d.ok:  # (the group committed what this peer did not fetch)
+            kind, message = ErrorKind.PCCLError, "the group committed without this peer"
+        else:
+            kind, message = ErrorKind.parse(d.kind), d.message
+        self._fail(SYNC, kind, message, out)

@@ -757,6 +757,13 @@ class LinkEmulator:
         self._stopped = asyncio.get_running_loop().create_future()
         try:
             if self._server is not None:
+                # Stop accepting first, and let connections accepted already get their
+                # transports: CPython 3.11 drops (and leaks) the socket of an accept whose
+                # transport is made after Server.close(). They are refused below.
+                for sock in self._server.sockets:
+                    self._loop.remove_reader(sock.fileno())
+                for _ in range(2):
+                    await asyncio.sleep(0)  # (one loop pass makes the pending transports)
                 self._server.close()
             for conn in list(self._conns):
                 conn.abort(rst=False)

@@ -186,7 +186,11 @@ class SimPeer:
         self.call: Any = None  # what the program waits for
         self.results: dict[int, tuple[int, int]] = {}  # tag -> (result, world)
         self.errors: dict[int, PCCLError] = {}
-        self.performs: dict[int, m.CollectivePerform] = {}
+        # The data plane's view of each call: the ring op started for a tag (its
+        # perform), what was applied to the output, and the last outcome heard per tag.
+        self.ran: dict[int, m.CollectivePerform] = {}
+        self.applied: dict[int, int] = {}
+        self.heard: dict[int, m.CollectiveOutcome] = {}
         self.fetched: bool = False
         self.cancelled: set[int] = set()
         self.started = False
@@ -204,10 +208,15 @@ class SimPeer:
         if not self.alive:
             return
         self.sim.trace(f"peer {self.id} <- {ev}")
+        if isinstance(ev, ps.FromMaster) and isinstance(ev.msg, m.CollectiveOutcome):
+            self.heard[ev.msg.tag] = ev.msg
+            self.sim.outcome_seen(self, ev.msg)
         for c in self.machine.handle(ev):
             self.execute(c)
 
     def execute(self, c: ps.Command) -> None:
+        """Carries out one command of the machine, as the driver does (no decision of
+        its own: what the machine says happens to the simulated tensors)."""
         sim = self.sim
         if isinstance(c, ps.Send):
             sim.to_master(self.id, c.msg)
@@ -227,11 +236,31 @@ class SimPeer:
             sim.later(sim.delay("install", self.id), self.feed,
                       ps.RingInstalled(c.epoch, c.generation, err))
         elif isinstance(c, ps.RunRing):
+            if c.tag in self.ran:
+                sim.violate(f"peer {self.id}: a ring op of tag {c.tag} started on the output "
+                            "of the last one (neither committed nor rolled back)")
+            self.ran[c.tag] = c.perform
             sim.ring_start(self, c.tag, c.perform)
         elif isinstance(c, ps.AbortRing):
             sim.ring_withdraw(self, c.tag)
         elif isinstance(c, ps.ArmRing):
             pass  # simulated ring ops never stall
+        elif isinstance(c, ps.Rollback):
+            self.ran.pop(c.tag, None)
+            self.applied.pop(c.tag, None)
+        elif isinstance(c, ps.Commit):
+            self._commit(c)
+        elif isinstance(c, ps.ApplyResult):
+            self._check_decided(c.tag, None)
+            self.applied[c.tag] = int.from_bytes(c.data, "little", signed=True)
+        elif isinstance(c, ps.Fetch):
+            sim.fetch(self, c.plan)
+        elif isinstance(c, ps.AbortFetch):
+            sim.later(sim.delay("fetch", self.id), self.feed, ps.Fetched(
+                False, ErrorKind.CollectiveAbortedError, "stopped"))
+        elif isinstance(c, ps.CommitSync):
+            self.state = sim.committed_value(self)
+            self.revision = c.revision
         elif isinstance(c, ps.Probe):
             sim.later(sim.delay("probe", self.id), self.feed, ps.Probed(
                 tuple(c.msg.target_ids), tuple(1e9 for _ in c.msg.target_ids), c.generation))
@@ -243,61 +272,52 @@ class SimPeer:
         elif isinstance(c, ps.Log):
             sim.trace(f"peer {self.id} log: {c.message}")
 
+    def _check_decided(self, tag: int, op_id: int | None) -> None:
+        """A result goes into the output only after the master's ok outcome for it."""
+        heard = self.heard.get(tag)
+        if heard is None or not heard.ok or (op_id is not None and heard.op_id != op_id):
+            self.sim.violate(f"peer {self.id}: applied a result of tag {tag} (op "
+                             f"{op_id}) without the master's ok outcome (heard {heard})")
+
+    def _commit(self, c: ps.Commit) -> None:
+        value, _ = self.sim.contribution[(self.id, c.tag)]
+        if c.local:
+            self._check_decided(c.tag, None)
+            self.applied[c.tag] = value
+            return
+        p = self.ran.pop(c.tag, None)
+        if p is None:
+            self.sim.violate(f"peer {self.id}: committed tag {c.tag} with no ring op")
+            return
+        self._check_decided(c.tag, p.op_id)
+        self.applied[c.tag] = self.sim.ring_result(self, c.tag, p)
+
     def answered(self, w: ps.Waiter, value: Any, error: PCCLError | None) -> None:
         """A waiting call of the program got its answer."""
         call = self.call
-        if w[0] == "perform":
-            tag = w[1]
-            if error is None:  # a refused one fails its outcome waiter too: wait for that
-                self.performs[tag] = value[0]
-            return
-        if w[0] == "outcome":
-            tag = w[1]
-            if value is ps.REDO:
-                return  # the early start was voided: the collective runs again
-            p = self.performs.get(tag)
-            if error is None and p is None and value.ok and value.world > 0:
-                # Reduced by the master (a cancelled caller applies it all the same).
-                p = m.CollectivePerform(tag=tag, op_id=value.op_id, epoch=-1, rank=-1,
-                                        world=value.world)
-            if error is not None or p is None:
-                self.errors[tag] = error or ErrorKind.PCCLError.error("no perform")
+        if isinstance(w, ps.ReduceCall):
+            tag = w.tag
+            applied = self.applied.pop(tag, None)
+            if self.ran.pop(tag, None) is not None:
+                self.sim.violate(f"peer {self.id}: reduce {tag} ended with its ring op's "
+                                 "result neither committed nor rolled back")
+            if error is not None:
+                self.errors[tag] = error
+            elif applied is None:
+                self.sim.violate(f"peer {self.id}: reduce {tag} succeeded with nothing applied")
+                self.errors[tag] = ErrorKind.PCCLError.error("nothing applied")
             else:
-                self.sim.outcome_seen(self, value)
-                if tag in self.cancelled:
-                    # The caller gave up: a decided result is applied (the driver does so
-                    # before raising CancelledError), but the program sees the call fail.
-                    if value.ok:
-                        self.sim.reduce_result(self, tag, p, value)
-                    self.errors[tag] = ErrorKind.CollectiveAbortedError.error(
-                        "cancelled by the caller")
-                elif not value.ok:
-                    self.errors[tag] = ErrorKind.parse(value.kind).error(value.message)
-                else:
-                    self.results[tag] = (self.sim.reduce_result(self, tag, p, value), p.world)
-            self.machine.handle(ps.EndCollective(tag))
+                self.results[tag] = (applied, value.world)
             self._maybe_reduced(call)
-            return
-        if w[0] == "query":
-            self.machine.handle(ps.EndQuery(w[1]))
+        elif isinstance(w, ps.PendingCall):
+            self.machine.handle(ps.EndQuery(w.req))
             if error is None and not value.ok:
                 error = ErrorKind.parse(value.kind).error(value.message)
             self.resume(None if error else value.pending, error)
         elif w == ps.UPDATE:
             self.machine.handle(ps.EndTopology())
             self.resume(None, error)
-        elif w == ps.PLAN:
-            # A refused sync fails its outcome waiter too: the program hears of it there.
-            if error is None:
-                self.sim.fetch(self, value)
         elif w == ps.SYNC:
-            if error is None and not value.ok:
-                error = ErrorKind.parse(value.kind).error(value.message)
-            if error is None:
-                self.state = self.sim.committed_value(self)
-                self.revision = value.revision
-                self.machine.committed(value.revision)
-            self.machine.handle(ps.EndSync())
             self.resume(None, error)
         elif w == ps.ACCEPT and self.machine.status is ps.Status.RECONNECTING:
             if error is not None:
@@ -321,23 +341,19 @@ class SimPeer:
         return self.machine.status is ps.Status.RECONNECTING and ps.REJOIN in self.machine.waiting
 
     def cancel(self, tag: int) -> None:
-        """The caller gives up on reduce ``tag`` (e.g. its own asyncio timeout)."""
-        if self.alive and tag in self.machine.collectives and tag not in self.cancelled:
+        """The caller gives up on reduce ``tag`` (e.g. its own asyncio timeout): as the
+        driver does, it says so and waits, at most the collective timeout, for the
+        machine to end the call."""
+        call = ps.reduce_of(tag)
+        if self.alive and call in self.machine.waiting and tag not in self.cancelled:
             self.cancelled.add(tag)
             self.sim.trace(f"peer {self.id} CANCELS reduce {tag}")
-            col = self.machine.collectives.get(tag)
-            unconfirmed = col is not None and col.early
-            # A tensor sent to the master: the init was the report; the driver waits for
-            # the master's word (and applies a decided success) before raising.
-            sent_data = col is not None and bool(col.init.data)
-            self.feed(ps.CancelCollective(tag))
-            if (tag not in self.performs or unconfirmed) and not sent_data:
-                # Not performed yet: the driver raises CancelledError at once and forgets
-                # the collective; only after the perform does it wait for the outcome.
-                self.machine.handle(ps.EndCollective(tag))
-                self.errors[tag] = ErrorKind.CollectiveAbortedError.error(
-                    "cancelled by the caller")
-                self._maybe_reduced(self.call)
+            self.feed(ps.Cancelled(call))
+            self.sim.later(self.sim.collective_timeout, self._expire, call)
+
+    def _expire(self, call: ps.ReduceCall) -> None:
+        if self.alive and call in self.machine.waiting and call.tag in self.cancelled:
+            self.feed(ps.CallExpired(call))
 
     def _maybe_reduced(self, call: Any) -> None:
         if not isinstance(call, tuple):
@@ -350,7 +366,6 @@ class SimPeer:
                 self.cancelled.discard(t)
                 self.results.pop(t, None)
                 self.errors.pop(t, None)
-                self.performs.pop(t, None)
             self.resume(results, errors[0] if errors else None)
 
     def resume(self, value: Any, error: BaseException | None) -> None:
@@ -798,13 +813,13 @@ class Sim:
         op.finished = True
         for pid in sorted(op.started):
             q = self.peers[pid]
-            tags = [t for t, pf in q.performs.items() if pf.op_id == op.op_id]
+            tags = [t for t, pf in q.ran.items() if pf.op_id == op.op_id]
             for tag in tags:
                 self.later(self.rng.uniform(0.001, 0.3), q.feed, ps.RingDone(
                     tag, False, ErrorKind.PeerConnectionError, why))
 
     def ring_withdraw(self, peer: SimPeer, tag: int) -> None:
-        p = peer.performs.get(tag)
+        p = peer.ran.get(tag)
         if p is None:
             return
         op = self.rings.get((self.master_gen, p.op_id))
@@ -814,13 +829,6 @@ class Sim:
             # Aborted after the ring completed here: the op ends failed on this peer only
             # if its RingDone has not been delivered yet; the master decides for all.
             pass
-
-    def reduce_result(self, peer: SimPeer, tag: int, p: m.CollectivePerform,
-                      outcome: m.CollectiveOutcome) -> int:
-        """What a peer applies: the master's result, or its ring op's."""
-        if outcome.data:
-            return int.from_bytes(outcome.data, "little", signed=True)
-        return self.ring_result(peer, tag, p)
 
     def ring_result(self, peer: SimPeer, tag: int, p: m.CollectivePerform) -> int:
         op = self.rings.get((self.master_gen, p.op_id))
