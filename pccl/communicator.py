@@ -25,7 +25,8 @@ from pccl.errors import (
     MasterConnectionError,
 )
 from pccl.peer import state as ps
-from pccl.peer.driver import Driver, ReduceRun, SyncRun
+from pccl.peer.dataplane import DataPlane
+from pccl.peer.driver import Driver
 from pccl.peer.metrics import PeerMetrics
 from pccl.peer.options import (
     DEFAULT_TIMEOUT,
@@ -253,10 +254,8 @@ class Communicator(Driver):
         self._pauses: PauseWatch | None = None
         # One future per waiting call (pccl.peer.state.Waiter); the machine answers them.
         self._waiters: dict[ps.Waiter, asyncio.Future[Any]] = {}
-        # What the data plane's commands act on: each running all-reduce's tensors and
-        # ring op by tag, and the running sync's (pccl.peer.driver).
-        self._reduces: dict[int, ReduceRun] = {}
-        self._sync_run: SyncRun | None = None
+        # Carries out the machine's data-plane commands on the calls' tensors.
+        self._plane = DataPlane(self)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> Communicator:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import hmac
 import logging
 import math
@@ -32,7 +31,7 @@ from pccl.errors import (
     UpdateTopologyFailedError,
 )
 from pccl.peer import state as ps
-from pccl.peer.fetch import Fetcher, SyncReporter, prefault_all
+from pccl.peer.dataplane import DATA_PLANE_COMMANDS, DataPlane, ReduceRun, SyncRun
 from pccl.peer.metrics import PeerMetrics
 from pccl.peer.options import DEFAULT_TIMEOUT, QuantizationOptions, ReduceInfo, check_deadline
 from pccl.peer.pause import PauseWatch, awake_clock, describe
@@ -49,38 +48,6 @@ log = logging.getLogger("pccl.communicator")
 
 #: Seconds between the ticks that tell a pause of this process from a lost master.
 PAUSE_TICK = 0.5
-
-
-@dataclasses.dataclass
-class ReduceRun:
-    """What the data-plane commands of one all-reduce act on: the call's tensors, and
-    its ring op while there is one (``tx``/``rx``: what that op moved)."""
-
-    q: QuantizationOptions
-    src: RawTensor
-    dst: RawTensor
-    op: ReduceOp
-    ring: Any = None
-    algorithm: str = "local"
-    tx: int = 0
-    rx: int = 0
-
-
-@dataclasses.dataclass
-class SyncRun:
-    """What the data-plane commands of the running sync act on."""
-
-    state: SharedState
-    by_key: dict[str, RawTensor]
-    in_place: bool
-    progress: Callable[[SyncProgress], object] | None
-    progress_interval: float
-    served_before: int
-    fetched: dict[str, Any] = dataclasses.field(default_factory=dict)
-    fetch: asyncio.Task[None] | None = None
-    error: BaseException | None = None  # not a PCCLError: a bug, raised to the caller
-    # Set when the call ends: progress reports (what this peer served) go on until then.
-    ended: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
 
 
 class Driver:
@@ -124,8 +91,7 @@ class Driver:
     _heartbeat_timeout: float
     _pauses: PauseWatch | None
     _waiters: dict[ps.Waiter, asyncio.Future[Any]]
-    _reduces: dict[int, ReduceRun]
-    _sync_run: SyncRun | None
+    _plane: DataPlane
     metrics: PeerMetrics
 
     @property
@@ -461,12 +427,9 @@ class Driver:
                 fut.set_exception(c.kind.error(c.message))
                 fut.exception()  # nobody may be awaiting it (e.g. after connect())
             if isinstance(c.waiter, ps.ReduceCall):
-                self._reduces.pop(c.waiter.tag, None)  # its last command
-        elif isinstance(c, (ps.RunRing, ps.AbortRing, ps.ArmRing, ps.Rollback, ps.Commit,
-                            ps.ApplyResult)):
-            self._reduce_command(c)
-        elif isinstance(c, (ps.Fetch, ps.AbortFetch, ps.CommitSync)):
-            self._sync_command(c)
+                self._plane.reduces.pop(c.waiter.tag, None)  # its last command
+        elif isinstance(c, DATA_PLANE_COMMANDS):
+            self._plane.execute(c)
         elif isinstance(c, ps.InstallRing):
             self._spawn(self._install(c), f"pccl-topology-{self.peer_id}-{c.epoch}")
         elif isinstance(c, ps.Establish):
@@ -484,144 +447,11 @@ class Driver:
         else:  # pragma: no cover - the type union is closed
             raise TypeError(c)
 
-    # --- the data plane: what the machine's commands do to a call's tensors ------------
-
-    def _reduce_command(self, c: ps.RunRing | ps.AbortRing | ps.ArmRing | ps.Rollback
-                        | ps.Commit | ps.ApplyResult) -> None:
-        run = self._reduces[c.tag]  # (registered before the call's StartCollective)
-        if isinstance(c, ps.RunRing):
-            self._start_ring(c, run)
-        elif isinstance(c, ps.AbortRing):
-            if run.ring is not None:
-                run.ring.abort()
-        elif isinstance(c, ps.ArmRing):
-            if run.ring is not None:
-                run.ring.arm()
-        elif isinstance(c, ps.Rollback):
-            # In place, the ring wrote the caller's tensor as it went: the original
-            # bytes go back. Out of place only `out` was written.
-            ring, run.ring = run.ring, None
-            if ring is not None:
-                ring.rollback()
-        elif isinstance(c, ps.Commit):
-            if c.local:
-                if run.dst.data is not run.src.data:
-                    _core.copy_into(run.dst.data, run.src.data)
-            else:
-                ring, run.ring = run.ring, None
-                ring.commit(run.dst.data)
-        else:
-            _core.copy_into(run.dst.data, c.data)  # reduced by the master
-
-    def _start_ring(self, c: ps.RunRing, run: ReduceRun) -> None:
-        """Starts the ring op; a task waits for its end and feeds RingDone."""
-        p = c.perform
-        try:
-            if self._node is None:
-                raise MasterConnectionError("the communicator was closed")
-            # The results land in `dst` as the ring computes them: no copy after the
-            # outcome. Out of place `src` is never written, so a failed collective loses
-            # nothing; in place the original bytes move to a backup as the ring goes,
-            # and a Rollback puts them back.
-            in_place = run.dst.data is run.src.data
-            ring = self._node.start_all_reduce(
-                p.op_id, p.rank, p.world, run.src.data, int(run.src.dtype), int(run.op),
-                piece_bytes=self.piece_bytes, quant_algorithm=int(run.q.algorithm),
-                quant_dtype=int(run.q.dtype), out=None if in_place else run.dst.data,
-                armed=c.armed, in_place=in_place)
-        except PCCLError as e:
-            asyncio.get_running_loop().call_soon(
-                self._feed, ps.RingDone(c.tag, False, ErrorKind.of(e), str(e)))
-            return
-        run.ring, run.algorithm = ring, str(ring.algorithm)
-        self._spawn(self._ring_op(c.tag, run, ring), f"pccl-ring-{self.peer_id}-{c.tag}")
-
-    async def _ring_op(self, tag: int, run: ReduceRun, ring: Any) -> None:
-        running = ring.run()
-        try:
-            # Shielded: a cancelled task (close()) stops the op through its token and
-            # waits for it instead of dropping it mid-frame.
-            run.tx, run.rx = await asyncio.shield(running)
-        except asyncio.CancelledError:
-            ring.abort()
-            with contextlib.suppress(Exception):
-                await running
-            self._feed(ps.RingDone(tag, False, ErrorKind.CollectiveAbortedError,
-                                   "the communicator was closed"))
-            raise
-        except PCCLError as e:
-            self._feed(ps.RingDone(tag, False, ErrorKind.of(e), str(e)))
-            return
-        self._feed(ps.RingDone(tag, True))
-
-    def _sync_command(self, c: ps.Fetch | ps.AbortFetch | ps.CommitSync) -> None:
-        run = self._sync_run
-        assert run is not None  # (set before the sync's StartSync)
-        if isinstance(c, ps.Fetch):
-            run.fetch = asyncio.create_task(self._fetch(run, c.plan),
-                                            name=f"pccl-fetch-{self.peer_id}")
-            self._tasks.add(run.fetch)
-            run.fetch.add_done_callback(self._tasks.discard)
-        elif isinstance(c, ps.AbortFetch):
-            if run.fetch is not None:
-                run.fetch.cancel()
-        else:
-            # Not awaited on purpose: the commit must not be interrupted halfway. The
-            # copy releases the GIL and runs on all cores.
-            for key, scratch in run.fetched.items():
-                if scratch is not run.by_key[key].data:
-                    _core.copy_into(run.by_key[key].data, scratch)
-            run.state.revision = c.revision
-
-    async def _fetch(self, run: SyncRun, plan: m.SyncPlan) -> None:
-        """This peer's fetches of a sync plan; feeds Fetched."""
-        assert self._node is not None
-        prefault: asyncio.Task[None] | None = None
-        try:
-            if not run.in_place and plan.fetch_keys:
-                # Back the tensors the commit will write with pages while the bytes
-                # travel (contents untouched), so the commit is a plain copy.
-                prefault = asyncio.create_task(asyncio.to_thread(
-                    prefault_all, [run.by_key[k].data for k in plan.fetch_keys]))
-            fetcher = Fetcher(self._node, self.peer_id, self.p2p_connection_pool_size,
-                              self.peer_timeout, self._master_addr)
-            report = SyncReporter(lambda: self._node, self.peer_id, run.progress,
-                                  run.progress_interval, run.served_before, fetcher,
-                                  run.fetched,
-                                  [run.by_key[k].nbytes for k in plan.fetch_keys])
-
-            def sync_progress(report: SyncReporter = report) -> tuple[int, int]:
-                snap = report.snapshot()
-                return snap.rx_bytes, snap.rx_total
-
-            self.metrics.sync_progress = sync_progress
-            async with report:
-                errors = await fetcher.fetch_planned(plan, run.by_key, run.in_place,
-                                                     run.fetched)
-                bugs = [r for r in errors if not isinstance(r, PCCLError)]
-                if bugs:
-                    run.error = bugs[0]
-                    self._feed(ps.Fetched(False, ErrorKind.PCCLError, repr(bugs[0])))
-                elif errors:
-                    self._feed(ps.Fetched(False, ErrorKind.of(errors[0]), str(errors[0])))
-                else:
-                    if prefault is not None:
-                        await prefault
-                    self._feed(ps.Fetched(True))
-                await run.ended.wait()  # (the others may still fetch from this peer)
-        except asyncio.CancelledError:
-            self._feed(ps.Fetched(False, ErrorKind.CollectiveAbortedError, "stopped"))
-            raise
-        except PCCLError as e:
-            self._feed(ps.Fetched(False, ErrorKind.of(e), str(e)))
-        finally:
-            if prefault is not None and not prefault.done():
-                prefault.cancel()  # the thread finishes on its own; nothing is written
-
-    def _spawn(self, coro: Any, name: str) -> None:
+    def _spawn(self, coro: Any, name: str) -> asyncio.Task[Any]:
         task = asyncio.create_task(coro, name=name)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        return task
 
     async def _read_loop(self, conn: FramedConnection) -> None:
         try:
@@ -970,15 +800,15 @@ class Driver:
                           src: RawTensor, dst: RawTensor, op: ReduceOp) -> ReduceRun:
         """Hands a new all-reduce to the machine (its ring may start at once: the
         tensors are registered first)."""
-        before = self._reduces.get(init.tag)  # (a call with this tag in flight: refused)
-        run = self._reduces[init.tag] = ReduceRun(q, src, dst, op)
+        before = self._plane.reduces.get(init.tag)  # (a call with this tag in flight: refused)
+        run = self._plane.reduces[init.tag] = ReduceRun(q, src, dst, op)
         try:
             self._feed(ps.StartCollective(init, early))
         except BaseException:
             if before is None:
-                del self._reduces[init.tag]
+                del self._plane.reduces[init.tag]
             else:
-                self._reduces[init.tag] = before
+                self._plane.reduces[init.tag] = before
             raise
         return run
 
@@ -1056,7 +886,7 @@ class Driver:
             unequal=[bool(i.allow_content_inequality) for i in state.infos], timeout=wire)
         self._check_fits(init, f"the shared state's description ({len(raws)} tensors)")
         self._feed(ps.StartSync(init))  # (refused while another sync runs)
-        run = self._sync_run = SyncRun(state, by_key, in_place, progress, progress_interval,
+        run = self._plane.sync_run = SyncRun(state, by_key, in_place, progress, progress_interval,
                                        node.bytes_served())
         for info, raw in zip(state.infos, raws):
             node.serve(info.name, raw.data)
@@ -1075,7 +905,7 @@ class Driver:
             if run.fetch is not None:
                 # (Done fetching: the machine stopped a fetch before ending the call.)
                 await asyncio.wait([run.fetch])
-            self._sync_run = None
+            self._plane.sync_run = None
             if self._node is not None:
                 self._node.unserve_all()
                 self._node.drop_idle_transfers()
