@@ -804,6 +804,9 @@ class Driver:
         run = self._plane.reduces[init.tag] = ReduceRun(q, src, dst, op)
         try:
             self._feed(ps.StartCollective(init, early))
+            # (A late answer to an earlier call of the tag, ended when its caller gave
+            # up, may have left a future; this call's answer cannot have come yet.)
+            self._waiters.pop(ps.reduce_of(init.tag), None)
         except BaseException:
             if before is None:
                 del self._plane.reduces[init.tag]
@@ -886,6 +889,7 @@ class Driver:
             unequal=[bool(i.allow_content_inequality) for i in state.infos], timeout=wire)
         self._check_fits(init, f"the shared state's description ({len(raws)} tensors)")
         self._feed(ps.StartSync(init))  # (refused while another sync runs)
+        self._waiters.pop(ps.SYNC, None)  # (see _start_all_reduce)
         run = self._plane.sync_run = SyncRun(state, by_key, in_place, progress, progress_interval,
                                        node.bytes_served())
         for info, raw in zip(state.infos, raws):
