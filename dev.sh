@@ -5,7 +5,7 @@
 #                   (cargo + pytest), then the wheel (below), then build the documentation
 #                   strictly (what CI runs)
 #   ./dev.sh test quick   the quick loop: the unit and integration tiers of pytest only
-#                   (tests/conftest.py TIERS; minutes, not the full run's quarter hour)
+#                   (tests/unit/ and tests/integration/; minutes, not the full run's)
 #   ./dev.sh check  only the static checks, on an existing setup: ruff, mypy --strict over
 #                   pccl/, stubtest of pccl/_core.pyi against the built extension, cargo
 #                   clippy (-D warnings) and cargo fmt --check
@@ -190,11 +190,11 @@ case "${1:-}" in
     test)
         shift
         if [ "${1:-}" = quick ]; then
-            # The quick loop: the unit and integration tiers only (tests/conftest.py),
-            # on the setup there is (set up first on a fresh machine).
+            # The quick loop: the unit and integration tiers only (their folders), on
+            # the setup there is (set up first on a fresh machine).
             shift
             "$VENV/bin/python" -c "import pccl._core" 2>/dev/null || setup
-            "$VENV/bin/python" -m pytest -q -m "unit or integration" "$@"
+            "$VENV/bin/python" -m pytest -q tests/unit tests/integration "$@"
             exit
         fi
         setup

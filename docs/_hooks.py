@@ -5,7 +5,7 @@ In the repository (on a forge, in an editor) a link such as ``../bench/results/h
 opens the file; the built site has no page for it, so ``mkdocs build --strict`` would
 fail on it as a broken link. Before mkdocs checks the links, this hook turns each such
 link into its text followed by the file's path in the repository, which is what a reader
-of the site needs to find it. ``tests/test_docs_links.py`` checks that every relative
+of the site needs to find it. ``tests/unit/test_docs_links.py`` checks that every relative
 link resolves to a file inside the repository.
 """
 

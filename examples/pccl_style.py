@@ -18,7 +18,7 @@ reduce numpy arrays and torch tensors, mixed across peers (``all_reduce``,
 Each peer contributes tensors scaled by its ``--weight`` (powers of two, so a sum says
 exactly who took part) and checks every result element against that sum. ``--die-at
 STEP:multiple|async`` makes a peer SIGKILL itself at that point of a step; the others
-recover. Progress goes to stdout as JSON lines (``tests/test_blocking.py`` reads them).
+recover. Progress goes to stdout as JSON lines (``tests/system/test_blocking.py`` reads them).
 """
 
 from __future__ import annotations

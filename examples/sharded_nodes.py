@@ -55,7 +55,7 @@ only a collective already moving bytes fails (typed error, vote, restart). With
 This script starts an in-process ``pccl.MasterNode`` and every rank as a process of its
 own (this file with ``--worker``), drives them over stdin (``join``, ``allow N``: run up
 to step N, ``finish``) so the story is the same every time, and prints what happened.
-Workers report JSON lines on stdout; ``tests/test_sharded_nodes.py`` drives the same
+Workers report JSON lines on stdout; ``tests/system/test_sharded_nodes.py`` drives the same
 workers and checks every step bit for bit.
 """
 

@@ -92,7 +92,7 @@ LOCAL_RANK_VARIABLES: tuple[tuple[str, str], ...] = (
 )
 
 # What each parameter means, for the table (``markdown_table()``) and ``--help``. Every
-# parameter needs a line: tests/test_config.py fails on one that has none.
+# parameter needs a line: tests/integration/test_config.py fails on one that has none.
 _HELP: dict[str, str] = {
     # Communicator
     "master": "`host:port` of the master; several, comma-separated: the peer fails over "

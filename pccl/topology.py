@@ -83,7 +83,7 @@ Algorithms
     the best bottleneck and the bound (bisecting the aim down when it keeps missing),
     each followed by a descent.
 
-  Tested guarantee (``tests/test_topology_solver.py``): on 200 random instances with
+  Tested guarantee (``tests/unit/test_topology_solver.py``): on 200 random instances with
   ``n = 8..10`` (distinct, tied, missing and mostly missing links) and 20 rounds, at
   least 95% reach the exact bottleneck and none falls below
   ``HEURISTIC_GUARANTEED_FACTOR`` of it. Measured on those instances: 100% exact

@@ -6,6 +6,7 @@ import asyncio
 import gc
 import os
 from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 
 import pytest
 import pytest_asyncio
@@ -63,45 +64,30 @@ async def no_leaked_tasks() -> AsyncIterator[None]:
 
 # --- tiers ------------------------------------------------------------------------------
 
-#: Each test module's tier (one list; a new module must be put in one, or collection
-#: fails): ``unit`` (pure modules: no socket, no process), ``integration`` (in-process
-#: clusters on loopback, the link emulator), ``system`` (processes, network namespaces,
-#: Slurm, Ray, a browser, notebooks, the CLI). ``./dev.sh test quick`` runs unit and
-#: integration (``-m "unit or integration"``); CI runs all three.
-TIERS: dict[str, tuple[str, ...]] = {
-    "unit": (
-        "test_bench_rounds", "test_docs_links", "test_hash", "test_master_state",
-        "test_peer_state", "test_protocol", "test_recovery", "test_scale_sim", "test_sim",
-        "test_tensors", "test_topology_solver",
-    ),
-    "integration": (
-        "test_adversary", "test_adversary_http", "test_adversary_parking", "test_config",
-        "test_failover", "test_fuzz", "test_identity", "test_link_emulator",
-        "test_long_runs", "test_master_scan", "test_membership", "test_mitm",
-        "test_port_clash", "test_quantization", "test_rotation", "test_stragglers",
-        "test_strangers", "test_topology", "test_transport_security", "test_user_errors",
-        "test_via_master",
-    ),
-    "system": (
-        "test_admin", "test_allreduce", "test_blocking", "test_churn", "test_cli",
-        "test_deploy_unit", "test_diloco", "test_doctor", "test_early_start",
-        "test_examples", "test_exit", "test_failover_run", "test_faults",
-        "test_identity_cli", "test_kubernetes", "test_layers", "test_liveness",
-        "test_logging_and_hash", "test_master_restart", "test_master_sizing", "test_mesh",
-        "test_multiprocess", "test_nat", "test_netns", "test_notebook",
-        "test_optional_numpy", "test_pause", "test_pccl_programs", "test_pytest_plugin",
-        "test_ray", "test_sharded_nodes", "test_shared_state", "test_slurm", "test_status",
-        "test_status_browser", "test_upgrade",
-    ),
-}
-_TIER_OF = {module: tier for tier, modules in TIERS.items() for module in modules}
+#: The tiers, one folder of tests/ each; a test module's folder is its tier and its marker
+#: (a module in none fails collection): ``unit`` (pure modules: no socket, no process),
+#: ``integration`` (in-process clusters on loopback, the link emulator), ``system``
+#: (processes, network namespaces, Slurm, Ray, a browser, notebooks, the CLI).
+#: ``./dev.sh test quick`` runs tests/unit and tests/integration; CI runs all three.
+#: Helpers shared by tiers (reference.py, bare_env.py, ...) stay in tests/ itself, which
+#: pyproject.toml puts on sys.path (``pythonpath``).
+TIERS = ("unit", "integration", "system")
+_TESTS = Path(__file__).resolve().parent
+
+
+def _tier(path: Path) -> str | None:
+    try:
+        parts = path.resolve().relative_to(_TESTS).parts
+    except ValueError:
+        return None
+    return parts[0] if len(parts) > 1 and parts[0] in TIERS else None
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
-        module = item.nodeid.split("::", 1)[0].rsplit("/", 1)[-1].removesuffix(".py")
-        tier = _TIER_OF.get(module)
+        tier = _tier(item.path)
         if tier is None:
-            raise pytest.UsageError(f"tests/{module}.py has no tier: add it to TIERS in "
-                                    "tests/conftest.py")
+            raise pytest.UsageError(
+                f"{item.path} is in no tier: move it into tests/unit/, tests/integration/ "
+                "or tests/system/ (tests/conftest.py)")
         item.add_marker(getattr(pytest.mark, tier))

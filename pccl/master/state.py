@@ -1222,9 +1222,9 @@ class MasterState:
         A standby starts no group: a group with no installed ring known (here or brought
         by a member) is sent away.
 
-        tests/test_failover.py checks on a model of two masters and peers moving between
-        them at random that installed rings form one chain, each holding a majority of
-        the one before."""
+        tests/integration/test_failover.py checks on a model of two masters and peers
+        moving between them at random that installed rings form one chain, each holding a
+        majority of the one before."""
         keep: list[int] = []
         counted: dict[int, list[tuple[int, list[int]]]] = {}
         by_group: dict[int, list[int]] = {}

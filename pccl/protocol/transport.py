@@ -262,7 +262,7 @@ class FramedConnection:
         For a last message the other side must read (a peer's ``Leave``). Closed at
         once, this end answers whatever the other side still writes with a reset, and
         once a write of the other side fails, asyncio drops that connection's unread
-        data: the last message with it (tests/test_master_scan.py)."""
+        data: the last message with it (tests/integration/test_master_scan.py)."""
         self._lingering = True
         try:
             if self.writer.can_write_eof():

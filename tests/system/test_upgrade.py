@@ -21,7 +21,7 @@ from pccl.testing import Cluster, free_port
 from pccl.testing.processes import PeerProcess, stop_process
 
 FAST = {"heartbeat_interval": 0.2, "heartbeat_timeout": 2.0, "recovery_grace": 5.0}
-SHIM = [sys.executable, str(Path(__file__).with_name("future_release.py")), "1"]
+SHIM = [sys.executable, str(Path(__file__).resolve().parents[1] / "future_release.py"), "1"]
 
 
 def test_the_window_takes_neighbours_and_refuses_the_rest() -> None:

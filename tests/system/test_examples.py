@@ -25,7 +25,7 @@ pytest.importorskip("torch")
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(400)]
 
-TRAIN = Path(__file__).resolve().parent.parent / "examples" / "train.py"
+TRAIN = Path(__file__).resolve().parents[2] / "examples" / "train.py"
 TINY = ["--size", "tiny", "--batch", "8", "--val-windows", "32", "--bandwidth", "50e6",
         "--latency", "0.005", "--timeout", "300"]
 

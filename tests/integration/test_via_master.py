@@ -69,7 +69,7 @@ async def test_quantized_tiny_collectives_take_the_ring() -> None:
         assert via_master(cluster) == 0
 
 
-# (A peer leaving before it calls: tests/test_early_start.py, one test for every path.)
+# (A peer leaving before it calls: tests/system/test_early_start.py, one test for every path.)
 
 
 async def test_cancel_before_the_others_call_withdraws_and_loses_nothing() -> None:

@@ -251,7 +251,7 @@ async def test_half_open_peer_is_dropped_by_heartbeat() -> None:
 
 async def test_peers_notice_a_dead_master() -> None:
     # (Without reconnect_timeout=0 a call waits for the master to come back: up to ten
-    # minutes by default; that wait is tests/test_master_restart.py's.)
+    # minutes by default; that wait is tests/system/test_master_restart.py's.)
     cluster = Cluster(2, comm_kwargs={"reconnect_timeout": 0})
     async with cluster:
         a, _ = cluster.comms

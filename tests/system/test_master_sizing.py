@@ -28,7 +28,7 @@ SUMMARY = ("heartbeat_in_bytes_per_peer_s", "heartbeat_out_bytes_per_peer_s",
 
 
 def _bench() -> Any:
-    path = Path(__file__).resolve().parent.parent / "bench" / "master_sizing.py"
+    path = Path(__file__).resolve().parents[2] / "bench" / "master_sizing.py"
     spec = importlib.util.spec_from_file_location("master_sizing", path)
     assert spec is not None and spec.loader is not None
     mod = importlib.util.module_from_spec(spec)

@@ -32,7 +32,7 @@ import pytest
 
 import pccl
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DOC = ROOT / "docs" / "deploying.md"
 SYSTEMD_ANALYZE = "/usr/bin/systemd-analyze"
 VENV_BIN = "/opt/pccl/venv/bin/"  # where the page installs pccl

@@ -3,7 +3,7 @@ through chromium-driver; nothing is downloaded at run time): peers in real proce
 one SIGKILLed and a joiner admitted while the page stays open, and the page follows
 without a reload. The JSON API and the metrics are checked against the same run.
 
-``PCCL_STATUS_SCREENSHOT=docs/img/status.png pytest tests/test_status_browser.py``
+``PCCL_STATUS_SCREENSHOT=docs/img/status.png pytest tests/system/test_status_browser.py``
 also saves a screenshot of the page during the run (the one in the README).
 """
 

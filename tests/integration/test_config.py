@@ -558,5 +558,5 @@ def test_the_documented_table_is_the_generated_one() -> None:
     changed variable must be documented (regenerate the table and paste it)."""
     from pathlib import Path
 
-    doc = (Path(__file__).resolve().parent.parent / "docs" / "operations.md").read_text()
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "operations.md").read_text()
     assert markdown_table().strip() in doc

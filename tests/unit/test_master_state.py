@@ -114,8 +114,8 @@ def answer_checks(st: MasterState, out: list[Command], reach: bool = False) -> l
 
 def establish(epoch: int, ring: list[int]) -> list[Command]:
     """The EstablishP2P commands for one group's ring, in ring order (a single master
-    sends no members: peers take the ring from world; tests/test_failover.py has the
-    quorum rounds, which do)."""
+    sends no members: peers take the ring from world;
+    tests/integration/test_failover.py has the quorum rounds, which do)."""
     out: list[Command] = []
     for i, p in enumerate(ring):
         nxt = ring[(i + 1) % len(ring)] if len(ring) > 1 else -1

@@ -333,7 +333,7 @@ def test_import_pccl_leaves_aiohttp_for_those_who_serve() -> None:
 def documented_scrape_configs() -> list[dict[str, Any]]:
     """The ``scrape_configs`` of the Prometheus example in docs/operations.md."""
     yaml = pytest.importorskip("yaml")
-    doc = (Path(__file__).resolve().parents[1] / "docs" / "operations.md").read_text()
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "operations.md").read_text()
     found = re.search(r"```yaml\n# prometheus.yml\n(.*?)```", doc, re.S)
     assert found, "no prometheus.yml block in docs/operations.md"
     jobs: list[dict[str, Any]] = yaml.safe_load(found.group(1))["scrape_configs"]

@@ -2,7 +2,7 @@
 (pccl/master/state.py, MasterState._quorum_filter), checked on the sans-IO master and
 on a randomized model of two masters and peers moving between them; the peers' side
 (which master they register with) is tested with real masters in
-tests/test_failover_run.py."""
+tests/system/test_failover_run.py."""
 
 from __future__ import annotations
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 # bench/results/history.md is linked from docs/benchmarks.md: check its links too.
 PAGES += sorted((ROOT / "bench" / "results").glob("*.md"))

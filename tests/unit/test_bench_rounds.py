@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-_PATH = Path(__file__).resolve().parents[1] / "bench" / "allreduce_rounds.py"
+_PATH = Path(__file__).resolve().parents[2] / "bench" / "allreduce_rounds.py"
 _spec = importlib.util.spec_from_file_location("allreduce_rounds", _PATH)
 assert _spec is not None and _spec.loader is not None
 rounds_mod = importlib.util.module_from_spec(_spec)

@@ -27,7 +27,7 @@ from pccl import identity as pccl_identity
 
 # The oldest Kubernetes the manifests are meant for (the schema they are checked against).
 KUBERNETES = "1.31.0"
-DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
+DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 MANIFESTS = sorted((DEPLOY / "kubernetes").glob("*.yaml"))
 DOCKERFILE = DEPLOY / "Dockerfile"
 POD_IP = "10.244.1.7"  # stands in for the downward API's status.podIP

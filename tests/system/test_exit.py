@@ -30,7 +30,7 @@ from pathlib import Path
 
 import pytest
 
-_SOAK_PATH = Path(__file__).resolve().parents[1] / "bench" / "exit_soak.py"
+_SOAK_PATH = Path(__file__).resolve().parents[2] / "bench" / "exit_soak.py"
 _spec = importlib.util.spec_from_file_location("exit_soak", _SOAK_PATH)
 assert _spec is not None and _spec.loader is not None
 exit_soak = importlib.util.module_from_spec(_spec)

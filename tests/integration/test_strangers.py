@@ -16,7 +16,7 @@ import struct
 
 import numpy as np
 import pytest
-from test_protocol import EXAMPLES
+from message_examples import EXAMPLES
 
 import pccl
 from pccl import _core

@@ -29,7 +29,7 @@ import pccl
 
 pytestmark = pytest.mark.multiprocess
 
-EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "sharded_nodes.py"
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "sharded_nodes.py"
 
 
 def _load_example() -> ModuleType:

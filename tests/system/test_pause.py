@@ -30,7 +30,7 @@ import pccl
 from pccl.peer.pause import PauseWatch, describe
 from pccl.testing.processes import kill_and_reap
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PEER = ROOT / "examples" / "peer.py"
 HEARTBEAT = ["--heartbeat-interval", "0.25", "--heartbeat-timeout", "2"]
 PAUSE = 8.0  # seconds a peer is stopped: four heartbeat timeouts

@@ -24,7 +24,7 @@ from _slurm_cluster import SlurmCluster, poll, skip_reason
 
 from pccl.launch import slurm
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "slurm"
 
 

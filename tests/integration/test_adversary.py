@@ -1,8 +1,8 @@
 """The attacker's tests for the master (issue 36): a stranger at the control port with no
 secret, and an insider that registered and then lies, floods or races. Each test plays
 one attack and asserts the secure outcome: a typed refusal, bounded memory, honest
-peers untouched. (The status and metrics ports: tests/test_adversary_http.py; the
-peers' parking lot for reverse streams: tests/test_adversary_parking.py.)"""
+peers untouched. (The status and metrics ports: tests/integration/test_adversary_http.py;
+the peers' parking lot for reverse streams: tests/integration/test_adversary_parking.py.)"""
 
 from __future__ import annotations
 
@@ -635,7 +635,7 @@ def test_a_member_whose_port_is_dead_is_dropped_not_its_neighbours() -> None:
 
 
 def _flood_bench() -> Any:
-    path = Path(__file__).resolve().parent.parent / "bench" / "adversary_flood.py"
+    path = Path(__file__).resolve().parents[2] / "bench" / "adversary_flood.py"
     spec = importlib.util.spec_from_file_location("adversary_flood", path)
     assert spec is not None and spec.loader is not None
     mod = importlib.util.module_from_spec(spec)

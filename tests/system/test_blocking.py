@@ -28,7 +28,7 @@ import pytest
 import pccl
 import pccl.blocking as pb
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "examples" / "pccl_style.py"
 WAIT = 60.0  # bound on any single wait for another process
 

@@ -14,7 +14,7 @@ nbclient = pytest.importorskip("nbclient", reason="nbclient is not installed (pi
 pytest.importorskip("ipykernel", reason="ipykernel is not installed (pip install .[test])")
 pytest.importorskip("matplotlib", reason="matplotlib is not installed (pip install .[test])")
 
-NOTEBOOK = Path(__file__).resolve().parent.parent / "docs" / "quickstart.ipynb"
+NOTEBOOK = Path(__file__).resolve().parents[2] / "docs" / "quickstart.ipynb"
 KERNEL = "pccl-quickstart-test"
 CELL_TIMEOUT = 120  # seconds per cell; the whole notebook takes seconds
 

@@ -17,7 +17,7 @@ from pccl.testing import Cluster, LinkEmulator
 from pccl.testing.data import deterministic_tensor
 
 MiB = 1 << 20
-# Tiny all-reduces go through the master (tests/test_via_master.py): off here, so that
+# Tiny all-reduces go through the master (tests/integration/test_via_master.py): off here, so that
 # every size below takes the ring.
 RING = {"via_master_max_bytes": 0}
 
