@@ -148,13 +148,6 @@ def test_a_bogus_pccl_log_level_warns_and_changes_nothing(value) -> None:
     assert "RuntimeWarning" in p.stderr and f"PCCL_LOG_LEVEL={value!r}" in p.stderr
 
 
-def test_bogus_value_in_process_warns() -> None:
-    before = logging.getLogger("pccl").level
-    with pytest.warns(RuntimeWarning, match="is not a log level"):
-        _logging.configure_from_env({_logging.ENV_VAR: "loud"})
-    assert logging.getLogger("pccl").level == before
-
-
 _REFUSED_SCRIPT = """
 import asyncio, pccl
 from pccl import _core
@@ -189,41 +182,6 @@ def test_pccl_log_level_prints_rust_records_to_stderr() -> None:
 
 
 UTC_STAMP = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z")
-
-
-def _record(created: float, msg: str = "hello %s", args: tuple[object, ...] = ("world",),
-            exc: bool = False) -> logging.LogRecord:
-    exc_info = None
-    if exc:
-        try:
-            raise ValueError("broken \"thing\"\nsecond line")
-        except ValueError:
-            exc_info = sys.exc_info()
-    record = logging.LogRecord("pccl.master.status", logging.WARNING, __file__, 1, msg, args,
-                               exc_info)
-    record.created, record.msecs = created, (created % 1) * 1000
-    return record
-
-
-def test_the_text_format_writes_utc() -> None:
-    # 2025-03-01T12:34:56.789 UTC, whatever the local time zone
-    line = _logging.formatter("text").format(_record(1740832496.789))
-    assert line == "2025-03-01T12:34:56.789Z WARNING pccl.master.status: hello world"
-
-
-def test_the_json_format_is_one_object_per_line_with_the_exception() -> None:
-    fmt = _logging.formatter("json")
-    plain = fmt.format(_record(1740832496.0012))
-    assert json.loads(plain) == {"ts": "2025-03-01T12:34:56.001Z", "level": "WARNING",
-                                 "logger": "pccl.master.status", "msg": "hello world"}
-    failed = fmt.format(_record(0.5, "line one\nline two", (), exc=True))
-    assert "\n" not in failed  # one line, whatever the texts hold
-    doc = json.loads(failed)
-    assert doc["ts"] == "1970-01-01T00:00:00.500Z" and doc["msg"] == "line one\nline two"
-    assert doc["exc"].startswith("Traceback (most recent call last):")
-    assert doc["exc"].endswith('ValueError: broken "thing"\nsecond line')
-    with pytest.raises(ValueError, match="xml"):
-        _logging.formatter("xml")
 
 
 def test_pccl_log_format_json_prints_json_lines_to_stderr() -> None:
@@ -294,47 +252,10 @@ async def test_good_edge_timeouts_are_accepted() -> None:
         await b.close()
 
 
-# --- pccl.content_hash -------------------------------------------------------------------
+# --- pccl.content_hash (in this process: tests/unit/test_content_hash.py) ----------------
 
 def _sample(shape=(64, 33), dtype=np.float32) -> np.ndarray:
     return np.random.default_rng(7).standard_normal(shape).astype(dtype)
-
-
-def test_content_hash_is_the_core_hash_of_the_bytes() -> None:
-    x = _sample()
-    h = pccl.content_hash(x)
-    assert isinstance(h, str) and len(h) == 32 and int(h, 16) >= 0
-    assert h == _core.content_hash(x.tobytes()).hex()
-    assert "content_hash" in pccl.__all__
-
-
-def test_one_flipped_bit_changes_the_hash() -> None:
-    x = _sample()
-    h = pccl.content_hash(x)
-    raw = x.reshape(-1).view(np.uint8)
-    for i in (0, raw.size // 2, raw.size - 1):
-        raw[i] ^= 1 << (i % 8)
-        assert pccl.content_hash(x) != h
-        raw[i] ^= 1 << (i % 8)
-    assert pccl.content_hash(x) == h
-
-
-def test_non_contiguous_views_hash_their_logical_contents() -> None:
-    x = _sample((40, 50))
-    for view in (x.T, x[:, ::3], x[::-1], x[5:9, 7]):
-        assert not view.flags.c_contiguous
-        assert pccl.content_hash(view) == pccl.content_hash(np.ascontiguousarray(view))
-    assert pccl.content_hash(x.T) != pccl.content_hash(x)
-
-
-def test_other_inputs() -> None:
-    assert pccl.content_hash(b"abc") == _core.content_hash_hex(b"abc")
-    assert pccl.content_hash(np.zeros(0, np.float32)) == _core.content_hash_hex(b"")
-    assert pccl.content_hash(np.float64(1.5)) == _core.content_hash_hex(np.float64(1.5).tobytes())
-    with pytest.raises(pccl.InvalidArgumentError):
-        pccl.content_hash(np.array([object()]))
-    with pytest.raises(pccl.InvalidArgumentError):
-        pccl.content_hash([1, 2, 3])
 
 
 def test_numpy_input_does_not_import_torch() -> None:
@@ -343,21 +264,6 @@ def test_numpy_input_does_not_import_torch() -> None:
     p = _python(code, None)
     assert p.returncode == 0, p.stderr
     assert p.stdout.strip() == "False"
-
-
-def test_numpy_and_torch_agree() -> None:
-    torch = pytest.importorskip("torch")
-    x = _sample((30, 20))
-    t = torch.from_numpy(x.copy())
-    assert pccl.content_hash(t) == pccl.content_hash(x)
-    assert pccl.content_hash(t.T) == pccl.content_hash(x.T)  # non-contiguous
-    assert pccl.content_hash(t[:, 1::2]) == pccl.content_hash(x[:, 1::2])
-    assert pccl.content_hash(t.requires_grad_()) == pccl.content_hash(x)
-    b = torch.arange(10, dtype=torch.bfloat16)
-    assert pccl.content_hash(b) == _core.content_hash_hex(b.view(torch.uint8).numpy())
-    t2 = torch.from_numpy(x.copy())
-    t2.view(torch.int32).view(-1)[3] ^= 1
-    assert pccl.content_hash(t2) != pccl.content_hash(x)
 
 
 async def test_content_hash_is_what_the_sync_compares(pccl_cluster) -> None:
