@@ -2,8 +2,9 @@
 # One entry point for a fresh machine:
 #   ./dev.sh demo   install pccl (no test deps, no torch), then run a local demo cluster
 #   ./dev.sh test   set everything up, run the static checks (below), then every test
-#                   (cargo + pytest), then the wheel (below), then build the documentation
-#                   strictly (what CI runs)
+#                   (cargo + pytest: in parallel on PCCL_TEST_WORKERS workers, default 2,
+#                   then the `alone` tests one at a time), then the wheel (below), then
+#                   build the documentation strictly (what CI runs)
 #   ./dev.sh test quick   the quick loop: the unit and integration tiers of pytest only
 #                   (tests/unit/ and tests/integration/; minutes, not the full run's)
 #   ./dev.sh check  only the static checks, on an existing setup: ruff, mypy --strict over
@@ -178,6 +179,25 @@ wheel() {
     echo "wheel checked: $whl"
 }
 
+# All of pytest in two passes (each ends with its 25 slowest tests). First every test that
+# can share the machine, on PCCL_TEST_WORKERS pytest-xdist workers (most of them wait on
+# processes, sockets and timers rather than compute; each worker is a process of its own,
+# so the leak checks of tests/conftest.py see only that worker's sockets and children;
+# tests marked with one xdist_group run on one worker); then the tests marked `alone`
+# (netns, Slurm, Ray, the browser, soaks, measurements) one at a time. A -m given in "$@"
+# replaces the passes' own, so select with -k or paths instead.
+pytest_all() {
+    local rc=0 alone=0
+    "$VENV/bin/python" -m pytest -n "${PCCL_TEST_WORKERS:-2}" --dist loadgroup \
+        -m "not alone" "$@" || rc=$?
+    "$VENV/bin/python" -m pytest -m alone "$@" || alone=$?
+    # 5: no test selected (e.g. "$@" names no `alone` test)
+    [ "$rc" = 5 ] && rc=0
+    [ "$alone" = 5 ] && alone=0
+    [ "$rc" = 0 ] && rc=$alone
+    return "$rc"
+}
+
 case "${1:-}" in
     setup)
         setup
@@ -200,7 +220,7 @@ case "${1:-}" in
         setup
         check
         cargo test --locked
-        "$VENV/bin/python" -m pytest "$@"
+        pytest_all "$@"
         wheel
         docs
         ;;

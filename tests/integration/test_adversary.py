@@ -643,6 +643,7 @@ def _flood_bench() -> Any:
     return mod
 
 
+@pytest.mark.alone  # a flood against a 3 s heartbeat: it needs the CPUs
 async def test_a_master_under_a_mixed_flood_keeps_honest_peers_exact() -> None:
     """Hundreds of strangers (silent, garbage, pre-hello bombs, doctors that never
     read) and two insiders (lies, bombs, 2 MiB texts, squatted ids) against a master

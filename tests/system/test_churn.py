@@ -35,6 +35,7 @@ def test_bfloat16_rounding_is_exact_for_small_integers() -> None:
 
 
 @pytest.mark.multiprocess
+@pytest.mark.alone  # a soak: its peers' timers assume the CPUs are theirs
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("failover", [False, True], ids=["one-master", "failover"])
 async def test_bounded_churn_soak(tmp_path, failover: bool) -> None:

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-pytestmark = [pytest.mark.multiprocess,
+pytestmark = [pytest.mark.multiprocess, pytest.mark.alone,  # a measurement
               pytest.mark.skipif(shutil.which("ss") is None,
                                  reason="the bench reads socket counters with ss (iproute2)")]
 

@@ -20,7 +20,7 @@ from pccl.testing import PeerProcess
 from pccl.testing.data import deterministic_tensor, digest
 from pccl.testing.netns import Host, MasterProcess, VirtualLan, nat_unavailable
 
-pytestmark = [pytest.mark.netns, pytest.mark.multiprocess,
+pytestmark = [pytest.mark.netns, pytest.mark.multiprocess, pytest.mark.alone,
               pytest.mark.skipif(nat_unavailable() is not None,
                                  reason=str(nat_unavailable()))]
 

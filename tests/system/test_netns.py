@@ -18,7 +18,7 @@ from pccl.testing import PeerProcess
 from pccl.testing.data import deterministic_tensor, digest
 from pccl.testing.netns import Host, MasterProcess, VirtualLan, wait_until
 
-pytestmark = [pytest.mark.netns, pytest.mark.multiprocess]
+pytestmark = [pytest.mark.netns, pytest.mark.multiprocess, pytest.mark.alone]
 
 PEER_TIMEOUT = 1.5  # ring I/O inactivity before a collective fails
 HEARTBEAT_INTERVAL = 0.2

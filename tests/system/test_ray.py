@@ -228,6 +228,7 @@ def _session_processes(sid: int) -> list[int]:
 
 
 @pytest.mark.multiprocess
+@pytest.mark.alone  # a Ray cluster: a dozen processes
 def test_killed_peer_actor_is_restarted_and_admitted_with_parity() -> None:
     pytest.importorskip("ray", reason="Ray is an optional extra: pip install 'pccl[ray]'")
     # A short directory: Ray puts unix sockets under it (a 107-byte path limit).

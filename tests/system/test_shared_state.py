@@ -199,6 +199,7 @@ async def forwarded(emu: LinkEmulator, nbytes: int) -> None:
             await asyncio.sleep(0.01)
 
 
+@pytest.mark.alone  # 64 MiB+ transfers against the heartbeat timeout
 @pytest.mark.parametrize(("fault", "sources"), [("kill", 1), ("kill", 2), ("stop", 2)])
 async def test_source_lost_mid_transfer(pccl_peer_process, fault: str, sources: int) -> None:
     """An up-to-date source (a process) is SIGKILLed (or SIGSTOPped: frozen with its
@@ -306,6 +307,7 @@ async def test_progress_reports_and_a_failing_callback(pccl_cluster, caplog) -> 
     assert "progress callback failed" in caplog.text
 
 
+@pytest.mark.alone  # 96 MiB in one process against the heartbeat timeout
 async def test_large_tensor_is_fetched_in_ranges_from_every_holder(pccl_cluster) -> None:
     cluster = await pccl_cluster(4)
     n = 3 * (32 << 20) // 4 + 5  # int32 elements: three ranges, the last one shorter
@@ -322,6 +324,7 @@ async def test_large_tensor_is_fetched_in_ranges_from_every_holder(pccl_cluster)
     assert sum(i.tx_bytes for i in infos[:3]) == infos[3].rx_bytes == good.nbytes
 
 
+@pytest.mark.alone  # as above
 async def test_a_range_from_a_lying_holder_falls_back_to_whole_fetches(pccl_cluster,
                                                                       monkeypatch) -> None:
     """A holder whose bytes do not match the hash it announced (here: its hash is faked)

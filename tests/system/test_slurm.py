@@ -142,6 +142,7 @@ def check_results(run: Run, restarts: list[int]) -> dict[str, Any]:
 
 
 @pytest.mark.multiprocess
+@pytest.mark.alone  # a Slurm controller and node daemon
 def test_sbatch_peer_failures() -> None:
     reason = skip_reason()
     if reason:
@@ -202,6 +203,7 @@ def steps_since_resume(run: Run, peer: int) -> int:
 
 
 @pytest.mark.multiprocess
+@pytest.mark.alone  # a Slurm controller and node daemon
 def test_sbatch_requeue_resumes_from_checkpoint() -> None:
     """A requeued job (as after preemption) starts again from the peers' checkpoints."""
     reason = skip_reason()

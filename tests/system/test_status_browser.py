@@ -29,6 +29,7 @@ CHROMEDRIVER = shutil.which("chromedriver")
 
 pytestmark = [
     pytest.mark.multiprocess,
+    pytest.mark.alone,
     pytest.mark.timeout(180),
     pytest.mark.skipif(CHROMIUM is None or CHROMEDRIVER is None,
                        reason="needs Debian's chromium and chromium-driver (./dev.sh setup "
