@@ -67,7 +67,7 @@ class PeerRegistered:
     # Where its control connection comes from (admission.source_key: the address, the
     # /64 of an IPv6 one), and its p2p listener on its private network ("host:port",
     # from Hello.local_addrs): two peers behind NAT with the same public host try their
-    # ring link over their LAN first (see MasterState._route).
+    # ring link over their LAN first (see routes.route).
     public_host: str = ""
     lan_addrs: tuple[str, ...] = ()
 
@@ -206,7 +206,7 @@ class ArmDeadline:
 class CheckReach:
     """Dial ``addr`` (``peer_id``'s p2p listener) as at registration and feed
     :class:`ReachChecked` with the answer: the master's own look at a ring link that a
-    peer reported failed (see MasterState._settle_disputes)."""
+    peer reported failed (see disputes.settle)."""
 
     epoch: int
     peer_id: int
