@@ -79,7 +79,7 @@ class ErrorKind(enum.StrEnum):
     its kind (``kind`` fields; ``NONE`` where nothing failed), decoding refuses any
     other value, and :meth:`exception` gives the class to raise. The classes themselves
     are created in the Rust extension (so Rust raises them directly);
-    ``tests/test_errors.py`` checks that this list and the extension's agree."""
+    ``tests/unit/test_peer_state.py`` checks that this list and the extension's agree."""
 
     NONE = ""
     PCCLError = "PCCLError"

@@ -236,7 +236,8 @@ class MasterNode:
         self.establish_timeout = establish_timeout
         # Each registering peer's advertised p2p address is dialed back (a reachability
         # check) for at most this long; a peer that cannot be dialed is "behind NAT" and
-        # its ring links are made by routes that do not dial it (see MasterState._route).
+        # its ring links are made by routes that do not dial it (see routes.route in
+        # pccl/master/state/).
         self.dial_back_timeout = dial_back_timeout
         # Ring-link streams the relay carries at once (each is two sockets here).
         if isinstance(max_relayed_streams, bool) or not isinstance(max_relayed_streams, int) \

@@ -1,5 +1,5 @@
 """Several masters: the quorum rule that keeps two masters from both moving a group on
-(pccl/master/state.py, MasterState._quorum_filter), checked on the sans-IO master and
+(pccl/master/state/quorum.py, quorum_filter), checked on the sans-IO master and
 on a randomized model of two masters and peers moving between them; the peers' side
 (which master they register with) is tested with real masters in
 tests/system/test_failover_run.py."""
