@@ -1,7 +1,7 @@
 """A framed control-plane connection over asyncio streams, encrypted by default.
 
 Before any message, the dialing side (a peer) opens the connection with one of two
-handshakes, the same bytes as pccl's p2p streams (``rust/net/secure.rs``):
+handshakes, the same bytes as pccl's p2p streams (``rust/net/secure/``):
 
 - secure (the default): a Noise handshake, ``Noise_XXpsk3_25519_AESGCM_SHA256`` with the
   shared secret's key mixed in last (``Noise_XX`` without a secret), each end proving its

@@ -1,7 +1,7 @@
 //! A peer's p2p endpoint: one listener on an ephemeral port, the authenticated
 //! streams it accepted (filed by sender, epoch and purpose), and the pools it dialed.
 //!
-//! Every stream is encrypted and integrity-protected (`secure.rs`, keyed by the shared
+//! Every stream is encrypted and integrity-protected (`secure/`, keyed by the shared
 //! secret when there is one) before the HMAC handshake (`handshake.rs`) runs inside it;
 //! `NodeConfig::insecure` opts out (clear text; both ends must agree, a mismatch fails
 //! the handshake with `CoreError::Authentication`).

@@ -1,5 +1,5 @@
 //! `P2PStream`: what every p2p stream between peers is once dialed or accepted: encrypted
-//! and integrity-protected by `secure.rs` (the default), or clear TCP when the node was
+//! and integrity-protected by `secure/` (the default), or clear TCP when the node was
 //! configured `insecure` (both ends must agree; see `node.rs`).
 //!
 //! Writes are buffered on the secure variant: `flush()` after every complete message.
