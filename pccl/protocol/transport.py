@@ -34,7 +34,7 @@ from pccl.protocol.messages import Message
 
 #: Hashed into every control-plane handshake: a p2p handshake cannot be replayed here.
 PROLOGUE = b"pccl control v1"
-#: The master's reachability check of a peer's p2p listener (``rust/net/node.rs``).
+#: The master's reachability check of a peer's p2p listener (``rust/net/node/accept.rs``).
 REACH_PROLOGUE = b"pccl reach v1"
 _STATUS_OK = b"\x00"
 _STATUS_TRANSPORT_MISMATCH = bytes([_core.STATUS_TRANSPORT_MISMATCH])
