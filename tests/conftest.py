@@ -78,9 +78,9 @@ TIERS: dict[str, tuple[str, ...]] = {
         "test_adversary", "test_adversary_http", "test_adversary_parking", "test_config",
         "test_failover", "test_fuzz", "test_identity", "test_link_emulator",
         "test_long_runs", "test_master_scan", "test_membership", "test_mitm",
-        "test_port_clash", "test_quantization", "test_rotation", "test_stragglers",
-        "test_strangers", "test_topology", "test_transport_security", "test_user_errors",
-        "test_via_master",
+        "test_port_clash", "test_quantization", "test_ring_exports", "test_rotation",
+        "test_stragglers", "test_strangers", "test_topology", "test_transport_security",
+        "test_user_errors", "test_via_master",
     ),
     "system": (
         "test_admin", "test_allreduce", "test_blocking", "test_churn", "test_cli",
