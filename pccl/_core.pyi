@@ -256,7 +256,9 @@ class P2PNode:
         is no stall until ``RingOp.arm()``. ``in_place=True`` (without a separate
         ``out``): the results land in ``buffer`` as the ring goes, its original bytes in
         a backup; ``commit(buffer)`` keeps them, ``rollback()`` restores the original
-        (a failed ``run()`` restored it already)."""
+        (a failed ``run()`` restored it already). The op holds the buffer exports of
+        ``buffer`` and ``out`` until it is committed or rolled back: meanwhile they
+        cannot be resized (``BufferError`` for a ``bytearray``)."""
         ...
     def ring_lanes(self) -> tuple[int, int]: ...
     def ring_ok(self) -> bool: ...
@@ -356,10 +358,12 @@ class RingOp:
     def arm(self) -> None:
         """Starts the stall clock: silence from the previous peer for the I/O timeout
         fails the op from now on (idempotent; harmless once the op ended)."""
-    def commit(self, out: Any) -> None: ...
+    def commit(self, out: Any) -> None:
+        """Copies the result into ``out`` and spends the op: its tensors' buffer exports
+        are released; it cannot run or commit again."""
     def rollback(self) -> None:
         """An in-place op that ran: puts the tensor's original bytes back (a no-op
-        otherwise, after a commit, and the second time)."""
+        otherwise, after a commit, and the second time). Spends the op, as ``commit``."""
 
 def content_hash(buffer: Any, threads: int | None = None) -> bytes:
     """128-bit content hash of a C-contiguous buffer's bytes, 16 big-endian bytes (GIL released)."""

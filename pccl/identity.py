@@ -2,7 +2,7 @@
 operator's run key, and the signed denylist that revokes keys.
 
 The handshakes themselves live in the Rust core (``rust/net/identity.rs``,
-``rust/net/secure.rs``); this module holds what is Python's: the files, the checks done
+``rust/net/secure/``); this module holds what is Python's: the files, the checks done
 at construction, and the operator's tools behind ``pccl secret new``, ``pccl ca ...``
 and ``pccl node new``.
 

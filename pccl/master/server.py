@@ -54,7 +54,7 @@ if TYPE_CHECKING:
     from pccl.master.status_server import StatusServer
 
 #: First bytes of the master's reachability check on a peer's p2p port, and of a
-#: relayed stream on the master's port (``rust/net/node.rs``).
+#: relayed stream on the master's port (``rust/net/node/``).
 REACH_MAGIC = b"PCCLRCH\x01"
 RELAY_MAGIC = b"PCCLRLY\x01"
 _PATHS = {

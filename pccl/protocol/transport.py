@@ -1,7 +1,7 @@
 """A framed control-plane connection over asyncio streams, encrypted by default.
 
 Before any message, the dialing side (a peer) opens the connection with one of two
-handshakes, the same bytes as pccl's p2p streams (``rust/net/secure.rs``):
+handshakes, the same bytes as pccl's p2p streams (``rust/net/secure/``):
 
 - secure (the default): a Noise handshake, ``Noise_XXpsk3_25519_AESGCM_SHA256`` with the
   shared secret's key mixed in last (``Noise_XX`` without a secret), each end proving its
@@ -34,7 +34,7 @@ from pccl.protocol.messages import Message
 
 #: Hashed into every control-plane handshake: a p2p handshake cannot be replayed here.
 PROLOGUE = b"pccl control v1"
-#: The master's reachability check of a peer's p2p listener (``rust/net/node.rs``).
+#: The master's reachability check of a peer's p2p listener (``rust/net/node/accept.rs``).
 REACH_PROLOGUE = b"pccl reach v1"
 _STATUS_OK = b"\x00"
 _STATUS_TRANSPORT_MISMATCH = bytes([_core.STATUS_TRANSPORT_MISMATCH])

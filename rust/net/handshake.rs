@@ -1,5 +1,5 @@
 //! The p2p stream hello: who dials whom, for which epoch, slot and purpose. It runs
-//! inside the transport (`secure.rs`); encrypted, the MACs are zeros and not checked
+//! inside the transport (`secure/`); encrypted, the MACs are zeros and not checked
 //! (the transport's handshake proved the dialer's key, and the node checks that the
 //! key is the one the roster names for `from`). In clear text (`insecure`) with a
 //! shared secret, it is a mutual HMAC-SHA256 challenge-response.

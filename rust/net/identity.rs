@@ -1,7 +1,7 @@
 //! Node identities: who a handshake proves the other end to be.
 //!
 //! Every node (peer or master) has a static X25519 key, the `s` of its Noise handshakes
-//! (`secure.rs`). It is either loaded from the node's key file, with a certificate the
+//! (`secure/`). It is either loaded from the node's key file, with a certificate the
 //! operator signed for it, or made fresh for the process (a node without one: then the
 //! master's roster is what binds a key to a peer id).
 //!

@@ -1,6 +1,6 @@
 //! `P2PStream`: what every p2p stream between peers is once dialed or accepted: encrypted
-//! and integrity-protected by `secure.rs` (the default), or clear TCP when the node was
-//! configured `insecure` (both ends must agree; see `node.rs`).
+//! and integrity-protected by `secure/` (the default), or clear TCP when the node was
+//! configured `insecure` (both ends must agree; see `node/`).
 //!
 //! Writes are buffered on the secure variant: `flush()` after every complete message.
 
@@ -127,7 +127,7 @@ delegate_write!(P2PWriteHalf);
 
 /// Hashed into every p2p secure handshake (after `secure::PROLOGUE_LABEL`).
 pub const PROLOGUE: &[u8] = b"pccl p2p v2";
-/// Hashed into the master's reachability check (`node.rs`, `REACH_MAGIC`).
+/// Hashed into the master's reachability check (`node/accept.rs`, `REACH_MAGIC`).
 pub const REACH_PROLOGUE: &[u8] = b"pccl reach v1";
 
 /// How the node's streams are protected: derived once from the node config.

@@ -6,9 +6,9 @@ use crate::error::CoreError;
 use crate::hash::LEAF_SIZE;
 use crate::net::fetch::{self, Entry, Landing, Plan, Progress};
 use crate::net::node::Node;
+use crate::py::buffer::{Export, Held};
 use crate::py::future_into_py;
 use crate::py::node::{seconds, PyP2PNode};
-use crate::py::ring::{raw_buffer, KeepAlive};
 use pyo3::prelude::*;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -28,6 +28,7 @@ impl PyP2PNode {
     #[pyo3(signature = (entries, addrs, *, streams=1, io_timeout=30.0, range_bytes=None))]
     fn start_fetch(
         &self,
+        py: Python<'_>,
         entries: Vec<PyEntry<'_>>,
         addrs: HashMap<u64, String>,
         streams: usize,
@@ -39,13 +40,14 @@ impl PyP2PNode {
             return Err(CoreError::InvalidArgument("range_bytes must be positive".into()).into());
         }
         let mut spans = Vec::with_capacity(entries.len());
-        let mut keep = Vec::with_capacity(entries.len());
+        let mut exports = Vec::with_capacity(entries.len());
         let mut planned = Vec::with_capacity(entries.len());
         for (key, out, want, sources) in entries {
-            let raw = raw_buffer(&out, true, &format!("the fetch buffer of {key:?}"))?;
+            let export = Export::get(&out, true, &format!("the fetch buffer of {key:?}"))?;
+            let raw = export.raw();
             spans.push((raw.ptr, raw.len, key.clone()));
-            keep.push(KeepAlive(out.unbind()));
-            // SAFETY: `keep` holds every exporting object until the fetch has ended, the
+            exports.push(export);
+            // SAFETY: the plan keeps every export (`Held`) until the fetch has ended, the
             // buffers do not overlap (checked below), and the caller writes none of them
             // while the fetch runs.
             let dst = unsafe { Landing::new(raw.ptr as *mut u8, raw.len) };
@@ -74,7 +76,7 @@ impl PyP2PNode {
         };
         Ok(FetchOp {
             node: self.node.clone(),
-            plan: Mutex::new(Some((plan, keep))),
+            plan: Mutex::new(Some((plan, Held::new(py, exports)?))),
             progress: Default::default(),
             cancel: CancellationToken::new(),
         })
@@ -85,7 +87,8 @@ impl PyP2PNode {
 #[pyclass(module = "pccl._core", frozen)]
 pub struct FetchOp {
     node: Arc<Node>,
-    plan: Mutex<Option<(Plan, Vec<KeepAlive>)>>,
+    /// The plan and the exports of its buffers, until `run()` takes them.
+    plan: Mutex<Option<(Plan, Held)>>,
     progress: Arc<Progress>,
     cancel: CancellationToken,
 }
@@ -97,7 +100,7 @@ impl FetchOp {
     /// transfer has ended. Cancelling the awaitable aborts the fetch too, but the
     /// transfers stop a moment later: call `abort()` and await it instead.
     fn run<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
-        let (plan, keep) = self
+        let (plan, held) = self
             .plan
             .lock()
             .unwrap()
@@ -113,7 +116,9 @@ impl FetchOp {
             let _stop = cancel.clone().drop_guard();
             let task = tokio::spawn(async move {
                 let results = fetch::fetch_plan(node, plan, progress, cancel).await;
-                drop(keep);
+                // The buffers' exports: released by Python once a thread attaches (the
+                // hand-off of `results` does).
+                drop(held);
                 results
             });
             let results = task.await.map_err(|e| {

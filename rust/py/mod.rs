@@ -1,5 +1,6 @@
 //! The only pyo3-aware code: exceptions, and thin handles over the Rust core.
 
+pub mod buffer;
 pub mod errors;
 pub mod fetch;
 pub mod hash;

@@ -2,47 +2,23 @@
 //! all-reduce (`RingOp`), and committing its result into the caller's buffer. The work
 //! is done by `crate::ring::assembly`; this file only converts arguments and results.
 //! `star_all_reduce` computes the ring's result in one process (`crate::ring::star`).
+//!
+//! A `RingOp` holds the buffer exports of its tensors (`py::buffer::Held`) from
+//! `start_all_reduce` until it is committed or rolled back (and no task of it touches
+//! them any more), so Python cannot resize or free them while the ring uses them.
 
 use crate::error::CoreError;
+use crate::py::buffer::{Export, Held};
 use crate::py::future_into_py;
 use crate::py::node::{seconds, PyP2PNode};
 use crate::ring::allreduce;
 use crate::ring::assembly::{self, dtype_from_code, op_from_code, quant_from_codes, MeshConfig};
 use crate::ring::links::LinkConfig;
 use crate::ring::ReduceSpec;
-use pyo3::buffer::PyBuffer;
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
-
-/// Raw view of a contiguous byte buffer exported by a Python object.
-pub(crate) struct RawBuffer {
-    pub ptr: usize,
-    pub len: usize,
-}
-
-pub(crate) fn raw_buffer(
-    obj: &Bound<'_, PyAny>,
-    writable: bool,
-    what: &str,
-) -> PyResult<RawBuffer> {
-    let buf = PyBuffer::<u8>::get(obj).map_err(|e| {
-        CoreError::InvalidArgument(format!("{what} must expose a byte buffer: {e}"))
-    })?;
-    if !buf.is_c_contiguous() {
-        return Err(CoreError::InvalidArgument(format!("{what} must be C-contiguous")).into());
-    }
-    if writable && buf.readonly() {
-        return Err(CoreError::InvalidArgument(format!("{what} is read-only")).into());
-    }
-    Ok(RawBuffer {
-        ptr: buf.buf_ptr() as usize,
-        len: buf.len_bytes(),
-    })
-}
-
-/// Keeps a Python object alive from tokio threads; the decref is deferred by pyo3
-/// until a thread holds the GIL.
-pub(crate) struct KeepAlive(#[allow(dead_code)] pub(crate) Py<PyAny>);
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
 
 #[pymethods]
 impl PyP2PNode {
@@ -134,10 +110,13 @@ impl PyP2PNode {
             quant,
         };
         let links = self.ring.usable_links()?;
-        let raw = raw_buffer(buffer, false, "the input tensor")?;
+        let py = buffer.py();
+        let input = Export::get(buffer, false, "the input tensor")?;
+        let raw = input.raw();
         let mesh = self.ring.mesh_for(&spec, raw.len);
         if let Some(out) = out {
-            let dst = raw_buffer(out, true, "the output tensor")?;
+            let output = Export::get(out, true, "the output tensor")?;
+            let dst = output.raw();
             if dst.len != raw.len {
                 return Err(CoreError::InvalidArgument(format!(
                     "the output tensor has {} bytes, the input {}",
@@ -146,15 +125,10 @@ impl PyP2PNode {
                 .into());
             }
             if allreduce::disjoint(raw.ptr as *const u8, dst.ptr as *const u8, raw.len) {
-                let keep = KeepAlive(
-                    (buffer.clone(), out.clone())
-                        .into_pyobject(buffer.py())?
-                        .into_any()
-                        .unbind(),
-                );
-                // SAFETY: `keep` holds both exporting objects for as long as the op's
-                // memory lives; they do not overlap; callers must not touch either
-                // tensor while the op runs (documented).
+                let held = Box::new(Held::new(py, vec![input, output])?);
+                // SAFETY: `held` holds both exports for as long as the op's memory
+                // lives; they do not overlap; callers must not touch either tensor
+                // while the op runs (documented).
                 let op = unsafe {
                     assembly::RingOp::with_output(
                         links,
@@ -162,50 +136,45 @@ impl PyP2PNode {
                         raw.ptr as *const u8,
                         dst.ptr as *mut u8,
                         raw.len,
-                        Box::new(keep),
+                        held,
                     )
                 };
-                return Ok(RingOp {
-                    op: op.with_armed(armed).with_mesh(mesh),
-                });
+                return Ok(RingOp::new(op.with_armed(armed).with_mesh(mesh)));
             }
         }
         if in_place {
-            let raw = raw_buffer(buffer, true, "the tensor")?;
-            let keep = KeepAlive(buffer.clone().unbind());
-            // SAFETY: `keep` holds the exporting object for as long as the op's memory
-            // lives; callers must not touch the tensor until the op is committed or
-            // rolled back (documented).
+            let tensor = Export::get(buffer, true, "the tensor")?;
+            let raw = tensor.raw();
+            let held = Box::new(Held::new(py, vec![tensor])?);
+            // SAFETY: `held` holds the export for as long as the op's memory lives;
+            // callers must not touch the tensor until the op is committed or rolled
+            // back (documented).
             let op = unsafe {
                 assembly::RingOp::in_place(
                     links,
                     spec,
                     raw.ptr as *mut u8,
                     raw.len,
-                    Box::new(keep),
+                    held,
                     Some(self.ring.scratch()),
                 )
             };
-            return Ok(RingOp {
-                op: op.with_armed(armed).with_mesh(mesh),
-            });
+            return Ok(RingOp::new(op.with_armed(armed).with_mesh(mesh)));
         }
-        let keep = KeepAlive(buffer.clone().unbind());
-        // SAFETY: `keep` holds the exporting object for as long as the op's memory lives;
-        // callers must not resize or write the tensor while the op runs (documented).
+        let held = Box::new(Held::new(py, vec![input])?);
+        // SAFETY: `held` holds the export for as long as the op's memory lives; callers
+        // must not write the tensor while the op runs (documented).
         let op = unsafe {
             assembly::RingOp::with_input(
                 links,
                 spec,
                 raw.ptr as *const u8,
                 raw.len,
-                Box::new(keep),
+                held,
                 Some(self.ring.scratch()),
             )
         };
-        Ok(RingOp {
-            op: op.with_armed(armed).with_mesh(mesh),
-        })
+        Ok(RingOp::new(op.with_armed(armed).with_mesh(mesh)))
     }
 
     /// `(receiving lanes from prev, sending lanes to next)` of the installed ring links,
@@ -223,17 +192,70 @@ impl PyP2PNode {
 /// One all-reduce in flight. `run()` drives it; `abort()` stops it from anywhere;
 /// `arm()` starts its stall clock; `commit(out)` copies the result into the caller's
 /// buffer after success.
+///
+/// The op's memory holds the exports of its tensors. `commit` and `rollback`, unless
+/// its `run()` is still going, spend the op: it lets go of that memory, and the exports
+/// are released there and then, or, when a task of the op still holds the memory (a
+/// link's reader, a moment longer), by the last one to let go (see `py::buffer`). A
+/// spent op cannot run or commit; `rollback`, `abort` and `arm` do nothing.
 #[pyclass(module = "pccl._core", frozen)]
 pub struct RingOp {
-    op: assembly::RingOp,
+    /// `None` once spent. Handed out as a clone: no lock is held while the GIL is
+    /// released.
+    op: Mutex<Option<Arc<assembly::RingOp>>>,
+    mesh: bool,
+    /// From `run()` until its future ended (or was dropped).
+    running: Arc<AtomicBool>,
+}
+
+/// Clears `RingOp::running` when the run's future ends or is dropped.
+struct Running(Arc<AtomicBool>);
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        self.0.store(false, Ordering::Release);
+    }
+}
+
+impl RingOp {
+    fn new(op: assembly::RingOp) -> RingOp {
+        RingOp {
+            mesh: op.is_mesh(),
+            op: Mutex::new(Some(Arc::new(op))),
+            running: Arc::default(),
+        }
+    }
+
+    fn live(&self) -> Option<Arc<assembly::RingOp>> {
+        self.op.lock().unwrap().clone()
+    }
+
+    fn spent() -> PyErr {
+        CoreError::InvalidUsage("the RingOp was committed or rolled back already".into()).into()
+    }
+
+    /// After a commit or rollback: lets go of the op unless its run is still going.
+    fn spend(&self, op: Arc<assembly::RingOp>) {
+        if self.running.load(Ordering::Acquire) {
+            return;
+        }
+        let taken = self.op.lock().unwrap().take();
+        // Here, on this Python thread, the tensors' exports are released unless a task
+        // still holds the op's memory.
+        drop((taken, op));
+    }
 }
 
 #[pymethods]
 impl RingOp {
     /// Runs the ring; resolves to `(tx_bytes, rx_bytes)`.
     fn run<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
-        let run = self.op.run()?;
+        let op = self.live().ok_or_else(Self::spent)?;
+        let run = op.run()?;
+        self.running.store(true, Ordering::Release);
+        let running = Running(self.running.clone());
         future_into_py(py, async move {
+            let _running = running;
             let stats = run.await?;
             Ok((stats.tx_bytes, stats.rx_bytes))
         })
@@ -242,40 +264,50 @@ impl RingOp {
     /// "mesh" (recursive doubling over the mesh links) or "ring".
     #[getter]
     fn algorithm(&self) -> &'static str {
-        if self.op.is_mesh() {
+        if self.mesh {
             "mesh"
         } else {
             "ring"
         }
     }
 
-    /// Stops the op (its `run()` fails). The links are poisoned if a frame was cut.
+    /// Stops the op (its run fails). The links are poisoned if a frame was cut.
     fn abort(&self) {
-        self.op.abort();
+        if let Some(op) = self.live() {
+            op.abort();
+        }
     }
 
     /// From now on, silence from the previous peer for the I/O timeout fails the op
     /// (idempotent; harmless once the op ended).
     fn arm(&self) {
-        self.op.arm();
+        if let Some(op) = self.live() {
+            op.arm();
+        }
     }
 
     /// An in-place op (`start_all_reduce(in_place=True)`) that ran: puts the tensor's
     /// original bytes back (GIL released while copying). A no-op for other ops, after
-    /// a commit, and the second time.
+    /// a commit, and the second time. Spends the op (see `RingOp`).
     fn rollback(&self, py: Python<'_>) {
-        crate::py::detach(py, || self.op.rollback());
+        let Some(op) = self.live() else { return };
+        crate::py::detach(py, || op.rollback());
+        self.spend(op);
     }
 
-    /// Copies the reduced bytes into `out` (GIL released while copying).
+    /// Copies the reduced bytes into `out` (GIL released while copying, `out`'s export
+    /// held meanwhile). Spends the op (see `RingOp`).
     fn commit(&self, py: Python<'_>, out: &Bound<'_, PyAny>) -> PyResult<()> {
-        let raw = raw_buffer(out, true, "the output tensor")?;
+        let op = self.live().ok_or_else(Self::spent)?;
+        let dst = Export::get(out, true, "the output tensor")?;
+        let raw = dst.raw();
         crate::py::detach(py, || {
-            // SAFETY: `out` is a live, writable, C-contiguous buffer of `raw.len` bytes,
-            // borrowed for this call; the op's scratch memory is its own.
-            let dst = unsafe { std::slice::from_raw_parts_mut(raw.ptr as *mut u8, raw.len) };
-            self.op.commit_into(dst)
+            // SAFETY: `dst` holds the writable, C-contiguous export of `out` until this
+            // call returns; the op's own memory is its own.
+            op.commit_into(unsafe { raw.bytes_mut() })
         })?;
+        drop(dst);
+        self.spend(op);
         Ok(())
     }
 }
@@ -292,26 +324,13 @@ pub fn star_all_reduce<'py>(
 ) -> PyResult<Bound<'py, PyBytes>> {
     let (dtype, op) = (dtype_from_code(dtype)?, op_from_code(op)?);
     // Held until the end: a held export keeps the bytes from being resized or freed.
-    let mut views = Vec::with_capacity(inputs.len());
-    for (rank, obj) in inputs.iter().enumerate() {
-        let buf = PyBuffer::<u8>::get(obj).map_err(|e| {
-            CoreError::InvalidArgument(format!("input {rank} must expose a byte buffer: {e}"))
-        })?;
-        if !buf.is_c_contiguous() {
-            return Err(
-                CoreError::InvalidArgument(format!("input {rank} must be C-contiguous")).into(),
-            );
-        }
-        views.push(buf);
-    }
-    let slices: Vec<&[u8]> = views
+    let views = inputs
         .iter()
-        .map(|b| match b.len_bytes() {
-            0 => &[][..],
-            // SAFETY: a C-contiguous export of `len` bytes, alive while `views` is.
-            len => unsafe { std::slice::from_raw_parts(b.buf_ptr() as *const u8, len) },
-        })
-        .collect();
+        .enumerate()
+        .map(|(rank, obj)| Export::get(obj, false, &format!("input {rank}")))
+        .collect::<PyResult<Vec<_>>>()?;
+    // SAFETY: C-contiguous exports, held while `views` is.
+    let slices: Vec<&[u8]> = views.iter().map(|v| unsafe { v.raw().bytes() }).collect();
     let out = crate::py::detach(py, || crate::ring::star_all_reduce(&slices, dtype, op))?;
     drop(slices);
     drop(views);

@@ -1,6 +1,6 @@
 //! The secure handshake and record layer for asyncio callers (the master's control
 //! plane): `net::secure::Handshake` and a Noise transport state, with no I/O here. The
-//! bytes on the wire are those of the p2p streams (`net/secure.rs`).
+//! bytes on the wire are those of the p2p streams (`net/secure/`).
 
 use crate::error::CoreError;
 use crate::net::identity::{GROUP_MASTER, GROUP_PEER};

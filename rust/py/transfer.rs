@@ -3,9 +3,9 @@
 use crate::error::CoreError;
 use crate::net::fetch::TransferStream;
 use crate::net::transfer::{self, Served};
+use crate::py::buffer::{Export, Held};
 use crate::py::future_into_py;
 use crate::py::node::{resolve, seconds as checked_seconds, PyP2PNode};
-use crate::py::ring::{raw_buffer, KeepAlive};
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -92,11 +92,12 @@ impl PyP2PNode {
 
     /// Serves `buffer` (read in place, never copied) under `key` until `unserve_all()`.
     fn serve(&self, key: String, buffer: &Bound<'_, PyAny>) -> PyResult<()> {
-        let raw = raw_buffer(buffer, false, "a shared-state tensor")?;
-        let keep = Box::new(KeepAlive(buffer.clone().unbind()));
-        // SAFETY: `keep` holds the exporting object; callers must not modify or resize
+        let export = Export::get(buffer, false, "a shared-state tensor")?;
+        let raw = export.raw();
+        let held = Box::new(Held::new(buffer.py(), vec![export])?);
+        // SAFETY: `held` holds the export while the item lives; callers must not modify
         // the tensor while a sync serves it (documented on sync_shared_state).
-        let item = unsafe { Served::new(raw.ptr as *const u8, raw.len, keep) };
+        let item = unsafe { Served::new(raw.ptr as *const u8, raw.len, held) };
         self.node.transfers.serve(key, item);
         Ok(())
     }
@@ -140,17 +141,18 @@ impl PyP2PNode {
         reuse: bool,
     ) -> PyResult<Bound<'py, PyAny>> {
         let landed = counter.map_or_else(Default::default, |c| c.get().0.clone());
-        let raw = raw_buffer(out, true, "the fetch buffer")?;
+        let export = Export::get(out, true, "the fetch buffer")?;
+        let raw = export.raw();
         let total = total.unwrap_or(offset.saturating_add(raw.len as u64));
-        let keep = KeepAlive(out.clone().unbind());
+        let held = Held::new(py, vec![export])?;
         let node = self.node.clone();
         let timeout = checked_seconds("io_timeout", io_timeout)?;
         future_into_py(py, async move {
-            let _keep = keep;
+            let _held = held;
             let sock = resolve(&addr).await?;
-            // SAFETY: `_keep` holds the exporting object for the whole transfer and the
-            // caller hands us memory nobody else writes meanwhile.
-            let dst = unsafe { std::slice::from_raw_parts_mut(raw.ptr as *mut u8, raw.len) };
+            // SAFETY: `_held` holds the export for the whole transfer and the caller
+            // hands us memory nobody else writes meanwhile.
+            let dst = unsafe { raw.bytes_mut() };
             let mut f = TransferStream::open(&node, sock, peer_id, reuse).await?;
             // The leaf digests, computed while the bytes land. Only a clean end leaves
             // the stream between requests.
@@ -200,24 +202,25 @@ impl PyP2PNode {
             .into());
         }
         let landed = counter.map_or_else(Default::default, |c| c.get().0.clone());
-        let raws = outs
+        let exports = outs
             .iter()
-            .map(|o| raw_buffer(o, true, "a fetch buffer"))
+            .map(|o| Export::get(o, true, "a fetch buffer"))
             .collect::<PyResult<Vec<_>>>()?;
-        let keep: Vec<KeepAlive> = outs.iter().map(|o| KeepAlive(o.clone().unbind())).collect();
+        let raws: Vec<_> = exports.iter().map(Export::raw).collect();
+        let held = Held::new(py, exports)?;
         let node = self.node.clone();
         let timeout = checked_seconds("io_timeout", io_timeout)?;
         future_into_py(py, async move {
-            let _keep = keep;
+            let _held = held;
             let sock = resolve(&addr).await?;
-            // SAFETY: `_keep` holds every exporting object for the whole transfer, the
-            // caller hands us memory nobody else writes meanwhile, and distinct buffers.
+            // SAFETY: `_held` holds every export for the whole transfer, the caller
+            // hands us memory nobody else writes meanwhile, and distinct buffers.
             let mut items: Vec<transfer::Wanted<'_>> = keys
                 .iter()
                 .zip(&raws)
                 .map(|(key, raw)| transfer::Wanted {
                     key,
-                    dst: unsafe { std::slice::from_raw_parts_mut(raw.ptr as *mut u8, raw.len) },
+                    dst: unsafe { raw.bytes_mut() },
                 })
                 .collect();
             let mut f = TransferStream::open(&node, sock, peer_id, reuse).await?;
@@ -264,8 +267,12 @@ pub fn copy_into(
     src: &Bound<'_, PyAny>,
     threads: Option<usize>,
 ) -> PyResult<()> {
-    let d = raw_buffer(dst, true, "the destination")?;
-    let s = raw_buffer(src, false, "the source")?;
+    // Held until this call returns, the copy included.
+    let exports = [
+        Export::get(dst, true, "the destination")?,
+        Export::get(src, false, "the source")?,
+    ];
+    let (d, s) = (exports[0].raw(), exports[1].raw());
     if d.len != s.len {
         return Err(CoreError::InvalidArgument(format!(
             "copy_into: destination has {} bytes, source {}",
@@ -279,10 +286,9 @@ pub fn copy_into(
         .clamp(1, 64);
     crate::py::detach(py, move || {
         transfer::prefault(d.ptr, d.len);
-        // SAFETY: both buffers are exported by live Python objects the caller holds for
-        // the duration of this call; pccl never hands overlapping buffers here.
-        let dst = unsafe { std::slice::from_raw_parts_mut(d.ptr as *mut u8, d.len) };
-        let src = unsafe { std::slice::from_raw_parts(s.ptr as *const u8, s.len) };
+        // SAFETY: both exports are held until this call returns (the destination's
+        // writable); pccl never hands overlapping buffers here.
+        let (dst, src) = unsafe { (d.bytes_mut(), s.bytes()) };
         if threads == 1 {
             dst.copy_from_slice(src);
             return;
@@ -294,6 +300,7 @@ pub fn copy_into(
             }
         });
     });
+    drop(exports);
     Ok(())
 }
 
@@ -302,8 +309,10 @@ pub fn copy_into(
 /// elsewhere). Lets a sync take the page faults of a commit off its critical path.
 #[pyfunction]
 pub fn prefault(py: Python<'_>, buffer: &Bound<'_, PyAny>) -> PyResult<()> {
-    let b = raw_buffer(buffer, true, "the buffer")?;
+    let export = Export::get(buffer, true, "the buffer")?;
+    let b = export.raw();
     crate::py::detach(py, move || transfer::prefault(b.ptr, b.len));
+    drop(export);
     Ok(())
 }
 

@@ -1,7 +1,7 @@
 """A stranger without the shared secret against the parking lot of a peer's p2p port.
 
 A ring link into a peer behind NAT is opened by that peer: it dials its neighbour and
-sends ``PCCLREV | token | stream`` (``rust/net/node.rs``), and the neighbour keeps the
+sends ``PCCLREV | token | stream`` (``rust/net/node/``), and the neighbour keeps the
 stream until its own side of the link asks for that token. Such streams arrive before
 any authentication, so a stranger can send as many as it likes, with made-up tokens.
 Here one does, hundreds of them, at every member's p2p port, and keeps them open; a

@@ -345,7 +345,7 @@ async def test_a_slow_loopback_listener_is_dialed_again_not_taken_for_nat() -> N
     master = pccl.MasterNode(listen="127.0.0.1:0", dial_back_timeout=0.2)
     try:
         # (key None: a clear-text peer's check, the token echoed in clear, as this
-        # listener does; a peer's encrypted check is a secure handshake, rust/net/node.rs.)
+        # listener does; a peer's encrypted check is a secure handshake, rust/net/node/accept.rs.)
         assert await master._dial_back("127.0.0.1", port, None)
         assert len(seen) == 2
         server.close()
