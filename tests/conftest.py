@@ -71,8 +71,8 @@ async def no_leaked_tasks() -> AsyncIterator[None]:
 TIERS: dict[str, tuple[str, ...]] = {
     "unit": (
         "test_bench_rounds", "test_docs_links", "test_hash", "test_master_state",
-        "test_peer_state", "test_protocol", "test_recovery", "test_scale_sim", "test_sim",
-        "test_tensors", "test_topology_solver",
+        "test_peer_options", "test_peer_state", "test_protocol", "test_recovery",
+        "test_scale_sim", "test_sim", "test_tensors", "test_topology_solver",
     ),
     "integration": (
         "test_adversary", "test_adversary_http", "test_adversary_parking", "test_config",
