@@ -39,8 +39,9 @@ from pccl.peer.options import (
 )
 from pccl.peer.pause import PauseWatch
 from pccl.peer.state import Status as PeerState
+from pccl.protocol import MAX_FRAME
 from pccl.protocol import messages as m
-from pccl.protocol.auth import is_loopback_host, split_host_port
+from pccl.protocol.auth import DEFAULT_PORT, is_loopback_host, split_host_port
 from pccl.protocol.transport import ConnectionClosed, FramedConnection
 from pccl.shared_state import SharedState, SyncInfo, SyncProgress
 from pccl.tensors import as_raw
@@ -55,8 +56,6 @@ _CANCELLED = "cancelled by the caller"
 #: How long close() waits, at most, for the master to close its end after the Leave
 #: (it does once it has read it; see FramedConnection.linger).
 LEAVE_LINGER = 2.0
-
-_D = PeerOptions  # (the constructor's defaults are its fields' defaults)
 
 
 @config.register
@@ -131,34 +130,34 @@ class Communicator(Driver):
 
     def __init__(
         self,
-        master: str | Sequence[str] = _D.master,
-        peer_group: int = _D.peer_group,
-        p2p_connection_pool_size: int = _D.p2p_connection_pool_size,
+        master: str | Sequence[str] = f"127.0.0.1:{DEFAULT_PORT}",
+        peer_group: int = 0,
+        p2p_connection_pool_size: int = 4,
         secret: identity.SecretSource = None,
         *,
-        p2p_listen_host: str | None = _D.p2p_listen_host,
-        p2p_listen_port: int = _D.p2p_listen_port,
-        p2p_advertise_host: str | None = _D.p2p_advertise_host,
-        p2p_advertise_address: str | None = _D.p2p_advertise_address,
-        timeout: float = _D.timeout,
-        p2p_timeout: float = _D.p2p_timeout,
-        peer_timeout: float = _D.peer_timeout,
-        piece_bytes: int = _D.piece_bytes,
-        max_frame: int = _D.max_frame,
-        reconnect_timeout: float = _D.reconnect_timeout,
-        collective_timeout: float | None = _D.collective_timeout,
-        insecure: bool = _D.insecure,
-        allow_relay: bool = _D.allow_relay,
-        metrics_listen: str | None = _D.metrics_listen,
-        metrics_token: str | None = _D.metrics_token,
-        early_start_max_bytes: int = _D.early_start_max_bytes,
-        via_master_max_bytes: int = _D.via_master_max_bytes,
+        p2p_listen_host: str | None = None,
+        p2p_listen_port: int = 0,
+        p2p_advertise_host: str | None = None,
+        p2p_advertise_address: str | None = None,
+        timeout: float = 10.0,
+        p2p_timeout: float = 10.0,
+        peer_timeout: float = 30.0,
+        piece_bytes: int = 1 << 20,
+        max_frame: int = MAX_FRAME,
+        reconnect_timeout: float = 600.0,
+        collective_timeout: float | None = 1800.0,
+        insecure: bool = False,
+        allow_relay: bool = True,
+        metrics_listen: str | None = None,
+        metrics_token: str | None = None,
+        early_start_max_bytes: int = 4 << 20,
+        via_master_max_bytes: int = 64 << 10,
         key_file: str | None = None,
         cert_file: str | None = None,
         trust: str | None = None,
-        allow_anonymous: bool = _D.allow_anonymous,
-        name: str | None = _D.name,
-        run_id: str | None = _D.run_id,
+        allow_anonymous: bool = False,
+        name: str | None = None,
+        run_id: str | None = None,
     ) -> None:
         # Every setting, checked once (a plain attribute: see the class docstring).
         self.options = PeerOptions(
