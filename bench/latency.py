@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import os
 import statistics
 import sys
@@ -104,7 +105,8 @@ async def measure(k: int, iters: int, master_ms: float, link_ms: float,
                 rtt.append(time.perf_counter() - t0)
             for mode, (via_master, early) in modes.items():
                 for c in comms:
-                    c.via_master_max_bytes, c.early_start_max_bytes = via_master, early
+                    c.options = dataclasses.replace(c.options, via_master_max_bytes=via_master,
+                                                    early_start_max_bytes=early)
                 for i, x in enumerate(xs):
                     x.fill(i + 1)
                 t0 = time.perf_counter()

@@ -20,7 +20,6 @@ from typing import Any
 from pccl import _core, config, identity, recovery
 from pccl.enums import Attribute, QuantizationAlgorithm, ReduceOp, SharedStateSyncStrategy
 from pccl.errors import (
-    InvalidArgumentError,
     InvalidUsageError,
     MasterConnectionError,
 )
@@ -30,15 +29,13 @@ from pccl.peer.driver import Driver
 from pccl.peer.metrics import PeerMetrics
 from pccl.peer.options import (
     DEFAULT_TIMEOUT,
+    OptionView,
+    PeerOptions,
     QuantizationOptions,
     ReduceDescriptor,
     ReduceInfo,
-    check_deadline,
     check_int,
-    check_metrics_listen,
     check_quantization,
-    check_seconds,
-    master_addresses,
 )
 from pccl.peer.pause import PauseWatch
 from pccl.peer.state import Status as PeerState
@@ -121,6 +118,14 @@ class Communicator(Driver):
     with the one that holds its group and fails over to another by itself; quorums of
     the previous ring keep two masters from both running the group (docs/semantics.md,
     "Several masters").
+
+    The settings (every parameter but ``secret``, ``key_file``, ``cert_file`` and
+    ``trust``) are checked once and kept in ``comm.options``, a frozen
+    :class:`pccl.peer.options.PeerOptions`; each reads as an attribute too
+    (``comm.timeout``, ``comm.masters``), read-only. ``options`` itself is a plain
+    attribute: ``comm.options = dataclasses.replace(comm.options, via_master_max_bytes=0)``
+    changes what later calls read (the new values are checked alike); what ``connect()``
+    set up from them (the p2p listener, the metrics server) stays as it was.
     """
 
     def __init__(
@@ -154,47 +159,28 @@ class Communicator(Driver):
         name: str | None = None,
         run_id: str | None = None,
     ) -> None:
-        check_int(p2p_connection_pool_size, "p2p_connection_pool_size", 1, 64)
-        check_int(peer_group, "peer_group", 0, (1 << 32) - 1)
-        check_int(p2p_listen_port, "p2p_listen_port", 0, 65535)
-        check_int(piece_bytes, "piece_bytes", 1, 1 << 30)
-        check_int(max_frame, "max_frame", 1 << 10, 1 << 31)
-        check_int(early_start_max_bytes, "early_start_max_bytes", 0, 1 << 40)
-        # (The tensor travels in one control-plane frame: at most 1 MiB of it.)
-        check_int(via_master_max_bytes, "via_master_max_bytes", 0, 1 << 20)
-        masters = master_addresses(master)
-        self.collective_timeout = check_deadline(collective_timeout, "collective_timeout")
-        for what, value in (("timeout", timeout), ("p2p_timeout", p2p_timeout),
-                            ("peer_timeout", peer_timeout)):
-            check_seconds(value, what)
-        check_seconds(reconnect_timeout, "reconnect_timeout", zero_ok=True)
-        for what, flag in (("insecure", insecure), ("allow_relay", allow_relay),
-                           ("allow_anonymous", allow_anonymous)):
-            if not isinstance(flag, bool):
-                raise _core.InvalidArgumentError(f"{what} must be a bool, got {flag!r}")
-        self.master = master
-        # Where this peer registers, in order of preference (several: it fails over).
-        self.masters = masters
+        # Every setting, checked once (a plain attribute: see the class docstring).
+        self.options = PeerOptions(
+            master=master, peer_group=peer_group,
+            p2p_connection_pool_size=p2p_connection_pool_size,
+            p2p_listen_host=p2p_listen_host, p2p_listen_port=p2p_listen_port,
+            p2p_advertise_host=p2p_advertise_host, p2p_advertise_address=p2p_advertise_address,
+            timeout=timeout, p2p_timeout=p2p_timeout, peer_timeout=peer_timeout,
+            piece_bytes=piece_bytes, max_frame=max_frame, reconnect_timeout=reconnect_timeout,
+            collective_timeout=collective_timeout, insecure=insecure, allow_relay=allow_relay,
+            metrics_listen=metrics_listen, metrics_token=metrics_token,
+            early_start_max_bytes=early_start_max_bytes,
+            via_master_max_bytes=via_master_max_bytes, allow_anonymous=allow_anonymous,
+            name=name, run_id=run_id)
+        masters = self.options.masters
         self._master_addr = masters[0]  # the one in use (or tried last)
         self._elsewhere: str | None = None  # the last one to send this peer elsewhere
-        self.peer_group = peer_group
-        self.p2p_connection_pool_size = p2p_connection_pool_size
         # (A path: the file is re-read when it changes, a rotation: identity.Secrets.)
         self.secrets = identity.Secrets(secret)
         self.secret = self.secrets.current
         # This peer's static key (and certificate), and the run keys whose certificates
         # it asks of the master and of every other peer; without them, a fresh key.
         self.identity = identity.load(key_file, cert_file, trust)
-        self.allow_anonymous = allow_anonymous
-        if name is not None and (not isinstance(name, str) or not 0 < len(name) <= 64
-                                 or not name.isprintable()):
-            raise _core.InvalidArgumentError(
-                f"Communicator(name=...) must be 1 to 64 printable characters, got {name!r}")
-        # What the operator calls this peer (status page, the master's log).
-        self.name = name
-        if run_id is not None and (why := m.run_id_problem(run_id)) is not None:
-            raise InvalidArgumentError(f"Communicator(run_id=...) {why}")
-        self.run_id = run_id
         if self.secret is None and not self.identity.checks_certs and not allow_anonymous:
             remote = [a for a in masters if not is_loopback_host(split_host_port(a)[0])]
             if remote:
@@ -205,37 +191,8 @@ class Communicator(Driver):
                     "secret (secret= / PCCL_SECRET_FILE) or a certificate (key_file=, "
                     "cert_file=, trust=; docs/security.md), or opt out with "
                     "allow_anonymous=True")
-        self.p2p_listen_host = p2p_listen_host
-        self.p2p_listen_port = p2p_listen_port  # 0: ephemeral
-        self.p2p_advertise_host = p2p_advertise_host
-        # "host:port" others should dial instead of our listener (NAT, or a test proxy).
-        self.p2p_advertise_address = p2p_advertise_address
-        self.timeout = timeout
-        self.p2p_timeout = p2p_timeout
-        self.peer_timeout = peer_timeout
-        self.piece_bytes = piece_bytes
-        self.max_frame = max_frame
-        self.reconnect_timeout = reconnect_timeout
-        self.insecure = insecure
-        self.allow_relay = allow_relay
-        # "host:port": this peer's own Prometheus /metrics (bytes per link, retries, time
-        # in collectives); None: not served.
-        self.metrics_listen = metrics_listen
-        # What /metrics asks for (a non-loopback metrics_listen needs one).
-        check_metrics_listen(metrics_listen, metrics_token)
-        self.metrics_token = metrics_token
-        # All-reduces of at most this many bytes start the ring when called, on a ring
-        # that ran its last collectives without a failure (one master round trip instead
-        # of two; 0: never). Their pieces may reach a neighbour that has not called yet:
-        # it holds them, bounded (see docs/semantics.md).
-        self.early_start_max_bytes = early_start_max_bytes
-        # Unquantized all-reduces of at most this many bytes go to the master with the
-        # request; when every member's does, the master reduces them in the ring's order
-        # and answers everyone with the result (one round trip at any world size, no
-        # ring; 0: never).
-        self.via_master_max_bytes = via_master_max_bytes
 
-        self._m = ps.PeerMachine(reconnect=reconnect_timeout > 0)
+        self._m = ps.PeerMachine(reconnect=self.options.reconnect_timeout > 0)
         # This peer's counters (heartbeats carry them to the master; metrics_listen
         # serves them as Prometheus metrics).
         self.metrics = PeerMetrics()
@@ -256,6 +213,33 @@ class Communicator(Driver):
         self._waiters: dict[ps.Waiter, asyncio.Future[Any]] = {}
         # Carries out the machine's data-plane commands on the calls' tensors.
         self._plane = DataPlane(self)
+
+    # --- the settings, read-only (each reads ``self.options``) --------------------------
+
+    master = OptionView(lambda o: o.master)
+    masters = OptionView(lambda o: o.masters)
+    peer_group = OptionView(lambda o: o.peer_group)
+    p2p_connection_pool_size = OptionView(lambda o: o.p2p_connection_pool_size)
+    p2p_listen_host = OptionView(lambda o: o.p2p_listen_host)
+    p2p_listen_port = OptionView(lambda o: o.p2p_listen_port)
+    p2p_advertise_host = OptionView(lambda o: o.p2p_advertise_host)
+    p2p_advertise_address = OptionView(lambda o: o.p2p_advertise_address)
+    timeout = OptionView(lambda o: o.timeout)
+    p2p_timeout = OptionView(lambda o: o.p2p_timeout)
+    peer_timeout = OptionView(lambda o: o.peer_timeout)
+    piece_bytes = OptionView(lambda o: o.piece_bytes)
+    max_frame = OptionView(lambda o: o.max_frame)
+    reconnect_timeout = OptionView(lambda o: o.reconnect_timeout)
+    collective_timeout = OptionView(lambda o: o.collective_timeout)
+    insecure = OptionView(lambda o: o.insecure)
+    allow_relay = OptionView(lambda o: o.allow_relay)
+    metrics_listen = OptionView(lambda o: o.metrics_listen)
+    metrics_token = OptionView(lambda o: o.metrics_token)
+    early_start_max_bytes = OptionView(lambda o: o.early_start_max_bytes)
+    via_master_max_bytes = OptionView(lambda o: o.via_master_max_bytes)
+    allow_anonymous = OptionView(lambda o: o.allow_anonymous)
+    name = OptionView(lambda o: o.name)
+    run_id = OptionView(lambda o: o.run_id)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> Communicator:
@@ -308,12 +292,13 @@ class Communicator(Driver):
         check_int(n_attempts, "n_attempts", 1, 1 << 20)
         self._home_loop = asyncio.get_running_loop()
         try:
-            if self.metrics_listen is not None:
+            if self.options.metrics_listen is not None:
                 # aiohttp is imported only by peers that serve metrics.
                 from pccl.observe.server import MetricsServer
 
-                self._metrics_server = MetricsServer(self.metrics.registry, self.metrics_listen,
-                                                    self.metrics_token)
+                self._metrics_server = MetricsServer(self.metrics.registry,
+                                                    self.options.metrics_listen,
+                                                    self.options.metrics_token)
                 await self._metrics_server.start()
             delay = 0.05
             for attempt in range(n_attempts):
@@ -326,7 +311,7 @@ class Communicator(Driver):
                     # run has a group, or no quorum there) sends it to the others: try
                     # again, that one last (``_elsewhere``), with back-off, up to
                     # n_attempts times.
-                    if self._elsewhere != self._master_addr or len(self.masters) == 1 \
+                    if self._elsewhere != self._master_addr or len(self.options.masters) == 1 \
                             or attempt + 1 == n_attempts:
                         raise
                     assert self._conn is not None
@@ -368,7 +353,7 @@ class Communicator(Driver):
             # The master must read the Leave: closed at once while it still writes to
             # this peer, the connection breaks on its side and the Leave is lost with
             # it (a graceful leave then counts as a loss, which quorums feel).
-            await conn.linger(min(self.timeout, LEAVE_LINGER))
+            await conn.linger(min(self.options.timeout, LEAVE_LINGER))
         if self._node is not None:
             node, self._node = self._node, None
             await node.close()
@@ -379,7 +364,7 @@ class Communicator(Driver):
             # all_reduce_async() handles still pending fail with MasterConnectionError
             # ("closed"). A caller may still await them and get that; one that dropped
             # them gets no "Task exception was never retrieved" noise at exit.
-            await asyncio.wait(handles, timeout=self.timeout)
+            await asyncio.wait(handles, timeout=self.options.timeout)
             for h in handles:
                 if h.done() and not h.cancelled():
                     h.exception()
@@ -555,12 +540,13 @@ class Communicator(Driver):
             check_quantization(q, src, op)
         if isinstance(tag, bool) or not isinstance(tag, int) or tag < 0:
             raise _core.InvalidArgumentError("tag must be a non-negative integer")
-        tiny = src.nbytes <= self.via_master_max_bytes and q.algorithm == QuantizationAlgorithm.NONE
+        tiny = (src.nbytes <= self.options.via_master_max_bytes
+                and q.algorithm == QuantizationAlgorithm.NONE)
         data = bytes(src.data) if tiny else b""
         run = self._start_all_reduce(m.CollectiveInit(
             tag=tag, kind="all_reduce", dtype=int(src.dtype), count=src.count, op=int(op),
             quant_algorithm=int(q.algorithm), quant_dtype=int(q.dtype), timeout=wire,
-            shape=list(src.shape), data=data), src.nbytes <= self.early_start_max_bytes,
+            shape=list(src.shape), data=data), src.nbytes <= self.options.early_start_max_bytes,
             q, src, dst, op)
         handle = asyncio.create_task(self._run_all_reduce(tag, run),
                                      name=f"pccl-all-reduce-{self.peer_id}-{tag}")

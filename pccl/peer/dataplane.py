@@ -20,7 +20,7 @@ from pccl.errors import ErrorKind, MasterConnectionError, PCCLError
 from pccl.peer import state as ps
 from pccl.peer.fetch import Fetcher, SyncReporter, prefault_all
 from pccl.peer.metrics import PeerMetrics
-from pccl.peer.options import QuantizationOptions
+from pccl.peer.options import PeerOptions, QuantizationOptions
 from pccl.protocol import messages as m
 from pccl.shared_state import SharedState, SyncProgress
 from pccl.tensors import RawTensor
@@ -35,9 +35,7 @@ class Host(Protocol):
 
     _node: _core.P2PNode | None
     _master_addr: str
-    peer_timeout: float
-    piece_bytes: int
-    p2p_connection_pool_size: int
+    options: PeerOptions
     metrics: PeerMetrics
 
     @property
@@ -140,7 +138,7 @@ class DataPlane:
             in_place = run.dst.data is run.src.data
             ring = self._host._node.start_all_reduce(
                 p.op_id, p.rank, p.world, run.src.data, int(run.src.dtype), int(run.op),
-                piece_bytes=self._host.piece_bytes, quant_algorithm=int(run.q.algorithm),
+                piece_bytes=self._host.options.piece_bytes, quant_algorithm=int(run.q.algorithm),
                 quant_dtype=int(run.q.dtype), out=None if in_place else run.dst.data,
                 armed=c.armed, in_place=in_place)
         except PCCLError as e:
@@ -197,8 +195,8 @@ class DataPlane:
                 prefault = asyncio.create_task(asyncio.to_thread(
                     prefault_all, [run.by_key[k].data for k in plan.fetch_keys]))
             host = self._host
-            fetcher = Fetcher(host._node, host.peer_id, host.p2p_connection_pool_size,
-                              host.peer_timeout, host._master_addr)
+            fetcher = Fetcher(host._node, host.peer_id, host.options.p2p_connection_pool_size,
+                              host.options.peer_timeout, host._master_addr)
             report = SyncReporter(lambda: host._node, host.peer_id, run.progress,
                                   run.progress_interval, run.served_before, fetcher,
                                   run.fetched,

@@ -33,7 +33,13 @@ from pccl.errors import (
 from pccl.peer import state as ps
 from pccl.peer.dataplane import DATA_PLANE_COMMANDS, DataPlane, ReduceRun, SyncRun
 from pccl.peer.metrics import PeerMetrics
-from pccl.peer.options import DEFAULT_TIMEOUT, QuantizationOptions, ReduceInfo, check_deadline
+from pccl.peer.options import (
+    DEFAULT_TIMEOUT,
+    PeerOptions,
+    QuantizationOptions,
+    ReduceInfo,
+    check_deadline,
+)
 from pccl.peer.pause import PauseWatch, awake_clock, describe
 from pccl.peer.state import Status as PeerState
 from pccl.protocol import MIN_PROTOCOL_VERSION, PROTOCOL_VERSION, compatible, version_mismatch
@@ -52,13 +58,11 @@ PAUSE_TICK = 0.5
 
 class Driver:
     """The machinery behind :class:`pccl.communicator.Communicator` (which sets these
-    attributes up in its constructor)."""
+    attributes up in its constructor; its settings are ``options``)."""
 
-    masters: tuple[str, ...]
+    options: PeerOptions
     _master_addr: str
     _elsewhere: str | None
-    peer_group: int
-    p2p_connection_pool_size: int
     secret: bytes | None
     secrets: identity.Secrets
     # When the secrets were last looked at (monotonic), and how many older ones the p2p
@@ -66,21 +70,6 @@ class Driver:
     _secrets_checked: float = 0.0
     _secrets_held: int = 0
     identity: _core.Identity
-    name: str | None
-    run_id: str | None
-    p2p_listen_host: str | None
-    p2p_listen_port: int
-    p2p_advertise_host: str | None
-    p2p_advertise_address: str | None
-    timeout: float
-    p2p_timeout: float
-    peer_timeout: float
-    piece_bytes: int
-    max_frame: int
-    reconnect_timeout: float
-    collective_timeout: float | None
-    insecure: bool
-    allow_relay: bool
     _m: ps.PeerMachine
     _conn: FramedConnection | None
     _node: _core.P2PNode | None
@@ -105,8 +94,9 @@ class Driver:
         return self._m.peer_id
 
     def _where(self) -> str:
-        return (f"the master at {self.masters[0]}" if len(self.masters) == 1 else
-                f"any of the masters {', '.join(self.masters)}")
+        masters = self.options.masters
+        return (f"the master at {masters[0]}" if len(masters) == 1 else
+                f"any of the masters {', '.join(masters)}")
 
     async def _reach(self, addr: str, timeout: float) -> tuple[FramedConnection, m.Challenge]:
         """A connection to the master at ``addr``, up to its challenge."""
@@ -115,10 +105,10 @@ class Driver:
         try:
             async with asyncio.timeout(timeout):
                 reader, writer = await asyncio.open_connection(host, port)
-                conn = FramedConnection(reader, writer, max_frame=self.max_frame)
+                conn = FramedConnection(reader, writer, max_frame=self.options.max_frame)
                 self._reread_secret()  # (a rotated secret file: registered with the new one)
-                await conn.dial(self.secret, insecure=self.insecure, identity=self.identity,
-                                group="master", also=self.secrets.also())
+                await conn.dial(self.secret, insecure=self.options.insecure,
+                                identity=self.identity, group="master", also=self.secrets.also())
                 challenge = await conn.recv()
         except TimeoutError:
             if conn is not None:
@@ -168,10 +158,11 @@ class Driver:
         dial would hang until ``timeout``) delays a failover by that grace, not by
         ``timeout``. (Asked one after the other, a vanished first master used up a
         rejoin attempt's whole ``timeout``, and the peers never reached the standby.)"""
-        if len(self.masters) == 1:
-            self._master_addr = self.masters[0]
+        masters, group = self.options.masters, self.options.peer_group
+        if len(masters) == 1:
+            self._master_addr = masters[0]
             return await self._reach(self._master_addr, timeout)
-        order = sorted(self.masters, key=lambda a: a == self._elsewhere)  # stable
+        order = sorted(masters, key=lambda a: a == self._elsewhere)  # stable
         loop = asyncio.get_running_loop()
         started = loop.time()
         tasks = {asyncio.create_task(self._reach(a, timeout), name=f"pccl-reach-{a}"): a
@@ -202,7 +193,7 @@ class Driver:
                     except (ProtocolError, AuthenticationError) as e:
                         refused.append(type(e)(f"the master at {addr}: {e}"))
                         continue
-                    if self.peer_group in answers[addr][1].groups \
+                    if group in answers[addr][1].groups \
                             and addr != self._elsewhere:
                         chosen = addr
                         break
@@ -235,13 +226,13 @@ class Driver:
         # was taken at once). Else not that one, then not a standby, in the list's order.
         # Dialled again: the first connection may have waited past the master's
         # handshake timeout.
-        holders = [a for a in order if a in answers and self.peer_group in answers[a][1].groups]
+        holders = [a for a in order if a in answers and group in answers[a][1].groups]
         if holders:
             self._master_addr = holders[0]
         else:
             self._master_addr = min(answers, key=lambda a: (
                 a == self._elsewhere, answers[a][1].standby, order.index(a)))
-            log.info("no master holds peer group %d; registering with %s", self.peer_group,
+            log.info("no master holds peer group %d; registering with %s", group,
                      self._master_addr)
         return await self._reach(self._master_addr, timeout)
 
@@ -258,7 +249,7 @@ class Driver:
         last: BaseException | None = None
         for attempt in range(n_attempts):
             try:
-                conn, challenge = await self._dial_master(self.timeout)
+                conn, challenge = await self._dial_master(self.options.timeout)
                 break
             except MasterConnectionError as e:
                 last = e
@@ -274,45 +265,47 @@ class Driver:
         self._conn = conn
         if self._node is None:  # (a peer sent to another master keeps its listener)
             local_host = conn.writer.get_extra_info("sockname")[0]
+            o = self.options
             self._node = await _core.P2PNode.bind(
-                0, self.p2p_listen_host or local_host, self.p2p_listen_port, self.secret,
-                handshake_timeout=self.p2p_timeout, connect_timeout=self.p2p_timeout,
-                insecure=self.insecure, identity=self.identity)
+                0, o.p2p_listen_host or local_host, o.p2p_listen_port, self.secret,
+                handshake_timeout=o.p2p_timeout, connect_timeout=o.p2p_timeout,
+                insecure=o.insecure, identity=self.identity)
             self._use_secrets()
         await self._handshake(conn, challenge)
 
     async def _handshake(self, conn: FramedConnection, challenge: m.Challenge) -> None:
         assert self._node is not None
+        o = self.options
         conn.peer_max_frame = max(0, challenge.max_frame)
         nonce = _secrets.token_bytes(16)
         try:
-            async with asyncio.timeout(self.timeout):
+            async with asyncio.timeout(o.timeout):
                 # (Encrypted, the handshake proved the secret: the MACs are for clear text.)
                 mac = (peer_mac(self.secret, challenge.nonce, nonce)
                        if self.secret and conn.session is None else b"")
-                adv_host, adv_port = self.p2p_advertise_host or "", int(self._node.port)
-                if self.p2p_advertise_address:
-                    adv_host, adv_port = split_host_port(self.p2p_advertise_address)
+                adv_host, adv_port = o.p2p_advertise_host or "", int(self._node.port)
+                if o.p2p_advertise_address:
+                    adv_host, adv_port = split_host_port(o.p2p_advertise_address)
                 resume_id, resume_epoch, resume_revision, resume_peers = self._m.resume()
                 (base_epoch, base_peers), more = (self._m.resume_base() if resume_id
                                                   else ((0, []), []))
                 await conn.send(fit_hello(m.Hello(
-                    version=PROTOCOL_VERSION, peer_group=self.peer_group,
+                    version=PROTOCOL_VERSION, peer_group=o.peer_group,
                     p2p_port=adv_port, p2p_host=adv_host, nonce=nonce, mac=mac,
                     resume_peer_id=resume_id, resume_epoch=resume_epoch,
                     resume_revision=resume_revision, resume_peers=resume_peers,
-                    allow_relay=self.allow_relay,
+                    allow_relay=o.allow_relay,
                     p2p_punch_ports=[int(p) for p in self._node.punch_ports],
-                    masters=len(self.masters), resume_base_epoch=base_epoch,
+                    masters=len(o.masters), resume_base_epoch=base_epoch,
                     resume_base_peers=base_peers, resume_more_epochs=[e for e, _ in more],
-                    resume_more_peers=[r for _, r in more], name=self.name or "",
-                    run_id=self.run_id or "",
+                    resume_more_peers=[r for _, r in more], name=o.name or "",
+                    run_id=o.run_id or "",
                     local_addrs=self._local_addrs(conn))))
                 reply = await conn.recv()
         except TimeoutError:
             raise MasterConnectionError(
                 f"the master at {self._master_addr} did not complete the handshake in "
-                f"{self.timeout}s") from None
+                f"{o.timeout}s") from None
         except ConnectionClosed as e:
             raise MasterConnectionError(f"the master closed the connection during the "
                                         f"handshake ({e})") from None
@@ -329,9 +322,9 @@ class Driver:
         self._node.set_peer_id(reply.peer_id)
         where = "".join(c for c in reply.p2p_address[:80] if c.isprintable())
         log.info("peer %d%s: registered with the master at %s (group %d, %s, p2p %s, %s; "
-                 "%s, key %s)", reply.peer_id, f" {self.name!r}" if self.name else "",
-                 self._master_addr, self.peer_group, f"run {self.run_id!r}" if self.run_id
-                 else "no run id", where or f"port {self._node.port}",
+                 "%s, key %s)", reply.peer_id, f" {o.name!r}" if o.name else "",
+                 self._master_addr, o.peer_group, f"run {o.run_id!r}" if o.run_id else "no run id",
+                 where or f"port {self._node.port}",
                  "reachable from the master: others dial it" if reply.reachable else
                  "NOT reachable from the master (NAT or a firewall): its ring links come by "
                  "reverse connection, hole punch, LAN or relay",
@@ -365,7 +358,7 @@ class Driver:
         the connection to the master (the interface on the way out: behind NAT, the
         LAN). Only a private address (the master refuses any other): none on loopback
         or with a public address, where there is no NAT to get around."""
-        host = self.p2p_listen_host or ""
+        host = self.options.p2p_listen_host or ""
         if host in ("", "0.0.0.0", "::"):
             host = str(conn.writer.get_extra_info("sockname")[0])
         return [host] if is_lan_address(host) else []
@@ -404,7 +397,7 @@ class Driver:
                 try:
                     if not fut.done():
                         with contextlib.suppress(TimeoutError):
-                            async with asyncio.timeout(self.timeout):
+                            async with asyncio.timeout(self.options.timeout):
                                 await asyncio.wait([fut])
                 finally:
                     if not fut.done():
@@ -497,7 +490,7 @@ class Driver:
         self.secret = self.secrets.current
         also = self.secrets.also()
         self._secrets_held = len(also)
-        if self._node is not None and self.secret is not None and not self.insecure:
+        if self._node is not None and self.secret is not None and not self.options.insecure:
             self._node.set_secrets(self.secret, also)
 
     def _dispatch(self, msg: m.Message) -> None:
@@ -547,7 +540,7 @@ class Driver:
         """Registers with the master again (a restarted one, or the same one after it
         dropped this peer) until admitted or ``reconnect_timeout`` runs out."""
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.reconnect_timeout
+        deadline = loop.time() + self.options.reconnect_timeout
         old, self._conn = self._conn, None
         if old is not None:
             old.abort()
@@ -555,12 +548,12 @@ class Driver:
         last: object = self._m.lost[1] if self._m.lost else None
         paused = self._paused()
         log.warning("peer %s: %s; registering again for up to %.1fs", self.peer_id,
-                    paused or f"lost the master ({last})", self.reconnect_timeout)
+                    paused or f"lost the master ({last})", self.options.reconnect_timeout)
         while loop.time() < deadline:
             conn: FramedConnection | None = None
             try:
-                async with asyncio.timeout(min(self.timeout, deadline - loop.time())):
-                    conn, challenge = await self._dial_master(self.timeout)
+                async with asyncio.timeout(min(self.options.timeout, deadline - loop.time())):
+                    conn, challenge = await self._dial_master(self.options.timeout)
                     self._conn = conn
                     await self._handshake(conn, challenge)
                 async with asyncio.timeout(max(deadline - loop.time(), 0.0)):
@@ -586,12 +579,12 @@ class Driver:
         if isinstance(last, (AuthenticationError, ProtocolError, InvalidUsageError)):
             # (An answer, not silence: say what it was, as its own kind, not a timeout.)
             why = (f"{self._where()} refused this peer's registration after "
-                   f"{self.reconnect_timeout - max(deadline - loop.time(), 0.0):.1f}s, and "
+                   f"{self.options.reconnect_timeout - max(deadline - loop.time(), 0.0):.1f}s, and "
                    f"retrying cannot help: {last}")
             self._feed(ps.RejoinFailed(why, ErrorKind.of(last)))
         else:
             why = (f"could not register with {self._where()} again within "
-                   f"{self.reconnect_timeout}s ({last})")
+                   f"{self.options.reconnect_timeout}s ({last})")
             self._feed(ps.RejoinFailed(why))
         log.error("peer %s: %s", self.peer_id, why)
 
@@ -700,7 +693,7 @@ class Driver:
         links = []
         if msg.next_id >= 0:
             links.append(outbound(msg.next_id, msg.next_addr, msg.route, msg.token,
-                                  self.p2p_connection_pool_size, False))
+                                  self.options.p2p_connection_pool_size, False))
         if msg.prev_id >= 0:
             links.append(inbound(msg.prev_id, msg.prev_addr, msg.prev_route, msg.prev_token,
                                  False))
@@ -720,9 +713,9 @@ class Driver:
         error = ""
         try:
             await self._node.install_ring(c.epoch, c.next_id, c.prev_id,
-                                          pool_timeout=self.p2p_timeout,
-                                          io_timeout=self.peer_timeout,
-                                          max_piece=max(self.piece_bytes, 1 << 16),
+                                          pool_timeout=self.options.p2p_timeout,
+                                          io_timeout=self.options.peer_timeout,
+                                          max_piece=max(self.options.piece_bytes, 1 << 16),
                                           ring=list(c.mesh_order) or None,
                                           mesh_max_bytes=c.mesh_max_bytes)
         except PCCLError as e:
@@ -744,8 +737,8 @@ class Driver:
         for target, addr in zip(c.msg.target_ids, c.msg.target_addrs):
             try:
                 rate, dial = await self._node.probe(addr, target, seconds=c.msg.seconds,
-                                                    streams=self.p2p_connection_pool_size,
-                                                    io_timeout=self.peer_timeout)
+                                                    streams=self.options.p2p_connection_pool_size,
+                                                    io_timeout=self.options.peer_timeout)
             except PCCLError as e:
                 log.warning("peer %s: probe to peer %d failed: %s", self.peer_id, target, e)
                 rate, dial = 0.0, -1.0
@@ -757,7 +750,7 @@ class Driver:
 
     def _wire_timeout(self, timeout: Any) -> float:
         """The deadline a collective call sends the master (0.0: none)."""
-        t = self.collective_timeout if timeout is DEFAULT_TIMEOUT else check_deadline(
+        t = self.options.collective_timeout if timeout is DEFAULT_TIMEOUT else check_deadline(
             timeout, "timeout")
         return 0.0 if t is None else t
 
@@ -785,11 +778,11 @@ class Driver:
                 # up leaves the question standing there; the next one replaces it.
                 answer: m.PendingAnswer = await fut
             else:
-                async with asyncio.timeout(self.timeout):
+                async with asyncio.timeout(self.options.timeout):
                     answer = await fut
         except TimeoutError:
             raise MasterConnectionError(
-                f"the master did not answer within {self.timeout}s") from None
+                f"the master did not answer within {self.options.timeout}s") from None
         finally:
             self._end(ps.EndQuery(req), ps.query_of(req))
         if not answer.ok:

@@ -5,10 +5,13 @@ Rust data plane, with :class:`InvalidArgumentError` naming the argument)."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, Generic, NoReturn, Protocol, TypeVar, overload
 
 from pccl import _core
 from pccl.enums import DTYPES, DataType, QuantizationAlgorithm, ReduceOp
+from pccl.protocol import MAX_FRAME
+from pccl.protocol import messages as m
 from pccl.protocol.auth import DEFAULT_PORT, is_loopback_host, split_host_port
 from pccl.tensors import RawTensor
 
@@ -147,6 +150,129 @@ def check_int(value: object, what: str, low: int, high: int) -> int:
         raise _core.InvalidArgumentError(
             f"{what} must be an integer in {low}..{high}, got {value!r}")
     return value
+
+
+@dataclasses.dataclass(frozen=True)
+class PeerOptions:
+    """The settings of one :class:`pccl.communicator.Communicator`: its constructor's
+    parameters less the live state (the secret, the identity), checked once, here.
+
+    The defaults here are the constructor's (its signature takes them from this class).
+    Every field is checked when an instance is made, so ``dataclasses.replace`` checks
+    the new values too, and a bad one raises :class:`InvalidArgumentError` naming it::
+
+        opts = dataclasses.replace(comm.options, via_master_max_bytes=0)
+    """
+
+    #: As given: one "host:port", several separated by commas, or a sequence of them
+    #: (a list is kept as a tuple). ``masters`` is what it names.
+    master: str | Sequence[str] = f"127.0.0.1:{DEFAULT_PORT}"
+    peer_group: int = 0
+    p2p_connection_pool_size: int = 4
+    p2p_listen_host: str | None = None
+    p2p_listen_port: int = 0  # 0: ephemeral
+    p2p_advertise_host: str | None = None
+    #: "host:port" others should dial instead of our listener (NAT, or a test proxy).
+    p2p_advertise_address: str | None = None
+    timeout: float = 10.0
+    p2p_timeout: float = 10.0
+    peer_timeout: float = 30.0
+    piece_bytes: int = 1 << 20
+    max_frame: int = MAX_FRAME
+    reconnect_timeout: float = 600.0
+    collective_timeout: float | None = 1800.0
+    insecure: bool = False
+    allow_relay: bool = True
+    #: "host:port": this peer's own Prometheus /metrics (bytes per link, retries, time in
+    #: collectives); None: not served.
+    metrics_listen: str | None = None
+    #: What /metrics asks for (a non-loopback metrics_listen needs one). Not in the repr.
+    metrics_token: str | None = dataclasses.field(default=None, repr=False)
+    #: All-reduces of at most this many bytes start the ring when called, on a ring that
+    #: ran its last collectives without a failure (one master round trip instead of two;
+    #: 0: never). Their pieces may reach a neighbour that has not called yet: it holds
+    #: them, bounded (see docs/semantics.md).
+    early_start_max_bytes: int = 4 << 20
+    #: Unquantized all-reduces of at most this many bytes go to the master with the
+    #: request; when every member's does, the master reduces them in the ring's order and
+    #: answers everyone with the result (one round trip at any world size, no ring; 0:
+    #: never). The tensor travels in one control-plane frame: at most 1 MiB of it.
+    via_master_max_bytes: int = 64 << 10
+    allow_anonymous: bool = False
+    #: What the operator calls this peer (status page, the master's log).
+    name: str | None = None
+    run_id: str | None = None
+    #: Where this peer registers, in order of preference (several: it fails over); made
+    #: from ``master``.
+    masters: tuple[str, ...] = dataclasses.field(init=False)
+
+    def __post_init__(self) -> None:
+        check_int(self.p2p_connection_pool_size, "p2p_connection_pool_size", 1, 64)
+        check_int(self.peer_group, "peer_group", 0, (1 << 32) - 1)
+        check_int(self.p2p_listen_port, "p2p_listen_port", 0, 65535)
+        check_int(self.piece_bytes, "piece_bytes", 1, 1 << 30)
+        check_int(self.max_frame, "max_frame", 1 << 10, 1 << 31)
+        check_int(self.early_start_max_bytes, "early_start_max_bytes", 0, 1 << 40)
+        check_int(self.via_master_max_bytes, "via_master_max_bytes", 0, 1 << 20)
+        # (Frozen: the derived and normalised fields are set once, here.)
+        object.__setattr__(self, "masters", master_addresses(self.master))
+        if isinstance(self.master, list):
+            object.__setattr__(self, "master", tuple(self.master))
+        object.__setattr__(self, "collective_timeout", check_deadline(
+            self.collective_timeout, "collective_timeout"))
+        for what in ("timeout", "p2p_timeout", "peer_timeout"):
+            check_seconds(getattr(self, what), what)
+        check_seconds(self.reconnect_timeout, "reconnect_timeout", zero_ok=True)
+        for what in ("insecure", "allow_relay", "allow_anonymous"):
+            if not isinstance(flag := getattr(self, what), bool):
+                raise _core.InvalidArgumentError(f"{what} must be a bool, got {flag!r}")
+        name = self.name
+        if name is not None and (not isinstance(name, str) or not 0 < len(name) <= 64
+                                 or not name.isprintable()):
+            raise _core.InvalidArgumentError(
+                f"Communicator(name=...) must be 1 to 64 printable characters, got {name!r}")
+        if self.run_id is not None and (why := m.run_id_problem(self.run_id)) is not None:
+            raise _core.InvalidArgumentError(f"Communicator(run_id=...) {why}")
+        check_metrics_listen(self.metrics_listen, self.metrics_token)
+
+
+class Configured(Protocol):
+    """An object that holds its settings as ``options``."""
+
+    options: PeerOptions
+
+
+T = TypeVar("T")
+
+
+class OptionView(Generic[T]):
+    """A read-only attribute that reads one field of its object's ``options``:
+    ``timeout = OptionView(lambda o: o.timeout)`` makes ``comm.timeout`` read
+    ``comm.options.timeout`` (typed as the field is). Assigning to it raises
+    ``AttributeError``: the options are replaced whole (``dataclasses.replace``)."""
+
+    def __init__(self, get: Callable[[PeerOptions], T]) -> None:
+        self._get = get
+        self._name = "?"
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self._name = name
+        self.__doc__ = f"``options.{name}`` (read-only)."
+
+    @overload
+    def __get__(self, obj: None, owner: type | None = None) -> OptionView[T]: ...
+
+    @overload
+    def __get__(self, obj: Configured, owner: type | None = None) -> T: ...
+
+    def __get__(self, obj: Configured | None, owner: type | None = None) -> T | OptionView[T]:
+        return self if obj is None else self._get(obj.options)
+
+    def __set__(self, obj: Configured, value: NoReturn) -> NoReturn:
+        raise AttributeError(
+            f"{type(obj).__name__}.{self._name} is read-only; give it to the constructor, "
+            f"or replace the options: comm.options = dataclasses.replace(comm.options, "
+            f"{self._name}=...)")
 
 
 class _Default:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 
 import numpy as np
 import pytest
@@ -107,7 +108,7 @@ async def test_restarted_master_waits_for_the_old_group_then_admits_who_came(
     cluster = await pccl_cluster(3, master_kwargs=FAST_MASTER)
     a, b, gone = cluster.comms
     # The third peer goes down with the master and never comes back.
-    gone.reconnect_timeout = 0
+    gone.options = dataclasses.replace(gone.options, reconnect_timeout=0)
     await restart(cluster, recovery_grace=0.5)
     await cluster.master.wait_for(lambda s: len(s.accepted()) == 2, timeout=30)
     assert sorted(cluster.master.state.accepted()) == sorted([a.peer_id, b.peer_id])
