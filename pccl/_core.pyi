@@ -40,6 +40,9 @@ __all__ = [
     "MAX_FETCHES_IN_FLIGHT",
     "fetch_ranges",
     "FetchOp",
+    "sparse_encoded_len",
+    "sparse_compress",
+    "sparse_decode_add",
     "SecureHandshake",
     "SecureSession",
     "SECURE_HELLO_MAGIC",
@@ -378,6 +381,17 @@ def copy_into(dst: Any, src: Any, threads: int | None = None) -> None:
 
 def prefault(buffer: Any) -> None:
     """Backs a writable buffer with pages now (contents untouched; GIL released)."""
+
+def sparse_encoded_len(count: int, chunk: int, k: int, bits: int) -> int:
+    """Bytes of one tensor's sparse payload (``count`` float32 elements)."""
+
+def sparse_compress(acc: Any, chunk: int, k: int, bits: int) -> bytes:
+    """Encodes the float32 accumulator (top ``k`` magnitudes per ``chunk``, ``bits``-bit
+    codes on one scale) and leaves the residual in it; returns the payload."""
+
+def sparse_decode_add(payload: bytes, out: Any, chunk: int, k: int, bits: int) -> None:
+    """Checks ``payload`` against the parameters and adds what it carries to the float32
+    buffer ``out`` (unchanged when refused: ProtocolError)."""
 
 def star_all_reduce(inputs: list[Any], dtype: int, op: int) -> bytes:
     """The bytes a ring all-reduce of ``inputs`` (one per rank, in rank order) gives every peer."""

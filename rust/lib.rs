@@ -13,6 +13,7 @@ pub mod quant;
 pub mod reduce;
 pub mod ring;
 pub mod runtime;
+pub mod sparse;
 #[cfg(test)]
 mod testutil;
 
@@ -27,6 +28,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     py::errors::register(m)?;
     py::hash::register(m)?;
     py::transfer::register(m)?;
+    py::sparse::register(m)?;
     py::secure::register(m)?;
     py::identity::register(m)?;
     m.add_class::<py::node::PyP2PNode>()?;

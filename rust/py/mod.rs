@@ -9,6 +9,7 @@ pub mod logging;
 pub mod node;
 pub mod ring;
 pub mod secure;
+pub mod sparse;
 pub mod transfer;
 
 use futures::FutureExt;
