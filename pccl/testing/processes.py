@@ -40,9 +40,17 @@ def free_port() -> int:
     except (OSError, ValueError):
         pass
     if low > 2048:
+        # Under pytest-xdist each worker draws from its own slice of the range, so two
+        # workers never hand out the same port.
+        base = max(1024, low - 16384)
+        worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw")
+        workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")
+        if worker.isdigit() and workers.isdigit() and int(worker) < int(workers):
+            width = (low - base) // int(workers)
+            base, low = base + int(worker) * width, base + (int(worker) + 1) * width
         rng = random.Random()
         for _ in range(64):
-            port = rng.randrange(max(1024, low - 16384), low)
+            port = rng.randrange(base, low)
             if port in _handed_out:
                 continue
             with socket.socket() as s:
