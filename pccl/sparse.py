@@ -7,14 +7,18 @@ a later step. The encoding is done in Rust (``rust/sparse``; the wire format is 
 docs/protocol.md) and is deterministic: the same accumulator gives the same payload, and
 payloads added in one agreed order (by rank) give the same sum on every peer.
 
-Example::
+Example (every peer of the group runs it)::
 
     codec = pccl.sparse.SparseCodec(density=1 / 64, bits=2, chunk=64)
-    feedback = pccl.sparse.ErrorFeedback(codec, size=n, beta=0.9)
-    payload = feedback.push(pseudo_gradient)    # bytes: about n / 64 bytes for 2 bits
-    total = np.zeros(n, np.float32)
-    for p in payloads_in_rank_order:            # every peer's, this one's included
-        codec.decode_add(p, total)
+    acc = np.zeros(n, np.float32)     # this peer's error-feedback accumulator
+    acc += pseudo_gradient
+    total = np.empty(n, np.float32)
+    info = await pccl.sparse.all_reduce(comm, codec, acc, total)
+    # total: the sum of every peer's decoded payload (the same bytes on every peer);
+    # acc: what this peer did not send yet (it goes out in a later step)
+
+``codec.compress`` / ``codec.decode_add`` are there for optimizers that move the
+payloads themselves.
 
 The accumulator is local state of one peer: it is not part of the shared state, and a
 peer that joins starts with zeros (it has sent nothing yet, so it owes nothing).
@@ -115,3 +119,80 @@ class ErrorFeedback:
             self.accumulator *= np.float32(self.beta)
         self.accumulator += g
         return self.codec.compress(self.accumulator)
+
+
+@dataclasses.dataclass(frozen=True)
+class SparseReduceInfo:
+    """What :func:`all_reduce` did: peers that took part, the bytes of one payload, and
+    what this peer sent and received for it."""
+
+    world_size: int
+    payload_bytes: int
+    tx_bytes: int
+    rx_bytes: int
+
+
+_SLOT_HEADER = 4  # the contributor's peer id (u32, little-endian) before its payload
+
+
+async def all_reduce(comm: Any, codec: SparseCodec, accumulator: Any, out: Any, *,
+                     tag: int = 0, timeout: Any = None) -> SparseReduceInfo:
+    """Every peer of the group contributes ``codec.compress(accumulator)`` (the
+    accumulator keeps the residual); ``out`` (float32, the accumulator's size) becomes
+    the sum of every peer's decoded payload, added in rank order: the same bytes on
+    every peer. All or nothing: on any failure ``accumulator`` is put back as it was
+    (nothing was sent for it) and ``out`` holds unspecified values.
+
+    This version carries the payloads in one ``uint8`` SUM all-reduce of a buffer with a
+    slot per rank (exact: each byte has one non-zero contributor), which moves about
+    twice the bytes of an all-gather; the slots are checked (each holds a valid payload
+    of a distinct peer), so a ring that changed between the call and the collective
+    fails alike on every peer with ``CollectiveAbortedError`` and can be retried after
+    ``update_topology()``. Needs numpy.
+    """
+    import numpy as np
+
+    from pccl.errors import CollectiveAbortedError, ProtocolError
+    from pccl.peer.options import DEFAULT_TIMEOUT
+
+    acc = codec._raw(accumulator, "accumulator")
+    dst = codec._raw(out, "out")
+    if dst.count != acc.count:
+        raise InvalidArgumentError(f"out has {dst.count} elements, the accumulator {acc.count}")
+    ring, me = list(comm.ring), comm.peer_id
+    if me not in ring:
+        raise InvalidArgumentError("this peer is not in a ring yet: connect() first")
+    world, rank = len(ring), ring.index(me)
+    backup = np.array(acc.data, copy=True)
+    try:
+        payload = codec.compress(accumulator)
+        slot = _SLOT_HEADER + len(payload)
+        buf = np.zeros(world * slot, np.uint8)
+        mine = int(me).to_bytes(4, "little") + payload
+        buf[rank * slot:(rank + 1) * slot] = np.frombuffer(mine, np.uint8)
+        info = await comm.all_reduce(buf, tag=tag,
+                                     timeout=DEFAULT_TIMEOUT if timeout is None else timeout)
+        if info.world_size != world:
+            raise CollectiveAbortedError(
+                f"the ring changed during the sparse all-reduce ({info.world_size} peers "
+                f"took part, {world} slots); retry after update_topology()")
+        slots = buf.reshape(world, slot)
+        ids = [int.from_bytes(s[:_SLOT_HEADER].tobytes(), "little") for s in slots]
+        if len(set(ids)) != world:
+            raise CollectiveAbortedError(
+                "the peers disagreed on the ring during the sparse all-reduce; retry "
+                "after update_topology()")
+        total = np.zeros(dst.count, np.float32)
+        try:
+            for s in slots:  # rank order: the same sum on every peer
+                codec.decode_add(s[_SLOT_HEADER:].tobytes(), total)
+        except ProtocolError as e:
+            raise CollectiveAbortedError(
+                f"a slot of the sparse all-reduce held no valid payload ({e}): the peers "
+                "disagreed on the ring or the codec; retry after update_topology()") from None
+    except BaseException:
+        _core.copy_into(acc.data, backup)  # nothing was sent for it
+        raise
+    _core.copy_into(dst.data, total.view(np.uint8))
+    return SparseReduceInfo(world_size=world, payload_bytes=len(payload),
+                            tx_bytes=info.tx_bytes, rx_bytes=info.rx_bytes)
