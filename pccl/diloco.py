@@ -40,8 +40,11 @@ Example (one peer; every peer of the run runs the same code)::
 API
 ---
 - ``DiLoCo(model, inner_optimizer, comm, *, inner_steps=500, outer_lr=0.7,
-  outer_momentum=0.9, nesterov=True, async_mode=False, quantization=None, max_retries=8,
-  tag=DEFAULT_TAG)``:
+  outer_momentum=0.9, nesterov=True, async_mode=False, quantization=None,
+  compression=None, max_retries=8, tag=DEFAULT_TAG)``:
+  ``compression=pccl.sparse.SparseLoCo(density, bits, chunk, beta)`` sends each
+  pseudo-gradient sparse (top-k per chunk, ``bits``-bit codes) through a local
+  error-feedback accumulator (see :mod:`pccl.sparse`; every peer must pass the same);
   ``model`` is an ``nn.Module`` (its ``named_parameters()``), a mapping name -> tensor, or
   a sequence of tensors (torch CPU / CUDA tensors or numpy arrays; float16, bfloat16,
   float32, float64). ``inner_optimizer`` may be None if you only call :meth:`step`.
@@ -137,7 +140,7 @@ except ImportError as e:  # numpy is optional for pccl (torch-only programs), no
         'pccl.diloco needs numpy, which is not installed: pip install numpy '
         '(or "pccl[numpy]")', name="numpy") from e
 
-from pccl import recovery
+from pccl import recovery, sparse
 from pccl.communicator import Communicator, QuantizationOptions, ReduceInfo
 from pccl.enums import DTYPES, ReduceOp, SharedStateSyncStrategy
 from pccl.errors import (
@@ -185,9 +188,10 @@ _RETRY_FLUSH = 3  # async mode: a failed reduce is retried now, then flush() com
 # diloco.meta layout (int64): the outer step, the phase above, then the configuration
 # every peer must share (floats as their float64 bit patterns).
 _META_STEP, _META_PHASE = 0, 1
-_META_CONFIG = slice(2, 8)
+_META_CONFIG = slice(2, 12)
 _CONFIG_FIELDS = ("async_mode", "inner_steps", "nesterov", "outer_lr", "outer_momentum",
-                  "tag")
+                  "tag", "compression.density", "compression.bits", "compression.chunk",
+                  "compression.beta")
 
 _BLOCK = 1 << 20  # elements per chunk of the outer update (bounds its scratch memory)
 
@@ -345,6 +349,7 @@ class DiLoCo:
         nesterov: bool = True,
         async_mode: bool = False,
         quantization: QuantizationOptions | None = None,
+        compression: sparse.SparseLoCo | None = None,
         max_retries: int = 8,
         tag: int = DEFAULT_TAG,
     ) -> None:
@@ -360,6 +365,12 @@ class DiLoCo:
             raise InvalidArgumentError("max_retries must be >= 0")
         if not isinstance(tag, int) or tag < 0:
             raise InvalidArgumentError("tag must be a non-negative integer")
+        if compression is not None and not isinstance(compression, sparse.SparseLoCo):
+            raise InvalidArgumentError(
+                f"compression must be a pccl.sparse.SparseLoCo, got {type(compression).__name__}")
+        if compression is not None and quantization is not None:
+            raise InvalidArgumentError("pass quantization or compression, not both")
+        self.compression = compression
         self.inner_optimizer = inner_optimizer
         self.comm = comm
         self.inner_steps = inner_steps
@@ -406,7 +417,11 @@ class DiLoCo:
         # Async mode alternates two pseudo-gradient buffers: one in flight, one forming.
         self._pg = [self._alloc(cuda) for _ in range(2 if self.async_mode else 1)]
         self._pg_next = 0
-        self._meta = np.zeros(8, dtype=np.int64)
+        # SparseLoCo's error-feedback accumulator: local to this peer (not shared state;
+        # a joiner starts at zero, owing nothing), and the scratch of one attempt.
+        self._feedback = self._alloc(cuda) if compression is not None else None
+        self._feedback_work = self._alloc(cuda) if compression is not None else None
+        self._meta = np.zeros(12, dtype=np.int64)
         self._meta[_META_CONFIG] = self._config()
         infos = [TensorInfo("diloco.meta", self._meta)]
         infos += [TensorInfo(f"diloco.params.{p.name}", self._master[p.sl])
@@ -431,8 +446,11 @@ class DiLoCo:
         return arr
 
     def _config(self) -> list[int]:
+        c = self.compression
+        compression = [0, 0, 0, 0] if c is None else [
+            _bits(c.density), c.bits, c.chunk, _bits(c.beta)]
         return [int(self.async_mode), self.inner_steps, int(self.nesterov),
-                _bits(self.outer_lr), _bits(self.outer_momentum), self.tag]
+                _bits(self.outer_lr), _bits(self.outer_momentum), self.tag, *compression]
 
     # --- public state -----------------------------------------------------------------
 
@@ -463,6 +481,13 @@ class DiLoCo:
         if self._momentum is None:
             return {}
         return {p.name: self._momentum[p.sl] for p in self._params}
+
+    @property
+    def feedback_accumulator(self) -> np.ndarray | None:
+        """SparseLoCo: what this peer owes the group (its error-feedback accumulator, a
+        float32 view; local, not shared: a joiner's starts at zero). None without
+        compression."""
+        return self._feedback
 
     @property
     def shared_state(self) -> SharedState:
@@ -638,9 +663,32 @@ class DiLoCo:
         # and both are simply run again. (The other order could leave an averaged buffer
         # behind a failed weight reduce.)
         w = await self.comm.all_reduce(r.weight_buf, op=ReduceOp.SUM, tag=self.tag + 1)
-        g = await self.comm.all_reduce(r.buf, op=ReduceOp.AVG, tag=self.tag,
-                                       quantization=self.quantization)
-        return w, g
+        if self.compression is None:
+            g = await self.comm.all_reduce(r.buf, op=ReduceOp.AVG, tag=self.tag,
+                                           quantization=self.quantization)
+            return w, g
+        return w, await self._sparse_reduce(r)
+
+    async def _sparse_reduce(self, r: _Reduce) -> ReduceInfo:
+        """SparseLoCo: ``work = beta * acc + delta``; the group sums what each peer's
+        codec keeps of its ``work``; ``r.buf`` := that sum / world (the mean, as the
+        dense reduce's AVG). Only a success moves the accumulator (to ``work``'s
+        residual): a failed attempt leaves ``acc`` and ``r.buf`` as they were, so a
+        retry starts over from them."""
+        c, acc, work = self.compression, self._feedback, self._feedback_work
+        assert c is not None and acc is not None and work is not None
+
+        def form() -> None:
+            np.multiply(acc, np.float32(c.beta), out=work)
+            np.add(work, r.buf, out=work)
+
+        await asyncio.to_thread(form)
+        total = np.empty_like(r.buf)
+        info = await sparse.all_reduce(self.comm, c, work, total, tag=self.tag)
+        self._feedback, self._feedback_work = work, acc
+        await asyncio.to_thread(np.divide, total, np.float32(info.world_size), out=r.buf)
+        return ReduceInfo(tx_bytes=info.tx_bytes, rx_bytes=info.rx_bytes,
+                          world_size=info.world_size, algorithm="sparse")
 
     async def _finish(self, r: _Reduce, retry_phase: int) -> tuple[ReduceInfo, ReduceInfo]:
         """Awaits ``r`` (launching it if needed); on a failure a retry may fix, does what

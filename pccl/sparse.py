@@ -92,6 +92,24 @@ class SparseCodec:
         return raw
 
 
+@dataclasses.dataclass(frozen=True)
+class SparseLoCo(SparseCodec):
+    """SparseLoCo's compression of DiLoCo's pseudo-gradients, for
+    ``DiLoCo(..., compression=SparseLoCo(...))``: each peer adds its pseudo-gradient to
+    an error-feedback accumulator decayed by ``beta`` (``acc = beta * acc + delta``),
+    sends what :class:`SparseCodec` keeps of it and owes the rest to later steps. The
+    accumulator replaces most of what outer momentum does (SparseLoCo runs the outer
+    step without it: pass ``outer_momentum=0``)."""
+
+    beta: float = 0.95
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if isinstance(self.beta, bool) or not isinstance(self.beta, (int, float)) \
+                or not 0.0 <= self.beta <= 1.0:
+            raise InvalidArgumentError(f"beta must be in [0, 1], got {self.beta!r}")
+
+
 class ErrorFeedback:
     """One peer's error-feedback accumulator for one tensor of ``size`` float32 elements
     (needs numpy). :meth:`push` adds a pseudo-gradient (after decaying what is owed by
