@@ -27,12 +27,14 @@ def _name(r: dict[str, Any]) -> str:
     name = f"{r['mode']} / {r['quant']}"
     if r.get("outer_momentum") not in (None, 0.9):
         name += f", outer momentum {r['outer_momentum']:g}"
+    if r.get("outer_lr") not in (None, 0.7):
+        name += f", outer lr {r['outer_lr']:g}"
     return name
 
 
 def _style(r: dict[str, Any]) -> dict[str, Any]:
     plain = r.get("outer_momentum") not in (None, 0.9)
-    return {"color": COLORS[r["mode"]], "linestyle": STYLES[r["quant"]],
+    return {"color": COLORS[r["mode"]], "linestyle": STYLES.get(r["quant"], "dashdot"),
             "marker": "x" if plain else ".", "alpha": 0.55 if plain else 1.0,
             "label": _name(r)}
 

@@ -53,12 +53,25 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 MODES = ("ddp", "diloco", "async-diloco")
 QUANTS = ("none", "int8", "fp8")
+# DiLoCo only: SparseLoCo compression (pccl.sparse) instead of quantization, by name:
+# (density, bits, chunk, beta).
+SPARSE = {"sparse-1/64-2b": (1 / 64, 2, 64, 0.95), "sparse-2/64-2b": (2 / 64, 2, 64, 0.95),
+          "sparse-2/64-4b": (2 / 64, 4, 64, 0.95)}
+
+
+def compression(name: str) -> Any:
+    from pccl.sparse import SparseLoCo
+
+    if name not in SPARSE:
+        return None
+    density, bits, chunk, beta = SPARSE[name]
+    return SparseLoCo(density=density, bits=bits, chunk=chunk, beta=beta)
 
 
 def quantization(name: str) -> Any:
     import pccl
 
-    if name == "none":
+    if name == "none" or name in SPARSE:
         return None
     wire = {"int8": pccl.DataType.UINT8, "fp8": pccl.DataType.FLOAT8_E4M3}[name]
     return pccl.QuantizationOptions(pccl.QuantizationAlgorithm.MIN_MAX, wire)
@@ -175,6 +188,8 @@ class Worker:
         import pccl
 
         a, torch = self.a, self.torch
+        if a.quant in SPARSE:
+            raise SystemExit(f"--quant {a.quant} is for the DiLoCo modes")
         q = quantization(a.quant)
         sizes = [p.numel() for p in self.params]
         flat = np.zeros(sum(sizes), dtype=np.float32)
@@ -237,7 +252,8 @@ class Worker:
         outer_steps = a.steps // H
         d = DiLoCo(self.model, self.opt, self.comm, inner_steps=H,
                    async_mode=a.mode == "async-diloco", quantization=quantization(a.quant),
-                   outer_lr=a.outer_lr, outer_momentum=a.outer_momentum)
+                   compression=compression(a.quant), outer_lr=a.outer_lr,
+                   outer_momentum=a.outer_momentum)
         t = time.perf_counter()
         # A joiner takes the group's state or nothing (RECEIVE_ONLY: with nobody to
         # receive from it fails rather than starting a run of its own).
@@ -313,9 +329,10 @@ class Run:
     """One configuration: a master, the peers behind their emulators, their reports."""
 
     def __init__(self, a: argparse.Namespace, mode: str, quant: str, churn: bool,
-                 outer_momentum: float) -> None:
+                 outer_momentum: float, outer_lr: float | None = None) -> None:
         self.a, self.mode, self.quant, self.churn = a, mode, quant, churn
         self.outer_momentum = outer_momentum
+        self.outer_lr = a.outer_lr if outer_lr is None else outer_lr
         self.master: asyncio.subprocess.Process | None = None
         self.master_addr = ""
         self.peers: dict[str, dict[str, Any]] = {}
@@ -356,7 +373,7 @@ class Run:
                 "--steps", str(a.steps), "--inner-steps", str(a.inner_steps),
                 "--size", a.size, "--batch", str(a.batch), "--lr", str(a.lr),
                 "--seed", str(a.seed), "--val-windows", str(a.val_windows),
-                "--outer-lr", str(a.outer_lr), "--outer-momentum", str(self.outer_momentum),
+                "--outer-lr", str(self.outer_lr), "--outer-momentum", str(self.outer_momentum),
                 "--connect-timeout", str(a.timeout)]
         if joiner:
             args.append("--joiner")
@@ -543,7 +560,7 @@ class Run:
         wall = max((d["wall_s"] for d in done), default=0.0)
         out: dict[str, Any] = {
             "mode": self.mode, "quant": self.quant, "churn": self.churn,
-            "outer_lr": a.outer_lr if self.mode != "ddp" else None,
+            "outer_lr": self.outer_lr if self.mode != "ddp" else None,
             "outer_momentum": self.outer_momentum if self.mode != "ddp" else None,
             "peers": a.peers, "steps": a.steps, "inner_steps": a.inner_steps,
             "size": a.size, "params": self.params, "batch": a.batch, "ctx": self.ctx,
@@ -584,6 +601,8 @@ def run_name(r: dict[str, Any]) -> str:
     name = f"churn {r['mode']}" if r["churn"] else f"{r['mode']}/{r['quant']}"
     if r["outer_momentum"] is not None and r["outer_momentum"] != 0.9:
         name += f" mu={r['outer_momentum']:g}"
+    if r["outer_lr"] is not None and r["outer_lr"] != 0.7:
+        name += f" lr={r['outer_lr']:g}"
     return name
 
 
@@ -605,12 +624,19 @@ async def launch(a: argparse.Namespace) -> list[dict[str, Any]]:
         configs = [(m, q, False, a.outer_momentum) for m in MODES for q in QUANTS]
         configs += [("diloco", "none", False, 0.0)]
         configs += [("async-diloco", q, False, 0.0) for q in QUANTS]
+    elif a.sparse:
+        # SparseLoCo beside DiLoCo fp32 and int8, all without outer momentum (SparseLoCo
+        # runs its outer step without it: the error feedback does that job). The sparse
+        # rows also run at outer lr 3 (a sparse update carries less per step; 3 was the
+        # best of 0.7-4 here, docs/training.md).
+        configs = [("diloco", q, False, 0.0) for q in ("none", "int8", *SPARSE)]
+        configs += [("diloco", q, False, 0.0, 3.0) for q in SPARSE]
     else:
         configs = [(a.mode, a.quant, a.churn, a.outer_momentum)]
     results = []
-    for mode, quant, churn, outer_momentum in configs:
+    for mode, quant, churn, outer_momentum, *lr in configs:
         t = time.monotonic()
-        r = await Run(a, mode, quant, churn, outer_momentum).run()
+        r = await Run(a, mode, quant, churn, outer_momentum, *lr).run()
         r["launcher_s"] = round(time.monotonic() - t, 1)
         results.append(r)
         print(describe(r), flush=True)
@@ -622,7 +648,10 @@ async def launch(a: argparse.Namespace) -> list[dict[str, Any]]:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--mode", choices=MODES, default="diloco")
-    p.add_argument("--quant", choices=QUANTS, default="none")
+    p.add_argument("--quant", choices=(*QUANTS, *SPARSE), default="none",
+                   help="wire quantization, or (DiLoCo) SparseLoCo compression")
+    p.add_argument("--sparse", action="store_true",
+                   help="SparseLoCo rows beside DiLoCo fp32 and int8, back to back")
     p.add_argument("--all", action="store_true",
                    help="every mode x quantization, back to back")
     p.add_argument("--churn", action="store_true",
