@@ -51,7 +51,6 @@ __all__ = ["DEFAULT_TIMEOUT", "Communicator", "PeerState", "QuantizationOptions"
 
 log = logging.getLogger(__name__)
 
-_CANCELLED = "cancelled by the caller"
 
 #: How long close() waits, at most, for the master to close its end after the Leave
 #: (it does once it has read it; see FramedConnection.linger).

@@ -92,6 +92,13 @@ class SparseCodec:
         return raw
 
 
+def _check_beta(beta: Any) -> float:
+    """An error-feedback decay: a number in [0, 1]."""
+    if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not 0.0 <= beta <= 1.0:
+        raise InvalidArgumentError(f"beta must be in [0, 1], got {beta!r}")
+    return float(beta)
+
+
 @dataclasses.dataclass(frozen=True)
 class SparseLoCo(SparseCodec):
     """SparseLoCo's compression of DiLoCo's pseudo-gradients, for
@@ -105,9 +112,7 @@ class SparseLoCo(SparseCodec):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if isinstance(self.beta, bool) or not isinstance(self.beta, (int, float)) \
-                or not 0.0 <= self.beta <= 1.0:
-            raise InvalidArgumentError(f"beta must be in [0, 1], got {self.beta!r}")
+        _check_beta(self.beta)
 
 
 class ErrorFeedback:
@@ -118,9 +123,7 @@ class ErrorFeedback:
     def __init__(self, codec: SparseCodec, size: int, beta: float = 1.0) -> None:
         import numpy as np
 
-        if not (0.0 <= beta <= 1.0):
-            raise InvalidArgumentError(f"beta must be in [0, 1], got {beta!r}")
-        self.codec, self.beta = codec, float(beta)
+        self.codec, self.beta = codec, _check_beta(beta)
         # Local state of this peer, not shared: a joiner starts here, owing nothing.
         self.accumulator = np.zeros(int(size), np.float32)
 

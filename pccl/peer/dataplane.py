@@ -25,9 +25,11 @@ from pccl.protocol import messages as m
 from pccl.shared_state import SharedState, SyncProgress
 from pccl.tensors import RawTensor
 
-#: The commands :meth:`DataPlane.execute` carries out.
-DATA_PLANE_COMMANDS = (ps.RunRing, ps.AbortRing, ps.ArmRing, ps.Rollback, ps.Commit,
-                       ps.ApplyResult, ps.Fetch, ps.AbortFetch, ps.CommitSync)
+#: The commands :meth:`DataPlane.execute` carries out: an all-reduce's, then a sync's.
+REDUCE_COMMANDS = (ps.RunRing, ps.AbortRing, ps.ArmRing, ps.Rollback, ps.Commit,
+                   ps.ApplyResult)
+SYNC_COMMANDS = (ps.Fetch, ps.AbortFetch, ps.CommitSync)
+DATA_PLANE_COMMANDS = REDUCE_COMMANDS + SYNC_COMMANDS
 
 
 class Host(Protocol):
@@ -90,10 +92,9 @@ class DataPlane:
         self.sync_run: SyncRun | None = None
 
     def execute(self, c: ps.Command) -> None:
-        if isinstance(c, (ps.RunRing, ps.AbortRing, ps.ArmRing, ps.Rollback, ps.Commit,
-                          ps.ApplyResult)):
+        if isinstance(c, REDUCE_COMMANDS):
             self._reduce_command(c)
-        elif isinstance(c, (ps.Fetch, ps.AbortFetch, ps.CommitSync)):
+        elif isinstance(c, SYNC_COMMANDS):
             self._sync_command(c)
         else:  # pragma: no cover - the driver hands over DATA_PLANE_COMMANDS only
             raise TypeError(c)

@@ -384,11 +384,12 @@ class Driver:
             self._waiters.pop(w, None)
         self._feed(ev)
 
-    async def _answer(self, call: ps.ReduceCall | ps.SyncCall, fut: asyncio.Future[Any]) -> Any:
+    async def _answer(self, call: ps.ReduceCall | ps.SyncCall) -> Any:
         """The machine's answer to ``call``. A caller that gives up withdraws the call
         (:class:`pccl.peer.state.Cancelled`) and waits, at most ``timeout``, until the
         machine has ended it (a success the group decided before is applied then);
         ``CancelledError`` goes on after that."""
+        fut = self._future(call)
         try:
             return await asyncio.shield(fut)
         except asyncio.CancelledError:
@@ -815,7 +816,7 @@ class Driver:
         ring = list(self._m.ring)
         call = ps.reduce_of(tag)
         try:
-            done: ps.Reduced = await self._answer(call, self._future(call))
+            done: ps.Reduced = await self._answer(call)
         except BaseException:
             self.metrics.collectives.labels("failed").inc()
             raise
@@ -889,7 +890,7 @@ class Driver:
             node.serve(info.name, raw.data)
         try:
             try:
-                await self._answer(ps.SYNC, self._future(ps.SYNC))
+                await self._answer(ps.SYNC)
             except PCCLError:
                 if run.error is not None:
                     raise run.error from None  # a bug in a fetch, not the network's doing

@@ -495,6 +495,8 @@ class Sync:
 
 
 _CANCELLED = "cancelled by the caller"
+#: How a call the caller gave up on fails.
+_CANCELLED_FAILURE = (ErrorKind.CollectiveAbortedError, _CANCELLED)
 
 
 def known_rings(installed: tuple[int, list[int]], proposed: m.EstablishP2P | None
@@ -1074,7 +1076,7 @@ class PeerMachine:
                 via = "ring"
             col.held = False
             if col.cancelled:
-                self._fail(call, ErrorKind.CollectiveAbortedError, _CANCELLED, out)
+                self._fail(call, *_CANCELLED_FAILURE, out)
             else:
                 self._resolve(call, Reduced(p.world, via), out)
             return
@@ -1082,7 +1084,7 @@ class PeerMachine:
             out.append(Rollback(col.tag))
             col.held = False
         if col.cancelled:
-            kind, message = ErrorKind.CollectiveAbortedError, _CANCELLED
+            kind, message = _CANCELLED_FAILURE
         elif isinstance(d, m.CollectiveOutcome):
             kind, message = ErrorKind.parse(d.kind), d.message
             if d.ok:  # (a success this peer has no part of: cannot be applied here)
@@ -1113,7 +1115,7 @@ class PeerMachine:
         if reported:
             col.phase = CollectivePhase.WAIT_OUTCOME
         else:
-            self._end_collective(col, (ErrorKind.CollectiveAbortedError, _CANCELLED), out)
+            self._end_collective(col, _CANCELLED_FAILURE, out)
 
     def _expired(self, call: ReduceCall | SyncCall, out: list[Command]) -> None:
         if isinstance(call, ReduceCall):
@@ -1122,7 +1124,7 @@ class PeerMachine:
                 return
             out.append(Log(f"peer {self.peer_id}: cancelled all_reduce(tag={call.tag}); no "
                            "outcome from the master in time: output left as it was"))
-            self._end_collective(col, (ErrorKind.CollectiveAbortedError, _CANCELLED), out)
+            self._end_collective(col, _CANCELLED_FAILURE, out)
             return
         sync = self.sync
         if sync is None:
@@ -1132,7 +1134,7 @@ class PeerMachine:
         if sync.phase is SyncPhase.FETCHING:
             out.append(AbortFetch())
         self.sync = None
-        self._fail(SYNC, ErrorKind.CollectiveAbortedError, _CANCELLED, out)
+        self._fail(SYNC, *_CANCELLED_FAILURE, out)
 
     def _start_sync(self, init: m.SyncInit, out: list[Command]) -> None:
         self._check_usable()
@@ -1175,12 +1177,12 @@ class PeerMachine:
             self.last_revision = d.revision
             out.append(CommitSync(d.revision))
             if sync.cancelled:
-                self._fail(SYNC, ErrorKind.CollectiveAbortedError, _CANCELLED, out)
+                self._fail(SYNC, *_CANCELLED_FAILURE, out)
             else:
                 self._resolve(SYNC, d, out)
             return
         if sync.cancelled:
-            kind, message = ErrorKind.CollectiveAbortedError, _CANCELLED
+            kind, message = _CANCELLED_FAILURE
         elif d.ok:  # (the group committed what this peer did not fetch)
             kind, message = ErrorKind.PCCLError, "the group committed without this peer"
         else:
