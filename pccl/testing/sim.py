@@ -191,7 +191,6 @@ class SimPeer:
         self.ran: dict[int, m.CollectivePerform] = {}
         self.applied: dict[int, int] = {}
         self.heard: dict[int, m.CollectiveOutcome] = {}
-        self.fetched: bool = False
         self.cancelled: set[int] = set()
         self.started = False
         self.parked: Any = None  # a call made while registering again waits for that
@@ -408,7 +407,6 @@ class SimPeer:
             elif isinstance(call, Optimize):
                 self.feed(ps.StartTopology(timeout, optimize=True))
             elif isinstance(call, Sync):
-                self.fetched = False
                 self.feed(ps.StartSync(m.SyncInit(
                     revision=call.revision, strategy=int(call.strategy), keys=["w"],
                     dtypes=[int(DataType.INT64)], counts=[1],
