@@ -22,6 +22,7 @@ from pccl import errors as _errors
 from pccl._core import __version__ as _core_version
 from pccl.communicator import (
     Communicator,
+    GatherInfo,
     QuantizationOptions,
     ReduceDescriptor,
     ReduceInfo,
@@ -44,6 +45,7 @@ __all__ = [
     "Attribute",
     "Communicator",
     "DataType",
+    "GatherInfo",
     "MasterNode",
     "QuantizationAlgorithm",
     "QuantizationOptions",

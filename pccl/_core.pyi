@@ -263,6 +263,22 @@ class P2PNode:
         ``buffer`` and ``out`` until it is committed or rolled back: meanwhile they
         cannot be resized (``BufferError`` for a ``bytearray``)."""
         ...
+    def start_all_gather(
+        self,
+        op_id: int,
+        rank: int,
+        world: int,
+        buffer: Any,
+        out: Any,
+        piece_bytes: int = 1 << 20,
+        armed: bool = True,
+    ) -> RingOp:
+        """Starts a ring all-gather: ``buffer`` (this peer's contribution) goes into slot
+        ``rank`` of ``out`` (``world`` times its size), the other ranks' contributions
+        land in theirs. ``commit(out)`` copies nothing; on failure ``out``'s other slots
+        hold unspecified bytes. The op holds ``out``'s export until committed or rolled
+        back."""
+        ...
     def ring_lanes(self) -> tuple[int, int]: ...
     def ring_ok(self) -> bool: ...
     def serve(self, key: str, buffer: Any) -> None: ...
@@ -351,7 +367,7 @@ def fetch_ranges(
 
 @final
 class RingOp:
-    """One all-reduce in flight."""
+    """One all-reduce (or all-gather) in flight."""
 
     def run(self) -> Future[tuple[int, int]]: ...
     @property

@@ -29,6 +29,7 @@ from pccl.peer.driver import Driver
 from pccl.peer.metrics import PeerMetrics
 from pccl.peer.options import (
     DEFAULT_TIMEOUT,
+    GatherInfo,
     OptionView,
     PeerOptions,
     QuantizationOptions,
@@ -47,7 +48,7 @@ from pccl.shared_state import SharedState, SyncInfo, SyncProgress
 from pccl.tensors import as_raw
 
 __all__ = ["DEFAULT_TIMEOUT", "Communicator", "PeerState", "QuantizationOptions",
-           "ReduceDescriptor", "ReduceInfo"]
+           "GatherInfo", "ReduceDescriptor", "ReduceInfo"]
 
 log = logging.getLogger(__name__)
 
@@ -573,6 +574,62 @@ class Communicator(Driver):
         return await self.all_reduce_async(tensor, out, op=op, tag=tag,
                                            quantization=quantization, timeout=timeout)
 
+
+    # --- all-gather -------------------------------------------------------------------
+
+    def all_gather_async(self, tensor: Any, *, tag: int = 0,
+                         timeout: Any = DEFAULT_TIMEOUT) -> asyncio.Task[GatherInfo]:
+        """Starts an all-gather now and returns an awaitable for its :class:`GatherInfo`:
+        every peer of the group contributes ``tensor`` (a C-contiguous buffer: numpy,
+        torch CPU tensor, bytes, ...; the same dtype and element count on every peer) and
+        receives every peer's bytes, concatenated in the order of the ring it ran on
+        (``GatherInfo.peers`` names each slot's peer), the same on every peer. Tags are
+        shared with :meth:`all_reduce_async` (one collective per tag at a time).
+
+        The bytes travel on the ring (each peer sends and receives ``world - 1``
+        contributions: the least any schedule moves) with everything an all-reduce has:
+        all or nothing, typed errors, encryption, relayed routes, a retry after
+        ``update_topology()`` when a peer died, concurrency with other tags. A gather
+        whose whole result is at most ``via_master_max_bytes`` goes through the master
+        instead (one round trip rather than ``world - 1`` ring steps). ``tensor`` is only
+        read; do not write it until the awaitable resolves.
+
+        Example::
+
+            info = await comm.all_gather(np.array([comm.rank], np.int64))
+            ranks = np.frombuffer(info.data, np.int64)   # one per peer, ring order
+        """
+        wire = self._wire_timeout(timeout)
+        self._require_accepted()
+        src = as_raw(tensor, writable=False, what="tensor")
+        if isinstance(tag, bool) or not isinstance(tag, int) or tag < 0:
+            raise _core.InvalidArgumentError("tag must be a non-negative integer")
+        world = max(1, len(self._m.ring))
+        tiny = src.nbytes * world <= self.options.via_master_max_bytes
+        run = self._start_all_reduce(m.CollectiveInit(
+            tag=tag, kind="all_gather", dtype=int(src.dtype), count=src.count,
+            op=int(ReduceOp.SUM), quant_algorithm=0, quant_dtype=0, timeout=wire,
+            shape=list(src.shape), data=bytes(src.data) if tiny else b""),
+            src.nbytes * world <= self.options.early_start_max_bytes,
+            QuantizationOptions(), src, src, ReduceOp.SUM, gather=True)
+        handle = asyncio.create_task(self._run_all_gather(tag, run),
+                                     name=f"pccl-all-gather-{self.peer_id}-{tag}")
+        self._handles.add(handle)
+        handle.add_done_callback(self._handles.discard)
+        return handle
+
+    async def all_gather(self, tensor: Any, *, tag: int = 0,
+                         timeout: Any = DEFAULT_TIMEOUT) -> GatherInfo:
+        """Gathers every peer's ``tensor`` on every peer (see :meth:`all_gather_async`).
+
+        Example::
+
+            info = await comm.all_gather(payload)
+            for peer_id in info.peers:      # in slot (ring) order
+                handle(peer_id, info.of(peer_id))
+        """
+        await self._ready()
+        return await self.all_gather_async(tensor, tag=tag, timeout=timeout)
 
     async def all_reduce_multiple_with_retry(
         self,

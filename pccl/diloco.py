@@ -421,6 +421,9 @@ class DiLoCo:
         # a joiner starts at zero, owing nothing), and the scratch of one attempt.
         self._feedback = self._alloc(cuda) if compression is not None else None
         self._feedback_work = self._alloc(cuda) if compression is not None else None
+        #: SparseLoCo: seconds this peer spent encoding its payloads and decoding the
+        #: group's, over every outer step so far (the codec's CPU cost).
+        self.codec_seconds = 0.0
         self._meta = np.zeros(12, dtype=np.int64)
         self._meta[_META_CONFIG] = self._config()
         infos = [TensorInfo("diloco.meta", self._meta)]
@@ -686,6 +689,7 @@ class DiLoCo:
         total = np.empty_like(r.buf)
         info = await sparse.all_reduce(self.comm, c, work, total, tag=self.tag)
         self._feedback, self._feedback_work = work, acc
+        self.codec_seconds += info.compress_seconds + info.decode_seconds
         await asyncio.to_thread(np.divide, total, np.float32(info.world_size), out=r.buf)
         return ReduceInfo(tx_bytes=info.tx_bytes, rx_bytes=info.rx_bytes,
                           world_size=info.world_size, algorithm="sparse")

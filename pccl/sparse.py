@@ -26,6 +26,7 @@ peer that joins starts with zeros (it has sent nothing yet, so it owes nothing).
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import math
 from typing import Any
@@ -144,33 +145,54 @@ class ErrorFeedback:
 
 @dataclasses.dataclass(frozen=True)
 class SparseReduceInfo:
-    """What :func:`all_reduce` did: peers that took part, the bytes of one payload, and
-    what this peer sent and received for it."""
+    """What :func:`all_reduce` did: peers that took part, the bytes of one payload, what
+    this peer sent and received for it, how it travelled (``GatherInfo.algorithm``), and
+    the seconds this peer spent encoding its payload and decoding all of them."""
 
     world_size: int
     payload_bytes: int
     tx_bytes: int
     rx_bytes: int
+    algorithm: str = "ring"
+    compress_seconds: float = 0.0
+    decode_seconds: float = 0.0
 
 
-_SLOT_HEADER = 4  # the contributor's peer id (u32, little-endian) before its payload
+# Tensors of at least this many elements are encoded and decoded on a worker thread,
+# so that the event loop (heartbeats, other collectives) is not held for milliseconds.
+_THREAD_MIN_COUNT = 1 << 20
+
+
+async def _off_loop(count: int, fn: Any, *args: Any) -> Any:
+    """``fn(*args)`` inline for small tensors, else on a worker thread; a cancelled
+    caller still waits for the thread (it writes the caller's buffers) before it goes."""
+    if count < _THREAD_MIN_COUNT:
+        return fn(*args)
+    task = asyncio.ensure_future(asyncio.to_thread(fn, *args))
+    try:
+        return await asyncio.shield(task)
+    except asyncio.CancelledError:
+        await asyncio.wait([task])
+        raise
 
 
 async def all_reduce(comm: Any, codec: SparseCodec, accumulator: Any, out: Any, *,
                      tag: int = 0, timeout: Any = None) -> SparseReduceInfo:
     """Every peer of the group contributes ``codec.compress(accumulator)`` (the
     accumulator keeps the residual); ``out`` (float32, the accumulator's size) becomes
-    the sum of every peer's decoded payload, added in rank order: the same bytes on
-    every peer. All or nothing: on any failure ``accumulator`` is put back as it was
-    (nothing was sent for it) and ``out`` holds unspecified values.
+    the sum of every peer's decoded payload, added in slot order (the ring's): the same
+    bytes on every peer. All or nothing: on any failure ``accumulator`` is put back as
+    it was (nothing was sent for it) and ``out`` is left as it was.
 
-    This version carries the payloads in one ``uint8`` SUM all-reduce of a buffer with a
-    slot per rank (exact: each byte has one non-zero contributor), which moves about
-    twice the bytes of an all-gather; the slots are checked (each holds a valid payload
-    of a distinct peer), so a ring that changed between the call and the collective
-    fails alike on every peer with ``CollectiveAbortedError`` and can be retried after
-    ``update_topology()``. Needs numpy.
+    The payloads travel in one :meth:`Communicator.all_gather` (each peer sends and
+    receives ``world - 1`` payloads on the ring; tiny ones through the master), so the
+    call fails, and can be retried after ``update_topology()``, exactly as an all-reduce
+    does. Every peer receives the same slots, so a slot that holds no valid payload (a
+    peer with another codec, or a hostile one) fails the call alike on every peer with
+    :class:`CollectiveAbortedError`. Needs numpy.
     """
+    import time
+
     import numpy as np
 
     from pccl.errors import CollectiveAbortedError, ProtocolError
@@ -180,40 +202,32 @@ async def all_reduce(comm: Any, codec: SparseCodec, accumulator: Any, out: Any, 
     dst = codec._raw(out, "out")
     if dst.count != acc.count:
         raise InvalidArgumentError(f"out has {dst.count} elements, the accumulator {acc.count}")
-    ring, me = list(comm.ring), comm.peer_id
-    if me not in ring:
-        raise InvalidArgumentError("this peer is not in a ring yet: connect() first")
-    world, rank = len(ring), ring.index(me)
     backup = np.array(acc.data, copy=True)
+    total = np.zeros(dst.count, np.float32)
+
+    def decode(info: Any) -> None:
+        for slot in range(info.world_size):  # slot order: the same sum on every peer
+            codec.decode_add(bytes(info.part(slot)), total)
+
     try:
-        payload = codec.compress(accumulator)
-        slot = _SLOT_HEADER + len(payload)
-        buf = np.zeros(world * slot, np.uint8)
-        mine = int(me).to_bytes(4, "little") + payload
-        buf[rank * slot:(rank + 1) * slot] = np.frombuffer(mine, np.uint8)
-        info = await comm.all_reduce(buf, tag=tag,
+        t0 = time.perf_counter()
+        payload = await _off_loop(acc.count, codec.compress, accumulator)
+        t1 = time.perf_counter()
+        info = await comm.all_gather(np.frombuffer(payload, np.uint8), tag=tag,
                                      timeout=DEFAULT_TIMEOUT if timeout is None else timeout)
-        if info.world_size != world:
-            raise CollectiveAbortedError(
-                f"the ring changed during the sparse all-reduce ({info.world_size} peers "
-                f"took part, {world} slots); retry after update_topology()")
-        slots = buf.reshape(world, slot)
-        ids = [int.from_bytes(s[:_SLOT_HEADER].tobytes(), "little") for s in slots]
-        if len(set(ids)) != world:
-            raise CollectiveAbortedError(
-                "the peers disagreed on the ring during the sparse all-reduce; retry "
-                "after update_topology()")
-        total = np.zeros(dst.count, np.float32)
+        t2 = time.perf_counter()
         try:
-            for s in slots:  # rank order: the same sum on every peer
-                codec.decode_add(s[_SLOT_HEADER:].tobytes(), total)
+            await _off_loop(acc.count, decode, info)
         except ProtocolError as e:
             raise CollectiveAbortedError(
                 f"a slot of the sparse all-reduce held no valid payload ({e}): the peers "
-                "disagreed on the ring or the codec; retry after update_topology()") from None
+                "disagree on the codec") from None
+        t3 = time.perf_counter()
     except BaseException:
         _core.copy_into(acc.data, backup)  # nothing was sent for it
         raise
     _core.copy_into(dst.data, total.view(np.uint8))
-    return SparseReduceInfo(world_size=world, payload_bytes=len(payload),
-                            tx_bytes=info.tx_bytes, rx_bytes=info.rx_bytes)
+    return SparseReduceInfo(world_size=info.world_size, payload_bytes=len(payload),
+                            tx_bytes=info.tx_bytes, rx_bytes=info.rx_bytes,
+                            algorithm=info.algorithm, compress_seconds=t1 - t0,
+                            decode_seconds=t3 - t2)

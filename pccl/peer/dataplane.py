@@ -61,6 +61,9 @@ class ReduceRun:
     algorithm: str = "local"
     tx: int = 0
     rx: int = 0
+    # An all-gather (``dst`` is ``src``): every peer's bytes, rank order, once committed.
+    gather: bool = False
+    gathered: bytearray | None = None
 
 
 @dataclasses.dataclass
@@ -112,17 +115,22 @@ class DataPlane:
                 run.ring.arm()
         elif isinstance(c, ps.Rollback):
             # In place, the ring wrote the caller's tensor as it went: the original
-            # bytes go back. Out of place only `out` was written.
-            ring, run.ring = run.ring, None
+            # bytes go back. Out of place only `out` was written (an all-gather: only
+            # its own buffer, dropped here).
+            ring, run.ring, run.gathered = run.ring, None, None
             if ring is not None:
                 ring.rollback()
         elif isinstance(c, ps.Commit):
             if c.local:
-                if run.dst.data is not run.src.data:
+                if run.gather:
+                    run.gathered = bytearray(run.src.data)  # a group of one
+                elif run.dst.data is not run.src.data:
                     _core.copy_into(run.dst.data, run.src.data)
             else:
                 ring, run.ring = run.ring, None
-                ring.commit(run.dst.data)
+                ring.commit(run.gathered if run.gather else run.dst.data)
+        elif run.gather:
+            run.gathered = bytearray(c.data)  # gathered by the master
         else:
             _core.copy_into(run.dst.data, c.data)  # reduced by the master
 
@@ -132,16 +140,24 @@ class DataPlane:
         try:
             if self._host._node is None:
                 raise MasterConnectionError("the communicator was closed")
-            # The results land in `dst` as the ring computes them: no copy after the
-            # outcome. Out of place `src` is never written, so a failed collective loses
-            # nothing; in place the original bytes move to a backup as the ring goes,
-            # and a Rollback puts them back.
-            in_place = run.dst.data is run.src.data
-            ring = self._host._node.start_all_reduce(
-                p.op_id, p.rank, p.world, run.src.data, int(run.src.dtype), int(run.op),
-                piece_bytes=self._host.options.piece_bytes, quant_algorithm=int(run.q.algorithm),
-                quant_dtype=int(run.q.dtype), out=None if in_place else run.dst.data,
-                armed=c.armed, in_place=in_place)
+            node, piece_bytes = self._host._node, self._host.options.piece_bytes
+            if run.gather:
+                # Every peer's bytes land in a buffer of the call's own, in rank order.
+                run.gathered = bytearray(p.world * run.src.nbytes)
+                ring = node.start_all_gather(p.op_id, p.rank, p.world, run.src.data,
+                                             run.gathered, piece_bytes=piece_bytes,
+                                             armed=c.armed)
+            else:
+                # The results land in `dst` as the ring computes them: no copy after the
+                # outcome. Out of place `src` is never written, so a failed collective
+                # loses nothing; in place the original bytes move to a backup as the
+                # ring goes, and a Rollback puts them back.
+                in_place = run.dst.data is run.src.data
+                ring = node.start_all_reduce(
+                    p.op_id, p.rank, p.world, run.src.data, int(run.src.dtype), int(run.op),
+                    piece_bytes=piece_bytes, quant_algorithm=int(run.q.algorithm),
+                    quant_dtype=int(run.q.dtype), out=None if in_place else run.dst.data,
+                    armed=c.armed, in_place=in_place)
         except PCCLError as e:
             asyncio.get_running_loop().call_soon(
                 self._host._feed, ps.RingDone(c.tag, False, ErrorKind.of(e), str(e)))

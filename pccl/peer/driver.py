@@ -35,6 +35,7 @@ from pccl.peer.dataplane import DATA_PLANE_COMMANDS, DataPlane, ReduceRun, SyncR
 from pccl.peer.metrics import PeerMetrics
 from pccl.peer.options import (
     DEFAULT_TIMEOUT,
+    GatherInfo,
     PeerOptions,
     QuantizationOptions,
     ReduceInfo,
@@ -791,11 +792,12 @@ class Driver:
         return answer
 
     def _start_all_reduce(self, init: m.CollectiveInit, early: bool, q: QuantizationOptions,
-                          src: RawTensor, dst: RawTensor, op: ReduceOp) -> ReduceRun:
-        """Hands a new all-reduce to the machine (its ring may start at once: the
-        tensors are registered first)."""
+                          src: RawTensor, dst: RawTensor, op: ReduceOp, *,
+                          gather: bool = False) -> ReduceRun:
+        """Hands a new all-reduce (or all-gather) to the machine (its ring may start at
+        once: the tensors are registered first)."""
         before = self._plane.reduces.get(init.tag)  # (a call with this tag in flight: refused)
-        run = self._plane.reduces[init.tag] = ReduceRun(q, src, dst, op)
+        run = self._plane.reduces[init.tag] = ReduceRun(q, src, dst, op, gather=gather)
         try:
             self._feed(ps.StartCollective(init, early))
             # (A late answer to an earlier call of the tag, ended when its caller gave
@@ -809,9 +811,9 @@ class Driver:
             raise
         return run
 
-    async def _run_all_reduce(self, tag: int, run: ReduceRun) -> ReduceInfo:
-        """One all-reduce started by :meth:`_start_all_reduce`, counted in
-        :attr:`metrics` (outcome, time, bytes per link)."""
+    async def _run_collective(self, tag: int, run: ReduceRun) -> tuple[ps.Reduced, int, int, str]:
+        """One collective started by :meth:`_start_all_reduce`, counted in :attr:`metrics`
+        (outcome, time, bytes per link): ``(done, tx, rx, algorithm)``."""
         started = time.perf_counter()
         ring = list(self._m.ring)
         call = ps.reduce_of(tag)
@@ -825,16 +827,32 @@ class Driver:
         self.metrics.collectives.labels("ok").inc()
         self.metrics.collective_seconds.observe(time.perf_counter() - started)
         if done.via == "master":  # the bytes went to the master and back
-            tx, rx, algorithm = run.src.nbytes, run.dst.nbytes, "master"
-        elif done.via == "local":
-            tx, rx, algorithm = 0, 0, "local"
-        else:
-            tx, rx, algorithm = run.tx, run.rx, run.algorithm
-            if algorithm == "ring":
-                # (The master's bytes are not a ring link's; the mesh's go to its partners.)
-                self.metrics.ring_traffic(list(self._m.ring) or ring, self.peer_id, tx, rx)
+            rx = len(run.gathered or b"") if run.gather else run.dst.nbytes
+            return done, run.src.nbytes, rx, "master"
+        if done.via == "local":
+            return done, 0, 0, "local"
+        if run.algorithm == "ring":
+            # (The master's bytes are not a ring link's; the mesh's go to its partners.)
+            self.metrics.ring_traffic(list(self._m.ring) or ring, self.peer_id, run.tx, run.rx)
+        return done, run.tx, run.rx, run.algorithm
+
+    async def _run_all_reduce(self, tag: int, run: ReduceRun) -> ReduceInfo:
+        done, tx, rx, algorithm = await self._run_collective(tag, run)
         return ReduceInfo(tx_bytes=int(tx), rx_bytes=int(rx), world_size=done.world,
                           algorithm=algorithm)
+
+    async def _run_all_gather(self, tag: int, run: ReduceRun) -> GatherInfo:
+        done, tx, rx, algorithm = await self._run_collective(tag, run)
+        data, world = run.gathered, done.world
+        if data is None or len(data) != world * run.src.nbytes \
+                or len(done.peers) not in (0, world):
+            # (Only a master that broke the protocol gets here: it sent every peer the
+            # same wrong bytes, so every peer fails alike.)
+            raise ProtocolError(
+                f"all-gather tag {tag}: {0 if data is None else len(data)} bytes gathered "
+                f"from {len(done.peers)} peers, expected {world} x {run.src.nbytes}")
+        return GatherInfo(data=data, world_size=world, tx_bytes=int(tx), rx_bytes=int(rx),
+                          peers=done.peers, algorithm=algorithm)
 
     async def _run_sync(self, state: SharedState, strategy: SharedStateSyncStrategy,
                         in_place: bool, progress: Callable[[SyncProgress], object] | None,

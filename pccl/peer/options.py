@@ -30,6 +30,37 @@ class ReduceInfo:
 
 
 @dataclasses.dataclass(frozen=True)
+class GatherInfo:
+    """What one all-gather gave and cost this peer: ``data`` holds every peer's
+    contribution in the order of the ring it ran on (slot ``r`` at
+    ``r * len(data) // world_size``, from peer ``peers[r]``), the same bytes on every
+    peer. That order is the ring's, not :attr:`Communicator.rank`'s: find a peer's
+    contribution with :meth:`of`."""
+
+    data: bytearray  #: the contributions, concatenated in ring order
+    world_size: int  #: peers that took part (contributions in ``data``)
+    tx_bytes: int  #: bytes this peer put on the wire (headers included)
+    rx_bytes: int  #: bytes this peer received
+    #: The peer id of each slot (empty only from a master that predates the field).
+    peers: tuple[int, ...] = ()
+    #: "ring", "master" (gathered by the master) or "local" (a group of one).
+    algorithm: str = dataclasses.field(default="ring", compare=False)
+
+    def part(self, slot: int) -> memoryview:
+        """The contribution in slot ``slot`` (a view into ``data``)."""
+        if not 0 <= slot < self.world_size:
+            raise IndexError(f"slot {slot} outside 0..{self.world_size - 1}")
+        n = len(self.data) // self.world_size
+        return memoryview(self.data)[slot * n:(slot + 1) * n]
+
+    def of(self, peer_id: int) -> memoryview:
+        """Peer ``peer_id``'s contribution; ``KeyError`` if it took no part."""
+        if peer_id not in self.peers:
+            raise KeyError(f"peer {peer_id} took no part in this all-gather")
+        return self.part(self.peers.index(peer_id))
+
+
+@dataclasses.dataclass(frozen=True)
 class QuantizationOptions:
     """How values travel on the wire (``NONE``: as they are)."""
 

@@ -131,6 +131,7 @@ class Reduced:
 
     world: int
     via: str
+    peers: tuple[int, ...] = ()  # the participants in rank order, as the master sent them
 
 
 class Status(enum.IntEnum):
@@ -1078,7 +1079,7 @@ class PeerMachine:
             if col.cancelled:
                 self._fail(call, *_CANCELLED_FAILURE, out)
             else:
-                self._resolve(call, Reduced(p.world, via), out)
+                self._resolve(call, Reduced(p.world, via, tuple(d.peers)), out)
             return
         if col.held:
             out.append(Rollback(col.tag))

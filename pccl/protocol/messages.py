@@ -533,6 +533,9 @@ class CollectiveOutcome(Message):
     # Reduced by the master (every member sent its data): the result, and the world.
     data: bytes = b""
     world: int = 0
+    # The peers that took part, in rank order (the slots of an all-gather's result);
+    # empty from a master that predates it.
+    peers: list[int] = dataclasses.field(default_factory=list)
 
 
 # --- shared state -------------------------------------------------------------------

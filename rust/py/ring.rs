@@ -7,14 +7,16 @@
 //! `start_all_reduce` until it is committed or rolled back (and no task of it touches
 //! them any more), so Python cannot resize or free them while the ring uses them.
 
-use crate::error::CoreError;
+use crate::error::{CoreError, CoreResult};
 use crate::py::buffer::{Export, Held};
 use crate::py::future_into_py;
 use crate::py::node::{seconds, PyP2PNode};
 use crate::ring::allreduce;
 use crate::ring::assembly::{self, dtype_from_code, op_from_code, quant_from_codes, MeshConfig};
+use crate::ring::gather::{GatherOp, GatherSpec};
 use crate::ring::links::LinkConfig;
-use crate::ring::ReduceSpec;
+use crate::ring::{ReduceSpec, ReduceStats};
+use futures::future::BoxFuture;
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -177,6 +179,66 @@ impl PyP2PNode {
         Ok(RingOp::new(op.with_armed(armed).with_mesh(mesh)))
     }
 
+    /// Starts a ring all-gather: `buffer`'s bytes (this peer's contribution) are copied
+    /// into slot `rank` of `out` (a writable buffer of `world` times as many bytes, not
+    /// overlapping `buffer`), where every other rank's contribution lands as the ring
+    /// goes; `commit(out)` then copies nothing. On failure `out`'s other slots hold
+    /// unspecified bytes. The op holds `out`'s export until it is committed or rolled
+    /// back. With `armed=False` the op takes no silence from the previous peer for a
+    /// stall until `RingOp.arm()`.
+    #[pyo3(signature = (op_id, rank, world, buffer, out, piece_bytes=1 << 20, armed=true))]
+    #[allow(clippy::too_many_arguments)]
+    fn start_all_gather(
+        &self,
+        op_id: u64,
+        rank: usize,
+        world: usize,
+        buffer: &Bound<'_, PyAny>,
+        out: &Bound<'_, PyAny>,
+        piece_bytes: usize,
+        armed: bool,
+    ) -> PyResult<RingOp> {
+        let spec = GatherSpec {
+            op_id,
+            rank,
+            world,
+            piece_bytes,
+        };
+        let py = buffer.py();
+        let input = Export::get(buffer, false, "the contribution")?;
+        let output = Export::get(out, true, "the output")?;
+        let (src, dst) = (input.raw(), output.raw());
+        if Some(dst.len) != src.len.checked_mul(world) {
+            return Err(CoreError::InvalidArgument(format!(
+                "the output has {} bytes, not {world} x {} (world x contribution)",
+                dst.len, src.len
+            ))
+            .into());
+        }
+        let apart = src.ptr + src.len <= dst.ptr || dst.ptr + dst.len <= src.ptr;
+        if !apart && src.len > 0 {
+            return Err(CoreError::InvalidArgument(
+                "the contribution and the output overlap".into(),
+            )
+            .into());
+        }
+        let held = Box::new(Held::new(py, vec![output])?);
+        // SAFETY: `input` is held for this call (the contribution is copied now);
+        // `held` holds `out`'s export for as long as the op's memory lives, and callers
+        // must not touch `out` while the op runs (documented).
+        let op = unsafe {
+            self.ring.start_all_gather(
+                spec,
+                input.raw().bytes(),
+                dst.ptr as *mut u8,
+                held,
+                armed,
+            )?
+        };
+        drop(input);
+        Ok(RingOp::gather(op))
+    }
+
     /// `(receiving lanes from prev, sending lanes to next)` of the installed ring links,
     /// `(0, 0)` when there are none.
     fn ring_lanes(&self) -> (usize, usize) {
@@ -202,10 +264,68 @@ impl PyP2PNode {
 pub struct RingOp {
     /// `None` once spent. Handed out as a clone: no lock is held while the GIL is
     /// released.
-    op: Mutex<Option<Arc<assembly::RingOp>>>,
+    op: Mutex<Option<Op>>,
     mesh: bool,
     /// From `run()` until its future ended (or was dropped).
     running: Arc<AtomicBool>,
+}
+
+/// What a `RingOp` drives: an all-reduce, or an all-gather (`start_all_gather`).
+#[derive(Clone)]
+enum Op {
+    Reduce(Arc<assembly::RingOp>),
+    Gather(Arc<GatherOp>),
+}
+
+impl Op {
+    fn run(&self) -> CoreResult<BoxFuture<'static, CoreResult<ReduceStats>>> {
+        Ok(match self {
+            Op::Reduce(op) => Box::pin(op.run()?),
+            Op::Gather(op) => Box::pin(op.run()?),
+        })
+    }
+
+    fn abort(&self) {
+        match self {
+            Op::Reduce(op) => op.abort(),
+            Op::Gather(op) => op.abort(),
+        }
+    }
+
+    fn arm(&self) {
+        match self {
+            Op::Reduce(op) => op.arm(),
+            Op::Gather(op) => op.arm(),
+        }
+    }
+
+    fn rollback(&self) {
+        match self {
+            Op::Reduce(op) => op.rollback(),
+            // Only its own output was written.
+            Op::Gather(_) => {}
+        }
+    }
+
+    fn commit_into(&self, out: &mut [u8]) -> CoreResult<()> {
+        match self {
+            Op::Reduce(op) => op.commit_into(out),
+            Op::Gather(op) => {
+                let mem = op.memory();
+                if out.len() != mem.total() {
+                    return Err(CoreError::InvalidArgument(format!(
+                        "output has {} bytes, the result {}",
+                        out.len(),
+                        mem.total()
+                    )));
+                }
+                if !std::ptr::eq(out.as_ptr(), mem.out_ptr()) {
+                    out.copy_from_slice(mem.result());
+                }
+                Ok(())
+            }
+        }
+    }
 }
 
 /// Clears `RingOp::running` when the run's future ends or is dropped.
@@ -221,12 +341,20 @@ impl RingOp {
     fn new(op: assembly::RingOp) -> RingOp {
         RingOp {
             mesh: op.is_mesh(),
-            op: Mutex::new(Some(Arc::new(op))),
+            op: Mutex::new(Some(Op::Reduce(Arc::new(op)))),
             running: Arc::default(),
         }
     }
 
-    fn live(&self) -> Option<Arc<assembly::RingOp>> {
+    fn gather(op: GatherOp) -> RingOp {
+        RingOp {
+            mesh: false,
+            op: Mutex::new(Some(Op::Gather(Arc::new(op)))),
+            running: Arc::default(),
+        }
+    }
+
+    fn live(&self) -> Option<Op> {
         self.op.lock().unwrap().clone()
     }
 
@@ -235,7 +363,7 @@ impl RingOp {
     }
 
     /// After a commit or rollback: lets go of the op unless its run is still going.
-    fn spend(&self, op: Arc<assembly::RingOp>) {
+    fn spend(&self, op: Op) {
         if self.running.load(Ordering::Acquire) {
             return;
         }

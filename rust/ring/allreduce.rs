@@ -582,31 +582,38 @@ struct Shared {
 }
 
 /// `claimed[p]` of an op that failed here: no reader may start landing a piece of it.
-const CLOSED: u32 = u32::MAX;
+pub(crate) const CLOSED: u32 = u32::MAX;
 
-impl Shared {
-    /// Stops every later landing of this op; true when no piece is being received now
-    /// (so nothing writes the op's memory any more), false while one still is.
-    fn close_landings(&self) -> bool {
-        let mut idle = true;
-        for (claimed, progress) in self.claimed.iter().zip(&self.progress) {
-            let c = claimed.load(Ordering::Acquire);
-            if c == CLOSED {
+/// Closes the pieces of an op that failed here (`claimed`/`progress` per piece, as the
+/// ops keep them): no reader may start landing one from now on. True when no piece is
+/// being received now (so nothing writes the op's memory any more), false while one
+/// still is.
+pub(crate) fn close_pieces(claimed: &[AtomicU32], progress: &[AtomicU32]) -> bool {
+    let mut idle = true;
+    for (claimed, progress) in claimed.iter().zip(progress) {
+        let c = claimed.load(Ordering::Acquire);
+        if c == CLOSED {
+            continue;
+        }
+        if progress.load(Ordering::Acquire) == c {
+            // Nothing in flight on this piece: close it, unless a reader claimed it
+            // just now (then it is in flight: wait for it like the others).
+            if claimed
+                .compare_exchange(c, CLOSED, Ordering::AcqRel, Ordering::Acquire)
+                .is_ok()
+            {
                 continue;
             }
-            if progress.load(Ordering::Acquire) == c {
-                // Nothing in flight on this piece: close it, unless a reader claimed it
-                // just now (then it is in flight: wait for it like the others).
-                if claimed
-                    .compare_exchange(c, CLOSED, Ordering::AcqRel, Ordering::Acquire)
-                    .is_ok()
-                {
-                    continue;
-                }
-            }
-            idle = false;
         }
-        idle
+        idle = false;
+    }
+    idle
+}
+
+impl Shared {
+    /// Stops every later landing of this op (see [`close_pieces`]).
+    fn close_landings(&self) -> bool {
+        close_pieces(&self.claimed, &self.progress)
     }
 
     /// Whether the pieces of `step` arrive in parts through `land_part`: unquantized
@@ -826,7 +833,7 @@ pub async fn ring_all_reduce(
         let (l, s, c) = (links.clone(), shared.clone(), cancel.clone());
         senders.spawn(async move { send_lane(&l, &s, lane, &c).await });
     }
-    let outcome = wait_until_done(&links, &shared, &mut senders, total, &cancel, &armed).await;
+    let outcome = wait_until_done(&links, &*shared, &mut senders, total, &cancel, &armed).await;
     // The op's own failure (a peer runs another descriptor) over the links' error.
     let outcome = outcome.map_err(|e| shared.failure.lock().unwrap().clone().unwrap_or(e));
     if outcome.is_err() {
@@ -836,22 +843,7 @@ pub async fn ring_all_reduce(
     guard.armed = false;
     links.finish(op_id);
     if outcome.is_err() && shared.mem.writes_caller_memory() {
-        // The results land in the caller's buffer: no reader may write it once this
-        // returns. Wait (bounded) for pieces being received now; a reader stuck in one
-        // is stopped by closing the links (after a failure they are rebuilt anyway).
-        let deadline = tokio::time::Instant::now() + links.io_timeout();
-        loop {
-            let notified = shared.advanced.notified();
-            tokio::pin!(notified);
-            notified.as_mut().enable();
-            if shared.close_landings() {
-                break;
-            }
-            if tokio::time::timeout_at(deadline, notified).await.is_err() {
-                links.close().await;
-                break;
-            }
-        }
+        settle_landings(&links, &*shared).await;
     }
     if shared.mem.is_in_place() {
         match outcome {
@@ -1043,28 +1035,73 @@ impl Receiver {
     }
 }
 
+/// What the generic parts of an op's run (`wait_until_done`, `settle_landings`) read of
+/// its receiving side.
+pub(crate) trait OpProgress {
+    /// Pieces landed so far.
+    fn landed_count(&self) -> u64;
+    /// Notified whenever a piece landed (or the op failed on its own).
+    fn advanced(&self) -> &Notify;
+    /// Stops every later landing; true when no piece is being received now.
+    fn close_landings(&self) -> bool;
+}
+
+impl OpProgress for Shared {
+    fn landed_count(&self) -> u64 {
+        self.landed.load(Ordering::Acquire)
+    }
+
+    fn advanced(&self) -> &Notify {
+        &self.advanced
+    }
+
+    fn close_landings(&self) -> bool {
+        Shared::close_landings(self)
+    }
+}
+
+/// After a failed op whose pieces land in the caller's memory: no reader may write it
+/// once the op returns. Waits (bounded by the I/O timeout) for pieces being received
+/// now; a reader stuck in one is stopped by closing the links (after a failure they
+/// are rebuilt anyway).
+pub(crate) async fn settle_landings<S: OpProgress>(links: &RingLinks, sh: &S) {
+    let deadline = tokio::time::Instant::now() + links.io_timeout();
+    loop {
+        let notified = sh.advanced().notified();
+        tokio::pin!(notified);
+        notified.as_mut().enable();
+        if sh.close_landings() {
+            break;
+        }
+        if tokio::time::timeout_at(deadline, notified).await.is_err() {
+            links.close().await;
+            break;
+        }
+    }
+}
+
 /// Waits until every sender finished and every expected piece landed. Once armed,
 /// fails when the previous peer sends nothing for the link's I/O timeout (the clock
 /// starts again when the op is armed).
-async fn wait_until_done(
+pub(crate) async fn wait_until_done<S: OpProgress>(
     links: &RingLinks,
-    sh: &Shared,
+    sh: &S,
     senders: &mut tokio::task::JoinSet<CoreResult<()>>,
     total: u64,
     cancel: &CancellationToken,
     armed: &Armed,
 ) -> CoreResult<()> {
     let mut senders_left = senders.len();
-    let mut clock = StallClock::new(sh.landed.load(Ordering::Acquire), armed.is_armed());
+    let mut clock = StallClock::new(sh.landed_count(), armed.is_armed());
     loop {
-        let notified = sh.advanced.notified();
+        let notified = sh.advanced().notified();
         tokio::pin!(notified);
         notified.as_mut().enable();
         let arming = armed.notified();
         tokio::pin!(arming);
         arming.as_mut().enable();
         let is_armed = armed.is_armed();
-        let landed = sh.landed.load(Ordering::Acquire);
+        let landed = sh.landed_count();
         let stall_at = clock.stall_at(landed, is_armed, links.io_timeout());
         if senders_left == 0 && landed == total {
             return Ok(());
@@ -1087,11 +1124,11 @@ async fn wait_until_done(
     }
 }
 
-struct AbortGuard {
-    links: Arc<RingLinks>,
-    cancel: CancellationToken,
-    op_id: u64,
-    armed: bool,
+pub(crate) struct AbortGuard {
+    pub(crate) links: Arc<RingLinks>,
+    pub(crate) cancel: CancellationToken,
+    pub(crate) op_id: u64,
+    pub(crate) armed: bool,
 }
 
 impl Drop for AbortGuard {

@@ -17,6 +17,7 @@ use crate::reduce::{DType, ReduceOp};
 use crate::ring::allreduce::{
     ring_all_reduce, Armed, OpMemory, ReduceSpec, ReduceStats, ScratchPool,
 };
+use crate::ring::gather::{GatherMemory, GatherOp, GatherSpec};
 use crate::ring::links::{LinkConfig, RingLinks};
 use crate::ring::mesh::{mesh_all_reduce, Mesh};
 use std::future::Future;
@@ -364,6 +365,29 @@ impl Ring {
         // SAFETY: the keep-alive owns a reference to the Vec, which cannot be modified or
         // freed while it is shared.
         unsafe { self.start_all_reduce(spec, ptr, len, Box::new(input)) }
+    }
+
+    /// Binds an all-gather to the current links: `contribution` is copied into slot
+    /// `spec.rank` of the `spec.world * contribution.len()` bytes at `out`, where the
+    /// other peers' contributions land. Nothing runs until [`GatherOp::run`].
+    ///
+    /// # Safety
+    /// `out..out + world * len` must stay valid while `keepalive` lives (the op keeps
+    /// it until dropped), and nothing else may read or write it while the op runs.
+    pub unsafe fn start_all_gather(
+        &self,
+        spec: GatherSpec,
+        contribution: &[u8],
+        out: *mut u8,
+        keepalive: Box<dyn Send + Sync>,
+        armed: bool,
+    ) -> CoreResult<GatherOp> {
+        let links = self.usable_links()?;
+        // SAFETY: forwarded to the caller.
+        let mem = unsafe {
+            GatherMemory::with_contribution(contribution, spec.rank, out, spec.world, keepalive)?
+        };
+        Ok(GatherOp::new(links, spec, Arc::new(mem), armed))
     }
 }
 

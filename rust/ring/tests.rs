@@ -21,7 +21,7 @@ use std::time::Duration;
 /// Bound on any whole test: a broken ring fails the test instead of hanging it.
 const TEST_BOUND: Duration = Duration::from_secs(60);
 
-fn link_cfg(io_timeout: Duration) -> LinkConfig {
+pub(super) fn link_cfg(io_timeout: Duration) -> LinkConfig {
     LinkConfig {
         pool_timeout: Duration::from_secs(5),
         io_timeout,
@@ -29,14 +29,14 @@ fn link_cfg(io_timeout: Duration) -> LinkConfig {
     }
 }
 
-async fn bounded<T>(what: &str, f: impl Future<Output = T>) -> T {
+pub(super) async fn bounded<T>(what: &str, f: impl Future<Output = T>) -> T {
     match tokio::time::timeout(TEST_BOUND, f).await {
         Ok(v) => v,
         Err(_) => panic!("{what} did not finish within {TEST_BOUND:?}"),
     }
 }
 
-async fn close_all(peers: &[(Arc<Node>, Ring)]) {
+pub(super) async fn close_all(peers: &[(Arc<Node>, Ring)]) {
     for (node, ring) in peers {
         ring.close().await;
         node.close().await;
@@ -44,7 +44,7 @@ async fn close_all(peers: &[(Arc<Node>, Ring)]) {
 }
 
 /// `count` random elements of `dtype`: floats in [-2, 2), integers of any bits.
-fn random_input(dtype: DType, count: usize, seed: u64) -> Vec<u8> {
+pub(super) fn random_input(dtype: DType, count: usize, seed: u64) -> Vec<u8> {
     let mut rng = SplitMix(seed);
     let mut out = Vec::with_capacity(count * dtype.size());
     for _ in 0..count {
@@ -175,7 +175,13 @@ fn reference(dtype: DType, op: ReduceOp, inputs: &[Vec<u8>]) -> Vec<u8> {
     out
 }
 
-fn spec(op_id: u64, rank: usize, world: usize, dtype: DType, op: ReduceOp) -> ReduceSpec {
+pub(super) fn spec(
+    op_id: u64,
+    rank: usize,
+    world: usize,
+    dtype: DType,
+    op: ReduceOp,
+) -> ReduceSpec {
     ReduceSpec {
         op_id,
         rank,
@@ -465,13 +471,13 @@ async fn peer_dropped_mid_op_fails_the_others_with_a_peer_connection_error() {
 
 /// An output buffer written by an op's tasks through a raw pointer (as the caller's
 /// tensor is from Python): interior mutability, so the test may read it afterwards.
-struct Output(std::cell::UnsafeCell<Vec<u8>>);
+pub(super) struct Output(std::cell::UnsafeCell<Vec<u8>>);
 
 // SAFETY: written only by the op it is lent to, read only after that op finished.
 unsafe impl Sync for Output {}
 
 impl Output {
-    fn new(len: usize) -> Output {
+    pub(super) fn new(len: usize) -> Output {
         Output::holding(vec![0xA5; len])
     }
 
@@ -484,19 +490,19 @@ impl Output {
         unsafe { (*self.0.get()).len() }
     }
 
-    fn ptr(&self) -> *mut u8 {
+    pub(super) fn ptr(&self) -> *mut u8 {
         // SAFETY: the vector itself is never resized; only its bytes are written.
         unsafe { (*self.0.get()).as_mut_ptr() }
     }
 
-    fn bytes(&self) -> Vec<u8> {
+    pub(super) fn bytes(&self) -> Vec<u8> {
         // SAFETY: called once the op that wrote it has finished.
         unsafe { (*self.0.get()).clone() }
     }
 }
 
 /// An op on `ring`'s links reducing `input` into `output` (`RingOp::with_output`).
-fn start_into(
+pub(super) fn start_into(
     ring: &Ring,
     spec: ReduceSpec,
     input: &Arc<Vec<u8>>,
@@ -799,7 +805,7 @@ async fn an_op_runs_once_and_commits_only_into_its_own_size() {
 type Run = tokio::task::JoinHandle<Result<ReduceStats, CoreError>>;
 
 /// Polls `f` until it holds.
-async fn until(what: &str, f: impl Fn() -> bool) {
+pub(super) async fn until(what: &str, f: impl Fn() -> bool) {
     bounded(what, async {
         while !f() {
             tokio::time::sleep(Duration::from_millis(5)).await;
@@ -809,7 +815,7 @@ async fn until(what: &str, f: impl Fn() -> bool) {
 }
 
 /// Payload bytes `ring`'s links hold for ops not registered there yet.
-fn stashed(ring: &Ring) -> usize {
+pub(super) fn stashed(ring: &Ring) -> usize {
     ring.links().unwrap().stashed_bytes()
 }
 

@@ -701,6 +701,45 @@ def test_duplicate_tag_from_the_same_peer_is_refused() -> None:
     assert st.collectives[(0, 5)].op_id == 1
 
 
+def test_an_unknown_kind_or_a_quantized_all_gather_is_refused_to_the_asker() -> None:
+    """An insider asking for a collective the master does not run is refused alone;
+    the others' collective of that tag is not disturbed."""
+    st = run_with([0, 0])
+    assert tell(st, 2, coll_init(3)) == []
+    for odd in (dataclasses.replace(coll_init(3), kind="all_scatter"),
+                dataclasses.replace(coll_init(3), kind="x" * 32),
+                dataclasses.replace(coll_init(3), kind="all_gather", quant_algorithm=1)):
+        assert tell(st, 1, odd) == [Send(1, refused(3, "InvalidUsageError"))]
+    assert len(tell(st, 1, coll_init(3))) == 2  # performed for both
+
+
+def test_an_all_gather_outcome_names_its_slots_and_the_master_joins_tiny_ones() -> None:
+    st = run_with([0, 0, 0])
+    gather = dataclasses.replace(coll_init(1, count=2, dtype=int(DataType.UINT8)),
+                                 kind="all_gather")
+    ring = st.rings[0]
+    for p in (3, 1, 2):
+        tell(st, p, gather)
+    sends: list[Command] = []
+    for p in (1, 2, 3):
+        sends = tell(st, p, done(1, 1))
+    assert [(c.msg.ok, c.msg.peers) for c in sends] == [(True, ring)] * 3  # type: ignore[union-attr]
+    # Via the master: every member sent its bytes; the result is them in ring order.
+    for p in ring:
+        sends = tell(st, p, dataclasses.replace(gather, tag=2, data=bytes([p, p])))
+    assert len(sends) == 3
+    for cmd in sends:
+        msg = cmd.msg  # type: ignore[union-attr]
+        assert msg.ok and msg.peers == ring and msg.world == 3
+        assert msg.data == b"".join(bytes([p, p]) for p in ring)
+    # An all-reduce's outcome names no slots.
+    for p in ring:
+        sends = tell(st, p, coll_init(3))
+    for p in ring:
+        sends = tell(st, p, done(3, 3))  # (op 2 went through the master)
+    assert [c.msg.peers for c in sends] == [[]] * 3  # type: ignore[union-attr]
+
+
 def test_collective_from_a_registered_peer_is_refused() -> None:
     st = run_with([0])
     join(st, 2)

@@ -48,6 +48,13 @@ def _describe(init: m.CollectiveInit) -> tuple[object, ...]:
     return (init.kind, init.dtype, init.count, init.op, init.quant_algorithm, init.quant_dtype)
 
 
+def _slots(col: Collective) -> list[int]:
+    """What an outcome tells the peers of whose bytes are where: an all-gather's
+    participants in rank order (its result's slots); nothing for an all-reduce."""
+    first = next(iter(col.inits.values()), None)
+    return list(col.participants) if first is not None and first.kind == "all_gather" else []
+
+
 def _name(enum_type: type[enum.IntEnum], code: int) -> str:
     try:
         return enum_type(code).name
@@ -71,6 +78,13 @@ _ELEMENT_BYTES = {int(t): info.size for t, info in DTYPES.items()}
 # Collectives reduced by the master: at most this many bytes of tensors in all (above,
 # the ring runs even when every member sent its tensor).
 VIA_MASTER_MAX_TOTAL = 64 << 20
+
+# All-gathers gathered by the master: at most this many bytes of result, which goes to
+# every member in one frame (well below protocol.MAX_FRAME).
+VIA_MASTER_MAX_GATHER = 4 << 20
+
+# What a CollectiveInit may ask for.
+KINDS = ("all_reduce", "all_gather")
 
 # Values of pccl.SharedStateSyncStrategy (kept numeric on the wire).
 
@@ -103,6 +117,13 @@ class Collectives(Part):
         if rec.status is not PeerStatus.ACCEPTED:
             refuse(ErrorKind.InvalidUsageError,
                    "collectives need an accepted peer; call connect() first")
+            return
+        if msg.kind not in KINDS:
+            refuse(ErrorKind.InvalidUsageError,
+                   f"unknown collective kind {msg.kind[:32]!r}; one of {', '.join(KINDS)}")
+            return
+        if msg.kind == "all_gather" and msg.quant_algorithm:
+            refuse(ErrorKind.InvalidUsageError, "an all-gather is not quantized")
             return
         key = (rec.peer_group, msg.tag)
         col = self.collectives.get(key)
@@ -203,7 +224,8 @@ class Collectives(Part):
                 f"peers disagree on collective tag {col.tag}: {detail}"), out)
             return
         if col.early < 0 and all(col.inits[p].data for p in members) \
-                and len(members) * len(first.data) <= VIA_MASTER_MAX_TOTAL:
+                and len(members) * len(first.data) <= (
+                    VIA_MASTER_MAX_GATHER if first.kind == "all_gather" else VIA_MASTER_MAX_TOTAL):
             self._reduce_here(col, first, out)
             return
         ring = ctx.rings.get(col.group, [])
@@ -231,8 +253,9 @@ class Collectives(Part):
     def _reduce_here(self, col: Collective, first: m.CollectiveInit,
                      out: list[Command]) -> None:
         """Every member sent its tensor with its init (a tiny collective): reduce them
-        here, in the ring's order (the bytes the ring would produce), and answer everyone
-        with the result: one round trip, no ring."""
+        here, in the ring's order (the bytes the ring would produce), or for an
+        all-gather join them in rank order, and answer everyone with the result: one
+        round trip, no ring."""
         ctx = self.ctx
         ring = ctx.rings.get(col.group, [])
         size = first.count * _ELEMENT_BYTES.get(first.dtype, 0)
@@ -244,8 +267,11 @@ class Collectives(Part):
                 if bad else "quantized collectives are not reduced by the master"), out)
             return
         try:
-            result = _core.star_all_reduce([col.inits[p].data for p in ring], first.dtype,
-                                           first.op)
+            if first.kind == "all_gather":
+                result = b"".join(col.inits[p].data for p in ring)  # in rank order
+            else:
+                result = _core.star_all_reduce([col.inits[p].data for p in ring],
+                                               first.dtype, first.op)
         except PCCLError as e:
             self.fail_unperformed(col, ErrorKind.of(e), str(e), out)
             return
@@ -253,13 +279,15 @@ class Collectives(Part):
         ctx.disarm(col.deadline)
         col.op_id = self.next_op_id
         self.next_op_id += 1
+        col.participants = list(ring)
         self.collective_paths["via_master"] += 1
         ctx.note("collective_started", "", ring, col.group, col.op_id, size, col.tag)
         ctx.note("collective_done", "", ring, col.group, col.op_id, tag=col.tag)
         for p in ring:
             out.append(Send(p, m.CollectiveOutcome(tag=col.tag, op_id=col.op_id, ok=True,
                                                    kind=ErrorKind.NONE, message="",
-                                                   data=result, world=len(ring))))
+                                                   data=result, world=len(ring),
+                                                   peers=_slots(col))))
 
     def fail_unperformed(self, col: Collective, kind: ErrorKind, why: str, out: list[Command],
                          skip: int | None = None) -> None:
@@ -340,7 +368,8 @@ class Collectives(Part):
             ctx.mark_broken(col.group)
         for p in col.participants:
             out.append(Send(p, m.CollectiveOutcome(tag=col.tag, op_id=col.op_id,
-                                                   ok=col.error is None, kind=kind, message=why)))
+                                                   ok=col.error is None, kind=kind, message=why,
+                                                   peers=_slots(col))))
 
     def _lose(self, peer: int, group: int, out: list[Command]) -> None:
         ctx = self.ctx
