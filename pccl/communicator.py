@@ -40,7 +40,8 @@ from pccl.peer.options import (
 )
 from pccl.peer.pause import PauseWatch
 from pccl.peer.state import Status as PeerState
-from pccl.protocol import MAX_FRAME
+from pccl.protocol import MAX_FRAME, PROTOCOL_VERSION
+from pccl.protocol.messages import GATHER_PROTOCOL
 from pccl.protocol import messages as m
 from pccl.protocol.auth import DEFAULT_PORT, is_loopback_host, split_host_port
 from pccl.protocol.transport import ConnectionClosed, FramedConnection
@@ -213,6 +214,8 @@ class Communicator(Driver):
         self._waiters: dict[ps.Waiter, asyncio.Future[Any]] = {}
         # Carries out the machine's data-plane commands on the calls' tensors.
         self._plane = DataPlane(self)
+        # The control-plane protocol of the master this peer registered with last.
+        self._master_protocol = PROTOCOL_VERSION
 
     # --- the settings, read-only (each reads ``self.options``) --------------------------
 
@@ -604,6 +607,10 @@ class Communicator(Driver):
         src = as_raw(tensor, writable=False, what="tensor")
         if isinstance(tag, bool) or not isinstance(tag, int) or tag < 0:
             raise _core.InvalidArgumentError("tag must be a non-negative integer")
+        if self._master_protocol < GATHER_PROTOCOL:
+            raise InvalidUsageError(
+                f"all_gather needs a master of protocol {GATHER_PROTOCOL} or newer; this "
+                f"one speaks {self._master_protocol}: upgrade pccl on the master")
         world = max(1, len(self._m.ring))
         tiny = src.nbytes * world <= self.options.via_master_max_bytes
         run = self._start_all_reduce(m.CollectiveInit(

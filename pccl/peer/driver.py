@@ -278,6 +278,7 @@ class Driver:
         assert self._node is not None
         o = self.options
         conn.peer_max_frame = max(0, challenge.max_frame)
+        self._master_protocol = challenge.version
         nonce = _secrets.token_bytes(16)
         try:
             async with asyncio.timeout(o.timeout):

@@ -45,7 +45,7 @@ def run_id_problem(run_id: object) -> str | None:
 
 #: The control-plane protocol this release speaks: bumped on every change of the
 #: messages or of what they mean.
-PROTOCOL_VERSION = 14
+PROTOCOL_VERSION = 15
 #: The oldest version this release still works with (a rolling upgrade: see
 #: docs/operations.md, "Upgrading"). A master and a peer work together when each one's
 #: version is at least the other's minimum; they speak the older of the two versions
@@ -54,6 +54,9 @@ PROTOCOL_VERSION = 14
 #: default (:func:`pccl.protocol.codec.decode`). 14 is the first version with this
 #: window: 13 and older must be upgraded all at once.
 MIN_PROTOCOL_VERSION = 14
+#: The first version whose master runs ``coll_init(kind="all_gather")`` (15); a peer
+#: never asks an older master for one.
+GATHER_PROTOCOL = 15
 
 
 def compatible(mine: tuple[int, int], theirs: tuple[int, int]) -> bool:

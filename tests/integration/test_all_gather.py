@@ -137,3 +137,13 @@ async def test_a_peer_lost_mid_gather_fails_it_alike_and_a_retry_works(pccl_clus
         ra, rb = await asyncio.gather(a.all_gather(xa, tag=6), b.all_gather(xb, tag=6))
     assert ra.world_size == rb.world_size == 2 and ra.data == rb.data
     assert ra.of(b.peer_id) == xb.tobytes()
+
+
+async def test_a_master_of_an_older_protocol_is_not_asked_for_a_gather(pccl_cluster) -> None:
+    """A protocol-14 master would run the gather as an all-reduce: the peer refuses to
+    ask it, naming the version to upgrade."""
+    cluster = await pccl_cluster(1)
+    comm = cluster.comms[0]
+    comm._master_protocol = 14
+    with pytest.raises(pccl.InvalidUsageError, match="protocol 15 or newer; this one speaks 14"):
+        await comm.all_gather(np.zeros(4, np.float32))
