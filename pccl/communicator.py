@@ -41,9 +41,9 @@ from pccl.peer.options import (
 from pccl.peer.pause import PauseWatch
 from pccl.peer.state import Status as PeerState
 from pccl.protocol import MAX_FRAME, PROTOCOL_VERSION
-from pccl.protocol.messages import GATHER_PROTOCOL
 from pccl.protocol import messages as m
 from pccl.protocol.auth import DEFAULT_PORT, is_loopback_host, split_host_port
+from pccl.protocol.messages import GATHER_PROTOCOL
 from pccl.protocol.transport import ConnectionClosed, FramedConnection
 from pccl.shared_state import SharedState, SyncInfo, SyncProgress
 from pccl.tensors import as_raw
