@@ -177,25 +177,60 @@ impl BitReader<'_> {
     }
 }
 
-/// The offsets of the `k` largest magnitudes of `chunk` (ties: the lower offset first),
-/// in increasing order, into `keep`.
-fn top_k(chunk: &[f32], k: usize, keep: &mut Vec<usize>) {
+/// The offsets of the `k` largest of `mags` (ties: the lower offset first), in
+/// increasing order, into `keep`. `mags` are the bits of finite magnitudes (the sign
+/// cleared), which order as the magnitudes do.
+fn top_k(mags: &[u32], k: usize, keep: &mut Vec<usize>) {
     keep.clear();
-    keep.extend(0..chunk.len());
-    if k < chunk.len() {
+    if k >= mags.len() {
+        keep.extend(0..mags.len());
+    } else if k == 1 {
+        // The first of the largest: a later equal magnitude does not replace it.
+        let (mut best, mut at) = (mags[0], 0);
+        for (o, &m) in mags.iter().enumerate().skip(1) {
+            if m > best {
+                (best, at) = (m, o);
+            }
+        }
+        keep.push(at);
+    } else if k <= SMALL_K {
+        // The k best so far, largest first (equal magnitudes in offset order): a value
+        // goes in only if strictly larger than the smallest kept, behind its equals.
+        let mut best = [0u32; SMALL_K];
+        let mut offs = [0usize; SMALL_K];
+        let mut n = 0;
+        for (o, &m) in mags.iter().enumerate() {
+            if n == k && m <= best[k - 1] {
+                continue;
+            }
+            let mut i = if n < k { n } else { k - 1 };
+            while i > 0 && best[i - 1] < m {
+                best[i] = best[i - 1];
+                offs[i] = offs[i - 1];
+                i -= 1;
+            }
+            best[i] = m;
+            offs[i] = o;
+            n = (n + 1).min(k);
+        }
+        keep.extend_from_slice(&offs[..k]);
+    } else {
+        keep.extend(0..mags.len());
         // Larger magnitude first; equal magnitudes by offset: a total, deterministic order.
-        keep.select_nth_unstable_by(k - 1, |&a, &b| {
-            chunk[b]
-                .abs()
-                .total_cmp(&chunk[a].abs())
-                .then_with(|| a.cmp(&b))
-        });
+        keep.select_nth_unstable_by(k - 1, |&a, &b| mags[b].cmp(&mags[a]).then(a.cmp(&b)));
         keep.truncate(k);
     }
     keep.sort_unstable();
 }
 
+/// Up to this many kept per chunk, `top_k` keeps a small sorted list in one pass.
+const SMALL_K: usize = 16;
+
 /// Encodes `acc` into `out` and leaves the residual in `acc` (see the module docs).
+///
+/// Two passes over `acc`: the finiteness check and the scale (the largest magnitude of
+/// the whole tensor: every chunk keeps its own largest, so that is the largest kept),
+/// then per chunk the selection, the codes and the residual, while the chunk is in cache.
 pub fn compress(p: &Params, acc: &mut [u8], out: &mut [u8]) -> Result<(), CoreError> {
     if acc.len() != 4 * p.count {
         return Err(CoreError::InvalidArgument(format!(
@@ -212,21 +247,34 @@ pub fn compress(p: &Params, acc: &mut [u8], out: &mut [u8]) -> Result<(), CoreEr
             out.len()
         )));
     }
-    let values: Vec<f32> = (0..p.count).map(|i| read_f32(acc, i)).collect();
-    if let Some(i) = values.iter().position(|v| !v.is_finite()) {
+    // The magnitude's bits (sign cleared) order finite floats as the floats do, and
+    // are at least those of infinity exactly for the non-finite ones: one integer max,
+    // which vectorizes, gives both the scale and the check.
+    const MAGNITUDE: u32 = 0x7fff_ffff;
+    const NON_FINITE: u32 = 0x7f80_0000;
+    let mut lanes = [0u32; 16];
+    let mut blocks = acc.chunks_exact(4 * lanes.len());
+    for block in &mut blocks {
+        for (m, b) in lanes.iter_mut().zip(block.chunks_exact(4)) {
+            *m = (*m).max(u32::from_le_bytes(b.try_into().unwrap()) & MAGNITUDE);
+        }
+    }
+    let tail = blocks.remainder().chunks_exact(4);
+    let top = tail
+        .map(|b| u32::from_le_bytes(b.try_into().unwrap()) & MAGNITUDE)
+        .chain(lanes)
+        .max()
+        .unwrap_or(0);
+    if top >= NON_FINITE {
+        let (i, v) = (0..p.count)
+            .map(|i| (i, read_f32(acc, i)))
+            .find(|(_, v)| !v.is_finite())
+            .expect("a non-finite value");
         return Err(CoreError::InvalidArgument(format!(
-            "the accumulator holds a non-finite value at {i} ({})",
-            values[i]
+            "the accumulator holds a non-finite value at {i} ({v})"
         )));
     }
-    // Which elements each chunk keeps, and the scale over all of them.
-    let mut kept: Vec<usize> = Vec::with_capacity(p.entries());
-    let mut keep = Vec::with_capacity(p.chunk);
-    for (c, chunk) in values.chunks(p.chunk).enumerate() {
-        top_k(chunk, p.k, &mut keep);
-        kept.extend(keep.iter().map(|&o| c * p.chunk + o));
-    }
-    let scale = kept.iter().fold(0.0f32, |m, &i| m.max(values[i].abs()));
+    let scale = f32::from_bits(top);
     out[..4].copy_from_slice(&MAGIC);
     out[4..8].copy_from_slice(&(p.count as u32).to_le_bytes());
     out[8..10].copy_from_slice(&(p.chunk as u16).to_le_bytes());
@@ -241,12 +289,22 @@ pub fn compress(p: &Params, acc: &mut [u8], out: &mut [u8]) -> Result<(), CoreEr
         acc: 0,
         n: 0,
     };
-    for &i in &kept {
-        let code = quantize(p, scale, values[i]);
-        w.put((i % p.chunk) as u32, ib);
-        w.put(code, p.bits);
-        // The residual is what the receivers do not get: exactly acc - decoded.
-        write_f32(acc, i, values[i] - level_value(p, scale, code));
+    let mut keep = Vec::with_capacity(p.chunk);
+    let mut mags = vec![0u32; p.chunk];
+    for bytes in acc.chunks_mut(4 * p.chunk) {
+        let mags = &mut mags[..bytes.len() / 4];
+        for (m, b) in mags.iter_mut().zip(bytes.chunks_exact(4)) {
+            *m = u32::from_le_bytes(b.try_into().unwrap()) & MAGNITUDE;
+        }
+        top_k(mags, p.k, &mut keep);
+        for &o in &keep {
+            let v = read_f32(bytes, o);
+            let code = quantize(p, scale, v);
+            w.put(o as u32, ib);
+            w.put(code, p.bits);
+            // The residual is what the receivers do not get: exactly acc - decoded.
+            write_f32(bytes, o, v - level_value(p, scale, code));
+        }
     }
     w.finish();
     Ok(())

@@ -215,3 +215,82 @@ fn payloads_summed_in_rank_order_give_the_same_bytes_anywhere() {
     };
     assert_eq!(sum(), sum());
 }
+
+/// The encoder as first written (a full sort-based selection per chunk and the scale
+/// taken over the kept values): what `compress` must still produce, byte for byte.
+fn reference_compress(p: &Params, v: &[f32]) -> (Vec<u8>, Vec<f32>) {
+    let mut kept = Vec::new();
+    for (c, chunk) in v.chunks(p.chunk).enumerate() {
+        let mut order: Vec<usize> = (0..chunk.len()).collect();
+        order.sort_by(|&a, &b| chunk[b].abs().total_cmp(&chunk[a].abs()).then(a.cmp(&b)));
+        order.truncate(p.k);
+        order.sort_unstable();
+        kept.extend(order.iter().map(|&o| c * p.chunk + o));
+    }
+    let scale = kept.iter().fold(0.0f32, |m, &i| m.max(v[i].abs()));
+    let mut out = vec![0u8; encoded_len(p)];
+    out[..4].copy_from_slice(&MAGIC);
+    out[4..8].copy_from_slice(&(p.count as u32).to_le_bytes());
+    out[8..10].copy_from_slice(&(p.chunk as u16).to_le_bytes());
+    out[10] = p.k as u8;
+    out[11] = p.bits as u8;
+    out[12..16].copy_from_slice(&scale.to_le_bytes());
+    let mut residual = v.to_vec();
+    let mut w = BitWriter {
+        out: &mut out[HEADER_LEN..],
+        pos: 0,
+        acc: 0,
+        n: 0,
+    };
+    for &i in &kept {
+        let code = quantize(p, scale, v[i]);
+        w.put((i % p.chunk) as u32, p.index_bits());
+        w.put(code, p.bits);
+        residual[i] = v[i] - level_value(p, scale, code);
+    }
+    w.finish();
+    (out, residual)
+}
+
+#[test]
+fn the_fast_selections_give_the_reference_encoders_bytes() {
+    let mut rng = crate::testutil::SplitMix(17);
+    // (chunk, k): k = 1, small k (one pass), large k (select_nth), k >= a short chunk.
+    let shapes = [
+        (64, 1),
+        (64, 2),
+        (64, 16),
+        (128, 17),
+        (64, 40),
+        (7, 3),
+        (2, 2),
+        (300, 255),
+    ];
+    for (case, &(chunk, k)) in shapes.iter().enumerate() {
+        for bits in [2, 4, 8] {
+            for count in [chunk * 5 + chunk / 2 + 1, chunk, 1] {
+                let Ok(p) = Params::new(count, chunk, k, bits) else {
+                    continue;
+                };
+                // Few distinct magnitudes, both signs, zeros: many ties to break.
+                let v: Vec<f32> = (0..count)
+                    .map(|_| {
+                        let q = (rng.next() % 9) as f32 - 4.0;
+                        if rng.next().is_multiple_of(5) {
+                            q * 0.25
+                        } else {
+                            q
+                        }
+                    })
+                    .collect();
+                let (got, got_res) = encode(&p, &v);
+                let (want, want_res) = reference_compress(&p, &v);
+                assert_eq!(
+                    got, want,
+                    "case {case}: chunk {chunk} k {k} bits {bits} n {count}"
+                );
+                assert_eq!(bytes(&got_res), bytes(&want_res), "case {case}: residuals");
+            }
+        }
+    }
+}
