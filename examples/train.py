@@ -70,9 +70,10 @@ SIZES = ("tiny", "small", "medium")  # stdlib_lm.SIZES (not imported here: it im
 # --preset: defaults for a family of runs; flags given on the command line win.
 PRESETS: dict[str, dict[str, Any]] = {
     # 8 peers on a slow link (10 MB/s and 50 ms each way, to the master too) with the
-    # 4.3 M-parameter model: DiLoCo fp32 spends most of its time on the link.
+    # 4.3 M-parameter model and H = 10: DiLoCo fp32 spends about 3/4 of its time in pccl
+    # calls on a 2-core machine (H = 20: 3/5). About 16 minutes for the five rows there.
     "slowlink": {"peers": 8, "bandwidth": 10e6, "latency": 0.05, "size": "medium",
-                 "steps": 480, "timeout": 1800.0},
+                 "inner_steps": 10, "steps": 480, "timeout": 1800.0},
 }
 SLOWLINK_SPARSE = ("sparse-2/64-4b", "sparse-2/64-2b", "sparse-1/64-2b")
 
@@ -638,6 +639,9 @@ class Run:
             out["kill"] = self.kill_info
             out["join"] = parity["joiner"]
             out["join_spawned"] = self.join_spawned
+            j = self.peers["joiner"]
+            out["joiner_link_bytes"] = {"p2p": j.get("p2p_link_bytes"),
+                                        "master": j.get("master_link_bytes")}
             out["outer_steps"] = [
                 {k: ev.get(k) for k in ("peer", "outer_step", "flush", "world", "contributors",
                                          "retries", "applied", "sync_rx", "params_hash")}
@@ -791,7 +795,8 @@ def main(argv: list[str] | None = None) -> None:
                    help="churn: start the joiner once this outer step is done")
     p.add_argument("--timeout", type=float, default=600.0, help="bound on one run (s)")
     p.add_argument("--preset", choices=sorted(PRESETS),
-                   help="slowlink: 8 peers, 10 MB/s, 50 ms, --size medium, 480 steps; runs "
+                   help="slowlink: 8 peers, 10 MB/s, 50 ms, --size medium, 480 steps, "
+                        "--inner-steps 10; runs "
                         "DiLoCo fp32 and int8 and SparseLoCo 2/64-4b, 2/64-2b, 1/64-2b at "
                         "outer lr 3 (flags given explicitly override its values)")
     p.add_argument("--target-loss", type=float, default=None,
@@ -836,7 +841,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.path.insert(0, str(HERE))
         from plot_training import plot
 
-        for path in plot(doc, Path(a.plot)):
+        for path in plot(doc, Path(a.plot), f"training-{a.preset}" if a.preset else "training"):
             print(f"wrote {path}")
     ok = all(r["ok"] for r in results)
     print("training examples: " + ("PASS" if ok else "FAIL"), flush=True)
