@@ -1,8 +1,8 @@
 """Train a byte-level language model on the Python standard library with pccl.
 
-One command starts a master, one LinkEmulator per peer (the peer's inbound p2p traffic
-goes through it: a bandwidth cap and a latency) and the peer processes, each training on
-its own shard of the data (see ``stdlib_lm.py``)::
+One command starts a master, two LinkEmulators per peer (one in front of the peer's p2p
+listener, one between the peer and the master: a bandwidth cap and a latency each) and
+the peer processes, each training on its own shard of the data (see ``stdlib_lm.py``)::
 
     python examples/train.py --mode ddp --quant none --peers 3 --steps 240
     python examples/train.py --mode diloco --quant int8 --inner-steps 20
@@ -10,6 +10,8 @@ its own shard of the data (see ``stdlib_lm.py``)::
     python examples/train.py --churn            # DiLoCo; a peer SIGKILLed, a fresh one joins
     python examples/train.py --all --plot docs  # every mode x quantization, back to back
                                                 # -> bench/results/training.json + PNGs
+    python examples/train.py --preset slowlink  # 8 peers, 10 MB/s, 50 ms, 4.3 M params:
+                                                # DiLoCo fp32/int8 beside SparseLoCo
 
 Modes:
 
@@ -31,6 +33,13 @@ after every outer step (DDP: every ``--inner-steps`` steps). The launcher checks
 peers report the same hashes at every one of those points, that each peer's model equals
 the global parameters, and that a joiner holds the group's exact bytes after its first
 sync; any mismatch fails the run (exit status 1). The summary goes to ``--json``.
+
+Bytes: besides pccl's own count, every emulator counts what it forwards (both ways),
+read at each validation point and at the end: ``p2p_link_bytes_per_peer``,
+``master_link_bytes_per_peer`` (control traffic and the small collectives that pccl
+reduces through the master) and their sum ``link_bytes_per_peer``, also per outer step.
+The last table gives each run's seconds to a target validation loss (``--target-loss``,
+or the worst final loss of the DiLoCo fp32/int8 runs of the invocation).
 
 Clocks: each peer's clock starts once every founding peer is admitted and excludes its
 own validation passes, so the wall-clock curves measure training alone.
@@ -57,6 +66,16 @@ QUANTS = ("none", "int8", "fp8")
 # (density, bits, chunk, beta).
 SPARSE = {"sparse-1/64-2b": (1 / 64, 2, 64, 0.95), "sparse-2/64-2b": (2 / 64, 2, 64, 0.95),
           "sparse-2/64-4b": (2 / 64, 4, 64, 0.95)}
+SIZES = ("tiny", "small", "medium")  # stdlib_lm.SIZES (not imported here: it imports torch)
+# --preset: defaults for a family of runs; flags given on the command line win.
+PRESETS: dict[str, dict[str, Any]] = {
+    # 8 peers on a slow link (10 MB/s and 50 ms each way, to the master too) with the
+    # 4.3 M-parameter model and H = 10: DiLoCo fp32 spends about 3/4 of its time in pccl
+    # calls on a 2-core machine (H = 20: 3/5). About 16 minutes for the five rows there.
+    "slowlink": {"peers": 8, "bandwidth": 10e6, "latency": 0.05, "size": "medium",
+                 "inner_steps": 10, "steps": 480, "timeout": 1800.0},
+}
+SLOWLINK_SPARSE = ("sparse-2/64-4b", "sparse-2/64-2b", "sparse-1/64-2b")
 
 
 def compression(name: str) -> Any:
@@ -112,10 +131,14 @@ class Worker:
         self.data = corpus.shard(a.shard, a.shards)
         self.val = lm.val_batches(corpus.val, self.ctx, a.val_windows)
         self.params = [p for _, p in self.model.named_parameters()]
-        self.opt = torch.optim.AdamW(self.params, lr=a.lr, weight_decay=0.0)
+        # With the byte-pair table (millions of parameters for little compute) the
+        # default per-tensor AdamW would be most of a step; the fused kernel is about
+        # 10x faster on a CPU. The other sizes keep the default (the measured tables).
+        fused = {"fused": True} if self.model.size.pairs else {}
+        self.opt = torch.optim.AdamW(self.params, lr=a.lr, weight_decay=0.0, **fused)
         # torch imports parts of itself on the first optimizer step (seconds): not while
         # connected, where it would hold up the event loop.
-        torch.optim.AdamW([torch.zeros(1, requires_grad=True)]).step()
+        torch.optim.AdamW([torch.zeros(1, requires_grad=True)], **fused).step()
         self.comm: Any = None
         self.compute_s = 0.0  # forward, backward, optimizer (worker threads)
         self.comm_s = 0.0  # inside pccl calls during training
@@ -326,7 +349,13 @@ def worker_main(a: argparse.Namespace) -> int:
 
 
 class Run:
-    """One configuration: a master, the peers behind their emulators, their reports."""
+    """One configuration: a master, the peers behind their emulators, their reports.
+
+    Each peer has two emulated links with the same caps: one in front of its p2p
+    listener (everything other peers send it: ring links, shared-state fetches) and one
+    between it and the master (its control traffic, and the small collectives pccl
+    reduces through the master). Each emulator counts the bytes it forwards, both ways.
+    """
 
     def __init__(self, a: argparse.Namespace, mode: str, quant: str, churn: bool,
                  outer_momentum: float, outer_lr: float | None = None) -> None:
@@ -364,10 +393,13 @@ class Run:
         a = self.a
         port = free_port()
         emu = LinkEmulator(f"127.0.0.1:{port}", latency=a.latency, bandwidth=a.bandwidth)
-        await emu.start()
-        self.emus.append(emu)
+        master_emu = LinkEmulator(self.master_addr, latency=a.latency,
+                                  bandwidth=a.bandwidth)
+        for e in (emu, master_emu):
+            await e.start()
+            self.emus.append(e)
         args = [sys.executable, str(HERE / "train.py"), "--worker",
-                "--master", self.master_addr, "--p2p-port", str(port),
+                "--master", master_emu.address, "--p2p-port", str(port),
                 "--advertise", emu.address, "--mode", self.mode, "--quant", self.quant,
                 "--peers", str(a.peers), "--shard", str(shard), "--shards", str(a.peers),
                 "--steps", str(a.steps), "--inner-steps", str(a.inner_steps),
@@ -380,8 +412,8 @@ class Run:
         proc = await asyncio.create_subprocess_exec(
             *args, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE, limit=1 << 20)
-        peer = {"name": name, "proc": proc, "emu": emu, "shard": shard, "joiner": joiner,
-                "done": None, "stderr": b""}
+        peer = {"name": name, "proc": proc, "emu": emu, "master_emu": master_emu,
+                "shard": shard, "joiner": joiner, "done": None, "stderr": b""}
         self.peers[name] = peer
         self.tasks.append(asyncio.create_task(self.read(peer)))
 
@@ -410,10 +442,18 @@ class Run:
                 if p is not peer:
                     await self.go(p, b"stop")
 
+    def link_bytes(self) -> float:
+        """Bytes forwarded so far by all the emulators, per peer of the run."""
+        return sum(e.bytes_forwarded for e in self.emus) / self.a.peers
+
     async def on_event(self, peer: dict[str, Any], ev: dict[str, Any]) -> None:
         a = self.a
         if ev["ev"] == "done":
             peer["done"] = ev
+        if ev["ev"] == "eval":
+            # Read as the line arrives: after an outer step nothing else moves until the
+            # next one (sync mode), so this is the traffic of the steps so far.
+            ev["link_bytes"] = self.link_bytes()
         if ev["ev"] == "waiting":
             self.params, self.ctx = ev["params"], ev["ctx"]
             peer["waiting"] = True
@@ -485,9 +525,10 @@ class Run:
         for t in self.tasks:
             t.cancel()
         await asyncio.gather(*self.tasks, return_exceptions=True)
+        for p in self.peers.values():
+            p["p2p_link_bytes"] = p["emu"].bytes_forwarded
+            p["master_link_bytes"] = p["master_emu"].bytes_forwarded
         for emu in self.emus:
-            p = next(p for p in self.peers.values() if p["emu"] is emu)
-            p["link_bytes"] = emu.bytes_forwarded
             await emu.stop()
         if self.master is not None:
             await stop_process(self.master)
@@ -556,8 +597,17 @@ class Run:
         val: dict[int, dict[str, Any]] = {}
         for ev in self.events:
             if ev["ev"] == "eval" and ev["peer"] == "peer0":
-                val[ev["step"]] = {"step": ev["step"], "val": ev["val"], "t": ev["t"]}
+                val[ev["step"]] = {"step": ev["step"], "val": ev["val"], "t": ev["t"],
+                                   "link_bytes": ev["link_bytes"]}
         wall = max((d["wall_s"] for d in done), default=0.0)
+
+        def per_founder(key: str) -> float | None:
+            return (sum(p.get(key, 0) for p in founders) / len(founders) if founders
+                    else None)
+
+        p2p, master = per_founder("p2p_link_bytes"), per_founder("master_link_bytes")
+        link = p2p + master if p2p is not None and master is not None else None
+        outer_steps = a.steps // a.inner_steps
         out: dict[str, Any] = {
             "mode": self.mode, "quant": self.quant, "churn": self.churn,
             "outer_lr": self.outer_lr if self.mode != "ddp" else None,
@@ -570,8 +620,12 @@ class Run:
             "final_val": list(val.values())[-1]["val"] if val else None,
             "tx_bytes_per_peer": (sum(d["tx_bytes"] for d in done) / len(done)
                                   if done else None),
-            "link_bytes_per_peer": (sum(p.get("link_bytes", 0) for p in founders)
-                                    / len(founders) if founders else None),
+            # Counted by the emulators, both directions, mean over the founders that
+            # lived to the end; "outer step": --inner-steps steps (DDP too).
+            "p2p_link_bytes_per_peer": p2p, "master_link_bytes_per_peer": master,
+            "link_bytes_per_peer": link, "outer_step_count": outer_steps,
+            "link_bytes_per_outer_step": link / outer_steps if link is not None else None,
+            "time_to_target_s": None,
             "comm_fraction": (sum(d["comm_s"] / d["wall_s"] for d in done) / len(done)
                               if done else None),
             "compute_s_per_peer": (sum(d["compute_s"] for d in done) / len(done)
@@ -585,6 +639,9 @@ class Run:
             out["kill"] = self.kill_info
             out["join"] = parity["joiner"]
             out["join_spawned"] = self.join_spawned
+            j = self.peers["joiner"]
+            out["joiner_link_bytes"] = {"p2p": j.get("p2p_link_bytes"),
+                                        "master": j.get("master_link_bytes")}
             out["outer_steps"] = [
                 {k: ev.get(k) for k in ("peer", "outer_step", "flush", "world", "contributors",
                                          "retries", "applied", "sync_rx", "params_hash")}
@@ -617,8 +674,63 @@ def describe(r: dict[str, Any]) -> str:
             f"{'' if r['ok'] else '  FAILED'}")
 
 
+def target_loss(a: argparse.Namespace, results: list[dict[str, Any]]) -> float | None:
+    """``--target-loss``, or else the worst final validation loss of this invocation's
+    DiLoCo runs without compression (sync mode, no churn): a loss all of them reached."""
+    if a.target_loss is not None:
+        return float(a.target_loss)
+    finals = [r["final_val"] for r in results
+              if r["mode"] == "diloco" and r["quant"] in QUANTS and not r["churn"]
+              and r["final_val"] is not None]
+    return max(finals) if finals else None
+
+
+def time_to_target(r: dict[str, Any], target: float | None) -> float | None:
+    """Training seconds (peer0's clock) at the first validation point at or below
+    ``target``; None if it never got there."""
+    if target is None:
+        return None
+    return next((p["t"] for p in r["val_curve"] if p["val"] <= target), None)
+
+
+def reference(results: list[dict[str, Any]], quant: str) -> dict[str, Any] | None:
+    """The first sync DiLoCo run with this quantization (the rows the others compare to)."""
+    return next((r for r in results if r["mode"] == "diloco" and r["quant"] == quant
+                 and not r["churn"] and r["link_bytes_per_peer"]), None)
+
+
+def fewer(ref: dict[str, Any] | None, per: float | None) -> str:
+    """How many times fewer link bytes per outer step than the reference run."""
+    if ref is None or not per:
+        return "-"
+    return f"{ref['link_bytes_per_outer_step'] / per:.1f}x"
+
+
+def summary_table(results: list[dict[str, Any]], target: float | None) -> str:
+    fp32, int8 = reference(results, "none"), reference(results, "int8")
+    head = (f"{'run':<32} {'final val':>9} {'to target':>9} {'wall s':>7} "
+            f"{'link B/outer step':>17} {'vs fp32':>8} {'vs int8':>8} {'comm':>5}")
+    lines = [f"target validation loss: {target:.4f}" if target is not None
+             else "target validation loss: none (no DiLoCo fp32/int8 run, no --target-loss)",
+             head, "-" * len(head)]
+    for r in results:
+        fv = f"{r['final_val']:.4f}" if r["final_val"] is not None else "-"
+        tt = f"{r['time_to_target_s']:.1f}" if r["time_to_target_s"] is not None else "never"
+        per = r["link_bytes_per_outer_step"]
+        cf = f"{100 * r['comm_fraction']:.0f}%" if r["comm_fraction"] is not None else "-"
+        lines.append(f"{run_name(r):<32} {fv:>9} {tt:>9} {r['wall_s']:>7.1f} "
+                     f"{per if per is not None else 0:>17,.0f} {fewer(fp32, per):>8} "
+                     f"{fewer(int8, per):>8} {cf:>5}")
+    return "\n".join(lines)
+
+
 async def launch(a: argparse.Namespace) -> list[dict[str, Any]]:
-    if a.all:
+    if a.preset == "slowlink" and not (a.all or a.sparse):
+        # DiLoCo fp32 and int8 beside the three SparseLoCo settings at their best outer
+        # lr (3; the --sparse rows), all without outer momentum as in --sparse.
+        configs = [("diloco", q, False, 0.0) for q in ("none", "int8")]
+        configs += [("diloco", q, False, 0.0, 3.0) for q in SLOWLINK_SPARSE]
+    elif a.all:
         # The DiLoCo runs with DiLoCo's usual outer optimizer (Nesterov, momentum 0.9),
         # then both DiLoCo modes again without outer momentum (see docs/training.md).
         configs = [(m, q, False, a.outer_momentum) for m in MODES for q in QUANTS]
@@ -642,6 +754,11 @@ async def launch(a: argparse.Namespace) -> list[dict[str, Any]]:
         print(describe(r), flush=True)
         for e in r["errors"] + r["parity"]["problems"]:
             print(f"  !! {e}", flush=True)
+    target = target_loss(a, results)
+    for r in results:
+        r["target_loss"] = target
+        r["time_to_target_s"] = time_to_target(r, target)
+    print(summary_table(results, target), flush=True)
     return results
 
 
@@ -661,7 +778,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--steps", type=int, default=240, help="inner steps per peer")
     p.add_argument("--inner-steps", type=int, default=20,
                    help="H: inner steps per outer step (DDP: steps between checks)")
-    p.add_argument("--size", default="small", choices=("tiny", "small"),
+    p.add_argument("--size", default="small", choices=SIZES,
                    help="model size (stdlib_lm.SIZES)")
     p.add_argument("--batch", type=int, default=16, help="sequences per step per peer")
     p.add_argument("--lr", type=float, default=2e-3, help="AdamW learning rate")
@@ -677,6 +794,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--join-after", type=int, default=5,
                    help="churn: start the joiner once this outer step is done")
     p.add_argument("--timeout", type=float, default=600.0, help="bound on one run (s)")
+    p.add_argument("--preset", choices=sorted(PRESETS),
+                   help="slowlink: 8 peers, 10 MB/s, 50 ms, --size medium, 480 steps, "
+                        "--inner-steps 10; runs "
+                        "DiLoCo fp32 and int8 and SparseLoCo 2/64-4b, 2/64-2b, 1/64-2b at "
+                        "outer lr 3 (flags given explicitly override its values)")
+    p.add_argument("--target-loss", type=float, default=None,
+                   help="report each run's seconds to this validation loss (default: the "
+                        "worst final loss of the DiLoCo fp32/int8 runs of this invocation)")
     p.add_argument("--json", default="", help="write the results here")
     p.add_argument("--plot", default="", help="draw PNGs into this folder (matplotlib)")
     # worker mode
@@ -689,6 +814,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--shards", type=int, default=1, help=argparse.SUPPRESS)
     p.add_argument("--connect-timeout", type=float, default=120.0, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
+    if a.preset:
+        p.set_defaults(**PRESETS[a.preset])
+        a = p.parse_args(argv)
     if a.worker:
         sys.exit(worker_main(a))
     if a.churn and a.mode == "ddp":
@@ -713,7 +841,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.path.insert(0, str(HERE))
         from plot_training import plot
 
-        for path in plot(doc, Path(a.plot)):
+        for path in plot(doc, Path(a.plot), f"training-{a.preset}" if a.preset else "training"):
             print(f"wrote {path}")
     ok = all(r["ok"] for r in results)
     print("training examples: " + ("PASS" if ok else "FAIL"), flush=True)

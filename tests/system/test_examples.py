@@ -2,7 +2,8 @@
 emulators, a byte-level language model on the standard library's source.
 
 - data parallel with int8 all-reduces: the run exits 0, the peers' parameter hashes were
-  compared (and agreed) at every check point, bytes were counted, the loss went down;
+  compared (and agreed) at every check point, bytes were counted (by pccl, and by the
+  emulators on both the p2p and the master link), the loss went down;
 - a churn run of async DiLoCo with fp8 pseudo-gradients: one peer SIGKILLed during an
   outer step, a fresh peer joining later; the survivors carry on, the joiner's first sync
   gives it the group's exact bytes, and every outer step's hashes agree on every peer.
@@ -54,6 +55,17 @@ def test_ddp_int8(tmp_path: Path) -> None:
     float32_ring = 12 * 2 * (2 - 1) / 2 * 4 * r["params"]
     assert 0.2 * float32_ring < r["tx_bytes_per_peer"] < 0.3 * float32_ring
     assert 0 < r["comm_fraction"] < 1
+    # The emulators counted both links of each peer: the ring's bytes on the p2p link
+    # (what pccl says it sent, plus handshakes and framing), control traffic on the
+    # master link.
+    p2p, master = r["p2p_link_bytes_per_peer"], r["master_link_bytes_per_peer"]
+    assert r["tx_bytes_per_peer"] <= p2p < 1.05 * r["tx_bytes_per_peer"] + 20_000
+    assert master > 0
+    assert r["link_bytes_per_peer"] == p2p + master
+    assert r["link_bytes_per_outer_step"] == r["link_bytes_per_peer"] / 3
+    # Counted at every validation point too, growing with the steps.
+    counts = [v["link_bytes"] for v in r["val_curve"]]
+    assert counts == sorted(counts) and counts[-1] <= r["link_bytes_per_peer"]
 
 
 def test_churn_async_diloco_fp8(tmp_path: Path) -> None:
@@ -66,6 +78,8 @@ def test_churn_async_diloco_fp8(tmp_path: Path) -> None:
     join = r["join"]
     assert join["bit_identical"] and join["compared_with"] == ["peer0", "peer1"]
     assert join["outer_step"] >= 2
+    # The joiner too reached the master and its peers through emulated links.
+    assert r["joiner_link_bytes"]["master"] > 0 and r["joiner_link_bytes"]["p2p"] > 0
     # Every outer step was compared across peers (the initial state and the flush too).
     assert r["parity"]["points_compared"] == steps // h + 2
     by_step: dict[int, list[dict[str, Any]]] = {}
