@@ -665,17 +665,19 @@ class DiLoCo:
         # The weights first: if the pseudo-gradient reduce fails, its buffer is untouched
         # and both are simply run again. (The other order could leave an averaged buffer
         # behind a failed weight reduce.)
+        if self.compression is not None:
+            return await self._sparse_reduce(r)
         w = await self.comm.all_reduce(r.weight_buf, op=ReduceOp.SUM, tag=self.tag + 1)
-        if self.compression is None:
-            g = await self.comm.all_reduce(r.buf, op=ReduceOp.AVG, tag=self.tag,
-                                           quantization=self.quantization)
-            return w, g
-        return w, await self._sparse_reduce(r)
+        g = await self.comm.all_reduce(r.buf, op=ReduceOp.AVG, tag=self.tag,
+                                       quantization=self.quantization)
+        return w, g
 
-    async def _sparse_reduce(self, r: _Reduce) -> ReduceInfo:
+    async def _sparse_reduce(self, r: _Reduce) -> tuple[ReduceInfo, ReduceInfo]:
         """SparseLoCo: ``work = beta * acc + delta``; the group sums what each peer's
         codec keeps of its ``work``; ``r.buf`` := that sum / world (the mean, as the
-        dense reduce's AVG). Only a success moves the accumulator (to ``work``'s
+        dense reduce's AVG). Each peer's weight rides with its payload (no collective of
+        its own: one round of latency less per outer step), summed in slot order into
+        ``r.weight_buf``. Only a success moves the accumulator (to ``work``'s
         residual): a failed attempt leaves ``acc`` and ``r.buf`` as they were, so a
         retry starts over from them."""
         c, acc, work = self.compression, self._feedback, self._feedback_work
@@ -687,12 +689,19 @@ class DiLoCo:
 
         await asyncio.to_thread(form)
         total = np.empty_like(r.buf)
-        info = await sparse.all_reduce(self.comm, c, work, total, tag=self.tag)
+        info = await sparse.all_reduce(self.comm, c, work, total, tag=self.tag,
+                                       meta=np.float32(r.weight).tobytes())
         self._feedback, self._feedback_work = work, acc
         self.codec_seconds += info.compress_seconds + info.decode_seconds
+        weight = np.float32(0.0)
+        for m in info.metas:  # slot order: the same sum on every peer
+            weight += np.frombuffer(m, np.float32)[0]
+        r.weight_buf[0] = weight
         await asyncio.to_thread(np.divide, total, np.float32(info.world_size), out=r.buf)
-        return ReduceInfo(tx_bytes=info.tx_bytes, rx_bytes=info.rx_bytes,
-                          world_size=info.world_size, algorithm="sparse")
+        g = ReduceInfo(tx_bytes=info.tx_bytes, rx_bytes=info.rx_bytes,
+                       world_size=info.world_size, algorithm="sparse")
+        return ReduceInfo(tx_bytes=0, rx_bytes=0, world_size=info.world_size,
+                          algorithm="sparse"), g
 
     async def _finish(self, r: _Reduce, retry_phase: int) -> tuple[ReduceInfo, ReduceInfo]:
         """Awaits ``r`` (launching it if needed); on a failure a retry may fix, does what

@@ -156,6 +156,8 @@ class SparseReduceInfo:
     algorithm: str = "ring"
     compress_seconds: float = 0.0
     decode_seconds: float = 0.0
+    #: Every peer's ``meta`` bytes, in slot order (the order the payloads were added).
+    metas: tuple[bytes, ...] = ()
 
 
 # Tensors of at least this many elements are encoded and decoded on a worker thread,
@@ -177,7 +179,7 @@ async def _off_loop(count: int, fn: Any, *args: Any) -> Any:
 
 
 async def all_reduce(comm: Any, codec: SparseCodec, accumulator: Any, out: Any, *,
-                     tag: int = 0, timeout: Any = None) -> SparseReduceInfo:
+                     tag: int = 0, timeout: Any = None, meta: bytes = b"") -> SparseReduceInfo:
     """Every peer of the group contributes ``codec.compress(accumulator)`` (the
     accumulator keeps the residual); ``out`` (float32, the accumulator's size) becomes
     the sum of every peer's decoded payload, added in slot order (the ring's): the same
@@ -189,7 +191,9 @@ async def all_reduce(comm: Any, codec: SparseCodec, accumulator: Any, out: Any, 
     call fails, and can be retried after ``update_topology()``, exactly as an all-reduce
     does. Every peer receives the same slots, so a slot that holds no valid payload (a
     peer with another codec, or a hostile one) fails the call alike on every peer with
-    :class:`CollectiveAbortedError`. Needs numpy.
+    :class:`CollectiveAbortedError`. ``meta`` (at most 4 KiB, the same length on every
+    peer) travels with this peer's payload and comes back in ``SparseReduceInfo.metas``,
+    e.g. a weight for the mean, without a collective of its own. Needs numpy.
     """
     import time
 
@@ -198,6 +202,8 @@ async def all_reduce(comm: Any, codec: SparseCodec, accumulator: Any, out: Any, 
     from pccl.errors import CollectiveAbortedError, ProtocolError
     from pccl.peer.options import DEFAULT_TIMEOUT
 
+    if not isinstance(meta, bytes) or len(meta) > 4096:
+        raise InvalidArgumentError("meta must be bytes, at most 4096 of them")
     acc = codec._raw(accumulator, "accumulator")
     dst = codec._raw(out, "out")
     if dst.count != acc.count:
@@ -207,13 +213,13 @@ async def all_reduce(comm: Any, codec: SparseCodec, accumulator: Any, out: Any, 
 
     def decode(info: Any) -> None:
         for slot in range(info.world_size):  # slot order: the same sum on every peer
-            codec.decode_add(bytes(info.part(slot)), total)
+            codec.decode_add(bytes(info.part(slot)[len(meta):]), total)
 
     try:
         t0 = time.perf_counter()
         payload = await _off_loop(acc.count, codec.compress, accumulator)
         t1 = time.perf_counter()
-        info = await comm.all_gather(np.frombuffer(payload, np.uint8), tag=tag,
+        info = await comm.all_gather(np.frombuffer(meta + payload, np.uint8), tag=tag,
                                      timeout=DEFAULT_TIMEOUT if timeout is None else timeout)
         t2 = time.perf_counter()
         try:
@@ -227,7 +233,8 @@ async def all_reduce(comm: Any, codec: SparseCodec, accumulator: Any, out: Any, 
         _core.copy_into(acc.data, backup)  # nothing was sent for it
         raise
     _core.copy_into(dst.data, total.view(np.uint8))
+    metas = tuple(bytes(info.part(s)[:len(meta)]) for s in range(info.world_size))
     return SparseReduceInfo(world_size=info.world_size, payload_bytes=len(payload),
                             tx_bytes=info.tx_bytes, rx_bytes=info.rx_bytes,
                             algorithm=info.algorithm, compress_seconds=t1 - t0,
-                            decode_seconds=t3 - t2)
+                            decode_seconds=t3 - t2, metas=metas)

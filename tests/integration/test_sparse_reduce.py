@@ -122,3 +122,18 @@ async def test_large_tensors_are_coded_off_the_event_loop_with_the_same_bytes(
         codec.decode_add(codec.compress(by_id[pid].copy()), want)
     assert outs[0].tobytes() == want.tobytes()
     assert all(i.compress_seconds > 0 and i.decode_seconds > 0 for i in infos)
+
+
+async def test_meta_bytes_ride_with_the_payloads_in_slot_order(pccl_cluster) -> None:
+    cluster = await pccl_cluster(3, comm_kwargs={"via_master_max_bytes": 0})
+    codec = sparse.SparseCodec(density=2 / 64, bits=2, chunk=64)
+    outs = [np.zeros(N, np.float32) for _ in range(3)]
+    infos = await asyncio.gather(*(
+        sparse.all_reduce(c, codec, _acc(50 + i), o, tag=2, meta=bytes([i + 1, 7]))
+        for i, (c, o) in enumerate(zip(cluster.comms, outs))))
+    by_id = {c.peer_id: bytes([i + 1, 7]) for i, c in enumerate(cluster.comms)}
+    want = tuple(by_id[p] for p in cluster.comms[0].ring)
+    assert all(i.metas == want for i in infos)
+    assert outs[0].tobytes() == outs[1].tobytes() == outs[2].tobytes()
+    with pytest.raises(pccl.InvalidArgumentError):
+        await sparse.all_reduce(cluster.comms[0], codec, _acc(1), outs[0], meta=b"x" * 4097)
