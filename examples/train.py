@@ -65,7 +65,7 @@ QUANTS = ("none", "int8", "fp8")
 # DiLoCo only: SparseLoCo compression (pccl.sparse) instead of quantization, by name:
 # (density, bits, chunk, beta).
 SPARSE = {"sparse-1/64-2b": (1 / 64, 2, 64, 0.95), "sparse-2/64-2b": (2 / 64, 2, 64, 0.95),
-          "sparse-2/64-4b": (2 / 64, 4, 64, 0.95)}
+          "sparse-2/64-4b": (2 / 64, 4, 64, 0.95), "sparse-1/128-2b": (1 / 128, 2, 128, 0.95)}
 SIZES = ("tiny", "small", "medium")  # stdlib_lm.SIZES (not imported here: it imports torch)
 # --preset: defaults for a family of runs; flags given on the command line win.
 PRESETS: dict[str, dict[str, Any]] = {
@@ -75,7 +75,9 @@ PRESETS: dict[str, dict[str, Any]] = {
     "slowlink": {"peers": 8, "bandwidth": 10e6, "latency": 0.05, "size": "medium",
                  "inner_steps": 10, "steps": 480, "timeout": 1800.0},
 }
-SLOWLINK_SPARSE = ("sparse-2/64-4b", "sparse-2/64-2b", "sparse-1/64-2b")
+# (An all-gather's bytes grow with the group: at 8 peers 1/128 is what keeps SparseLoCo
+# 100x below DiLoCo fp32; see docs/training.md.)
+SLOWLINK_SPARSE = ("sparse-2/64-2b", "sparse-1/64-2b", "sparse-1/128-2b")
 
 
 def compression(name: str) -> Any:
@@ -142,6 +144,7 @@ class Worker:
         self.comm: Any = None
         self.compute_s = 0.0  # forward, backward, optimizer (worker threads)
         self.comm_s = 0.0  # inside pccl calls during training
+        self.codec_s = 0.0  # SparseLoCo: encoding and decoding payloads (part of comm_s)
         self.eval_s = 0.0
         self.tx = 0
         self.t0 = 0.0
@@ -188,7 +191,7 @@ class Worker:
         finally:
             await self.comm.close()
         emit(ev="done", compute_s=self.compute_s, comm_s=self.comm_s, eval_s=self.eval_s,
-             wall_s=self.clock(), tx_bytes=self.tx)
+             codec_s=self.codec_s, wall_s=self.clock(), tx_bytes=self.tx)
         return 0
 
     async def admit_founders(self) -> None:
@@ -329,6 +332,7 @@ class Worker:
                          t=self.clock())
                     self.evaluate(d.outer_step * H)
         finally:
+            self.codec_s = d.codec_seconds
             await d.close()
 
     def state_hashes(self, d: Any) -> dict[str, Any]:
@@ -630,6 +634,12 @@ class Run:
                               if done else None),
             "compute_s_per_peer": (sum(d["compute_s"] for d in done) / len(done)
                                    if done else None),
+            # SparseLoCo's codec (compress + decode) against the inner steps' compute.
+            "codec_s_per_peer": (sum(d.get("codec_s", 0.0) for d in done) / len(done)
+                                 if done else None),
+            "codec_fraction_of_compute": (
+                sum(d.get("codec_s", 0.0) / d["compute_s"] for d in done if d["compute_s"])
+                / len(done) if done else None),
             "parity": parity, "errors": self.errors,
             "val_curve": list(val.values()), "train_curve": train,
             "tx_curve": [[ev["step"], ev["tx"], ev["t"]] for ev in self.events
@@ -709,7 +719,8 @@ def fewer(ref: dict[str, Any] | None, per: float | None) -> str:
 def summary_table(results: list[dict[str, Any]], target: float | None) -> str:
     fp32, int8 = reference(results, "none"), reference(results, "int8")
     head = (f"{'run':<32} {'final val':>9} {'to target':>9} {'wall s':>7} "
-            f"{'link B/outer step':>17} {'vs fp32':>8} {'vs int8':>8} {'comm':>5}")
+            f"{'link B/outer step':>17} {'vs fp32':>8} {'vs int8':>8} {'comm':>5} "
+            f"{'codec':>6}")
     lines = [f"target validation loss: {target:.4f}" if target is not None
              else "target validation loss: none (no DiLoCo fp32/int8 run, no --target-loss)",
              head, "-" * len(head)]
@@ -718,9 +729,11 @@ def summary_table(results: list[dict[str, Any]], target: float | None) -> str:
         tt = f"{r['time_to_target_s']:.1f}" if r["time_to_target_s"] is not None else "never"
         per = r["link_bytes_per_outer_step"]
         cf = f"{100 * r['comm_fraction']:.0f}%" if r["comm_fraction"] is not None else "-"
+        codec = r.get("codec_fraction_of_compute")
+        cc = f"{100 * codec:.2f}%" if codec else "-"
         lines.append(f"{run_name(r):<32} {fv:>9} {tt:>9} {r['wall_s']:>7.1f} "
                      f"{per if per is not None else 0:>17,.0f} {fewer(fp32, per):>8} "
-                     f"{fewer(int8, per):>8} {cf:>5}")
+                     f"{fewer(int8, per):>8} {cf:>5} {cc:>6}")
     return "\n".join(lines)
 
 

@@ -283,10 +283,14 @@ class Collectives(Part):
         self.collective_paths["via_master"] += 1
         ctx.note("collective_started", "", ring, col.group, col.op_id, size, col.tag)
         ctx.note("collective_done", "", ring, col.group, col.op_id, tag=col.tag)
-        for p in ring:
+        gather = first.kind == "all_gather" and len(ring) > 1
+        for rank, p in enumerate(ring):
+            # An all-gather's member gets the others' bytes: it has its own. (Alone, it
+            # gets its own back: an outcome's empty data would mean "no result here".)
+            data = result[:rank * size] + result[(rank + 1) * size:] if gather else result
             out.append(Send(p, m.CollectiveOutcome(tag=col.tag, op_id=col.op_id, ok=True,
                                                    kind=ErrorKind.NONE, message="",
-                                                   data=result, world=len(ring),
+                                                   data=data, world=len(ring),
                                                    peers=_slots(col))))
 
     def fail_unperformed(self, col: Collective, kind: ErrorKind, why: str, out: list[Command],
