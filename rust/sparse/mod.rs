@@ -193,6 +193,21 @@ fn top_k(mags: &[u32], k: usize, keep: &mut Vec<usize>) {
             }
         }
         keep.push(at);
+    } else if k == 2 {
+        // The two largest in (magnitude, then offset) order, in two registers.
+        let (mut m1, mut o1, mut m2, mut o2) = (mags[0], 0, mags[1], 1);
+        if m2 > m1 {
+            (m1, o1, m2, o2) = (m2, o2, m1, o1);
+        }
+        for (o, &m) in mags.iter().enumerate().skip(2) {
+            if m > m1 {
+                (m2, o2, m1, o1) = (m1, o1, m, o);
+            } else if m > m2 {
+                (m2, o2) = (m, o);
+            }
+        }
+        keep.extend_from_slice(&[o1.min(o2), o1.max(o2)]);
+        return;
     } else if k <= SMALL_K {
         // The k best so far, largest first (equal magnitudes in offset order): a value
         // goes in only if strictly larger than the smallest kept, behind its equals.

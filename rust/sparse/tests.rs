@@ -259,6 +259,8 @@ fn the_fast_selections_give_the_reference_encoders_bytes() {
     let shapes = [
         (64, 1),
         (64, 2),
+        (3, 2),
+        (5, 2),
         (64, 16),
         (128, 17),
         (64, 40),
