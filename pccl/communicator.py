@@ -528,6 +528,11 @@ class Communicator(Driver):
         rebuilds the ring from the others; a collective started meanwhile waits for that
         and runs on the new ring (``ReduceInfo.world_size`` says how many took part).
 
+        A torch CUDA tensor (with ``out`` on the same device, if any) is staged through
+        pinned host buffers piece by piece, copies and collectives overlapped, with the
+        same all-or-nothing outcome (:mod:`pccl.staging`; docs/semantics.md, "CUDA
+        tensors"). Tags from ``2**63`` up are pccl's own.
+
         Example::
 
             h1 = comm.all_reduce_async(grads, op=pccl.ReduceOp.AVG, tag=1)
