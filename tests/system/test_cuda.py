@@ -1,7 +1,7 @@
 """CUDA tensors through pccl.staging on a real GPU (skipped without one): parity with the
 host path, out of place, all or nothing, the content hash, pccl.blocking's view. The
 pipeline's logic is tested without a GPU in tests/unit/test_staging.py and
-tests/integration/test_staging.py; bench/cuda_check.sh runs these on a GPU host."""
+tests/integration/test_staging_cluster.py; bench/cuda_check.sh runs these on a GPU host."""
 
 from __future__ import annotations
 
