@@ -17,8 +17,14 @@ from collections.abc import Callable, Mapping, Sequence
 from types import TracebackType
 from typing import Any
 
-from pccl import _core, config, identity, recovery
-from pccl.enums import Attribute, QuantizationAlgorithm, ReduceOp, SharedStateSyncStrategy
+from pccl import _core, config, identity, recovery, staging
+from pccl.enums import (
+    Attribute,
+    DataType,
+    QuantizationAlgorithm,
+    ReduceOp,
+    SharedStateSyncStrategy,
+)
 from pccl.errors import (
     InvalidUsageError,
     MasterConnectionError,
@@ -46,7 +52,7 @@ from pccl.protocol.auth import DEFAULT_PORT, is_loopback_host, split_host_port
 from pccl.protocol.messages import GATHER_PROTOCOL
 from pccl.protocol.transport import ConnectionClosed, FramedConnection
 from pccl.shared_state import SharedState, SyncInfo, SyncProgress
-from pccl.tensors import as_raw
+from pccl.tensors import RawTensor, as_raw
 
 __all__ = ["DEFAULT_TIMEOUT", "Communicator", "PeerState", "QuantizationOptions",
            "GatherInfo", "ReduceDescriptor", "ReduceInfo"]
@@ -205,6 +211,7 @@ class Communicator(Driver):
         self._reader: asyncio.Task[None] | None = None
         # all_reduce_async() handles not finished yet (close() settles them).
         self._handles: set[asyncio.Task[Any]] = set()
+        self._staged_tags: set[int] = set()  # user tags of staged (device) all-reduces
         # The event loop connect() ran in: every call must come from it (see _check_loop).
         self._home_loop: asyncio.AbstractEventLoop | None = None
         self._heartbeat_timeout = 5.0
@@ -521,6 +528,11 @@ class Communicator(Driver):
         rebuilds the ring from the others; a collective started meanwhile waits for that
         and runs on the new ring (``ReduceInfo.world_size`` says how many took part).
 
+        A torch CUDA tensor (with ``out`` on the same device, if any) is staged through
+        pinned host buffers piece by piece, copies and collectives overlapped, with the
+        same all-or-nothing outcome (:mod:`pccl.staging`; docs/semantics.md, "CUDA
+        tensors"). Tags from ``2**63`` up are pccl's own.
+
         Example::
 
             h1 = comm.all_reduce_async(grads, op=pccl.ReduceOp.AVG, tag=1)
@@ -533,16 +545,25 @@ class Communicator(Driver):
             op = ReduceOp(op)
         except ValueError:
             raise _core.InvalidArgumentError(f"unknown reduce op {op!r}") from None
+        tag = staging.check_user_tag(tag)
+        if tag in self._staged_tags:
+            raise InvalidUsageError(f"tag {tag} is already in flight on this peer")
+        q = quantization or QuantizationOptions()
+        device = staging.device_of(tensor)
+        if device is not None or (out is not None and staging.device_of(out) is not None):
+            return self._staged_all_reduce(device, tensor, out, op, tag, q, wire)
         src = as_raw(tensor, writable=out is None, what="tensor")
         dst = src if out is None else as_raw(out, writable=True, what="out")
         if dst.dtype != src.dtype or dst.count != src.count:
             raise _core.InvalidArgumentError(
                 f"out has {dst.count} x {dst.dtype.name}, tensor {src.count} x {src.dtype.name}")
-        q = quantization or QuantizationOptions()
         if q.algorithm != QuantizationAlgorithm.NONE:
             check_quantization(q, src, op)
-        if isinstance(tag, bool) or not isinstance(tag, int) or tag < 0:
-            raise _core.InvalidArgumentError("tag must be a non-negative integer")
+        return self._launch_all_reduce(src, dst, op, tag, q, wire)
+
+    def _launch_all_reduce(self, src: RawTensor, dst: RawTensor, op: ReduceOp, tag: int,
+                           q: QuantizationOptions, wire: float) -> asyncio.Task[ReduceInfo]:
+        """The all-reduce of host memory, checked: hands it to the machine now."""
         tiny = (src.nbytes <= self.options.via_master_max_bytes
                 and q.algorithm == QuantizationAlgorithm.NONE)
         data = bytes(src.data) if tiny else b""
@@ -555,6 +576,49 @@ class Communicator(Driver):
                                      name=f"pccl-all-reduce-{self.peer_id}-{tag}")
         self._handles.add(handle)
         handle.add_done_callback(self._handles.discard)
+        return handle
+
+    def _staged_all_reduce(self, device: staging.Device | None, tensor: Any, out: Any,
+                           op: ReduceOp, tag: int, q: QuantizationOptions,
+                           wire: float) -> asyncio.Task[ReduceInfo]:
+        """An all-reduce of device memory (CUDA), staged through pinned host buffers
+        piece by piece (:mod:`pccl.staging`)."""
+        out_device = staging.device_of(out) if out is not None else None
+        if device is None or (out is not None and out_device is None):
+            raise _core.InvalidArgumentError(
+                "tensor and out must both be in host memory or both on the same device; "
+                f"tensor is on {device.name if device else 'the host'}, out on "
+                f"{out_device.name if out_device else 'the host'}")
+        if tag in self._plane.reduces:
+            raise InvalidUsageError(f"tag {tag} is already in flight on this peer")
+        src = device.tensor(tensor, "tensor")
+        dst = None if out is None else device.tensor(out, "out")
+        if dst is not None and (dst.dtype != src.dtype or dst.count != src.count):
+            raise _core.InvalidArgumentError(
+                f"out has {dst.count} x {dst.dtype.name}, tensor {src.count} x {src.dtype.name}")
+        if dst is not None and getattr(tensor, "device", None) != getattr(out, "device", None):
+            raise _core.InvalidArgumentError(
+                f"tensor is on {tensor.device}, out on {out.device}; use one device")
+        if q.algorithm != QuantizationAlgorithm.NONE:
+            check_quantization(q, RawTensor(b"", src.dtype, src.count, tensor), op)
+        staging.piece_tag(tag, 0)  # (a tag too large for piece tags fails now)
+        late_timeout = self.options.peer_timeout if not wire else min(
+            wire, self.options.peer_timeout)
+
+        async def reduce(index: int, data: Any, dtype: DataType, count: int, *, vote: bool,
+                         late: bool) -> ReduceInfo:
+            raw = RawTensor(data=data, dtype=dtype, count=count, owner=data, shape=(count,))
+            return await self._launch_all_reduce(
+                raw, raw, ReduceOp.MAX if vote else op, staging.piece_tag(tag, -1 if vote
+                                                                          else index),
+                QuantizationOptions() if vote else q, late_timeout if late else wire)
+
+        handle = asyncio.create_task(staging.staged_all_reduce(device, src, dst, reduce),
+                                     name=f"pccl-staged-all-reduce-{self.peer_id}-{tag}")
+        self._staged_tags.add(tag)
+        self._handles.add(handle)
+        handle.add_done_callback(self._handles.discard)
+        handle.add_done_callback(lambda _: self._staged_tags.discard(tag))
         return handle
 
     async def all_reduce(
@@ -605,8 +669,9 @@ class Communicator(Driver):
         wire = self._wire_timeout(timeout)
         self._require_accepted()
         src = as_raw(tensor, writable=False, what="tensor")
-        if isinstance(tag, bool) or not isinstance(tag, int) or tag < 0:
-            raise _core.InvalidArgumentError("tag must be a non-negative integer")
+        tag = staging.check_user_tag(tag)
+        if tag in self._staged_tags:
+            raise InvalidUsageError(f"tag {tag} is already in flight on this peer")
         if self._master_protocol < GATHER_PROTOCOL:
             raise InvalidUsageError(
                 f"all_gather needs a master of protocol {GATHER_PROTOCOL} or newer; this "

@@ -80,7 +80,8 @@ def _torch_bytes(flat: Any) -> Any:
 
 def _from_torch(t: Any, what: str) -> tuple[Any, DataType]:
     if t.device.type != "cpu":
-        raise InvalidArgumentError(f"{what} is on {t.device}; pass a CPU tensor")
+        # (all_reduce stages CUDA tensors before it gets here: pccl.staging)
+        raise InvalidArgumentError(f"{what} is on {t.device}; this call takes CPU tensors")
     if not t.is_contiguous():
         raise InvalidArgumentError(f"{what} is not contiguous; call .contiguous() first")
     dtype = _TORCH_DTYPES.get(str(t.dtype).removeprefix("torch."))
@@ -139,15 +140,22 @@ def content_hash(tensor: Any) -> str:
     protocol. Only the elements' bytes count (in memory order of a C-contiguous copy),
     not the shape or the dtype: a non-contiguous view hashes like
     ``np.ascontiguousarray(view)`` (copied first), and a numpy array and a torch tensor
-    with the same bytes give the same hex. A torch tensor on another device (CUDA) is
-    copied to the CPU first, which waits for the work queued on it. torch is imported
+    with the same bytes give the same hex. A CUDA tensor is staged through pinned host
+    buffers piece by piece (:mod:`pccl.staging`; no whole copy in host memory), after
+    the work queued on its device; the hex equals that of the same bytes on the host.
+    torch is imported
     only for torch tensors. Raises :class:`InvalidArgumentError` for anything else
     (Python objects in an ``object`` array have no bytes to hash)::
 
         assert pccl.content_hash(model.weight) == pccl.content_hash(reference_weight)
     """
-    from pccl import _core
+    from pccl import _core, staging
 
+    device = staging.device_of(tensor)
+    if device is not None:
+        if _is_torch(tensor):
+            tensor = tensor.detach().resolve_conj().resolve_neg().contiguous()
+        return staging.staged_content_hash(device, device.tensor(tensor, "tensor")).hex()
     return _core.content_hash_hex(_logical_bytes(tensor))
 
 

@@ -62,11 +62,13 @@ What maps exactly and what differs (``docs/blocking.md`` has the full table):
 - A ``MasterNode`` that was ``run()`` and never ``interrupt()``-ed keeps the process
   alive at interpreter exit until it is interrupted (Ctrl-C / SIGTERM), as PCCL's master
   scripts expect (``master.run()`` is the last line of them).
-- Not mapped: CUDA tensors (pccl reduces and syncs CPU memory; ``cuda.is_available()`` is
-  False), ``DistributionHint`` (accepted, ignored), ``PCCLError.check`` and the ``to_c``
-  helpers (there is no C ABI), quantizing to anything but 8-bit wire types (UINT8, INT8,
-  and pccl's FLOAT8_E4M3 / FLOAT8_E5M2). pccl-only keyword arguments (``secret``,
-  ``timeout``, ``peer_timeout``, ...) pass through to the async objects.
+- CUDA tensors: all-reduces take them (staged through pinned host memory, see
+  :mod:`pccl.staging`; ``cuda.is_available()`` is torch's answer); shared state is still
+  host memory only. Not mapped: ``DistributionHint`` (accepted, ignored),
+  ``PCCLError.check`` and the ``to_c`` helpers (there is no C ABI), quantizing to
+  anything but 8-bit wire types (UINT8, INT8, and pccl's FLOAT8_E4M3 / FLOAT8_E5M2).
+  pccl-only keyword arguments (``secret``, ``timeout``, ``peer_timeout``, ...) pass
+  through to the async objects.
 """
 
 # The package, by job (re-exported here; import from pccl.blocking, not the modules):

@@ -436,7 +436,8 @@ class Communicator:
                    operand_descriptor: ReduceOperandDescriptor | None = None,
                    quantization_options: QuantizationOptions | None = None) -> ReduceInfo:
         """All-reduces ``send`` into ``recv`` (the same tensor: in place) across the
-        peer group; blocks until done. Both numpy arrays or both torch CPU tensors.
+        peer group; blocks until done. Both numpy arrays or both torch tensors (CPU, or
+        CUDA on one device: staged through pinned host memory).
         On failure raises and leaves both tensors as they were.
 
         Example::

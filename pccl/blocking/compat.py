@@ -249,7 +249,7 @@ _CORE_ATTRIBUTE: dict[Attribute, _enums.Attribute] = {
 
 
 class DeviceType(enum.Enum):
-    """Where a tensor lives. pccl works on CPU memory only."""
+    """Where a tensor lives. CUDA tensors are staged through pinned host memory."""
 
     CPU = 0
     CUDA = 1
@@ -274,7 +274,22 @@ def _as_reduce_op(op: Any) -> ReduceOp:
         raise InvalidArgumentError(f"unknown reduce op {op!r}") from None
 
 
-cuda = types.ModuleType(
-    "pccl.blocking.cuda", "CUDA support, as in PCCL's bindings: pccl has none.")
-cuda.is_cuda_available = False  # type: ignore[attr-defined]
-cuda.is_available = lambda: False  # type: ignore[attr-defined]
+class _Cuda(types.ModuleType):
+    """``pccl.blocking.cuda``: whether CUDA tensors can be passed, as in PCCL's bindings.
+    pccl stages them through pinned host memory (:mod:`pccl.staging`) with torch's CUDA
+    streams, so the answer is torch's: true where torch is installed and sees a GPU."""
+
+    @property
+    def is_cuda_available(self) -> bool:
+        return self.is_available()
+
+    @staticmethod
+    def is_available() -> bool:
+        try:
+            import torch
+        except ImportError:
+            return False
+        return bool(torch.cuda.is_available())
+
+
+cuda = _Cuda("pccl.blocking.cuda", _Cuda.__doc__)

@@ -168,8 +168,8 @@ def _check_torch_pair(send: Any, recv: Any) -> None:
         raise ArgumentAssertionError("Input and output tensors must be on the same device")
     if send.dtype != recv.dtype:
         raise ArgumentAssertionError("Input and output tensors must have the same dtype")
-    if send.device.type != "cpu":
-        raise ArgumentAssertionError("Only CPU tensors are supported")
+    if send.device.type not in ("cpu", "cuda"):
+        raise ArgumentAssertionError("Only CPU and CUDA tensors are supported")
     if send.numel() != recv.numel():
         raise ArgumentAssertionError(
             "Input and output tensors must have the same number of elements")

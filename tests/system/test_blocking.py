@@ -271,7 +271,12 @@ def test_pccl_names_and_enums() -> None:
     assert (info.local_world_size, info.world_size, info.tx_bytes, info.rx_bytes) == \
         (3, 3, 10, 20)
     assert pb.SharedStateSyncInfo(1, 2).rx_bytes == 2
-    assert pb.cuda.is_available() is False
+    try:
+        import torch
+    except ImportError:
+        torch = None
+    cuda = torch is not None and torch.cuda.is_available()
+    assert pb.cuda.is_available() is cuda and pb.cuda.is_cuda_available is cuda
 
 
 def test_pccl_datatypes_map_member_by_member_onto_the_one_dtype_table() -> None:
