@@ -817,34 +817,22 @@ pub async fn ring_all_reduce(
     armed: Arc<Armed>,
 ) -> CoreResult<ReduceStats> {
     let shared = Arc::new(Shared::prepare(spec, mem, links.max_piece(), links.prev)?);
-    let op_id = shared.spec.op_id;
     let total = (shared.plan.pieces * shared.plan.steps) as u64;
-    // If this future is dropped half-way (the caller went away), a lane may have left
-    // half a frame on the wire: the guard poisons the links and stops the tasks.
-    let mut guard = AbortGuard {
-        links: links.clone(),
-        cancel: cancel.clone(),
-        op_id,
-        armed: true,
-    };
-    links.register(op_id, shared.clone())?;
-    let mut senders = tokio::task::JoinSet::new();
-    for lane in 0..links.send_lanes() {
-        let (l, s, c) = (links.clone(), shared.clone(), cancel.clone());
-        senders.spawn(async move { send_lane(&l, &s, lane, &c).await });
-    }
-    let outcome = wait_until_done(&links, &*shared, &mut senders, total, &cancel, &armed).await;
-    // The op's own failure (a peer runs another descriptor) over the links' error.
-    let outcome = outcome.map_err(|e| shared.failure.lock().unwrap().clone().unwrap_or(e));
-    if outcome.is_err() {
-        cancel.cancel();
-        while senders.join_next().await.is_some() {}
-    }
-    guard.armed = false;
-    links.finish(op_id);
-    if outcome.is_err() && shared.mem.writes_caller_memory() {
-        settle_landings(&links, &*shared).await;
-    }
+    let lanes = shared.clone();
+    let outcome = drive(
+        &links,
+        shared.clone(),
+        shared.spec.op_id,
+        total,
+        &cancel,
+        &armed,
+        shared.mem.writes_caller_memory(),
+        move |lane, links, cancel| {
+            let sh = lanes.clone();
+            async move { send_lane(&links, &sh, lane, &cancel).await }
+        },
+    )
+    .await;
     if shared.mem.is_in_place() {
         match outcome {
             Ok(()) => shared.mem.set_saved(Saved::All),
@@ -860,6 +848,89 @@ pub async fn ring_all_reduce(
         tx_bytes: shared.tx.load(Ordering::Relaxed),
         rx_bytes: shared.rx.load(Ordering::Relaxed),
     })
+}
+
+/// What [`drive`] needs of an op's receiving side: its progress, and why it failed when
+/// that is its own fault (a peer runs another descriptor) rather than the links'.
+pub(crate) trait DrivenOp: OpProgress + Landing + 'static {
+    fn own_failure(&self) -> Option<CoreError>;
+}
+
+impl DrivenOp for Shared {
+    fn own_failure(&self) -> Option<CoreError> {
+        self.failure.lock().unwrap().clone()
+    }
+}
+
+/// Runs one op on `links`: registers its receiving side, starts a sender task per lane
+/// (`lane_task(lane, links, cancel)`), and waits until every sender finished and every
+/// one of the `total` pieces landed (see [`wait_until_done`]). A failure cancels the
+/// senders and, when the pieces land in the caller's memory, waits until no reader
+/// writes it any more ([`settle_landings`]). The op is finished on the links either way;
+/// dropped half-way, it poisons them (a lane may have left half a frame).
+#[allow(clippy::too_many_arguments)]
+pub(crate) async fn drive<S, F, Fut>(
+    links: &Arc<RingLinks>,
+    shared: Arc<S>,
+    op_id: u64,
+    total: u64,
+    cancel: &CancellationToken,
+    armed: &Armed,
+    writes_caller_memory: bool,
+    lane_task: F,
+) -> CoreResult<()>
+where
+    S: DrivenOp,
+    F: Fn(usize, Arc<RingLinks>, CancellationToken) -> Fut,
+    Fut: std::future::Future<Output = CoreResult<()>> + Send + 'static,
+{
+    let mut guard = AbortGuard {
+        links: links.clone(),
+        cancel: cancel.clone(),
+        op_id,
+        armed: true,
+    };
+    links.register(op_id, shared.clone())?;
+    let mut senders = tokio::task::JoinSet::new();
+    for lane in 0..links.send_lanes() {
+        senders.spawn(lane_task(lane, links.clone(), cancel.clone()));
+    }
+    let outcome = wait_until_done(links, &*shared, &mut senders, total, cancel, armed).await;
+    let outcome = outcome.map_err(|e| shared.own_failure().unwrap_or(e));
+    if outcome.is_err() {
+        cancel.cancel();
+        while senders.join_next().await.is_some() {}
+    }
+    guard.armed = false;
+    links.finish(op_id);
+    if outcome.is_err() && writes_caller_memory {
+        settle_landings(links, &*shared).await;
+    }
+    outcome
+}
+
+/// Waits until `progress` (a piece's landed steps) reaches `step`: a sender forwards a
+/// piece only once its previous step has landed here.
+pub(crate) async fn wait_progress(
+    links: &RingLinks,
+    advanced: &Notify,
+    progress: &AtomicU32,
+    step: usize,
+    cancel: &CancellationToken,
+) -> CoreResult<()> {
+    loop {
+        let notified = advanced.notified();
+        tokio::pin!(notified);
+        notified.as_mut().enable();
+        if progress.load(Ordering::Acquire) >= step as u32 {
+            return Ok(());
+        }
+        tokio::select! {
+            _ = notified => {}
+            _ = cancel.cancelled() => return Err(links.aborted_error()),
+            _ = links.poisoned().cancelled() => return Err(links.poison_error()),
+        }
+    }
 }
 
 impl Shared {
@@ -1064,7 +1135,7 @@ impl OpProgress for Shared {
 /// once the op returns. Waits (bounded by the I/O timeout) for pieces being received
 /// now; a reader stuck in one is stopped by closing the links (after a failure they
 /// are rebuilt anyway).
-pub(crate) async fn settle_landings<S: OpProgress>(links: &RingLinks, sh: &S) {
+async fn settle_landings<S: OpProgress>(links: &RingLinks, sh: &S) {
     let deadline = tokio::time::Instant::now() + links.io_timeout();
     loop {
         let notified = sh.advanced().notified();
@@ -1083,7 +1154,7 @@ pub(crate) async fn settle_landings<S: OpProgress>(links: &RingLinks, sh: &S) {
 /// Waits until every sender finished and every expected piece landed. Once armed,
 /// fails when the previous peer sends nothing for the link's I/O timeout (the clock
 /// starts again when the op is armed).
-pub(crate) async fn wait_until_done<S: OpProgress>(
+async fn wait_until_done<S: OpProgress>(
     links: &RingLinks,
     sh: &S,
     senders: &mut tokio::task::JoinSet<CoreResult<()>>,
@@ -1124,11 +1195,11 @@ pub(crate) async fn wait_until_done<S: OpProgress>(
     }
 }
 
-pub(crate) struct AbortGuard {
-    pub(crate) links: Arc<RingLinks>,
-    pub(crate) cancel: CancellationToken,
-    pub(crate) op_id: u64,
-    pub(crate) armed: bool,
+struct AbortGuard {
+    links: Arc<RingLinks>,
+    cancel: CancellationToken,
+    op_id: u64,
+    armed: bool,
 }
 
 impl Drop for AbortGuard {
@@ -1158,19 +1229,7 @@ async fn send_lane(
         for p in (lane..plan.pieces).step_by(lanes) {
             if step > 0 {
                 // Wait until piece p of the previous step has landed and been reduced.
-                loop {
-                    let notified = sh.advanced.notified();
-                    tokio::pin!(notified);
-                    notified.as_mut().enable();
-                    if sh.progress[p].load(Ordering::Acquire) >= step as u32 {
-                        break;
-                    }
-                    tokio::select! {
-                        _ = notified => {}
-                        _ = cancel.cancelled() => return Err(links.aborted_error()),
-                        _ = links.poisoned().cancelled() => return Err(links.poison_error()),
-                    }
-                }
+                wait_progress(links, &sh.advanced, &sh.progress[p], step, cancel).await?;
             }
             let range = plan.piece(chunk, p);
             if step == 0 && sh.mem.is_in_place() && sh.spec.quant.is_none() {

@@ -19,7 +19,7 @@
 
 use crate::error::{CoreError, CoreResult};
 use crate::ring::allreduce::{
-    close_pieces, settle_landings, wait_until_done, AbortGuard, Armed, OpProgress, ReduceStats,
+    close_pieces, drive, wait_progress, Armed, DrivenOp, OpProgress, ReduceStats,
 };
 use crate::ring::links::{Dest, Landing, PieceHeader, RingLinks, HEADER_LEN};
 use std::future::Future;
@@ -252,6 +252,12 @@ impl OpProgress for Shared {
     }
 }
 
+impl DrivenOp for Shared {
+    fn own_failure(&self) -> Option<CoreError> {
+        self.failure.lock().unwrap().clone()
+    }
+}
+
 impl Landing for Shared {
     fn landing(&self, step: u32, piece: u32, len: u32, digest: u32) -> CoreResult<Dest> {
         if digest != self.digest {
@@ -342,32 +348,23 @@ pub async fn ring_all_gather(
     armed: Arc<Armed>,
 ) -> CoreResult<ReduceStats> {
     let shared = Arc::new(Shared::prepare(spec, mem, links.max_piece(), links.prev)?);
-    let op_id = shared.spec.op_id;
     let total = (shared.plan.pieces * shared.plan.steps()) as u64;
-    let mut guard = AbortGuard {
-        links: links.clone(),
-        cancel: cancel.clone(),
-        op_id,
-        armed: true,
-    };
-    links.register(op_id, shared.clone())?;
-    let mut senders = tokio::task::JoinSet::new();
-    for lane in 0..links.send_lanes() {
-        let (l, s, c) = (links.clone(), shared.clone(), cancel.clone());
-        senders.spawn(async move { send_lane(&l, &s, lane, &c).await });
-    }
-    let outcome = wait_until_done(&links, &*shared, &mut senders, total, &cancel, &armed).await;
-    let outcome = outcome.map_err(|e| shared.failure.lock().unwrap().clone().unwrap_or(e));
-    if outcome.is_err() {
-        cancel.cancel();
-        while senders.join_next().await.is_some() {}
-    }
-    guard.armed = false;
-    links.finish(op_id);
-    if outcome.is_err() {
-        // The pieces land in the caller's memory: nothing may write it after we return.
-        settle_landings(&links, &*shared).await;
-    }
+    let lanes = shared.clone();
+    // The pieces land in the caller's memory: nothing may write it after we return.
+    let outcome = drive(
+        &links,
+        shared.clone(),
+        shared.spec.op_id,
+        total,
+        &cancel,
+        &armed,
+        true,
+        move |lane, links, cancel| {
+            let sh = lanes.clone();
+            async move { send_lane(&links, &sh, lane, &cancel).await }
+        },
+    )
+    .await;
     outcome?;
     Ok(ReduceStats {
         tx_bytes: shared.tx.load(Ordering::Relaxed),
@@ -388,19 +385,7 @@ async fn send_lane(
         for p in (lane..plan.pieces).step_by(lanes) {
             if step > 0 {
                 // Forward piece p once it arrived at the previous step.
-                loop {
-                    let notified = sh.advanced.notified();
-                    tokio::pin!(notified);
-                    notified.as_mut().enable();
-                    if sh.progress[p].load(Ordering::Acquire) >= step as u32 {
-                        break;
-                    }
-                    tokio::select! {
-                        _ = notified => {}
-                        _ = cancel.cancelled() => return Err(links.aborted_error()),
-                        _ = links.poisoned().cancelled() => return Err(links.poison_error()),
-                    }
-                }
+                wait_progress(links, &sh.advanced, &sh.progress[p], step, cancel).await?;
             }
             let data = sh.mem.slice(plan.piece_range(chunk, p));
             let header = PieceHeader {
