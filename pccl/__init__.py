@@ -37,7 +37,7 @@ from pccl.enums import (
 from pccl.errors import *  # noqa: F403 (the error classes: pccl.errors.__all__, the one list)
 from pccl.master import MasterNode
 from pccl.shared_state import SharedState, SyncInfo, SyncProgress, TensorInfo
-from pccl.tensors import content_hash
+from pccl.staging import content_hash
 
 __version__ = _core_version
 

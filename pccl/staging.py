@@ -56,7 +56,8 @@ from pccl.errors import (
     PeerConnectionError,
 )
 from pccl.peer.options import ReduceInfo
-from pccl.tensors import _TORCH_DTYPES, ELEMENT_SIZE, byte_buffer
+from pccl.tensors import _TORCH_DTYPES, ELEMENT_SIZE, _is_torch, byte_buffer
+from pccl.tensors import content_hash as _host_content_hash
 
 __all__ = ["DEPTH", "PIECE_BYTES", "STAGED_TAG_BASE", "Device", "DeviceTensor", "HostBuffer",
            "TorchCuda", "check_user_tag", "device_of", "piece_tag", "staged_all_reduce",
@@ -500,3 +501,28 @@ def staged_content_hash(device: Device, t: DeviceTensor, piece_bytes: int | None
         device.synchronize(events[i])
         digests.append(_core.leaf_digests(slots[i % 2].data[:n], off // leaf))
     return _core.hash_root(b"".join(digests), t.nbytes)
+
+
+def content_hash(tensor: Any) -> str:
+    """The bit-exact content hash of ``tensor`` as 32 lowercase hex digits: the hash
+    :meth:`Communicator.sync_shared_state` compares across peers (it hashes each
+    tensor's bytes the same way), so equal hex means equal bytes, bit for bit.
+
+    ``tensor`` is a numpy array, a torch tensor, or any object with DLPack or the buffer
+    protocol. Only the elements' bytes count (in memory order of a C-contiguous copy),
+    not the shape or the dtype: a non-contiguous view hashes like
+    ``np.ascontiguousarray(view)`` (copied first), and a numpy array and a torch tensor
+    with the same bytes give the same hex. A CUDA tensor is staged through pinned host
+    buffers piece by piece (:mod:`pccl.staging`; no whole copy in host memory), after
+    the work queued on its device; the hex equals that of the same bytes on the host.
+    torch is imported only for torch tensors. Raises :class:`InvalidArgumentError` for anything else
+    (Python objects in an ``object`` array have no bytes to hash)::
+
+        assert pccl.content_hash(model.weight) == pccl.content_hash(reference_weight)
+    """
+    device = device_of(tensor)
+    if device is None:
+        return _host_content_hash(tensor)
+    if _is_torch(tensor):
+        tensor = tensor.detach().resolve_conj().resolve_neg().contiguous()
+    return staged_content_hash(device, device.tensor(tensor, "tensor")).hex()

@@ -132,30 +132,10 @@ def as_raw(obj: Any, *, writable: bool, what: str = "tensor") -> RawTensor:
 
 
 def content_hash(tensor: Any) -> str:
-    """The bit-exact content hash of ``tensor`` as 32 lowercase hex digits: the hash
-    :meth:`Communicator.sync_shared_state` compares across peers (it hashes each
-    tensor's bytes the same way), so equal hex means equal bytes, bit for bit.
+    """The content hash of ``tensor`` in host memory (see :func:`pccl.content_hash`, which
+    also takes device tensors); a torch tensor on a device is copied to the CPU first."""
+    from pccl import _core
 
-    ``tensor`` is a numpy array, a torch tensor, or any object with DLPack or the buffer
-    protocol. Only the elements' bytes count (in memory order of a C-contiguous copy),
-    not the shape or the dtype: a non-contiguous view hashes like
-    ``np.ascontiguousarray(view)`` (copied first), and a numpy array and a torch tensor
-    with the same bytes give the same hex. A CUDA tensor is staged through pinned host
-    buffers piece by piece (:mod:`pccl.staging`; no whole copy in host memory), after
-    the work queued on its device; the hex equals that of the same bytes on the host.
-    torch is imported
-    only for torch tensors. Raises :class:`InvalidArgumentError` for anything else
-    (Python objects in an ``object`` array have no bytes to hash)::
-
-        assert pccl.content_hash(model.weight) == pccl.content_hash(reference_weight)
-    """
-    from pccl import _core, staging
-
-    device = staging.device_of(tensor)
-    if device is not None:
-        if _is_torch(tensor):
-            tensor = tensor.detach().resolve_conj().resolve_neg().contiguous()
-        return staging.staged_content_hash(device, device.tensor(tensor, "tensor")).hex()
     return _core.content_hash_hex(_logical_bytes(tensor))
 
 

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from pccl import _core, staging
+from pccl import _core, content_hash, staging
 from pccl.enums import DataType
 from pccl.errors import (
     CollectiveAbortedError,
@@ -21,7 +21,6 @@ from pccl.errors import (
     PeerConnectionError,
 )
 from pccl.peer.options import ReduceInfo
-from pccl.tensors import content_hash
 from pccl.testing.fake_device import FakeDevice, FakeDeviceError
 
 PIECE = 4096  # bytes: 1024 float32 per piece
