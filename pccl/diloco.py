@@ -689,8 +689,9 @@ class DiLoCo:
 
         await asyncio.to_thread(form)
         total = np.empty_like(r.buf)
+        # (`work` is scratch, formed again from `acc` for a retry: no backup needed.)
         info = await sparse.all_reduce(self.comm, c, work, total, tag=self.tag,
-                                       meta=np.float32(r.weight).tobytes())
+                                       meta=np.float32(r.weight).tobytes(), restore=False)
         self._feedback, self._feedback_work = work, acc
         self.codec_seconds += info.compress_seconds + info.decode_seconds
         weight = np.float32(0.0)

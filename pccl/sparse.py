@@ -179,7 +179,8 @@ async def _off_loop(count: int, fn: Any, *args: Any) -> Any:
 
 
 async def all_reduce(comm: Any, codec: SparseCodec, accumulator: Any, out: Any, *,
-                     tag: int = 0, timeout: Any = None, meta: bytes = b"") -> SparseReduceInfo:
+                     tag: int = 0, timeout: Any = None, meta: bytes = b"",
+                     restore: bool = True) -> SparseReduceInfo:
     """Every peer of the group contributes ``codec.compress(accumulator)`` (the
     accumulator keeps the residual); ``out`` (float32, the accumulator's size) becomes
     the sum of every peer's decoded payload, added in slot order (the ring's): the same
@@ -193,7 +194,10 @@ async def all_reduce(comm: Any, codec: SparseCodec, accumulator: Any, out: Any, 
     peer with another codec, or a hostile one) fails the call alike on every peer with
     :class:`CollectiveAbortedError`. ``meta`` (at most 4 KiB, the same length on every
     peer) travels with this peer's payload and comes back in ``SparseReduceInfo.metas``,
-    e.g. a weight for the mean, without a collective of its own. Needs numpy.
+    e.g. a weight for the mean, without a collective of its own. ``restore=False``
+    skips the backup copy that putting the accumulator back needs: for a caller that
+    passes a scratch copy and rebuilds it for a retry (DiLoCo does); a failed call
+    then leaves the accumulator holding unspecified values. Needs numpy.
     """
     import time
 
@@ -208,7 +212,7 @@ async def all_reduce(comm: Any, codec: SparseCodec, accumulator: Any, out: Any, 
     dst = codec._raw(out, "out")
     if dst.count != acc.count:
         raise InvalidArgumentError(f"out has {dst.count} elements, the accumulator {acc.count}")
-    backup = np.array(acc.data, copy=True)
+    backup = np.array(acc.data, copy=True) if restore else None
     total = np.zeros(dst.count, np.float32)
 
     def decode(info: Any) -> None:
@@ -230,7 +234,8 @@ async def all_reduce(comm: Any, codec: SparseCodec, accumulator: Any, out: Any, 
                 "disagree on the codec") from None
         t3 = time.perf_counter()
     except BaseException:
-        _core.copy_into(acc.data, backup)  # nothing was sent for it
+        if backup is not None:
+            _core.copy_into(acc.data, backup)  # nothing was sent for it
         raise
     _core.copy_into(dst.data, total.view(np.uint8))
     metas = tuple(bytes(info.part(s)[:len(meta)]) for s in range(info.world_size))

@@ -107,3 +107,29 @@ def test_compression_and_quantization_do_not_mix() -> None:
                                                      pccl.DataType.UINT8))
     with np.testing.assert_raises(pccl.InvalidArgumentError):
         SparseLoCo(beta=1.5)
+
+
+async def test_a_peer_lost_in_the_reduce_is_retried_without_it_and_parity_holds(
+        pccl_cluster) -> None:
+    """Two of three peers reach the outer step's reduce; the third crashes there. The
+    survivors' collective runs again without it (the payload rebuilt from the untouched
+    accumulator: no backup needed) and every survivor holds the same bytes."""
+    cluster = await pccl_cluster(3, comm_kwargs={"via_master_max_bytes": 0})
+    codec = SparseLoCo(density=2 / 64, bits=2, chunk=64, beta=0.9)
+    models = [_model(5) for _ in range(3)]
+    ds = [DiLoCo(m, None, c, inner_steps=H, outer_momentum=0.0, compression=codec)
+          for m, c in zip(models, cluster.comms)]
+    await asyncio.gather(*(d.start() for d in ds))
+    for i, m in enumerate(models):
+        _inner(m, i, 0)
+    for _ in range(H - 1):
+        await asyncio.gather(*(d.step() for d in ds))
+    survivors = asyncio.gather(ds[0].step(), ds[1].step())
+    await cluster.master.wait_for(lambda s: any(len(c.inits) == 2
+                                                for c in s.collectives.values()), timeout=30)
+    await pccl.testing.crash(cluster.comms[2])
+    infos = await survivors
+    assert all(i is not None and i.applied and i.world_size == 2 for i in infos), infos
+    assert models[0]["w"].tobytes() == models[1]["w"].tobytes()
+    acc = [d.feedback_accumulator for d in ds[:2]]
+    assert all(a is not None and a.any() for a in acc)
