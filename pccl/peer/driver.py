@@ -852,8 +852,8 @@ class Driver:
             data[at:at] = bytes(run.src.data)
         if data is None or len(data) != world * run.src.nbytes \
                 or len(done.peers) not in (0, world):
-            # (Only a master that broke the protocol gets here: it sent every peer the
-            # same wrong bytes, so every peer fails alike.)
+            # (Only a master that broke the protocol gets here: its outcome had the
+            # wrong length or slots, and a broken master fails every peer it answers.)
             raise ProtocolError(
                 f"all-gather tag {tag}: {0 if data is None else len(data)} bytes gathered "
                 f"from {len(done.peers)} peers, expected {world} x {run.src.nbytes}")
