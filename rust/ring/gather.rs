@@ -336,6 +336,17 @@ impl Landing for Shared {
     }
 }
 
+/// The receiving side of one all-gather, driven by hand: what tests feed hostile piece
+/// streams to.
+#[cfg(test)]
+pub(crate) fn receiver(
+    spec: GatherSpec,
+    mem: Arc<GatherMemory>,
+    max_piece: usize,
+) -> CoreResult<Arc<dyn Landing>> {
+    Ok(Arc::new(Shared::prepare(spec, mem, max_piece, 0)?))
+}
+
 /// Runs the all-gather of `mem` over `links`. On success every slot of `mem` holds its
 /// rank's contribution; on failure the slots of the others hold unspecified bytes (and
 /// no task writes them any more once this returns). Until `armed` is set, silence from

@@ -3,7 +3,8 @@
 //! same links, and fails with the ring's typed errors (a dead peer, another descriptor).
 
 use super::assembly::{loopback_ring, Ring};
-use super::gather::{GatherOp, GatherSpec};
+use super::gather::{GatherMemory, GatherOp, GatherSpec};
+use super::links::Dest;
 use super::tests::{
     bounded, close_all, link_cfg, random_input, spec, start_into, stashed, until, Output,
 };
@@ -251,4 +252,46 @@ async fn an_op_runs_once_and_refuses_a_rank_outside_the_world() {
         close_all(&peers).await;
     })
     .await;
+}
+
+#[test]
+fn a_lying_previous_peer_cannot_land_a_byte_outside_the_slot_it_owes() {
+    // World 3, rank 0, 100-byte contributions in pieces of 40: step 0 brings slot 2
+    // (bytes 200..300) as pieces of 40, 40 and 20 bytes; step 1 brings slot 1.
+    let out = Arc::new(Output::new(300));
+    let spec = gather_spec(9, 0, 3, 40);
+    let digest = spec.digest(100);
+    // SAFETY: the output lives in the keep-alive; only this receiver writes it.
+    let mem = unsafe {
+        GatherMemory::with_contribution(&[7u8; 100], 0, out.ptr(), 3, Box::new(out.clone()))
+    }
+    .unwrap();
+    let rx = super::gather::receiver(spec, Arc::new(mem), 1 << 20).unwrap();
+    let protocol = |r: Result<Dest, CoreError>| match r {
+        Err(CoreError::Protocol(_)) => {}
+        other => panic!("{other:?}"),
+    };
+    // Another descriptor (an all-reduce, another size): refused before a byte lands.
+    assert!(matches!(
+        rx.landing(0, 0, 40, digest ^ 1),
+        Err(CoreError::InvalidUsage(_))
+    ));
+    protocol(rx.landing(2, 0, 40, digest)); // past the last step
+    protocol(rx.landing(0, 3, 20, digest)); // past the last piece
+    protocol(rx.landing(1, 0, 40, digest)); // step 1 before step 0
+    protocol(rx.landing(0, 0, 41, digest)); // longer than the piece
+    protocol(rx.landing(0, 2, 40, digest)); // the short last piece, claimed long
+                                            // A piece as owed lands exactly in its place of slot 2, once.
+    match rx.landing(0, 1, 40, digest).unwrap() {
+        Dest::Direct(ptr, n) => {
+            assert_eq!((ptr as usize - out.ptr() as usize, n), (240, 40));
+        }
+        Dest::Streamed => panic!("gather pieces land whole"),
+    }
+    protocol(rx.landing(0, 1, 40, digest)); // the same piece again
+    assert!(rx.land_part(0, 1, 0, &[0u8; 8]).is_err()); // no streamed parts
+    rx.landed(0, 1).unwrap();
+    protocol(rx.landing(0, 1, 40, digest)); // landed already: out of order now
+                                            // This peer's own slot was never offered to the sender.
+    assert!(out.bytes()[..100].iter().all(|&b| b == 7));
 }

@@ -741,6 +741,28 @@ def test_an_all_gather_outcome_names_its_slots_and_the_master_joins_tiny_ones() 
     assert [c.msg.peers for c in sends] == [[]] * 3  # type: ignore[union-attr]
 
 
+def test_a_lying_member_of_a_gather_via_the_master_fails_it_for_all() -> None:
+    """A member sends bytes of another length than its descriptor says: nothing is
+    joined, everyone gets InvalidUsageError (the group goes on). A gather whose result
+    would pass the master's cap runs on the ring even when every member sent bytes."""
+    from pccl.master.state.collectives import VIA_MASTER_MAX_GATHER
+
+    st = run_with([0, 0, 0])
+    ring = st.rings[0]
+    gather = dataclasses.replace(coll_init(4, count=2, dtype=int(DataType.UINT8)),
+                                 kind="all_gather")
+    sends: list[Command] = []
+    for p in ring:
+        sends = tell(st, p, dataclasses.replace(gather, data=b"xxx" if p == ring[1] else b"ok"))
+    assert sends == [Send(p, refused(4, "InvalidUsageError")) for p in ring]
+    assert st.collectives == {}
+    big = VIA_MASTER_MAX_GATHER // 3 + 1
+    huge = dataclasses.replace(gather, count=big, data=bytes(big))
+    for p in ring:
+        sends = tell(st, p, huge)
+    assert [type(c.msg) for c in sends] == [m.CollectivePerform] * 3  # type: ignore[union-attr]
+
+
 def test_collective_from_a_registered_peer_is_refused() -> None:
     st = run_with([0])
     join(st, 2)
