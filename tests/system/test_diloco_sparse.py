@@ -49,6 +49,21 @@ async def _run(cluster, compression, steps: int,
     return ds, tx
 
 
+async def _up_to_the_outer_step(cluster, codec, seed: int
+                                 ) -> tuple[list[dict[str, np.ndarray]], list[DiLoCo]]:
+    """Every peer of ``cluster`` started with the same model, trained one round and
+    stepped ``H - 1`` times: its next ``step()`` is the outer step's."""
+    models = [_model(seed) for _ in cluster.comms]
+    ds = [DiLoCo(m, None, c, inner_steps=H, outer_momentum=0.0, compression=codec)
+          for m, c in zip(models, cluster.comms)]
+    await asyncio.gather(*(d.start() for d in ds))
+    for i, m in enumerate(models):
+        _inner(m, i, 0)
+    for _ in range(H - 1):
+        await asyncio.gather(*(d.step() for d in ds))
+    return models, ds
+
+
 @pytest.mark.parametrize("async_mode", [False, True])
 async def test_sparse_outer_steps_keep_parity_with_far_fewer_bytes(pccl_cluster,
                                                                    async_mode) -> None:
@@ -69,14 +84,7 @@ async def test_sparse_outer_steps_keep_parity_with_far_fewer_bytes(pccl_cluster,
 async def test_a_joiner_starts_with_an_empty_accumulator_and_keeps_parity(pccl_cluster) -> None:
     cluster = await pccl_cluster(2, comm_kwargs={"via_master_max_bytes": 0})
     codec = SparseLoCo(density=2 / 64, bits=4, chunk=64, beta=1.0)
-    models = [_model(3) for _ in range(2)]
-    ds = [DiLoCo(m, None, c, inner_steps=H, outer_momentum=0.0, compression=codec)
-          for m, c in zip(models, cluster.comms)]
-    await asyncio.gather(*(d.start() for d in ds))
-    for i, m in enumerate(models):
-        _inner(m, i, 0)
-    for _ in range(H - 1):
-        await asyncio.gather(*(d.step() for d in ds))
+    models, ds = await _up_to_the_outer_step(cluster, codec, seed=3)
     # A third peer joins; the outer step admits it (are_peers_pending).
     comm = cluster.new_comm()
     joining = asyncio.create_task(comm.connect())
@@ -116,14 +124,7 @@ async def test_a_peer_lost_in_the_reduce_is_retried_without_it_and_parity_holds(
     accumulator: no backup needed) and every survivor holds the same bytes."""
     cluster = await pccl_cluster(3, comm_kwargs={"via_master_max_bytes": 0})
     codec = SparseLoCo(density=2 / 64, bits=2, chunk=64, beta=0.9)
-    models = [_model(5) for _ in range(3)]
-    ds = [DiLoCo(m, None, c, inner_steps=H, outer_momentum=0.0, compression=codec)
-          for m, c in zip(models, cluster.comms)]
-    await asyncio.gather(*(d.start() for d in ds))
-    for i, m in enumerate(models):
-        _inner(m, i, 0)
-    for _ in range(H - 1):
-        await asyncio.gather(*(d.step() for d in ds))
+    models, ds = await _up_to_the_outer_step(cluster, codec, seed=5)
     survivors = asyncio.gather(ds[0].step(), ds[1].step())
     await cluster.master.wait_for(lambda s: any(len(c.inits) == 2
                                                 for c in s.collectives.values()), timeout=30)
