@@ -145,7 +145,7 @@ def _tcp_sender(idx: int, port: int, nbytes: int, rounds: int, barrier: Any, q: 
 
 def bench_secure_loopback(k: int, mib: int, rounds: int) -> dict[str, Any]:
     """k clear and k encrypted streams of pccl's transport at once (Rust, one process
-    of 2 tokio threads): ``secure_bench --streams k``."""
+    of a tokio worker per core): ``secure_bench --streams k``."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     cmd = ["cargo", "run", "--quiet", "--release", "--locked", "--bin", "secure_bench", "--",
            "--streams", str(k), "--mib", str(mib), "--rounds", str(rounds)]
