@@ -7,13 +7,13 @@ work and the host's transport allow, all measured in one run.
 
 One run measures, in this order:
 
-1. the AEAD: one core's AES-256-GCM seal and open rates at pccl's record size
-   (``secure_bench --aead``). A byte a peer sends is sealed by it and opened by its
-   neighbour, so one core that did both for a stream would carry
-   ``R = 1 / (1/seal + 1/open)``. A lane's sealing and its neighbour's opening run on
-   the tokio workers of two processes, so with ``c`` cores per peer the lanes' AEAD
-   work allows ``min(lanes, c) x R_seal`` of busbw (the column ``aead ceiling``;
-   k peers on one host share its cores: c = cores // k).
+1. the AEAD: one core's AES-256-GCM seal and open rates at pccl's record size, with the
+   code pccl picks on this CPU (``secure_bench --aead``; both codes are recorded). A
+   byte a peer sends is sealed by it and opened by its neighbour, so one core that did
+   both for a stream would carry ``R = 1 / (1/seal + 1/open)``. A lane's sealing and
+   its neighbour's opening run on the tokio workers of two processes, so with ``c``
+   cores per peer the lanes' AEAD work allows ``min(lanes, c) x R_seal`` of busbw (the
+   column ``aead ceiling``; k peers on one host share its cores: c = cores // k).
 2. the transport: for each lane count L, ``k x L`` clear and ``k x L`` encrypted streams
    of pccl's own transport at once (``secure_bench --streams``), aggregate / k: the busbw
    bound of a ring whose every link has L lanes, on this host.
@@ -43,19 +43,25 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def aead_rates(mib: int, rounds: int) -> dict[str, Any]:
-    """One core's seal and open rates (GB/s), ``secure_bench --aead``."""
+    """One core's seal and open rates (GB/s) with the AES-GCM code pccl picks on this
+    CPU, and with each of its two codes (``secure_bench --aead``)."""
     import json
 
     cmd = ["cargo", "run", "--quiet", "--release", "--locked", "--bin", "secure_bench", "--",
            "--aead", "--mib", str(mib), "--rounds", str(rounds)]
     res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1800,
                          check=True)
-    rows = [json.loads(line) for line in res.stdout.splitlines() if line.startswith("{")]
-    seal = median([r["seal_GBps"] for r in rows])
-    opened = median([r["open_GBps"] for r in rows])
-    return {"command": " ".join(cmd), "rounds": rows, "seal_GBps": seal, "open_GBps": opened,
-            "one_core_both_GBps": 1.0 / (1.0 / seal + 1.0 / opened),
-            "record_bytes": rows[0]["record_bytes"] if rows else None}
+    lines = [json.loads(line) for line in res.stdout.splitlines() if line.startswith("{")]
+    chosen = next(x["chosen"] for x in lines if "chosen" in x)
+    rows = [x for x in lines if "aead" in x]
+    codes = {}
+    for code in sorted({r["aead"] for r in rows}):
+        seal = median([r["seal_GBps"] for r in rows if r["aead"] == code])
+        opened = median([r["open_GBps"] for r in rows if r["aead"] == code])
+        codes[code] = {"seal_GBps": seal, "open_GBps": opened,
+                       "one_core_both_GBps": 1.0 / (1.0 / seal + 1.0 / opened)}
+    return {"command": " ".join(cmd), "rounds": rows, "chosen": chosen, "codes": codes,
+            **codes[chosen], "record_bytes": rows[0]["record_bytes"] if rows else None}
 
 
 def run_one(k: int, lanes: int, nbytes: int, iters: int, warmup: int,
@@ -104,8 +110,10 @@ def main() -> None:
     with phase(out["errors"], "aead"):
         out["aead"] = aead_rates(args.aead_mib, 3)
         a = out["aead"]
-        print(f"AES-256-GCM on one core: seal {a['seal_GBps']:.2f} GB/s, open "
-              f"{a['open_GBps']:.2f}, both {a['one_core_both_GBps']:.2f}", flush=True)
+        for code, r in a["codes"].items():
+            print(f"AES-256-GCM on one core, {code}{' (chosen)' if code == a['chosen'] else ''}"
+                  f": seal {r['seal_GBps']:.2f} GB/s, open {r['open_GBps']:.2f}, both "
+                  f"{r['one_core_both_GBps']:.2f}", flush=True)
     for lanes in args.lanes:
         row: dict[str, Any] = {"peers": k, "lanes": lanes, "size_bytes": nbytes}
         with phase(out["errors"], f"transport {k}x{lanes} streams"):

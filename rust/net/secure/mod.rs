@@ -73,7 +73,7 @@ mod tests;
 
 pub use handshake::{Auth, Handshake, HandshakeFailure, STATUS_REFUSED, STATUS_TRANSPORT_MISMATCH};
 pub use noise::{psk_from_secret, psk_id};
-pub use record::{DirKey, FIRST_NONCE};
+pub use record::{Aead, DirKey, FIRST_NONCE};
 pub use stream::{
     secure_accept, secure_accept_first, secure_dial, secure_dial_as, secure_dial_split,
     secure_split_with, Joined, SecureReadHalf, SecureStream, SecureWriteHalf, SplitIo,

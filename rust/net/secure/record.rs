@@ -15,27 +15,91 @@ use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 pub const FIRST_NONCE: u64 = 0;
 
 /// One direction's AES-256-GCM key, for suites whose records this module seals and
-/// opens itself with ring (`ReadState` then reads a record's ciphertext straight into
-/// the caller's buffer and decrypts it there, with no copy). The records are the very
-/// Noise transport messages snow would make: nonce `0^32 || n` big-endian, no AD; and
+/// opens itself (`ReadState` then reads a record's ciphertext straight into the
+/// caller's buffer and decrypts it there, with no copy). The records are the very Noise
+/// transport messages snow would make: nonce `0^32 || n` big-endian, no AD; and
 /// `rekey()` is Noise's REKEY (the first 32 bytes of the encryption of 32 zero bytes
 /// under nonce 2^64 - 1), the same as snow's `rekey_outgoing` / `rekey_incoming`.
-pub struct DirKey(Box<ring::aead::LessSafeKey>);
+///
+/// Two implementations of the same AES-256-GCM, byte for byte (see [`Aead`]): ring's,
+/// and AWS-LC's where the CPU has AVX-512 with VAES and VPCLMULQDQ (its code for them
+/// is about twice ring's VAES-AVX2 code on such a CPU; without them it is slower than
+/// ring). Each end picks for itself: the two interoperate.
+pub enum DirKey {
+    Ring(Box<ring::aead::LessSafeKey>),
+    AwsLc(Box<aws_lc_rs::aead::LessSafeKey>),
+}
 
 /// (sending, receiving) keys of one end, for `Suite { AesGcm, Ring }`.
 pub(super) type Keys = Option<(DirKey, DirKey)>;
 
-fn ring_nonce(nonce: u64) -> ring::aead::Nonce {
+/// Which AES-GCM code seals and opens records in this process.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Aead {
+    /// ring (BoringSSL's code): VAES-AVX2 where the CPU has it, AES-NI otherwise.
+    Ring,
+    /// AWS-LC: its AVX-512 VAES code.
+    AwsLc,
+}
+
+impl Aead {
+    /// AWS-LC where the CPU runs its AVX-512 VAES code, else ring. `PCCL_AEAD=ring` or
+    /// `PCCL_AEAD=aws-lc` overrides it (for measuring one against the other); read once.
+    pub fn chosen() -> Aead {
+        static CHOSEN: std::sync::OnceLock<Aead> = std::sync::OnceLock::new();
+        *CHOSEN.get_or_init(|| match std::env::var("PCCL_AEAD").as_deref() {
+            Ok("ring") => Aead::Ring,
+            Ok("aws-lc") => Aead::AwsLc,
+            _ if Aead::cpu_has_wide_vaes() => Aead::AwsLc,
+            _ => Aead::Ring,
+        })
+    }
+
+    fn cpu_has_wide_vaes() -> bool {
+        #[cfg(target_arch = "x86_64")]
+        {
+            std::arch::is_x86_feature_detected!("avx512f")
+                && std::arch::is_x86_feature_detected!("avx512bw")
+                && std::arch::is_x86_feature_detected!("avx512vl")
+                && std::arch::is_x86_feature_detected!("vaes")
+                && std::arch::is_x86_feature_detected!("vpclmulqdq")
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            false
+        }
+    }
+}
+
+fn nonce_bytes(nonce: u64) -> [u8; 12] {
     let mut n = [0u8; 12];
     n[4..].copy_from_slice(&nonce.to_be_bytes());
-    ring::aead::Nonce::assume_unique_for_key(n)
+    n
 }
 
 impl DirKey {
     fn new(raw: &[u8]) -> Option<DirKey> {
-        ring::aead::UnboundKey::new(&ring::aead::AES_256_GCM, raw)
-            .ok()
-            .map(|k| DirKey(Box::new(ring::aead::LessSafeKey::new(k))))
+        DirKey::with(Aead::chosen(), raw)
+    }
+
+    /// A key of `raw` bytes sealed and opened by `aead`'s code.
+    pub fn with(aead: Aead, raw: &[u8]) -> Option<DirKey> {
+        match aead {
+            Aead::Ring => ring::aead::UnboundKey::new(&ring::aead::AES_256_GCM, raw)
+                .ok()
+                .map(|k| DirKey::Ring(Box::new(ring::aead::LessSafeKey::new(k)))),
+            Aead::AwsLc => aws_lc_rs::aead::UnboundKey::new(&aws_lc_rs::aead::AES_256_GCM, raw)
+                .ok()
+                .map(|k| DirKey::AwsLc(Box::new(aws_lc_rs::aead::LessSafeKey::new(k)))),
+        }
+    }
+
+    /// The code this key runs.
+    pub fn aead(&self) -> Aead {
+        match self {
+            DirKey::Ring(_) => Aead::Ring,
+            DirKey::AwsLc(_) => Aead::AwsLc,
+        }
     }
 
     /// From the handshake's split (`k1` protects dialer -> acceptor, `k2` the reverse),
@@ -55,40 +119,73 @@ impl DirKey {
     }
 
     /// Decrypts the record `in_out` (ciphertext and tag) in place; the plaintext length.
-    fn open(&self, nonce: u64, in_out: &mut [u8]) -> Option<usize> {
-        self.0
-            .open_in_place(ring_nonce(nonce), ring::aead::Aad::empty(), in_out)
-            .ok()
-            .map(|p| p.len())
+    pub fn open(&self, nonce: u64, in_out: &mut [u8]) -> Option<usize> {
+        let n = nonce_bytes(nonce);
+        match self {
+            DirKey::Ring(k) => k
+                .open_in_place(
+                    ring::aead::Nonce::assume_unique_for_key(n),
+                    ring::aead::Aad::empty(),
+                    in_out,
+                )
+                .ok()
+                .map(|p| p.len()),
+            DirKey::AwsLc(k) => k
+                .open_in_place(
+                    aws_lc_rs::aead::Nonce::assume_unique_for_key(n),
+                    aws_lc_rs::aead::Aad::empty(),
+                    in_out,
+                )
+                .ok()
+                .map(|p| p.len()),
+        }
     }
 
     /// Encrypts `payload` into `out` (which has room for it and the tag); the record's
     /// length.
-    pub(super) fn seal(&self, nonce: u64, payload: &[u8], out: &mut [u8]) -> Option<usize> {
-        let n = payload.len();
-        out[..n].copy_from_slice(payload);
-        let tag = self
-            .0
-            .seal_in_place_separate_tag(ring_nonce(nonce), ring::aead::Aad::empty(), &mut out[..n])
-            .ok()?;
-        out[n..n + TAG_LEN].copy_from_slice(tag.as_ref());
-        Some(n + TAG_LEN)
+    pub fn seal(&self, nonce: u64, payload: &[u8], out: &mut [u8]) -> Option<usize> {
+        let len = payload.len();
+        out[..len].copy_from_slice(payload);
+        let n = nonce_bytes(nonce);
+        let text = &mut out[..len];
+        match self {
+            DirKey::Ring(k) => {
+                let tag = k
+                    .seal_in_place_separate_tag(
+                        ring::aead::Nonce::assume_unique_for_key(n),
+                        ring::aead::Aad::empty(),
+                        text,
+                    )
+                    .ok()?;
+                out[len..len + TAG_LEN].copy_from_slice(tag.as_ref());
+            }
+            DirKey::AwsLc(k) => {
+                let tag = k
+                    .seal_in_place_separate_tag(
+                        aws_lc_rs::aead::Nonce::assume_unique_for_key(n),
+                        aws_lc_rs::aead::Aad::empty(),
+                        text,
+                    )
+                    .ok()?;
+                out[len..len + TAG_LEN].copy_from_slice(tag.as_ref());
+            }
+        }
+        Some(len + TAG_LEN)
     }
 
-    /// Noise's REKEY: the next key of this direction.
-    pub(super) fn rekey(&mut self) {
+    /// Noise's REKEY: the next key of this direction, by the same code.
+    pub fn rekey(&mut self) {
         let mut next = [0u8; 32];
-        let sealed = self.0.seal_in_place_separate_tag(
-            ring_nonce(u64::MAX),
-            ring::aead::Aad::empty(),
-            &mut next,
-        );
-        if sealed.is_ok() {
-            if let Some(k) = DirKey::new(&next) {
+        let zeros = [0u8; 32];
+        let mut out = [0u8; 32 + TAG_LEN];
+        if self.seal(u64::MAX, &zeros, &mut out).is_some() {
+            next.copy_from_slice(&out[..32]);
+            if let Some(k) = DirKey::with(self.aead(), &next) {
                 *self = k;
             }
         }
         next.fill(0);
+        out.fill(0);
     }
 }
 

@@ -897,3 +897,71 @@ async fn known_plaintext_never_appears_on_the_wire() {
     })
     .await
 }
+
+#[test]
+fn both_aes_gcm_codes_seal_the_same_records_and_open_each_others() {
+    // ring's and AWS-LC's AES-256-GCM: byte-identical records and REKEYs, so ends that
+    // picked different code (by their CPUs) read each other.
+    let mut rng = StdRng::seed_from_u64(41);
+    let mut raw = [0u8; 32];
+    rng.fill_bytes(&mut raw);
+    let mut ring_key = DirKey::with(Aead::Ring, &raw).unwrap();
+    let mut lc_key = DirKey::with(Aead::AwsLc, &raw).unwrap();
+    assert_eq!((ring_key.aead(), lc_key.aead()), (Aead::Ring, Aead::AwsLc));
+    let sizes = [0usize, 1, 15, 16, 17, 4096, MAX_PLAINTEXT];
+    for (n, &len) in sizes.iter().enumerate() {
+        let nonce = n as u64 * 1_000_003;
+        let mut payload = vec![0u8; len];
+        rng.fill_bytes(&mut payload);
+        let mut by_ring = vec![0u8; len + TAG_LEN];
+        let mut by_lc = vec![0u8; len + TAG_LEN];
+        assert_eq!(
+            ring_key.seal(nonce, &payload, &mut by_ring),
+            Some(len + TAG_LEN)
+        );
+        assert_eq!(
+            lc_key.seal(nonce, &payload, &mut by_lc),
+            Some(len + TAG_LEN)
+        );
+        assert_eq!(by_ring, by_lc, "{len} bytes");
+        for (key, record) in [(&ring_key, &by_lc), (&lc_key, &by_ring)] {
+            let mut opened = record.clone();
+            assert_eq!(key.open(nonce, &mut opened), Some(len));
+            assert_eq!(&opened[..len], &payload[..]);
+            // A flipped bit, in the text or the tag, or another nonce: refused by both.
+            for at in [0, len / 2, len + TAG_LEN - 1] {
+                let mut bad = record.clone();
+                bad[at] ^= 0x20;
+                assert_eq!(key.open(nonce, &mut bad), None, "bit at {at} of {len}");
+            }
+            assert_eq!(key.open(nonce + 1, &mut record.clone()), None);
+        }
+        // The next keys agree too (the next round seals with them).
+        ring_key.rekey();
+        lc_key.rekey();
+    }
+}
+
+#[test]
+fn the_chosen_aes_gcm_code_is_one_of_the_two() {
+    // AWS-LC only where the CPU runs its wide VAES code (or PCCL_AEAD says so).
+    let chosen = Aead::chosen();
+    assert!(matches!(chosen, Aead::Ring | Aead::AwsLc));
+    match std::env::var("PCCL_AEAD").as_deref() {
+        Ok("ring") => assert_eq!(chosen, Aead::Ring),
+        Ok("aws-lc") => assert_eq!(chosen, Aead::AwsLc),
+        _ => {
+            #[cfg(target_arch = "x86_64")]
+            let wide = std::arch::is_x86_feature_detected!("avx512f")
+                && std::arch::is_x86_feature_detected!("avx512bw")
+                && std::arch::is_x86_feature_detected!("avx512vl")
+                && std::arch::is_x86_feature_detected!("vaes")
+                && std::arch::is_x86_feature_detected!("vpclmulqdq");
+            #[cfg(not(target_arch = "x86_64"))]
+            let wide = false;
+            assert_eq!(chosen == Aead::AwsLc, wide);
+        }
+    }
+    let key = DirKey::with(chosen, &[3u8; 32]).unwrap();
+    assert_eq!(key.aead(), chosen);
+}
