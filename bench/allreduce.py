@@ -259,9 +259,17 @@ async def _pccl_peer(rank: int, k: int, master: str, pool: int, advertise: str |
 
     import pccl
 
+    # Behind an emulator, the peer's port is chosen here and published before it
+    # registers: the master checks at registration that the advertised address (the
+    # emulator, which forwards to this port) reaches it, and a port published too late
+    # made it "not reachable" now and then, and its ring links hole-punched (one stream).
+    listen_port = free_port() if advertise else 0
+    if advertise:
+        ports[rank] = listen_port
     comm = pccl.Communicator(master=master, p2p_connection_pool_size=pool,
-                             p2p_advertise_address=advertise, peer_timeout=30.0,
-                             timeout=30.0, insecure=_insecure(), **_piece_kwargs())
+                             p2p_advertise_address=advertise, p2p_listen_port=listen_port,
+                             peer_timeout=30.0, timeout=30.0, insecure=_insecure(),
+                             **_piece_kwargs())
 
     def sync(timeout: float) -> Any:
         # In a thread, so the event loop keeps answering the master while we wait.
