@@ -35,7 +35,8 @@ use crate::error::{CoreError, CoreResult};
 use crate::quant::{self, QuantAlgorithm, WireType};
 use crate::reduce::{self, DType, ReduceOp};
 use crate::ring::links::{Dest, Landing, PieceHeader, RingLinks, HEADER_LEN};
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
+use crate::ring::pieces::{OpWords, PieceTracker};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
@@ -557,65 +558,16 @@ struct Shared {
     qslot: usize,
     plan: Plan,
     spec: ReduceSpec,
-    /// `spec.digest(..)`: every piece sent carries it, every piece received must.
-    digest: u32,
-    /// The previous peer (named in errors).
-    prev: u64,
-    /// Why this op failed, when that is its own fault rather than the links' (a peer
-    /// runs another descriptor): reported instead of the poisoned links' error.
-    failure: Mutex<Option<CoreError>>,
-    /// progress[p] = steps whose piece p has landed and been reduced.
-    progress: Vec<AtomicU32>,
+    /// The pieces' checks and progress, the bytes moved, the op's own failure.
+    pieces: PieceTracker,
     /// In place: bytes of piece p's current step already written into the tensor
     /// (their originals saved), until it has landed: the blocks folded in so far of a
     /// streamed reduce-scatter piece, or the whole range of a first all-gather piece
     /// being received; see `written_ranges`.
     applied: Vec<AtomicUsize>,
-    /// claimed[p] = steps whose piece p some lane has started to receive: each piece is
-    /// handed to one lane only, even if the previous peer announces it on several.
-    claimed: Vec<AtomicU32>,
-    /// Pieces landed so far, out of `plan.pieces * plan.steps`.
-    landed: AtomicU64,
-    advanced: Notify,
-    tx: AtomicU64,
-    rx: AtomicU64,
-}
-
-/// `claimed[p]` of an op that failed here: no reader may start landing a piece of it.
-pub(crate) const CLOSED: u32 = u32::MAX;
-
-/// Closes the pieces of an op that failed here (`claimed`/`progress` per piece, as the
-/// ops keep them): no reader may start landing one from now on. True when no piece is
-/// being received now (so nothing writes the op's memory any more), false while one
-/// still is.
-pub(crate) fn close_pieces(claimed: &[AtomicU32], progress: &[AtomicU32]) -> bool {
-    let mut idle = true;
-    for (claimed, progress) in claimed.iter().zip(progress) {
-        let c = claimed.load(Ordering::Acquire);
-        if c == CLOSED {
-            continue;
-        }
-        if progress.load(Ordering::Acquire) == c {
-            // Nothing in flight on this piece: close it, unless a reader claimed it
-            // just now (then it is in flight: wait for it like the others).
-            if claimed
-                .compare_exchange(c, CLOSED, Ordering::AcqRel, Ordering::Acquire)
-                .is_ok()
-            {
-                continue;
-            }
-        }
-        idle = false;
-    }
-    idle
 }
 
 impl Shared {
-    /// Stops every later landing of this op (see [`close_pieces`]).
-    fn close_landings(&self) -> bool {
-        close_pieces(&self.claimed, &self.progress)
-    }
-
     /// Whether the pieces of `step` arrive in parts through `land_part`: unquantized
     /// reduce-scatter steps of ops that write the caller's memory (received and reduced
     /// in one pass). All-gather pieces, and every piece of scratch-memory ops, land
@@ -650,32 +602,9 @@ impl Shared {
 
 impl Landing for Shared {
     fn landing(&self, step: u32, piece: u32, len: u32, digest: u32) -> CoreResult<Dest> {
-        if digest != self.digest {
-            let e = CoreError::InvalidUsage(format!(
-                "peer {} runs a different collective as op {} (descriptor digest \
-                 {digest:08x}, ours {:08x}): element count, dtype, reduce op, \
-                 quantization, world or piece size differ",
-                self.prev, self.spec.op_id, self.digest
-            ));
-            self.failure.lock().unwrap().get_or_insert(e.clone());
-            self.advanced.notify_waiters();
-            return Err(e);
-        }
         let (step, p) = (step as usize, piece as usize);
+        self.pieces.check(step, p, digest)?;
         let plan = &self.plan;
-        if step >= plan.steps || p >= plan.pieces {
-            return Err(CoreError::Protocol(format!(
-                "piece {step}/{p} is outside collective {} ({} steps x {} pieces); \
-                 do all peers reduce the same tensor?",
-                self.spec.op_id, plan.steps, plan.pieces
-            )));
-        }
-        if self.progress[p].load(Ordering::Acquire) != step as u32 {
-            return Err(CoreError::Protocol(format!(
-                "piece {step}/{p} of collective {} arrived out of order",
-                self.spec.op_id
-            )));
-        }
         let range = plan.piece(plan.recv_chunk(step), p);
         let expected = self.wire_len(range.len());
         if expected != len as usize {
@@ -685,23 +614,7 @@ impl Landing for Shared {
                 self.spec.op_id
             )));
         }
-        if let Err(now) = self.claimed[p].compare_exchange(
-            step as u32,
-            step as u32 + 1,
-            Ordering::AcqRel,
-            Ordering::Acquire,
-        ) {
-            if now == CLOSED {
-                return Err(CoreError::Aborted(format!(
-                    "a piece of collective {} arrived after it ended here",
-                    self.spec.op_id
-                )));
-            }
-            return Err(CoreError::Protocol(format!(
-                "piece {step}/{p} of collective {} arrived twice",
-                self.spec.op_id
-            )));
-        }
+        self.pieces.claim(step, p)?;
         if self.streamed(step) {
             return Ok(Dest::Streamed);
         }
@@ -756,7 +669,8 @@ impl Landing for Shared {
         let plan = &self.plan;
         let range = plan.piece(plan.recv_chunk(step), p);
         let wire_len = self.wire_len(range.len());
-        self.rx
+        self.pieces
+            .rx
             .fetch_add((HEADER_LEN + wire_len) as u64, Ordering::Relaxed);
         let last_rs = plan.world - 2;
         let (dtype, op) = (self.spec.dtype, self.spec.op);
@@ -799,9 +713,7 @@ impl Landing for Shared {
         if step == last_rs {
             reduce::finalize(dtype, op, self.mem.scratch_mut(range), plan.world)?;
         }
-        self.progress[p].store(step as u32 + 1, Ordering::Release);
-        self.landed.fetch_add(1, Ordering::AcqRel);
-        self.advanced.notify_waiters();
+        self.pieces.finish(step, p);
         Ok(())
     }
 }
@@ -844,21 +756,19 @@ pub async fn ring_all_reduce(
         }
     }
     outcome?;
-    Ok(ReduceStats {
-        tx_bytes: shared.tx.load(Ordering::Relaxed),
-        rx_bytes: shared.rx.load(Ordering::Relaxed),
-    })
+    Ok(shared.pieces.stats())
 }
 
-/// What [`drive`] needs of an op's receiving side: its progress, and why it failed when
-/// that is its own fault (a peer runs another descriptor) rather than the links'.
-pub(crate) trait DrivenOp: OpProgress + Landing + 'static {
-    fn own_failure(&self) -> Option<CoreError>;
+/// What [`drive`] needs of an op's receiving side: its pieces' progress, and why it
+/// failed when that is its own fault (a peer runs another descriptor) rather than the
+/// links' ([`PieceTracker`]).
+pub(crate) trait DrivenOp: Landing + 'static {
+    fn pieces(&self) -> &PieceTracker;
 }
 
 impl DrivenOp for Shared {
-    fn own_failure(&self) -> Option<CoreError> {
-        self.failure.lock().unwrap().clone()
+    fn pieces(&self) -> &PieceTracker {
+        &self.pieces
     }
 }
 
@@ -895,8 +805,9 @@ where
     for lane in 0..links.send_lanes() {
         senders.spawn(lane_task(lane, links.clone(), cancel.clone()));
     }
-    let outcome = wait_until_done(links, &*shared, &mut senders, total, cancel, armed).await;
-    let outcome = outcome.map_err(|e| shared.own_failure().unwrap_or(e));
+    let pieces = shared.pieces();
+    let outcome = wait_until_done(links, pieces, &mut senders, total, cancel, armed).await;
+    let outcome = outcome.map_err(|e| pieces.own_failure().unwrap_or(e));
     if outcome.is_err() {
         cancel.cancel();
         while senders.join_next().await.is_some() {}
@@ -904,7 +815,7 @@ where
     guard.armed = false;
     links.finish(op_id);
     if outcome.is_err() && writes_caller_memory {
-        settle_landings(links, &*shared).await;
+        settle_landings(links, pieces).await;
     }
     outcome
 }
@@ -941,7 +852,7 @@ impl Shared {
     fn written_ranges(&self) -> Vec<std::ops::Range<usize>> {
         let plan = &self.plan;
         let mut ranges = Vec::new();
-        for (p, progress) in self.progress.iter().enumerate() {
+        for (p, progress) in self.pieces.progress.iter().enumerate() {
             let done = progress.load(Ordering::Acquire) as usize;
             for step in 0..done.min(plan.world) {
                 let r = plan.piece(plan.recv_chunk(step), p);
@@ -998,23 +909,28 @@ impl Shared {
             ),
             None => (None, None),
         };
-        Ok(Shared {
-            digest: spec.digest(mem.len()),
+        let words = OpWords {
+            noun: "collective",
+            differs: "element count, dtype, reduce op, quantization, world or piece size differ",
+            outside_hint: "; do all peers reduce the same tensor?",
+        };
+        let pieces = PieceTracker::new(
+            words,
+            spec.op_id,
+            spec.digest(mem.len()),
             prev,
-            failure: Mutex::new(None),
+            plan.steps,
+            plan.pieces,
+        );
+        Ok(Shared {
+            pieces,
             rs_stage,
             ag_stage,
             qslot,
-            progress: (0..plan.pieces).map(|_| AtomicU32::new(0)).collect(),
             applied: (0..plan.pieces).map(|_| AtomicUsize::new(0)).collect(),
-            claimed: (0..plan.pieces).map(|_| AtomicU32::new(0)).collect(),
             mem,
             plan,
             spec,
-            landed: AtomicU64::new(0),
-            advanced: Notify::new(),
-            tx: AtomicU64::new(0),
-            rx: AtomicU64::new(0),
         })
     }
 }
@@ -1034,7 +950,7 @@ impl Receiver {
 
     /// The digest the op's pieces must carry.
     pub(crate) fn digest(&self) -> u32 {
-        self.0.digest
+        self.0.pieces.digest
     }
 
     /// `(steps, pieces)` of the op.
@@ -1102,32 +1018,7 @@ impl Receiver {
 
     /// Pieces landed so far.
     pub(crate) fn landed_count(&self) -> u64 {
-        self.0.landed.load(Ordering::Acquire)
-    }
-}
-
-/// What the generic parts of an op's run (`wait_until_done`, `settle_landings`) read of
-/// its receiving side.
-pub(crate) trait OpProgress {
-    /// Pieces landed so far.
-    fn landed_count(&self) -> u64;
-    /// Notified whenever a piece landed (or the op failed on its own).
-    fn advanced(&self) -> &Notify;
-    /// Stops every later landing; true when no piece is being received now.
-    fn close_landings(&self) -> bool;
-}
-
-impl OpProgress for Shared {
-    fn landed_count(&self) -> u64 {
-        self.landed.load(Ordering::Acquire)
-    }
-
-    fn advanced(&self) -> &Notify {
-        &self.advanced
-    }
-
-    fn close_landings(&self) -> bool {
-        Shared::close_landings(self)
+        self.0.pieces.landed_count()
     }
 }
 
@@ -1135,13 +1026,13 @@ impl OpProgress for Shared {
 /// once the op returns. Waits (bounded by the I/O timeout) for pieces being received
 /// now; a reader stuck in one is stopped by closing the links (after a failure they
 /// are rebuilt anyway).
-async fn settle_landings<S: OpProgress>(links: &RingLinks, sh: &S) {
+async fn settle_landings(links: &RingLinks, sh: &PieceTracker) {
     let deadline = tokio::time::Instant::now() + links.io_timeout();
     loop {
-        let notified = sh.advanced().notified();
+        let notified = sh.advanced.notified();
         tokio::pin!(notified);
         notified.as_mut().enable();
-        if sh.close_landings() {
+        if sh.close() {
             break;
         }
         if tokio::time::timeout_at(deadline, notified).await.is_err() {
@@ -1154,9 +1045,9 @@ async fn settle_landings<S: OpProgress>(links: &RingLinks, sh: &S) {
 /// Waits until every sender finished and every expected piece landed. Once armed,
 /// fails when the previous peer sends nothing for the link's I/O timeout (the clock
 /// starts again when the op is armed).
-async fn wait_until_done<S: OpProgress>(
+async fn wait_until_done(
     links: &RingLinks,
-    sh: &S,
+    sh: &PieceTracker,
     senders: &mut tokio::task::JoinSet<CoreResult<()>>,
     total: u64,
     cancel: &CancellationToken,
@@ -1165,7 +1056,7 @@ async fn wait_until_done<S: OpProgress>(
     let mut senders_left = senders.len();
     let mut clock = StallClock::new(sh.landed_count(), armed.is_armed());
     loop {
-        let notified = sh.advanced().notified();
+        let notified = sh.advanced.notified();
         tokio::pin!(notified);
         notified.as_mut().enable();
         let arming = armed.notified();
@@ -1229,7 +1120,8 @@ async fn send_lane(
         for p in (lane..plan.pieces).step_by(lanes) {
             if step > 0 {
                 // Wait until piece p of the previous step has landed and been reduced.
-                wait_progress(links, &sh.advanced, &sh.progress[p], step, cancel).await?;
+                let pieces = &sh.pieces;
+                wait_progress(links, &pieces.advanced, &pieces.progress[p], step, cancel).await?;
             }
             let range = plan.piece(chunk, p);
             if step == 0 && sh.mem.is_in_place() && sh.spec.quant.is_none() {
@@ -1271,12 +1163,13 @@ async fn send_lane(
                 step: step as u32,
                 piece: p as u32,
                 len: data.len() as u32,
-                digest: sh.digest,
+                digest: sh.pieces.digest,
             };
             links
                 .send_piece_or_abort(lane, header, data, cancel)
                 .await?;
-            sh.tx
+            sh.pieces
+                .tx
                 .fetch_add((HEADER_LEN + data.len()) as u64, Ordering::Relaxed);
         }
     }

@@ -18,14 +18,12 @@
 //! and concurrency with other collectives on the same links.
 
 use crate::error::{CoreError, CoreResult};
-use crate::ring::allreduce::{
-    close_pieces, drive, wait_progress, Armed, DrivenOp, OpProgress, ReduceStats,
-};
+use crate::ring::allreduce::{drive, wait_progress, Armed, DrivenOp, ReduceStats};
 use crate::ring::links::{Dest, Landing, PieceHeader, RingLinks, HEADER_LEN};
+use crate::ring::pieces::{OpWords, PieceTracker};
 use std::future::Future;
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
-use tokio::sync::Notify;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use tokio_util::sync::CancellationToken;
 
 #[derive(Clone, Debug)]
@@ -176,17 +174,8 @@ struct Shared {
     mem: Arc<GatherMemory>,
     plan: Plan,
     spec: GatherSpec,
-    digest: u32,
-    prev: u64,
-    failure: Mutex<Option<CoreError>>,
-    /// progress[p] = steps whose piece p has landed.
-    progress: Vec<AtomicU32>,
-    /// claimed[p] = steps whose piece p a lane has started to receive.
-    claimed: Vec<AtomicU32>,
-    landed: AtomicU64,
-    advanced: Notify,
-    tx: AtomicU64,
-    rx: AtomicU64,
+    /// The pieces' checks and progress, the bytes moved, the op's own failure.
+    pieces: PieceTracker,
 }
 
 impl Shared {
@@ -221,73 +210,39 @@ impl Shared {
             piece,
             pieces,
         };
-        Ok(Shared {
-            digest: spec.digest(len),
+        let words = OpWords {
+            noun: "all-gather",
+            differs: "an all-gather of another size, world or piece size, or not an all-gather",
+            outside_hint: "",
+        };
+        let pieces = PieceTracker::new(
+            words,
+            spec.op_id,
+            spec.digest(len),
             prev,
-            failure: Mutex::new(None),
-            progress: (0..pieces).map(|_| AtomicU32::new(0)).collect(),
-            claimed: (0..pieces).map(|_| AtomicU32::new(0)).collect(),
+            plan.steps(),
+            pieces,
+        );
+        Ok(Shared {
+            pieces,
             mem,
             plan,
             spec,
-            landed: AtomicU64::new(0),
-            advanced: Notify::new(),
-            tx: AtomicU64::new(0),
-            rx: AtomicU64::new(0),
         })
     }
 }
 
-impl OpProgress for Shared {
-    fn landed_count(&self) -> u64 {
-        self.landed.load(Ordering::Acquire)
-    }
-
-    fn advanced(&self) -> &Notify {
-        &self.advanced
-    }
-
-    fn close_landings(&self) -> bool {
-        close_pieces(&self.claimed, &self.progress)
-    }
-}
-
 impl DrivenOp for Shared {
-    fn own_failure(&self) -> Option<CoreError> {
-        self.failure.lock().unwrap().clone()
+    fn pieces(&self) -> &PieceTracker {
+        &self.pieces
     }
 }
 
 impl Landing for Shared {
     fn landing(&self, step: u32, piece: u32, len: u32, digest: u32) -> CoreResult<Dest> {
-        if digest != self.digest {
-            let e = CoreError::InvalidUsage(format!(
-                "peer {} runs a different collective as op {} (descriptor digest \
-                 {digest:08x}, ours {:08x}): an all-gather of another size, world or \
-                 piece size, or not an all-gather",
-                self.prev, self.spec.op_id, self.digest
-            ));
-            self.failure.lock().unwrap().get_or_insert(e.clone());
-            self.advanced.notify_waiters();
-            return Err(e);
-        }
         let (step, p) = (step as usize, piece as usize);
-        let plan = &self.plan;
-        if step >= plan.steps() || p >= plan.pieces {
-            return Err(CoreError::Protocol(format!(
-                "piece {step}/{p} is outside all-gather {} ({} steps x {} pieces)",
-                self.spec.op_id,
-                plan.steps(),
-                plan.pieces
-            )));
-        }
-        if self.progress[p].load(Ordering::Acquire) != step as u32 {
-            return Err(CoreError::Protocol(format!(
-                "piece {step}/{p} of all-gather {} arrived out of order",
-                self.spec.op_id
-            )));
-        }
-        let range = plan.piece_range(plan.recv_chunk(step), p);
+        self.pieces.check(step, p, digest)?;
+        let range = self.plan.piece_range(self.plan.recv_chunk(step), p);
         if range.len() != len as usize {
             return Err(CoreError::Protocol(format!(
                 "piece {step}/{p} of all-gather {} has {len} bytes, expected {}",
@@ -295,24 +250,7 @@ impl Landing for Shared {
                 range.len()
             )));
         }
-        if let Err(now) = self.claimed[p].compare_exchange(
-            step as u32,
-            step as u32 + 1,
-            Ordering::AcqRel,
-            Ordering::Acquire,
-        ) {
-            return Err(if now == crate::ring::allreduce::CLOSED {
-                CoreError::Aborted(format!(
-                    "a piece of all-gather {} arrived after it ended here",
-                    self.spec.op_id
-                ))
-            } else {
-                CoreError::Protocol(format!(
-                    "piece {step}/{p} of all-gather {} arrived twice",
-                    self.spec.op_id
-                ))
-            });
-        }
+        self.pieces.claim(step, p)?;
         let dst = self.mem.slice_mut(range);
         Ok(Dest::Direct(dst.as_mut_ptr(), dst.len()))
     }
@@ -327,11 +265,10 @@ impl Landing for Shared {
     fn landed(&self, step: u32, piece: u32) -> CoreResult<()> {
         let (step, p) = (step as usize, piece as usize);
         let range = self.plan.piece_range(self.plan.recv_chunk(step), p);
-        self.rx
+        self.pieces
+            .rx
             .fetch_add((HEADER_LEN + range.len()) as u64, Ordering::Relaxed);
-        self.progress[p].store(step as u32 + 1, Ordering::Release);
-        self.landed.fetch_add(1, Ordering::AcqRel);
-        self.advanced.notify_waiters();
+        self.pieces.finish(step, p);
         Ok(())
     }
 }
@@ -377,10 +314,7 @@ pub async fn ring_all_gather(
     )
     .await;
     outcome?;
-    Ok(ReduceStats {
-        tx_bytes: shared.tx.load(Ordering::Relaxed),
-        rx_bytes: shared.rx.load(Ordering::Relaxed),
-    })
+    Ok(shared.pieces.stats())
 }
 
 async fn send_lane(
@@ -396,7 +330,8 @@ async fn send_lane(
         for p in (lane..plan.pieces).step_by(lanes) {
             if step > 0 {
                 // Forward piece p once it arrived at the previous step.
-                wait_progress(links, &sh.advanced, &sh.progress[p], step, cancel).await?;
+                let pieces = &sh.pieces;
+                wait_progress(links, &pieces.advanced, &pieces.progress[p], step, cancel).await?;
             }
             let data = sh.mem.slice(plan.piece_range(chunk, p));
             let header = PieceHeader {
@@ -404,12 +339,13 @@ async fn send_lane(
                 step: step as u32,
                 piece: p as u32,
                 len: data.len() as u32,
-                digest: sh.digest,
+                digest: sh.pieces.digest,
             };
             links
                 .send_piece_or_abort(lane, header, data, cancel)
                 .await?;
-            sh.tx
+            sh.pieces
+                .tx
                 .fetch_add((HEADER_LEN + data.len()) as u64, Ordering::Relaxed);
         }
     }

@@ -12,6 +12,7 @@ pub mod gather;
 mod gather_tests;
 pub mod links;
 pub mod mesh;
+mod pieces;
 pub mod star;
 #[cfg(test)]
 mod tests;
