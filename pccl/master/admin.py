@@ -54,6 +54,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from pccl.errors import InvalidArgumentError, InvalidUsageError, PCCLError
+from pccl.protocol.transport import accept
 
 log = logging.getLogger(__name__)
 
@@ -427,10 +428,9 @@ class AdminServer:
 
     async def _accept_loop(self) -> None:
         assert self._sock is not None
-        loop = asyncio.get_running_loop()
         while True:
             try:
-                conn, _ = await loop.sock_accept(self._sock)
+                conn = await accept(self._sock)
             except OSError as e:
                 log.warning("admin socket: accepting a connection failed: %s", e)
                 await asyncio.sleep(0.1)  # a back-off, not a synchronisation

@@ -48,7 +48,12 @@ from pccl.protocol.auth import (
     split_host_port,
 )
 from pccl.protocol.codec import PRE_HELLO_MAX_FRAME, FrameCache
-from pccl.protocol.transport import REACH_PROLOGUE, ConnectionClosed, FramedConnection
+from pccl.protocol.transport import (
+    REACH_PROLOGUE,
+    ConnectionClosed,
+    FramedConnection,
+    accept,
+)
 
 if TYPE_CHECKING:
     from pccl.master.status_server import StatusServer
@@ -555,13 +560,12 @@ class MasterNode:
     async def _accept_loop(self, listener: socket.socket) -> None:
         """Accepts while under ``max_connections``; each connection is handled in a task
         of its own that gives its slot back when it ends."""
-        loop = asyncio.get_running_loop()
         while True:
             while self._open >= (self.max_connections or 1):
                 self._slot_free.clear()
                 await self._slot_free.wait()
             try:
-                sock, _ = await loop.sock_accept(listener)
+                sock = await accept(listener)
             except OSError as e:
                 # (EMFILE and the like: the process is out of descriptors; wait a little
                 # for some to close instead of spinning)

@@ -40,6 +40,38 @@ _STATUS_OK = b"\x00"
 _STATUS_TRANSPORT_MISMATCH = bytes([_core.STATUS_TRANSPORT_MISMATCH])
 
 
+async def accept(listener: socket.socket) -> socket.socket:
+    """The next connection on ``listener`` (made non-blocking), as ``loop.sock_accept``
+    gives it, but safe to cancel. The connection is accepted here, in the awaiting
+    coroutine, never in the loop's reader callback: a cancel that races a connection
+    becoming ready leaves it in the backlog for the next call. (CPython 3.11's
+    ``sock_accept`` accepts in the callback, and when the wait was cancelled in the same
+    turn of the loop it drops the accepted socket unclosed.) ``OSError`` from
+    ``accept()`` (out of descriptors, ...) goes to the caller."""
+    loop = asyncio.get_running_loop()
+    listener.setblocking(False)
+    fd = listener.fileno()
+    while True:
+        try:
+            conn, _ = listener.accept()
+        except (BlockingIOError, InterruptedError):
+            pass
+        else:
+            conn.setblocking(False)
+            return conn
+        ready: asyncio.Future[None] = loop.create_future()
+        loop.add_reader(fd, _wake, ready)
+        try:
+            await ready
+        finally:
+            loop.remove_reader(fd)
+
+
+def _wake(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)
+
+
 def _closed(e: Exception, when: str = "") -> str:
     """What a failed read means, in words: asyncio says "0 bytes read on a total of 4
     expected bytes" for a clean close."""
