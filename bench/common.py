@@ -242,6 +242,21 @@ def machine_info() -> dict[str, Any]:
     }
 
 
+def with_transport(clear: bool, fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)`` with pccl peers spawned meanwhile on the clear (``insecure=True``)
+    or the encrypted transport: ``PCCL_BENCH_INSECURE``, which bench/allreduce.py's
+    peers read and spawned children inherit."""
+    old = os.environ.get("PCCL_BENCH_INSECURE")
+    os.environ["PCCL_BENCH_INSECURE"] = "1" if clear else "0"
+    try:
+        return fn(*args)
+    finally:
+        if old is None:
+            del os.environ["PCCL_BENCH_INSECURE"]
+        else:
+            os.environ["PCCL_BENCH_INSECURE"] = old
+
+
 def write_results(out: dict[str, Any], path: str) -> None:
     """Writes a run's results as indented JSON at ``path`` (its folder made if need be),
     through a temporary file so an interrupted run never leaves half a file."""

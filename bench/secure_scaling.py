@@ -37,7 +37,7 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from allreduce import bench_secure_loopback, pccl_rows, run_pccl
-from common import MB, MIB, machine_info, median, phase, write_results
+from common import MB, MIB, machine_info, median, phase, with_transport, write_results
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -67,16 +67,7 @@ def aead_rates(mib: int, rounds: int) -> dict[str, Any]:
 def run_one(k: int, lanes: int, nbytes: int, iters: int, warmup: int,
             insecure: bool) -> dict[str, Any]:
     """One pccl run (clear or encrypted): its row as bench/allreduce.py writes it."""
-    # The spawned peers read PCCL_BENCH_INSECURE (bench/allreduce.py's _insecure()).
-    before = os.environ.get("PCCL_BENCH_INSECURE")
-    os.environ["PCCL_BENCH_INSECURE"] = "1" if insecure else "0"
-    try:
-        res = run_pccl(k, lanes, [nbytes], iters, warmup, 10 * MB)
-    finally:
-        if before is None:
-            os.environ.pop("PCCL_BENCH_INSECURE", None)
-        else:
-            os.environ["PCCL_BENCH_INSECURE"] = before
+    res = with_transport(insecure, run_pccl, k, lanes, [nbytes], iters, warmup, 10 * MB)
     return pccl_rows(k, lanes, [nbytes], res)[0]
 
 

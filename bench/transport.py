@@ -26,19 +26,7 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from allreduce import bench_loopback, pccl_rows, run_emulated, run_gloo, run_pccl
-from common import MB, MIB, fmt_size, machine_info, phase
-
-
-def _with_transport(clear: bool, fn: Any, *args: Any) -> Any:
-    old = os.environ.get("PCCL_BENCH_INSECURE")
-    os.environ["PCCL_BENCH_INSECURE"] = "1" if clear else "0"
-    try:
-        return fn(*args)
-    finally:
-        if old is None:
-            del os.environ["PCCL_BENCH_INSECURE"]
-        else:
-            os.environ["PCCL_BENCH_INSECURE"] = old
+from common import MB, MIB, fmt_size, machine_info, phase, with_transport
 
 
 def main() -> None:
@@ -64,7 +52,7 @@ def main() -> None:
             out["loopback"][k] = bench_loopback(k, args.tcp_mib * MIB, 3)
         for clear in (False, True):
             with phase(out["errors"], f"pccl k={k} clear={clear}"):
-                res = _with_transport(clear, run_pccl, k, args.pool, sizes, args.iters, 1,
+                res = with_transport(clear, run_pccl, k, args.pool, sizes, args.iters, 1,
                                       floor)
                 for row in pccl_rows(k, args.pool, sizes, res):
                     out["pccl"].append({**row, "clear": clear})
@@ -74,7 +62,7 @@ def main() -> None:
     emu = int(args.emu_size_mib * MIB) // 4 * 4
     for clear in (False, True):
         with phase(out["errors"], f"emulator clear={clear}"):
-            r = _with_transport(clear, run_emulated, args.emu_pool, emu, 3, 1,
+            r = with_transport(clear, run_emulated, args.emu_pool, emu, 3, 1,
                                 args.emu_latency_ms / 1e3, args.emu_bandwidth, 256 * 1024)
             out["emulator"].append({**r, "clear": clear})
 
