@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import socket
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -133,19 +135,33 @@ async def test_the_recovered_group_admits_a_fresh_joiner(pccl_cluster) -> None:
     assert all(np.array_equal(v, np.full(10, 3, dtype=np.int32)) for v in xs)
 
 
+@contextlib.contextmanager
+def held_port(address: str) -> Iterator[None]:
+    """Keeps the port of ``address`` bound, not listening: dials there are refused, and
+    no other test's server (the suite runs in parallel) takes the port meanwhile and
+    answers a peer that is still dialing the stopped master."""
+    host, port = address.rsplit(":", 1)
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind((host, int(port)))
+        yield
+
+
 async def test_peers_give_up_after_reconnect_timeout(pccl_cluster) -> None:
     cluster = await pccl_cluster(2, master_kwargs=FAST_MASTER,
                                  comm_kwargs={"reconnect_timeout": 0.5})
     a, _ = cluster.comms
+    address = cluster.master.address
     await cluster.master.stop()
-    async with asyncio.timeout(10):
-        while True:  # bounded by the timeout; a call may fail before the peer notices
-            with pytest.raises(pccl.MasterConnectionError) as err:
-                await a.are_peers_pending()
-            if "again within 0.5s" in str(err.value):
-                break
-    with pytest.raises(pccl.MasterConnectionError):
-        a.all_reduce_async(np.ones(4, np.float32))
+    with held_port(address):
+        async with asyncio.timeout(10):
+            while True:  # bounded by the timeout; a call may fail before the peer notices
+                with pytest.raises(pccl.MasterConnectionError) as err:
+                    await a.are_peers_pending()
+                if "again within 0.5s" in str(err.value):
+                    break
+        with pytest.raises(pccl.MasterConnectionError):
+            a.all_reduce_async(np.ones(4, np.float32))
 
 
 async def test_close_while_reconnecting_is_clean(pccl_cluster) -> None:
