@@ -729,20 +729,13 @@ pub async fn ring_all_reduce(
     armed: Arc<Armed>,
 ) -> CoreResult<ReduceStats> {
     let shared = Arc::new(Shared::prepare(spec, mem, links.max_piece(), links.prev)?);
-    let total = (shared.plan.pieces * shared.plan.steps) as u64;
-    let lanes = shared.clone();
     let outcome = drive(
         &links,
         shared.clone(),
-        shared.spec.op_id,
-        total,
         &cancel,
         &armed,
         shared.mem.writes_caller_memory(),
-        move |lane, links, cancel| {
-            let sh = lanes.clone();
-            async move { send_lane(&links, &sh, lane, &cancel).await }
-        },
+        |lane, links, sh, cancel| async move { send_lane(&links, &sh, lane, &cancel).await },
     )
     .await;
     if shared.mem.is_in_place() {
@@ -773,17 +766,14 @@ impl DrivenOp for Shared {
 }
 
 /// Runs one op on `links`: registers its receiving side, starts a sender task per lane
-/// (`lane_task(lane, links, cancel)`), and waits until every sender finished and every
-/// one of the `total` pieces landed (see [`wait_until_done`]). A failure cancels the
+/// (`lane_task(lane, links, op, cancel)`), and waits until every sender finished and
+/// every piece the op expects landed (see [`wait_until_done`]). A failure cancels the
 /// senders and, when the pieces land in the caller's memory, waits until no reader
 /// writes it any more ([`settle_landings`]). The op is finished on the links either way;
 /// dropped half-way, it poisons them (a lane may have left half a frame).
-#[allow(clippy::too_many_arguments)]
 pub(crate) async fn drive<S, F, Fut>(
     links: &Arc<RingLinks>,
     shared: Arc<S>,
-    op_id: u64,
-    total: u64,
     cancel: &CancellationToken,
     armed: &Armed,
     writes_caller_memory: bool,
@@ -791,9 +781,10 @@ pub(crate) async fn drive<S, F, Fut>(
 ) -> CoreResult<()>
 where
     S: DrivenOp,
-    F: Fn(usize, Arc<RingLinks>, CancellationToken) -> Fut,
+    F: Fn(usize, Arc<RingLinks>, Arc<S>, CancellationToken) -> Fut,
     Fut: std::future::Future<Output = CoreResult<()>> + Send + 'static,
 {
+    let (op_id, total) = (shared.pieces().op_id(), shared.pieces().total());
     let mut guard = AbortGuard {
         links: links.clone(),
         cancel: cancel.clone(),
@@ -803,7 +794,12 @@ where
     links.register(op_id, shared.clone())?;
     let mut senders = tokio::task::JoinSet::new();
     for lane in 0..links.send_lanes() {
-        senders.spawn(lane_task(lane, links.clone(), cancel.clone()));
+        senders.spawn(lane_task(
+            lane,
+            links.clone(),
+            shared.clone(),
+            cancel.clone(),
+        ));
     }
     let pieces = shared.pieces();
     let outcome = wait_until_done(links, pieces, &mut senders, total, cancel, armed).await;

@@ -296,21 +296,14 @@ pub async fn ring_all_gather(
     armed: Arc<Armed>,
 ) -> CoreResult<ReduceStats> {
     let shared = Arc::new(Shared::prepare(spec, mem, links.max_piece(), links.prev)?);
-    let total = (shared.plan.pieces * shared.plan.steps()) as u64;
-    let lanes = shared.clone();
     // The pieces land in the caller's memory: nothing may write it after we return.
     let outcome = drive(
         &links,
         shared.clone(),
-        shared.spec.op_id,
-        total,
         &cancel,
         &armed,
         true,
-        move |lane, links, cancel| {
-            let sh = lanes.clone();
-            async move { send_lane(&links, &sh, lane, &cancel).await }
-        },
+        |lane, links, sh, cancel| async move { send_lane(&links, &sh, lane, &cancel).await },
     )
     .await;
     outcome?;

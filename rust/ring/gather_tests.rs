@@ -281,7 +281,8 @@ fn a_lying_previous_peer_cannot_land_a_byte_outside_the_slot_it_owes() {
     protocol(rx.landing(1, 0, 40, digest)); // step 1 before step 0
     protocol(rx.landing(0, 0, 41, digest)); // longer than the piece
     protocol(rx.landing(0, 2, 40, digest)); // the short last piece, claimed long
-                                            // A piece as owed lands exactly in its place of slot 2, once.
+
+    // A piece as owed lands exactly in its place of slot 2, once.
     match rx.landing(0, 1, 40, digest).unwrap() {
         Dest::Direct(ptr, n) => {
             assert_eq!((ptr as usize - out.ptr() as usize, n), (240, 40));
@@ -292,6 +293,7 @@ fn a_lying_previous_peer_cannot_land_a_byte_outside_the_slot_it_owes() {
     assert!(rx.land_part(0, 1, 0, &[0u8; 8]).is_err()); // no streamed parts
     rx.landed(0, 1).unwrap();
     protocol(rx.landing(0, 1, 40, digest)); // landed already: out of order now
-                                            // This peer's own slot was never offered to the sender.
+
+    // This peer's own slot was never offered to the sender.
     assert!(out.bytes()[..100].iter().all(|&b| b == 7));
 }

@@ -78,6 +78,16 @@ impl PieceTracker {
         self.progress.len()
     }
 
+    /// The op's id (on the wire, in errors).
+    pub(crate) fn op_id(&self) -> u64 {
+        self.op_id
+    }
+
+    /// Pieces the op receives in all: `steps x pieces`.
+    pub(crate) fn total(&self) -> u64 {
+        (self.steps * self.pieces()) as u64
+    }
+
     /// A piece header's digest, and that piece `(step, p)` lies inside the op and is
     /// the next step of its slot. Another digest is the op's own failure (recorded, and
     /// the waiters woken).
