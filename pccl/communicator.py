@@ -545,9 +545,7 @@ class Communicator(Driver):
             op = ReduceOp(op)
         except ValueError:
             raise _core.InvalidArgumentError(f"unknown reduce op {op!r}") from None
-        tag = staging.check_user_tag(tag)
-        if tag in self._staged_tags:
-            raise InvalidUsageError(f"tag {tag} is already in flight on this peer")
+        tag = self._user_tag(tag)
         q = quantization or QuantizationOptions()
         device = staging.device_of(tensor)
         if device is not None or (out is not None and staging.device_of(out) is not None):
@@ -560,6 +558,14 @@ class Communicator(Driver):
         if q.algorithm != QuantizationAlgorithm.NONE:
             check_quantization(q, src, op)
         return self._launch_all_reduce(src, dst, op, tag, q, wire)
+
+    def _user_tag(self, tag: Any) -> int:
+        """``tag`` if a caller may start a collective under it now: a user tag
+        (:func:`pccl.staging.check_user_tag`) no staged call of this peer holds."""
+        checked = staging.check_user_tag(tag)
+        if checked in self._staged_tags:
+            raise InvalidUsageError(f"tag {checked} is already in flight on this peer")
+        return checked
 
     def _launch_all_reduce(self, src: RawTensor, dst: RawTensor, op: ReduceOp, tag: int,
                            q: QuantizationOptions, wire: float) -> asyncio.Task[ReduceInfo]:
@@ -669,9 +675,7 @@ class Communicator(Driver):
         wire = self._wire_timeout(timeout)
         self._require_accepted()
         src = as_raw(tensor, writable=False, what="tensor")
-        tag = staging.check_user_tag(tag)
-        if tag in self._staged_tags:
-            raise InvalidUsageError(f"tag {tag} is already in flight on this peer")
+        tag = self._user_tag(tag)
         if self._master_protocol < GATHER_PROTOCOL:
             raise InvalidUsageError(
                 f"all_gather needs a master of protocol {GATHER_PROTOCOL} or newer; this "

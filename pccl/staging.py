@@ -56,7 +56,7 @@ from pccl.errors import (
     PeerConnectionError,
 )
 from pccl.peer.options import ReduceInfo
-from pccl.tensors import _TORCH_DTYPES, ELEMENT_SIZE, _is_torch, byte_buffer
+from pccl.tensors import ELEMENT_SIZE, _is_torch, byte_buffer, torch_dtype
 from pccl.tensors import content_hash as _host_content_hash
 
 __all__ = ["DEPTH", "PIECE_BYTES", "STAGED_TAG_BASE", "Device", "DeviceTensor", "HostBuffer",
@@ -174,13 +174,6 @@ class Device(Protocol):
         ...
 
 
-def _torch_dtype_of(t: Any, what: str) -> DataType:
-    dtype = _TORCH_DTYPES.get(str(t.dtype).removeprefix("torch."))
-    if dtype is None:
-        raise InvalidArgumentError(f"{what} has unsupported dtype {t.dtype}")
-    return dtype
-
-
 class TorchCuda:
     """One CUDA device through torch: a side stream per copy direction, torch events,
     pinned host buffers from torch's caching host allocator. One per call."""
@@ -197,7 +190,7 @@ class TorchCuda:
     def tensor(self, obj: Any, what: str) -> DeviceTensor:
         if not obj.is_contiguous():
             raise InvalidArgumentError(f"{what} is not contiguous; call .contiguous() first")
-        dtype = _torch_dtype_of(obj, what)
+        dtype = torch_dtype(obj, what)
         flat = obj.detach().reshape(-1)
         data = flat.view(self._torch.uint8)
         return DeviceTensor(data=data, dtype=dtype, count=int(flat.numel()),
@@ -292,8 +285,8 @@ class _StagedRun:
         if depth < 1:
             raise InvalidArgumentError(f"depth must be at least 1, got {depth}")
         self.device, self.src, self.out, self.reduce, self.depth = device, src, out, reduce, depth
-        self.pieces = _geometry(src.nbytes, ELEMENT_SIZE[src.dtype], piece_bytes)
         self.element = ELEMENT_SIZE[src.dtype]
+        self.pieces = _geometry(src.nbytes, self.element, piece_bytes)
         self.n_slots = min(depth + 1, len(self.pieces))
         self.slots: list[HostBuffer] = []
         self.target: Any = None  # where finished pieces land: out, or a scratch

@@ -78,15 +78,21 @@ def _torch_bytes(flat: Any) -> Any:
     return memoryview(buf).cast("B")
 
 
+def torch_dtype(t: Any, what: str) -> DataType:
+    """pccl's dtype of the torch tensor ``t`` (on any device), or InvalidArgumentError."""
+    dtype = _TORCH_DTYPES.get(str(t.dtype).removeprefix("torch."))
+    if dtype is None:
+        raise InvalidArgumentError(f"{what} has unsupported dtype {t.dtype}")
+    return dtype
+
+
 def _from_torch(t: Any, what: str) -> tuple[Any, DataType]:
     if t.device.type != "cpu":
         # (all_reduce stages CUDA tensors before it gets here: pccl.staging)
         raise InvalidArgumentError(f"{what} is on {t.device}; this call takes CPU tensors")
     if not t.is_contiguous():
         raise InvalidArgumentError(f"{what} is not contiguous; call .contiguous() first")
-    dtype = _TORCH_DTYPES.get(str(t.dtype).removeprefix("torch."))
-    if dtype is None:
-        raise InvalidArgumentError(f"{what} has unsupported dtype {t.dtype}")
+    dtype = torch_dtype(t, what)
     return _torch_bytes(t.detach().reshape(-1)), dtype
 
 
