@@ -55,6 +55,7 @@ from common import (
     get_one,
     iter_wall_times,
     machine_info,
+    master_proc,
     median,
     phase,
     report_failure,
@@ -220,29 +221,12 @@ def _mesh_max_bytes() -> int:
     return int(os.environ.get("PCCL_BENCH_MESH_MAX_BYTES", "-1"))
 
 
-def _master_proc(addr_q: Any, stop: Any, life_s: float) -> None:
-    import pccl
-
-    async def main() -> None:
-        # A long heartbeat timeout: on a small, busy machine a peer's event loop can be
-        # late to answer a ping without being dead.
-        master = pccl.MasterNode(listen="127.0.0.1:0", heartbeat_interval=1.0,
-                                 heartbeat_timeout=30.0, insecure=_insecure(),
-                                 mesh_max_bytes=_mesh_max_bytes())
-        await master.start()
-        try:
-            addr_q.put({"done": True, "address": master.address})
-            end = time.monotonic() + life_s
-            while not stop.is_set() and time.monotonic() < end:
-                await asyncio.sleep(0.05)
-        finally:
-            await asyncio.wait_for(master.stop(), 10.0)
-
-    try:
-        asyncio.run(main())
-    except BaseException:
-        report_failure(addr_q, "master")
-        sys.exit(1)
+def _master_options() -> dict[str, Any]:
+    """The bench's master: a long heartbeat timeout (on a small, busy machine a peer's
+    event loop can be late to answer a ping without being dead), the transport and the
+    mesh limit the environment asks for."""
+    return {"heartbeat_interval": 1.0, "heartbeat_timeout": 30.0, "insecure": _insecure(),
+            "mesh_max_bytes": _mesh_max_bytes()}
 
 
 async def _until(pred: Any, poll: float = 0.005) -> None:
@@ -364,7 +348,8 @@ def run_pccl(k: int, pool: int, sizes: list[int], iters: int, warmup: int,
     total = SETUP_TIMEOUT + sum((warmup + iters + 1) * op_timeout(n, floor_rate) for n in sizes)
     with Children() as kids:
         try:
-            kids.start(_master_proc, (addr_q, stop, total + 60.0), "pccl-master")
+            kids.start(master_proc, (addr_q, stop, total + 60.0, _master_options()),
+                       "pccl-master")
             master = get_one(addr_q, kids, SETUP_TIMEOUT, "pccl master")["address"]
             for r in range(k):
                 adv = advertise[r] if advertise else None

@@ -242,6 +242,32 @@ def machine_info() -> dict[str, Any]:
     }
 
 
+def master_proc(q: Any, stop: Any, life_s: float, options: dict[str, Any]) -> None:
+    """A child process's body: a pccl master on a free loopback port, made with
+    ``MasterNode(**options)``; puts ``{"address": ...}`` on ``q``, then serves until
+    ``stop`` is set or ``life_s`` seconds passed."""
+    import asyncio
+
+    import pccl
+
+    async def main() -> None:
+        master = pccl.MasterNode(listen="127.0.0.1:0", **options)
+        await master.start()
+        try:
+            q.put({"done": True, "address": master.address})
+            end = time.monotonic() + life_s
+            while not stop.is_set() and time.monotonic() < end:
+                await asyncio.sleep(0.05)
+        finally:
+            await asyncio.wait_for(master.stop(), 10.0)
+
+    try:
+        asyncio.run(main())
+    except BaseException:
+        report_failure(q, "master")
+        sys.exit(1)
+
+
 def with_transport(clear: bool, fn: Callable[..., Any], *args: Any) -> Any:
     """``fn(*args)`` with pccl peers spawned meanwhile on the clear (``insecure=True``)
     or the encrypted transport: ``PCCL_BENCH_INSECURE``, which bench/allreduce.py's

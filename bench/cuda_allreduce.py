@@ -33,31 +33,20 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from common import CTX, MIB, Children, collect, get_one, machine_info, report_failure, write_results
+from common import (
+    CTX,
+    MIB,
+    Children,
+    collect,
+    get_one,
+    machine_info,
+    master_proc,
+    report_failure,
+    write_results,
+)
 
 SETUP_TIMEOUT = 120.0
 MODES = ("host", "cuda", "manual")
-
-
-def _master_proc(q: Any, stop: Any) -> None:
-    import pccl
-
-    async def main() -> None:
-        master = pccl.MasterNode(listen="127.0.0.1:0", heartbeat_interval=1.0,
-                                 heartbeat_timeout=10.0, insecure=True)
-        await master.start()
-        try:
-            q.put({"done": True, "address": master.address})
-            while not stop.is_set():
-                await asyncio.sleep(0.05)
-        finally:
-            await asyncio.wait_for(master.stop(), 10.0)
-
-    try:
-        asyncio.run(main())
-    except BaseException:
-        report_failure(q, "master")
-        sys.exit(1)
 
 
 async def _join(comm: Any, rank: int, admitted: Any) -> None:
@@ -184,7 +173,8 @@ def run(sizes: list[int], iters: int, warmup: int, kill: bool, budget: float) ->
     kill phase, where peer 1 dies and only peer 0 reports."""
     q, stop = CTX.Queue(), CTX.Event()
     with Children(grace=20.0) as kids:
-        kids.start(_master_proc, (q, stop), "master")
+        kids.start(master_proc, (q, stop, float("inf"), {
+            "heartbeat_interval": 1.0, "heartbeat_timeout": 10.0, "insecure": True}), "master")
         master = get_one(q, kids, SETUP_TIMEOUT, "master")["address"]
         admitted, barrier = CTX.Value("i", 0), CTX.Barrier(2)
         for rank in range(2):
